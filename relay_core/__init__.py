@@ -1,0 +1,48 @@
+"""Relay: a persistent background-job queue that needs nothing but PostgreSQL.
+
+Relay delivers every job at least once. Handlers must be idempotent.
+"""
+
+from __future__ import annotations
+
+from .admin import JobDetail
+from .backoff import Backoff
+from .client import Relay
+from .errors import (
+    ConfigurationError,
+    HandlerNotFound,
+    IllegalTransition,
+    InvalidJobError,
+    JobNotFound,
+    JobTimeout,
+    LeaseLost,
+    MigrationError,
+    PermanentFailure,
+    RelayError,
+    Snooze,
+)
+from .job import Job
+from .states import TRANSITIONS, JobStatus
+from .worker import Worker, WorkerConfig
+
+__all__ = [
+    "TRANSITIONS",
+    "Backoff",
+    "ConfigurationError",
+    "HandlerNotFound",
+    "IllegalTransition",
+    "InvalidJobError",
+    "Job",
+    "JobDetail",
+    "JobNotFound",
+    "JobStatus",
+    "JobTimeout",
+    "LeaseLost",
+    "MigrationError",
+    "PermanentFailure",
+    "Relay",
+    "RelayError",
+    "Snooze",
+    "Worker",
+    "WorkerConfig",
+]

@@ -1,0 +1,71 @@
+"""Reads and admin actions on single jobs, guarded by the state machine.
+
+Requeue and cancel are each one guarded UPDATE; when it changes no row the
+job's current state is read to say why (missing, or in the wrong state).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+import psycopg
+from psycopg.rows import dict_row
+
+from .errors import IllegalTransition, JobNotFound
+from .queries import sql
+
+
+@dataclass(frozen=True)
+class JobDetail:
+    """Everything Relay knows about one job."""
+
+    id: int
+    type: str
+    queue: str
+    priority: int
+    payload: Any
+    status: str
+    attempts: int
+    max_attempts: int
+    run_at: datetime
+    lease_token: int
+    claimed_by: str | None
+    claimed_until: datetime | None
+    idempotency_key: str | None
+    last_error: str | None
+    errors: list[dict[str, Any]]
+    created_at: datetime
+    started_at: datetime | None
+    finished_at: datetime | None
+
+
+def get_job(conn: psycopg.Connection, job_id: int) -> JobDetail:
+    """Load one job; raise :class:`JobNotFound` if there is none."""
+    with conn.cursor(row_factory=dict_row) as cur:
+        row = cur.execute(sql("job_get"), {"id": job_id}).fetchone()
+    if row is None:
+        raise JobNotFound(job_id)
+    return JobDetail(**row)
+
+
+def _act(
+    conn: psycopg.Connection, job_id: int, statement: str, action: str, allowed_from: tuple[str, ...]
+) -> JobDetail:
+    with conn.transaction():
+        changed = conn.execute(sql(statement), {"id": job_id}).fetchall()
+        if not changed:
+            current = get_job(conn, job_id)
+            raise IllegalTransition(job_id, current.status, action, allowed_from)
+        return get_job(conn, job_id)
+
+
+def requeue(conn: psycopg.Connection, job_id: int) -> JobDetail:
+    """dead or cancelled -> queued, runnable now, attempts reset, history kept."""
+    return _act(conn, job_id, "job_requeue", "requeue", ("dead", "cancelled"))
+
+
+def cancel(conn: psycopg.Connection, job_id: int) -> JobDetail:
+    """queued -> cancelled."""
+    return _act(conn, job_id, "job_cancel", "cancel", ("queued",))

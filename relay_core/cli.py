@@ -1,0 +1,184 @@
+"""The ``relay`` command line."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import sys
+from datetime import datetime
+
+import click
+
+from . import logs
+from .client import Relay
+from .errors import ConfigurationError, InvalidJobError, MigrationError, RelayError
+from .settings import database_url
+
+
+def load_app(spec: str) -> Relay:
+    """Import ``MODULE:ATTR`` and return the Relay object it names."""
+    module_name, _, attr = spec.partition(":")
+    if not module_name or not attr:
+        raise click.BadParameter(f"{spec!r} is not MODULE:ATTR (for example myapp.jobs:relay)", param_hint="--app")
+    if "" not in sys.path:
+        sys.path.insert(0, "")  # like `python -m`, find modules in the current directory
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise click.BadParameter(f"cannot import {module_name!r}: {exc}", param_hint="--app") from exc
+    app = getattr(module, attr, None)
+    if not isinstance(app, Relay):
+        raise click.BadParameter(f"{spec!r} is not a relay_core.Relay instance", param_hint="--app")
+    return app
+
+
+def _dsn() -> str:
+    try:
+        return database_url()
+    except ConfigurationError as exc:
+        raise click.ClickException(str(exc)) from None
+
+
+@click.group()
+@click.option(
+    "--log-level",
+    default="info",
+    show_default=True,
+    type=click.Choice(["debug", "info", "warning", "error"], case_sensitive=False),
+)
+@click.option(
+    "--log-format",
+    type=click.Choice(["text", "json"]),
+    default=None,
+    help="Log line format (default: RELAY_LOG_FORMAT or text).",
+)
+def main(log_level: str, log_format: str | None) -> None:
+    """Relay: background jobs on PostgreSQL alone."""
+    logs.configure(log_level, log_format)
+
+
+@main.command()
+def migrate() -> None:
+    """Apply pending migrations (safe to run concurrently)."""
+    try:
+        applied = Relay(_dsn()).migrate()
+    except MigrationError as exc:
+        raise click.ClickException(str(exc)) from None
+    click.echo("applied: " + ", ".join(applied) if applied else "schema is up to date")
+
+
+@main.command()
+@click.option("--app", "app_spec", required=True, help="MODULE:ATTR of your Relay object.")
+@click.option("--queues", default=None, help="Comma-separated queues to serve (default: default).")
+@click.option("--concurrency", type=click.IntRange(1, 1000), default=None, help="Jobs run at once (default 8).")
+@click.option(
+    "--lease", "lease_seconds", type=click.FloatRange(min=1), default=None, help="Lease seconds (default 30)."
+)
+@click.option(
+    "--shutdown-timeout",
+    type=click.FloatRange(min=0),
+    default=None,
+    help="Seconds in-flight jobs get to finish on SIGTERM before they are handed back (default 25).",
+)
+@click.option("--no-listen", is_flag=True, help="Poll only (for PgBouncer in transaction pooling).")
+def worker(
+    app_spec: str,
+    queues: str | None,
+    concurrency: int | None,
+    lease_seconds: float | None,
+    shutdown_timeout: float | None,
+    no_listen: bool,
+) -> None:
+    """Run a worker until SIGTERM/SIGINT, then shut down gracefully."""
+    app = load_app(app_spec)
+    settings: dict[str, object] = {
+        "concurrency": concurrency,
+        "lease_seconds": lease_seconds,
+        "shutdown_timeout": shutdown_timeout,
+    }
+    if lease_seconds is not None:
+        settings["heartbeat_interval"] = lease_seconds / 3
+    if queues:
+        settings["queues"] = tuple(q.strip() for q in queues.split(",") if q.strip())
+    if no_listen:
+        settings["listen"] = False
+    try:
+        app.run_worker(**settings)
+    except ConfigurationError as exc:
+        raise click.ClickException(str(exc)) from None
+
+
+@main.command()
+@click.argument("job_type")
+@click.argument("payload", default="{}")
+@click.option("--run-at", default=None, help="ISO 8601 time with a UTC offset, e.g. 2030-01-01T09:00:00+00:00.")
+@click.option("--queue", default="default", show_default=True)
+@click.option("--priority", type=int, default=0, show_default=True, help="Lower runs first.")
+@click.option("--max-attempts", type=int, default=None)
+@click.option("--idempotency-key", default=None)
+def enqueue(
+    job_type: str,
+    payload: str,
+    run_at: str | None,
+    queue: str,
+    priority: int,
+    max_attempts: int | None,
+    idempotency_key: str | None,
+) -> None:
+    """Enqueue one job; PAYLOAD is JSON. Prints the job id."""
+    try:
+        data = json.loads(payload)
+    except json.JSONDecodeError as exc:
+        raise click.BadParameter(f"not valid JSON: {exc}", param_hint="PAYLOAD") from None
+    when = None
+    if run_at is not None:
+        try:
+            when = datetime.fromisoformat(run_at)
+        except ValueError:
+            raise click.BadParameter(f"{run_at!r} is not an ISO 8601 time", param_hint="--run-at") from None
+    relay = Relay(_dsn())
+    try:
+        job_id = relay.enqueue(
+            job_type,
+            data,
+            run_at=when,
+            queue=queue,
+            priority=priority,
+            max_attempts=max_attempts,
+            idempotency_key=idempotency_key,
+        )
+    except InvalidJobError as exc:
+        raise click.ClickException(f"refused: {exc}") from None
+    finally:
+        relay.close()
+    click.echo(job_id)
+
+
+@main.command()
+@click.option("--workers", type=click.IntRange(1, 64), default=3, show_default=True)
+@click.option("--jobs", type=click.IntRange(1, 10_000_000), default=5000, show_default=True)
+@click.option("--concurrency", type=click.IntRange(1, 256), default=4, show_default=True)
+def prove(workers: int, jobs: int, concurrency: int) -> None:
+    """Drain JOBS jobs with WORKERS processes and audit for duplicates and losses."""
+    from .prove import run_proof
+
+    dsn = _dsn()
+    Relay(dsn).migrate()
+    result = run_proof(dsn, workers=workers, jobs=jobs, concurrency=concurrency)
+    click.echo(result.report())
+    if not result.ok:
+        sys.exit(1)
+
+
+@main.command()
+@click.argument("job_id", type=int)
+def requeue(job_id: int) -> None:
+    """Requeue a dead or cancelled job."""
+    relay = Relay(_dsn())
+    try:
+        job = relay.requeue(job_id)
+    except RelayError as exc:
+        raise click.ClickException(str(exc)) from None
+    finally:
+        relay.close()
+    click.echo(f"job {job.id} is {job.status}")

@@ -1,0 +1,281 @@
+"""The ``Relay`` object: handler registry, enqueue, migrate and admin actions."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterable, Mapping
+from datetime import datetime
+from typing import Any
+
+import psycopg
+from psycopg_pool import ConnectionPool
+
+from . import admin
+from . import migrate as migrator
+from .backoff import Backoff
+from .connections import fetch_all
+from .errors import InvalidJobError, RelayError
+from .handlers import DEFAULT_MAX_ATTEMPTS, HandlerSpec, make_spec
+from .queries import sql
+from .settings import database_url, env_int
+from .validation import DEFAULT_MAX_PAYLOAD_BYTES, NewJob, new_job
+from .worker import Worker, WorkerConfig
+
+
+class Relay:
+    """A Relay application: where jobs are enqueued and which handlers run them.
+
+    The DSN comes from the argument, else ``RELAY_DATABASE_URL``, else
+    ``DATABASE_URL``; it is resolved when first needed, so a module can build
+    ``relay = Relay()`` at import time.
+    """
+
+    def __init__(
+        self,
+        dsn: str | None = None,
+        *,
+        max_payload_bytes: int | None = None,
+        default_max_attempts: int = DEFAULT_MAX_ATTEMPTS,
+        pool_size: int = 4,
+    ) -> None:
+        self._dsn = dsn
+        self.max_payload_bytes = max_payload_bytes or env_int("RELAY_MAX_PAYLOAD_BYTES", DEFAULT_MAX_PAYLOAD_BYTES)
+        self.default_max_attempts = default_max_attempts
+        self.handlers: dict[str, HandlerSpec] = {}
+        self._pool: ConnectionPool | None = None
+        self._pool_size = pool_size
+        self._pool_lock = threading.Lock()
+
+    # -- configuration -----------------------------------------------------
+
+    @property
+    def dsn(self) -> str:
+        """The database this Relay talks to."""
+        return database_url(self._dsn)
+
+    @property
+    def pool(self) -> ConnectionPool:
+        """A small connection pool for enqueues without ``conn`` and admin reads."""
+        with self._pool_lock:
+            if self._pool is None:
+                self._pool = ConnectionPool(
+                    self.dsn,
+                    min_size=1,
+                    max_size=self._pool_size,
+                    open=True,
+                    name="relay-client",
+                    check=ConnectionPool.check_connection,
+                )
+            return self._pool
+
+    def close(self) -> None:
+        """Close the connection pool (a new one opens if Relay is used again)."""
+        with self._pool_lock:
+            if self._pool is not None:
+                self._pool.close()
+                self._pool = None
+
+    # -- handlers ----------------------------------------------------------
+
+    def handler(
+        self,
+        job_type: str,
+        *,
+        max_attempts: int = DEFAULT_MAX_ATTEMPTS,
+        backoff: Backoff | None = None,
+        timeout: float | None = None,
+        transactional: bool | None = None,
+    ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+        """Register the decorated function as the handler of ``job_type``.
+
+        ``timeout`` (seconds) fails an attempt that runs longer. A handler
+        with a second parameter (``def h(job, conn)``) is transactional unless
+        ``transactional=False``.
+        """
+
+        def register(func: Callable[..., Any]) -> Callable[..., Any]:
+            if job_type in self.handlers:
+                raise RelayError(f"a handler for {job_type!r} is already registered")
+            self.handlers[job_type] = make_spec(
+                job_type,
+                func,
+                max_attempts=max_attempts,
+                backoff=backoff,
+                timeout=timeout,
+                transactional=transactional,
+            )
+            return func
+
+        return register
+
+    # -- enqueue -----------------------------------------------------------
+
+    def _validated(
+        self,
+        job_type: Any,
+        payload: Any,
+        queue: Any,
+        priority: Any,
+        run_at: datetime | None,
+        max_attempts: int | None,
+        idempotency_key: str | None,
+    ) -> NewJob:
+        if max_attempts is None:
+            spec = self.handlers.get(job_type) if isinstance(job_type, str) else None
+            max_attempts = spec.max_attempts if spec else self.default_max_attempts
+        return new_job(
+            job_type,
+            payload,
+            queue=queue,
+            priority=priority,
+            run_at=run_at,
+            max_attempts=max_attempts,
+            idempotency_key=idempotency_key,
+            max_payload_bytes=self.max_payload_bytes,
+        )
+
+    def enqueue(
+        self,
+        job_type: str,
+        payload: Any = None,
+        *,
+        conn: Any = None,
+        run_at: datetime | None = None,
+        priority: int = 0,
+        queue: str = "default",
+        idempotency_key: str | None = None,
+        max_attempts: int | None = None,
+    ) -> int:
+        """Add one job and return its id.
+
+        With ``conn`` (psycopg Connection, SQLAlchemy Connection or Session)
+        the insert joins the caller's transaction: rolled back, there is no
+        job. Without it, the job is committed before this returns. A second
+        enqueue with the same ``idempotency_key`` inserts nothing and returns
+        the first job's id.
+        """
+        job = self._validated(
+            job_type, {} if payload is None else payload, queue, priority, run_at, max_attempts, idempotency_key
+        )
+        if conn is not None:
+            return self._insert(conn, job)
+        with self.pool.connection() as own:
+            return self._insert(own, job)
+
+    def _insert(self, conn: Any, job: NewJob) -> int:
+        rows = fetch_all(conn, sql("job_insert"), job.params())
+        if rows:
+            return rows[0]["id"]
+        existing = fetch_all(conn, sql("job_id_by_idempotency_key"), {"idempotency_key": job.idempotency_key})
+        if not existing:  # the holder was deleted between the two statements
+            raise RelayError(f"idempotency key {job.idempotency_key!r} conflicted but its job vanished; retry")
+        return existing[0]["id"]
+
+    def enqueue_many(
+        self,
+        jobs: Iterable[Mapping[str, Any]],
+        *,
+        conn: Any = None,
+    ) -> list[int]:
+        """Add many jobs in one statement; return their ids in input order.
+
+        Each item is a mapping with ``type`` and optionally ``payload``,
+        ``queue``, ``priority``, ``run_at``, ``max_attempts`` and
+        ``idempotency_key``. Every item is validated first: one bad item
+        means nothing is written. ``conn`` works as in :meth:`enqueue`.
+        """
+        allowed = {"type", "payload", "queue", "priority", "run_at", "max_attempts", "idempotency_key"}
+        validated: list[NewJob] = []
+        for index, item in enumerate(jobs):
+            unknown = set(item) - allowed
+            if unknown:
+                raise InvalidJobError(f"jobs[{index}]", f"unknown fields {sorted(unknown)}")
+            try:
+                validated.append(
+                    self._validated(
+                        item.get("type"),
+                        item.get("payload", {}),
+                        item.get("queue", "default"),
+                        item.get("priority", 0),
+                        item.get("run_at"),
+                        item.get("max_attempts"),
+                        item.get("idempotency_key"),
+                    )
+                )
+            except InvalidJobError as exc:
+                raise InvalidJobError(f"jobs[{index}].{exc.field}", exc.message) from None
+        if not validated:
+            return []
+        if conn is not None:
+            return self._insert_many(conn, validated)
+        with self.pool.connection() as own:
+            return self._insert_many(own, validated)
+
+    def _insert_many(self, conn: Any, jobs: list[NewJob]) -> list[int]:
+        params = {
+            "types": [j.type for j in jobs],
+            "payloads": [j.payload_json for j in jobs],
+            "queues": [j.queue for j in jobs],
+            "priorities": [j.priority for j in jobs],
+            "run_ats": [j.run_at for j in jobs],
+            "max_attempts": [j.max_attempts for j in jobs],
+            "idempotency_keys": [j.idempotency_key for j in jobs],
+        }
+        row = fetch_all(conn, sql("job_insert_many"), params)[0]
+        inserted_ids: list[int] = list(row["ids"])
+        inserted_keys = {key for key in row["keys"] if key is not None}
+        conflicted = sorted(
+            {j.idempotency_key for j in jobs if j.idempotency_key and j.idempotency_key not in inserted_keys}
+        )
+        existing: dict[str, int] = {}
+        if conflicted:
+            for found in fetch_all(conn, sql("job_ids_by_idempotency_keys"), {"idempotency_keys": conflicted}):
+                existing[found["idempotency_key"]] = found["id"]
+        # Rows were inserted in input order, so fresh ids ascend with input position;
+        # a key repeated within one call resolves to the job its first use created.
+        fresh = iter(inserted_ids)
+        by_key: dict[str, int] = dict(existing)
+        result: list[int] = []
+        for job in jobs:
+            key = job.idempotency_key
+            if key is not None and key in by_key:
+                result.append(by_key[key])
+                continue
+            job_id = next(fresh)
+            if key is not None:
+                by_key[key] = job_id
+            result.append(job_id)
+        return result
+
+    # -- schema and admin --------------------------------------------------
+
+    def migrate(self) -> list[str]:
+        """Apply pending migrations; return the names of those applied."""
+        return migrator.migrate(self.dsn)
+
+    def get_job(self, job_id: int) -> admin.JobDetail:
+        """One job with its error history; raises JobNotFound."""
+        with self.pool.connection() as conn:
+            return admin.get_job(conn, job_id)
+
+    def requeue(self, job_id: int) -> admin.JobDetail:
+        """Run a dead or cancelled job again now, with fresh attempts."""
+        with self.pool.connection() as conn:
+            return admin.requeue(conn, job_id)
+
+    def cancel(self, job_id: int) -> admin.JobDetail:
+        """Make a queued job cancelled so it never runs."""
+        with self.pool.connection() as conn:
+            return admin.cancel(conn, job_id)
+
+    def worker(self, **settings: Any) -> Worker:
+        """A worker for this app's handlers; settings override RELAY_* defaults."""
+        return Worker(self.dsn, self.handlers, WorkerConfig.from_env(**settings))
+
+    def run_worker(self, **settings: Any) -> None:
+        """Run a worker in this process until SIGTERM/SIGINT."""
+        self.worker(**settings).run()
+
+    def connect(self) -> psycopg.Connection:
+        """A new psycopg connection to Relay's database (the caller closes it)."""
+        return psycopg.connect(self.dsn)

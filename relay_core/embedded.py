@@ -1,0 +1,34 @@
+"""An embedded PostgreSQL for when no DATABASE_URL is set (tests, the demo).
+
+The ``pgserver`` package ships real PostgreSQL binaries in its wheel; the data
+directory is kept, so a second start reuses it.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from .errors import ConfigurationError
+
+
+def default_data_dir() -> Path:
+    """A per-user directory for the embedded cluster's data."""
+    base = os.environ.get("XDG_DATA_HOME") or os.path.join(os.path.expanduser("~"), ".local", "share")
+    return Path(base) / "relay" / "pgdata"
+
+
+def start(data_dir: Path | None = None, *, cleanup: str = "stop") -> str:
+    """Start (or reuse) an embedded PostgreSQL and return its DSN.
+
+    ``cleanup="stop"`` stops the server when this process exits; ``"delete"``
+    also removes its data; ``None`` leaves it running.
+    """
+    try:
+        import pgserver
+    except ImportError as exc:  # pragma: no cover - pgserver is a dependency
+        raise ConfigurationError("no DATABASE_URL set and the embedded PostgreSQL (pgserver) is not installed") from exc
+    data_dir = data_dir or default_data_dir()
+    data_dir.mkdir(parents=True, exist_ok=True)
+    server = pgserver.get_server(str(data_dir), cleanup_mode=cleanup)
+    return server.get_uri()

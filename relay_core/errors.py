@@ -1,0 +1,77 @@
+"""Relay's exceptions: one tree rooted in :class:`RelayError`.
+
+Handlers raise :class:`PermanentFailure` or :class:`Snooze` to steer the
+outcome of their job; everything else a handler raises is a retryable failure.
+"""
+
+from __future__ import annotations
+
+
+class RelayError(Exception):
+    """Base of every error Relay raises."""
+
+
+class ConfigurationError(RelayError):
+    """Relay is missing a setting it needs (a DSN, a secret) or one is invalid."""
+
+
+class InvalidJobError(RelayError, ValueError):
+    """An enqueue was refused before anything was written.
+
+    ``field`` names the argument at fault so an API can report it per field.
+    """
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+        self.message = message
+
+
+class MigrationError(RelayError):
+    """The schema could not be brought up to date."""
+
+
+class JobNotFound(RelayError, LookupError):
+    """No job has this id."""
+
+    def __init__(self, job_id: int) -> None:
+        super().__init__(f"job {job_id} does not exist")
+        self.job_id = job_id
+
+
+class IllegalTransition(RelayError):
+    """The state machine does not allow this change for the job's current state."""
+
+    def __init__(self, job_id: int, current: str, action: str, allowed_from: tuple[str, ...]) -> None:
+        allowed = " or ".join(allowed_from)
+        super().__init__(f"cannot {action} job {job_id}: it is {current}, and only {allowed} jobs can be {action}d")
+        self.job_id = job_id
+        self.current = current
+        self.action = action
+        self.allowed_from = allowed_from
+
+
+class HandlerNotFound(RelayError):
+    """A worker claimed a job whose type it has no handler for."""
+
+
+class LeaseLost(RelayError):
+    """This worker no longer holds the job's lease; another run owns it now."""
+
+
+class JobTimeout(RelayError):
+    """A handler ran past its timeout; the attempt counts as failed."""
+
+
+class PermanentFailure(RelayError):
+    """Raised by a handler: this job can never succeed, make it dead now."""
+
+
+class Snooze(RelayError):
+    """Raised by a handler: run this job again after ``seconds`` without spending an attempt."""
+
+    def __init__(self, seconds: float) -> None:
+        if seconds < 0:
+            raise ValueError("snooze seconds must be >= 0")
+        super().__init__(f"snoozed for {seconds}s")
+        self.seconds = float(seconds)

@@ -1,0 +1,61 @@
+"""Structured log lines for job events (JSON when ``RELAY_LOG_FORMAT=json``)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+from typing import Any
+
+logger = logging.getLogger("relay")
+
+_RESERVED = set(vars(logging.LogRecord("", 0, "", 0, "", (), None))) | {"message", "asctime"}
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line: time, level, logger, message and every ``extra`` field."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        entry: dict[str, Any] = {
+            "time": self.formatTime(record, "%Y-%m-%dT%H:%M:%S"),
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
+        for key, value in vars(record).items():
+            if key not in _RESERVED and not key.startswith("_"):
+                entry[key] = value
+        if record.exc_info:
+            entry["exception"] = self.formatException(record.exc_info)
+        return json.dumps(entry, default=str)
+
+
+class KeyValueFormatter(logging.Formatter):
+    """Human-readable lines that still carry the structured fields as key=value."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        base = super().format(record)
+        fields = " ".join(
+            f"{key}={value}" for key, value in vars(record).items() if key not in _RESERVED and not key.startswith("_")
+        )
+        return f"{base} {fields}" if fields else base
+
+
+def configure(level: str | int = "INFO", fmt: str | None = None) -> None:
+    """Send Relay's logs to stderr, as JSON or key=value lines."""
+    fmt = fmt or os.environ.get("RELAY_LOG_FORMAT", "text")
+    handler = logging.StreamHandler(sys.stderr)
+    if fmt == "json":
+        handler.setFormatter(JsonFormatter())
+    else:
+        handler.setFormatter(KeyValueFormatter("%(asctime)s %(levelname)s %(name)s %(message)s"))
+    logger.handlers[:] = [handler]
+    logger.setLevel(level if isinstance(level, int) else level.upper())
+    logger.propagate = False
+
+
+def event(level: int, message: str, **fields: Any) -> None:
+    """Log a job event with structured fields, skipping the work when the level is off."""
+    if logger.isEnabledFor(level):
+        logger.log(level, message, extra=fields)

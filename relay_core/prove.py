@@ -1,0 +1,130 @@
+"""`relay prove`: several worker processes drain many jobs; the audit counts duplicates.
+
+Each proof job's handler inserts an execution row in its own transaction,
+apart from the job's completion, so a job claimed twice would show up as two
+rows. With no crashes the audit must find zero duplicates and every job
+succeeded.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+import psycopg
+from psycopg_pool import ConnectionPool
+
+from .client import Relay
+from .job import Job
+from .queries import sql
+
+PROOF_QUEUE = "relay_proof"
+PROOF_TYPE = "relay.proof"
+
+app = Relay()
+_pool: ConnectionPool | None = None
+
+
+@app.handler(PROOF_TYPE, max_attempts=5)
+def record_execution(job: Job) -> None:
+    """Write one executions row for this run (the side effect the audit counts)."""
+    global _pool
+    if _pool is None:
+        _pool = ConnectionPool(app.dsn, min_size=1, max_size=8, open=True, name="relay-proof")
+    with _pool.connection() as conn:
+        conn.execute(
+            sql("proof_record_execution"),
+            {"job_id": job.id, "worker": f"{os.getpid()}", "attempt": job.attempt},
+        )
+
+
+@dataclass
+class ProofResult:
+    """What the audit found."""
+
+    workers: int
+    jobs: int
+    duplicates: list[tuple[int, int]]
+    succeeded: int
+    lost: int
+    seconds: float
+
+    def report(self) -> str:
+        """The lines `relay prove` prints."""
+        lines = [
+            f"workers:          {self.workers} processes",
+            f"jobs:             {self.jobs}",
+            f"succeeded:        {self.succeeded}",
+            f"duplicates found: {len(self.duplicates)}",
+            f"jobs lost:        {self.lost}",
+            f"seconds:          {self.seconds:.1f}",
+            "audit query:      SELECT job_id, count(*) FROM relay_proof.executions GROUP BY job_id HAVING count(*) > 1",
+            f"audit rows:       {self.duplicates if self.duplicates else '(none)'}",
+        ]
+        return "\n".join(lines)
+
+    @property
+    def ok(self) -> bool:
+        """Zero duplicates and nothing lost."""
+        return not self.duplicates and self.lost == 0
+
+
+def run_proof(
+    dsn: str, *, workers: int = 3, jobs: int = 5000, concurrency: int = 4, timeout: float = 300.0
+) -> ProofResult:
+    """Enqueue ``jobs`` proof jobs, drain them with ``workers`` processes, audit."""
+    with psycopg.connect(dsn) as conn:
+        conn.execute(sql("proof_setup"))
+    relay = Relay(dsn)
+    try:
+        for start in range(0, jobs, 5000):
+            batch = [
+                {"type": PROOF_TYPE, "queue": PROOF_QUEUE, "payload": {"n": n}}
+                for n in range(start, min(jobs, start + 5000))
+            ]
+            relay.enqueue_many(batch)
+    finally:
+        relay.close()
+    env = dict(os.environ, RELAY_DATABASE_URL=dsn)
+    command = [
+        sys.executable,
+        "-m",
+        "relay_core",
+        "--log-level",
+        "warning",
+        "worker",
+        "--app",
+        "relay_core.prove:app",
+        "--queues",
+        PROOF_QUEUE,
+        "--concurrency",
+        str(concurrency),
+    ]
+    started = time.monotonic()
+    procs = [subprocess.Popen(command, env=env) for _ in range(workers)]
+    try:
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            while time.monotonic() - started < timeout:
+                finished, _succeeded, total = conn.execute(sql("proof_progress")).fetchone()
+                if finished >= total:
+                    break
+                if all(p.poll() is not None for p in procs):
+                    break
+                time.sleep(0.2)
+        elapsed = time.monotonic() - started
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.terminate()
+        for proc in procs:
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        duplicates = [(r[0], r[1]) for r in conn.execute(sql("proof_duplicates")).fetchall()]
+        _finished, succeeded, total = conn.execute(sql("proof_progress")).fetchone()
+    return ProofResult(workers, total, duplicates, succeeded, total - succeeded, elapsed)

@@ -1,0 +1,63 @@
+"""Loads ``sql/queries.sql`` once into named statements.
+
+All of Relay's SQL lives in that one file so a reader finds the claim query in
+one step; this module only parses it.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from importlib import resources
+
+_NAME = re.compile(r"^-- name: (\w+)\s*$")
+_TRANSITION = re.compile(r"^-- transition: (\S+) -> (.+)$")
+
+
+@dataclass(frozen=True)
+class Query:
+    """One named statement, with the status transitions it declares."""
+
+    name: str
+    description: str
+    sql: str
+    transitions: tuple[tuple[str, str], ...]
+
+
+def parse(text: str) -> dict[str, Query]:
+    """Split a queries file into :class:`Query` objects by ``-- name:`` header."""
+    queries: dict[str, Query] = {}
+    blocks: list[tuple[str, list[str]]] = []
+    for line in text.splitlines():
+        match = _NAME.match(line)
+        if match:
+            blocks.append((match.group(1), []))
+        elif blocks:
+            blocks[-1][1].append(line)
+    for name, lines in blocks:
+        comments = [ln for ln in lines if ln.startswith("--")]
+        body = "\n".join(ln for ln in lines if not ln.startswith("--")).strip().rstrip(";")
+        transitions: list[tuple[str, str]] = []
+        for comment in comments:
+            match = _TRANSITION.match(comment)
+            if match:
+                for target in match.group(2).split(","):
+                    transitions.append((match.group(1), target.strip()))
+        description = comments[0][2:].strip() if comments else ""
+        if name in queries:
+            raise ValueError(f"query {name} is defined twice")
+        queries[name] = Query(name, description, body, tuple(transitions))
+    return queries
+
+
+def _load() -> dict[str, Query]:
+    text = resources.files("relay_core").joinpath("sql/queries.sql").read_text(encoding="utf-8")
+    return parse(text)
+
+
+QUERIES: dict[str, Query] = _load()
+
+
+def sql(name: str) -> str:
+    """The text of the statement called ``name``."""
+    return QUERIES[name].sql

@@ -1,0 +1,239 @@
+-- Every statement Relay runs against its tables, by name.
+-- A block starts with "-- name: <entity>_<verb>" and a one-line description.
+-- Blocks that write "status" also carry "-- transition: <from> -> <to>[, <to>]"
+-- lines; tests/test_state_machine.py checks each against relay_core.states.
+-- Parameters use psycopg's %(name)s style so the SQLAlchemy adapter can run the
+-- same text through exec_driver_sql.
+
+-- name: job_insert
+-- Insert one job; on an idempotency-key conflict insert nothing and return no row.
+-- The NOTIFY is sent in the caller's transaction, so it fires only on commit.
+-- transition: (new) -> queued
+WITH inserted AS (
+    INSERT INTO relay.jobs (type, payload, queue, priority, run_at, max_attempts, idempotency_key)
+    VALUES (%(type)s, %(payload)s::jsonb, %(queue)s, %(priority)s,
+            coalesce(%(run_at)s::timestamptz, now()), %(max_attempts)s, %(idempotency_key)s)
+    ON CONFLICT (idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING
+    RETURNING id, queue, run_at <= now() AS due
+)
+SELECT id, CASE WHEN due THEN pg_notify('relay_jobs', queue) END AS notified FROM inserted;
+
+-- name: job_id_by_idempotency_key
+-- The job that already holds an idempotency key.
+SELECT id FROM relay.jobs WHERE idempotency_key = %(idempotency_key)s;
+
+-- name: job_insert_many
+-- Insert many jobs in one round trip from parallel arrays; returns the new ids
+-- in input order and the keys that already existed.
+-- transition: (new) -> queued
+WITH input AS (
+    SELECT * FROM unnest(%(types)s::text[], %(payloads)s::text[], %(queues)s::text[],
+                         %(priorities)s::smallint[], %(run_ats)s::timestamptz[],
+                         %(max_attempts)s::integer[], %(idempotency_keys)s::text[])
+        WITH ORDINALITY AS t(type, payload, queue, priority, run_at, max_attempts, idempotency_key, ord)
+), inserted AS (
+    INSERT INTO relay.jobs (type, payload, queue, priority, run_at, max_attempts, idempotency_key)
+    SELECT type, payload::jsonb, queue, priority, coalesce(run_at, now()), max_attempts, idempotency_key
+    FROM input ORDER BY ord
+    ON CONFLICT (idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING
+    RETURNING id, queue, run_at <= now() AS due, idempotency_key
+), notified AS (
+    SELECT count(pg_notify('relay_jobs', queue)) AS n
+    FROM (SELECT DISTINCT queue FROM inserted WHERE due) AS due_queues
+)
+SELECT coalesce(array_agg(id ORDER BY id), '{}') AS ids,
+       coalesce(array_agg(idempotency_key ORDER BY id), '{}') AS keys,
+       (SELECT n FROM notified) AS notified
+FROM inserted;
+
+-- name: job_ids_by_idempotency_keys
+-- Resolve many idempotency keys to the jobs that hold them.
+SELECT idempotency_key, id FROM relay.jobs WHERE idempotency_key = ANY(%(idempotency_keys)s::text[]);
+
+-- name: job_claim
+-- THE CLAIM. Take up to %(limit)s runnable jobs from the worker's queues in one
+-- statement: for each queue walk jobs_runnable_idx in (priority, run_at, id)
+-- order, skip rows another worker has locked, keep the best %(limit)s overall,
+-- and mark them claimed with a fresh lease and fencing token.
+-- transition: queued -> claimed
+WITH candidates AS (
+    SELECT c.id, c.priority, c.run_at
+    FROM unnest(%(queues)s::text[]) AS q(name)
+    CROSS JOIN LATERAL (
+        SELECT id, priority, run_at FROM relay.jobs
+        WHERE queue = q.name AND status = 'queued' AND run_at <= now()
+        ORDER BY priority, run_at, id
+        LIMIT %(limit)s
+        FOR UPDATE SKIP LOCKED
+    ) AS c
+    ORDER BY c.priority, c.run_at, c.id
+    LIMIT %(limit)s
+)
+UPDATE relay.jobs AS j
+SET status = 'claimed',
+    attempts = j.attempts + 1,
+    lease_token = j.lease_token + 1,
+    claimed_by = %(worker_id)s,
+    claimed_until = now() + make_interval(secs => %(lease_seconds)s),
+    started_at = now()
+FROM candidates
+WHERE j.id = candidates.id AND j.status = 'queued'
+RETURNING j.id, j.type, j.queue, j.priority, j.payload, j.attempts, j.max_attempts,
+          j.lease_token, j.run_at, j.created_at;
+
+-- name: job_heartbeat_many
+-- Extend the leases a worker still holds; returns the ids that are still its own.
+UPDATE relay.jobs AS j
+SET claimed_until = now() + make_interval(secs => %(lease_seconds)s)
+FROM unnest(%(ids)s::bigint[], %(tokens)s::integer[]) AS held(id, token)
+WHERE j.id = held.id AND j.lease_token = held.token AND j.status = 'claimed'
+RETURNING j.id;
+
+-- name: job_succeed_many
+-- Record successes in one statement, fenced by status and lease token; returns
+-- the ids that were still this worker's.
+-- transition: claimed -> succeeded
+UPDATE relay.jobs AS j
+SET status = 'succeeded', finished_at = now(), claimed_until = NULL
+FROM unnest(%(ids)s::bigint[], %(tokens)s::integer[]) AS done(id, token)
+WHERE j.id = done.id AND j.lease_token = done.token AND j.status = 'claimed'
+RETURNING j.id;
+
+-- name: job_fail_many
+-- Record failed attempts, fenced: each job goes back to queued after its backoff
+-- delay, or to dead, with the error appended to its history.
+-- transition: claimed -> queued, dead
+UPDATE relay.jobs AS j
+SET status = f.next_status::relay.job_status,
+    run_at = CASE WHEN f.next_status = 'queued'
+                  THEN now() + make_interval(secs => f.delay_seconds) ELSE j.run_at END,
+    finished_at = CASE WHEN f.next_status = 'dead' THEN now() END,
+    claimed_until = NULL,
+    last_error = f.message,
+    errors = j.errors || jsonb_build_array(f.error::jsonb || jsonb_build_object('at', now()))
+FROM unnest(%(ids)s::bigint[], %(tokens)s::integer[], %(next_statuses)s::text[],
+            %(delays)s::float8[], %(messages)s::text[], %(errors)s::text[])
+     AS f(id, token, next_status, delay_seconds, message, error)
+WHERE j.id = f.id AND j.lease_token = f.token AND j.status = 'claimed'
+  AND f.next_status IN ('queued', 'dead')
+RETURNING j.id, j.status::text AS status;
+
+-- name: job_snooze_many
+-- Put jobs back to run later without spending an attempt, fenced.
+-- transition: claimed -> queued
+UPDATE relay.jobs AS j
+SET status = 'queued', attempts = j.attempts - 1, claimed_until = NULL,
+    run_at = now() + make_interval(secs => s.delay_seconds)
+FROM unnest(%(ids)s::bigint[], %(tokens)s::integer[], %(delays)s::float8[]) AS s(id, token, delay_seconds)
+WHERE j.id = s.id AND j.lease_token = s.token AND j.status = 'claimed'
+RETURNING j.id;
+
+-- name: job_hand_back_many
+-- Graceful shutdown: return unfinished jobs to the queue at once, fenced, and
+-- give back the attempt the interrupted run used.
+-- transition: claimed -> queued
+UPDATE relay.jobs AS j
+SET status = 'queued', attempts = greatest(j.attempts - 1, 0), claimed_until = NULL, run_at = now()
+FROM unnest(%(ids)s::bigint[], %(tokens)s::integer[]) AS h(id, token)
+WHERE j.id = h.id AND j.lease_token = h.token AND j.status = 'claimed'
+RETURNING j.id;
+
+-- name: job_rescue_expired
+-- The sweeper, in one statement: jobs whose lease ran out (their worker died or
+-- hung) go back to queued, or to dead when their attempts are spent. The outer
+-- WHERE re-checks the lease itself, so a heartbeat or completion that won the
+-- row first is never overwritten, and several sweepers can run at once.
+-- transition: claimed -> queued, dead
+UPDATE relay.jobs AS j
+SET status = CASE WHEN j.attempts >= j.max_attempts THEN 'dead' ELSE 'queued' END::relay.job_status,
+    finished_at = CASE WHEN j.attempts >= j.max_attempts THEN now() END,
+    run_at = now(),
+    last_error = 'lease expired: worker ' || j.claimed_by || ' stopped heartbeating',
+    errors = j.errors || jsonb_build_array(jsonb_build_object(
+        'attempt', j.attempts, 'at', now(), 'worker', j.claimed_by,
+        'type', 'LeaseExpired',
+        'message', 'lease expired: worker ' || j.claimed_by || ' stopped heartbeating',
+        'traceback', NULL)),
+    claimed_until = NULL
+WHERE j.id IN (
+    SELECT id FROM relay.jobs
+    WHERE status = 'claimed' AND claimed_until < now()
+    ORDER BY claimed_until
+    LIMIT %(limit)s
+    FOR UPDATE SKIP LOCKED
+)
+  AND j.status = 'claimed' AND j.claimed_until < now()
+RETURNING j.id, j.status::text AS status;
+
+-- name: job_requeue
+-- Admin: a dead or cancelled job runs again now with fresh attempts; its error
+-- history is kept.
+-- transition: dead -> queued
+-- transition: cancelled -> queued
+WITH requeued AS (
+    UPDATE relay.jobs
+    SET status = 'queued', attempts = 0, run_at = now(), finished_at = NULL,
+        claimed_by = NULL, claimed_until = NULL
+    WHERE id = %(id)s AND status IN ('dead', 'cancelled')
+    RETURNING id, queue
+)
+SELECT id, pg_notify('relay_jobs', queue) AS notified FROM requeued;
+
+-- name: job_cancel
+-- Admin: a queued job will not run.
+-- transition: queued -> cancelled
+UPDATE relay.jobs SET status = 'cancelled', finished_at = now()
+WHERE id = %(id)s AND status = 'queued'
+RETURNING id;
+
+-- name: job_get
+-- One job with everything the admin surface shows.
+SELECT id, type, queue, priority, payload, status::text AS status, attempts, max_attempts,
+       run_at, lease_token, claimed_by, claimed_until, idempotency_key, last_error,
+       errors, created_at, started_at, finished_at
+FROM relay.jobs WHERE id = %(id)s;
+
+-- name: job_status_by_ids
+-- The status of some jobs (tests and the proof use it).
+SELECT id, status::text AS status FROM relay.jobs WHERE id = ANY(%(ids)s::bigint[]);
+
+-- name: worker_register
+-- A worker process records itself when it starts.
+INSERT INTO relay.workers (id, host, pid, queues, concurrency)
+VALUES (%(id)s, %(host)s, %(pid)s, %(queues)s::text[], %(concurrency)s)
+ON CONFLICT (id) DO UPDATE SET last_seen_at = now(), stopped_at = NULL;
+
+-- name: worker_heartbeat
+-- A worker is alive and has this many jobs in flight.
+UPDATE relay.workers SET last_seen_at = now(), in_flight = %(in_flight)s WHERE id = %(id)s;
+
+-- name: worker_stop
+-- A worker shut down gracefully.
+UPDATE relay.workers SET stopped_at = now(), in_flight = 0, last_seen_at = now() WHERE id = %(id)s;
+
+-- name: proof_setup
+-- `relay prove`: a fresh executions log and no proof jobs left from an earlier run.
+CREATE SCHEMA IF NOT EXISTS relay_proof;
+DROP TABLE IF EXISTS relay_proof.executions;
+CREATE TABLE relay_proof.executions (
+    job_id bigint NOT NULL,
+    worker text NOT NULL,
+    attempt integer NOT NULL,
+    at timestamptz NOT NULL DEFAULT now()
+);
+DELETE FROM relay.jobs WHERE queue = 'relay_proof';
+
+-- name: proof_record_execution
+-- The proof handler's side effect: one row per run, outside the job's completion.
+INSERT INTO relay_proof.executions (job_id, worker, attempt) VALUES (%(job_id)s, %(worker)s, %(attempt)s);
+
+-- name: proof_duplicates
+-- The audit: jobs that ran more than once.
+SELECT job_id, count(*) FROM relay_proof.executions GROUP BY job_id HAVING count(*) > 1;
+
+-- name: proof_progress
+-- How many proof jobs are finished and how many succeeded.
+SELECT count(*) FILTER (WHERE status IN ('succeeded', 'dead', 'cancelled')) AS finished,
+       count(*) FILTER (WHERE status = 'succeeded') AS succeeded,
+       count(*) AS total
+FROM relay.jobs WHERE queue = 'relay_proof';

@@ -1,0 +1,48 @@
+"""The job state machine of DESIGN section 3, written down once.
+
+Every SQL statement that writes ``status`` names its transition in
+``sql/queries.sql``; the tests check each one against :data:`TRANSITIONS`.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+
+class JobStatus(StrEnum):
+    """Every job is in exactly one of these states."""
+
+    QUEUED = "queued"
+    CLAIMED = "claimed"
+    SUCCEEDED = "succeeded"
+    DEAD = "dead"
+    CANCELLED = "cancelled"
+
+
+#: The pseudo-state of a job that does not exist yet (enqueue creates it).
+NEW = "(new)"
+
+#: Legal transitions: (from, to) -> what causes it.
+TRANSITIONS: dict[tuple[str, str], str] = {
+    (NEW, "queued"): "enqueue",
+    ("queued", "claimed"): "claim",
+    ("queued", "cancelled"): "cancel (admin)",
+    ("claimed", "succeeded"): "handler returned",
+    ("claimed", "queued"): "handler raised with attempts left, snoozed, handed back, or lease expired",
+    ("claimed", "dead"): "attempts exhausted or permanent failure",
+    ("dead", "queued"): "requeue (admin)",
+    ("cancelled", "queued"): "requeue (admin)",
+}
+
+#: States a job never leaves on its own.
+FINISHED = frozenset({JobStatus.SUCCEEDED.value, JobStatus.DEAD.value, JobStatus.CANCELLED.value})
+
+
+def is_legal(from_status: str, to_status: str) -> bool:
+    """Whether the state machine allows moving from one status to another."""
+    return (from_status, to_status) in TRANSITIONS
+
+
+def targets(from_status: str) -> list[str]:
+    """The states a job in ``from_status`` may move to."""
+    return sorted(to for (frm, to) in TRANSITIONS if frm == from_status)

@@ -1,0 +1,151 @@
+"""Checks every enqueue before anything is written.
+
+A refused enqueue raises :class:`InvalidJobError` naming the field, and the
+database is never touched.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from .errors import InvalidJobError
+
+QUEUE_NAME = re.compile(r"^[a-z0-9_][a-z0-9_.-]{0,62}$")
+MAX_TYPE_LENGTH = 200
+MAX_IDEMPOTENCY_KEY_LENGTH = 200
+PRIORITY_RANGE = (-32768, 32767)
+DEFAULT_MAX_PAYLOAD_BYTES = 256 * 1024
+
+
+@dataclass(frozen=True, slots=True)
+class NewJob:
+    """An enqueue that passed validation, ready for the insert statement."""
+
+    type: str
+    payload_json: str
+    queue: str
+    priority: int
+    run_at: datetime | None
+    max_attempts: int
+    idempotency_key: str | None
+
+    def params(self) -> dict[str, Any]:
+        """Parameters of the ``job_insert`` statement."""
+        return {
+            "type": self.type,
+            "payload": self.payload_json,
+            "queue": self.queue,
+            "priority": self.priority,
+            "run_at": self.run_at,
+            "max_attempts": self.max_attempts,
+            "idempotency_key": self.idempotency_key,
+        }
+
+
+def check_type(job_type: Any) -> str:
+    """A job type is a non-empty string of at most 200 characters."""
+    if not isinstance(job_type, str) or not job_type.strip():
+        raise InvalidJobError("type", "must be a non-empty string")
+    if len(job_type) > MAX_TYPE_LENGTH:
+        raise InvalidJobError("type", f"must be at most {MAX_TYPE_LENGTH} characters, got {len(job_type)}")
+    if "\x00" in job_type:
+        raise InvalidJobError("type", "must not contain NUL characters")
+    return job_type
+
+
+def check_queue(queue: Any) -> str:
+    """Queue names are lowercase letters, digits, '_', '.', '-' (1-63 chars)."""
+    if not isinstance(queue, str) or not QUEUE_NAME.match(queue):
+        raise InvalidJobError(
+            "queue",
+            f"{queue!r} is not a valid queue name (use 1-63 of a-z, 0-9, '_', '.', '-', not starting with '.' or '-')",
+        )
+    return queue
+
+
+def check_payload(payload: Any, max_bytes: int) -> str:
+    """Serialise the payload to JSON, refusing what JSON cannot carry or what is too big."""
+    try:
+        text = json.dumps(payload, allow_nan=False, separators=(",", ":"))
+    except (TypeError, ValueError) as exc:
+        raise InvalidJobError("payload", f"is not JSON-serializable: {exc}") from None
+    if "\\u0000" in text:
+        raise InvalidJobError("payload", "must not contain NUL characters (PostgreSQL jsonb cannot store them)")
+    size = len(text.encode("utf-8"))
+    if size > max_bytes:
+        raise InvalidJobError("payload", f"is {size} bytes as JSON, over the limit of {max_bytes}")
+    return text
+
+
+def check_run_at(run_at: Any) -> datetime | None:
+    """``run_at`` is None (now) or a timezone-aware datetime."""
+    if run_at is None:
+        return None
+    if not isinstance(run_at, datetime):
+        raise InvalidJobError("run_at", f"must be a datetime, got {type(run_at).__name__}")
+    if run_at.tzinfo is None or run_at.tzinfo.utcoffset(run_at) is None:
+        raise InvalidJobError("run_at", "must be timezone-aware (a naive datetime's time zone is a guess)")
+    return run_at
+
+
+def check_priority(priority: Any) -> int:
+    """Priorities are integers that fit a smallint; lower runs first."""
+    if isinstance(priority, bool) or not isinstance(priority, int):
+        raise InvalidJobError("priority", f"must be an integer, got {type(priority).__name__}")
+    low, high = PRIORITY_RANGE
+    if not low <= priority <= high:
+        raise InvalidJobError("priority", f"must be between {low} and {high}")
+    return priority
+
+
+def check_max_attempts(max_attempts: Any) -> int:
+    """At least one attempt, at most 1000."""
+    if isinstance(max_attempts, bool) or not isinstance(max_attempts, int) or not 1 <= max_attempts <= 1000:
+        raise InvalidJobError("max_attempts", "must be an integer between 1 and 1000")
+    return max_attempts
+
+
+def check_idempotency_key(key: Any) -> str | None:
+    """None, or a non-empty string of at most 200 characters."""
+    if key is None:
+        return None
+    if not isinstance(key, str) or not key or len(key) > MAX_IDEMPOTENCY_KEY_LENGTH or "\x00" in key:
+        raise InvalidJobError(
+            "idempotency_key", f"must be a non-empty string of at most {MAX_IDEMPOTENCY_KEY_LENGTH} characters"
+        )
+    return key
+
+
+def check_seconds(field_name: str, value: Any) -> float:
+    """A positive, finite number of seconds."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise InvalidJobError(field_name, "must be a positive number of seconds")
+    return float(value)
+
+
+def new_job(
+    job_type: Any,
+    payload: Any,
+    *,
+    queue: Any,
+    priority: Any,
+    run_at: Any,
+    max_attempts: Any,
+    idempotency_key: Any,
+    max_payload_bytes: int,
+) -> NewJob:
+    """Validate every field of an enqueue; raise on the first bad one."""
+    return NewJob(
+        type=check_type(job_type),
+        payload_json=check_payload(payload, max_payload_bytes),
+        queue=check_queue(queue),
+        priority=check_priority(priority),
+        run_at=check_run_at(run_at),
+        max_attempts=check_max_attempts(max_attempts),
+        idempotency_key=check_idempotency_key(idempotency_key),
+    )

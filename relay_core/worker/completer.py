@@ -1,0 +1,137 @@
+"""Writes finished runs in batches, fenced by lease token.
+
+Outcomes queue up while a write is in flight, so under load each statement
+records many jobs (group commit); when idle, an outcome is written at once.
+A write that fails on a broken connection keeps its batch and retries after a
+backoff: the statements are fenced, so a retry can never record a job twice.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+
+import psycopg
+from psycopg_pool import ConnectionPool, PoolTimeout
+
+from ..logs import event
+from ..queries import sql
+from .outcome import Kind, Outcome
+
+MAX_BATCH = 1000
+
+
+class Completer:
+    """A thread that turns outcomes into fenced UPDATEs."""
+
+    def __init__(self, pool: ConnectionPool, on_written: Callable[[list[Outcome], set[int]], None]) -> None:
+        self._pool = pool
+        self._on_written = on_written
+        self._inbox: queue.SimpleQueue[Outcome | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._loop, name="relay-completer", daemon=True)
+        self._stopped = threading.Event()
+
+    def start(self) -> None:
+        """Start writing."""
+        self._thread.start()
+
+    def put(self, outcome: Outcome) -> None:
+        """Queue one outcome for writing."""
+        self._inbox.put(outcome)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Write everything queued so far, then stop."""
+        self._inbox.put(None)
+        self._thread.join(timeout)
+
+    def _loop(self) -> None:
+        stopping = False
+        while not stopping:
+            first = self._inbox.get()
+            batch: list[Outcome] = []
+            if first is None:
+                stopping = True
+            else:
+                batch.append(first)
+            while len(batch) < MAX_BATCH:
+                try:
+                    item = self._inbox.get_nowait()
+                except queue.Empty:
+                    break
+                if item is None:
+                    stopping = True
+                else:
+                    batch.append(item)
+            if batch:
+                self._write_until_done(batch, give_up_after=30.0 if stopping else None)
+        self._stopped.set()
+
+    def _write_until_done(self, batch: list[Outcome], give_up_after: float | None) -> None:
+        delay = 0.1
+        deadline = None if give_up_after is None else time.monotonic() + give_up_after
+        while True:
+            try:
+                still_ours = self.write(batch)
+            except (psycopg.OperationalError, psycopg.InterfaceError, PoolTimeout) as exc:
+                if deadline is not None and time.monotonic() > deadline:
+                    event(logging.ERROR, "completion not written; leases will expire", error=str(exc), jobs=len(batch))
+                    return
+                event(logging.WARNING, "completion write failed, retrying", error=str(exc), retry_in=delay)
+                time.sleep(delay)
+                delay = min(delay * 2, 5.0)
+                continue
+            self._on_written(batch, still_ours)
+            return
+
+    def write(self, batch: list[Outcome]) -> set[int]:
+        """Record a batch in at most three statements; return ids still this worker's."""
+        succeeded = [o for o in batch if o.kind is Kind.SUCCEEDED]
+        failed = [o for o in batch if o.kind in (Kind.RETRY, Kind.DEAD)]
+        snoozed = [o for o in batch if o.kind is Kind.SNOOZED]
+        ours: set[int] = {o.job.id for o in batch if o.kind is Kind.COMMITTED}
+        if not (succeeded or failed or snoozed):
+            return ours
+        with self._pool.connection() as conn:
+            with conn.pipeline():
+                cursors = []
+                if succeeded:
+                    cursors.append(
+                        conn.execute(
+                            sql("job_succeed_many"),
+                            {"ids": [o.job.id for o in succeeded], "tokens": [o.job.lease_token for o in succeeded]},
+                            prepare=True,
+                        )
+                    )
+                if failed:
+                    cursors.append(
+                        conn.execute(
+                            sql("job_fail_many"),
+                            {
+                                "ids": [o.job.id for o in failed],
+                                "tokens": [o.job.lease_token for o in failed],
+                                "next_statuses": ["dead" if o.kind is Kind.DEAD else "queued" for o in failed],
+                                "delays": [o.delay for o in failed],
+                                "messages": [o.message for o in failed],
+                                "errors": [o.error_json() for o in failed],
+                            },
+                            prepare=True,
+                        )
+                    )
+                if snoozed:
+                    cursors.append(
+                        conn.execute(
+                            sql("job_snooze_many"),
+                            {
+                                "ids": [o.job.id for o in snoozed],
+                                "tokens": [o.job.lease_token for o in snoozed],
+                                "delays": [o.delay for o in snoozed],
+                            },
+                            prepare=True,
+                        )
+                    )
+            for cur in cursors:
+                ours.update(row[0] for row in cur.fetchall())
+        return ours

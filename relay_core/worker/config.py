@@ -1,0 +1,75 @@
+"""Settings of one worker process."""
+
+from __future__ import annotations
+
+import os
+import socket
+import uuid
+from dataclasses import dataclass, field
+
+from ..errors import ConfigurationError
+from ..settings import env_bool, env_float, env_int
+from ..validation import InvalidJobError, check_queue
+
+
+def _worker_id() -> str:
+    return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
+
+
+@dataclass
+class WorkerConfig:
+    """How a worker claims, leases and shuts down.
+
+    The lease is how long a claimed job stays this worker's without a
+    heartbeat; heartbeats renew it every ``heartbeat_interval``. A short lease
+    recovers a dead worker's jobs sooner; a long one survives longer pauses
+    (GC, a stalled VM) without a second run. Heartbeats make a long-running job
+    safe under a short lease.
+    """
+
+    queues: tuple[str, ...] = ("default",)
+    concurrency: int = 8
+    lease_seconds: float = 30.0
+    heartbeat_interval: float = 10.0
+    poll_interval: float = 0.5
+    sweep_interval: float = 5.0
+    shutdown_timeout: float = 25.0
+    listen: bool = True
+    worker_id: str = field(default_factory=_worker_id)
+
+    def __post_init__(self) -> None:
+        if not self.queues:
+            raise ConfigurationError("a worker needs at least one queue")
+        for queue in self.queues:
+            try:
+                check_queue(queue)
+            except InvalidJobError as exc:
+                raise ConfigurationError(str(exc)) from None
+        if self.concurrency < 1:
+            raise ConfigurationError("concurrency must be at least 1")
+        if self.heartbeat_interval >= self.lease_seconds:
+            raise ConfigurationError("heartbeat_interval must be shorter than lease_seconds")
+        for name in ("lease_seconds", "heartbeat_interval", "poll_interval", "sweep_interval"):
+            if getattr(self, name) <= 0:
+                raise ConfigurationError(f"{name} must be positive")
+        if self.shutdown_timeout < 0:
+            raise ConfigurationError("shutdown_timeout must be >= 0")
+
+    @classmethod
+    def from_env(cls, **overrides: object) -> WorkerConfig:
+        """Defaults, then RELAY_* environment settings, then explicit overrides."""
+        lease = env_float("RELAY_LEASE_SECONDS", 30.0)
+        values: dict[str, object] = {
+            "concurrency": env_int("RELAY_CONCURRENCY", 8),
+            "lease_seconds": lease,
+            "heartbeat_interval": env_float("RELAY_HEARTBEAT_INTERVAL", lease / 3),
+            "poll_interval": env_float("RELAY_POLL_INTERVAL", 0.5),
+            "sweep_interval": env_float("RELAY_SWEEP_INTERVAL", 5.0),
+            "shutdown_timeout": env_float("RELAY_SHUTDOWN_TIMEOUT", 25.0),
+            "listen": env_bool("RELAY_LISTEN", True),
+        }
+        queues = os.environ.get("RELAY_QUEUES")
+        if queues:
+            values["queues"] = tuple(q.strip() for q in queues.split(",") if q.strip())
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**values)  # type: ignore[arg-type]

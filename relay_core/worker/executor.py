@@ -1,0 +1,56 @@
+"""Runs one claimed job and decides its outcome.
+
+Non-transactional handlers run outside any database transaction; their
+outcome goes to the completer. Transactional handlers run inside the
+transaction that also records their success, guarded by the lease token, so
+their database work commits exactly when the success does.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+
+from psycopg_pool import ConnectionPool
+
+from ..backoff import DEFAULT_BACKOFF
+from ..errors import HandlerNotFound, LeaseLost, PermanentFailure, Snooze
+from ..handlers import HandlerSpec
+from ..job import Job
+from ..queries import sql
+from .outcome import Kind, Outcome, describe
+
+
+def run(job: Job, handlers: Mapping[str, HandlerSpec], pool: ConnectionPool, worker_id: str) -> Outcome:
+    """Run ``job``'s handler and classify how it ended; never raises."""
+    started = time.monotonic()
+    spec = handlers.get(job.type)
+    try:
+        if spec is None:
+            registered = ", ".join(sorted(handlers)) or "none"
+            raise HandlerNotFound(
+                f"no handler for job type {job.type!r} on worker {worker_id} (registered: {registered})"
+            )
+        if spec.transactional:
+            _run_transactional(job, spec, pool)
+            return Outcome(job, Kind.COMMITTED, time.monotonic() - started)
+        spec.func(job)
+        return Outcome(job, Kind.SUCCEEDED, time.monotonic() - started)
+    except Snooze as snooze:
+        return Outcome(job, Kind.SNOOZED, time.monotonic() - started, delay=snooze.seconds)
+    except BaseException as exc:
+        message, entry = describe(exc, job, worker_id)
+        permanent = isinstance(exc, PermanentFailure)
+        if permanent or job.attempt >= job.max_attempts:
+            return Outcome(job, Kind.DEAD, time.monotonic() - started, message=message, error=entry)
+        delay = (spec.backoff if spec else DEFAULT_BACKOFF).delay(job.attempt)
+        return Outcome(job, Kind.RETRY, time.monotonic() - started, delay=delay, message=message, error=entry)
+
+
+def _run_transactional(job: Job, spec: HandlerSpec, pool: ConnectionPool) -> None:
+    """Handler and fenced success in one transaction; LeaseLost rolls both back."""
+    with pool.connection() as conn, conn.transaction():
+        spec.func(job, conn)
+        done = conn.execute(sql("job_succeed_many"), {"ids": [job.id], "tokens": [job.lease_token]}).fetchall()
+        if not done:
+            raise LeaseLost(f"job {job.id} is no longer this worker's; its work was rolled back")

@@ -1,0 +1,61 @@
+"""Wakes the producer when jobs are enqueued (LISTEN/NOTIFY).
+
+NOTIFY is only a hint: polling still finds every job. After any connection
+error the listener reconnects with backoff, LISTENs again and wakes the
+producer once, since notifications sent while it was away are gone.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+
+import psycopg
+
+from ..logs import event
+
+CHANNEL = "relay_jobs"
+
+
+class Listener:
+    """A thread holding one LISTEN connection."""
+
+    def __init__(self, dsn: str, queues: tuple[str, ...], wake: Callable[[], None]) -> None:
+        self._dsn = dsn
+        self._queues = frozenset(queues)
+        self._wake = wake
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="relay-listener", daemon=True)
+        self.connected = threading.Event()
+        self.reconnects = 0
+
+    def start(self) -> None:
+        """Start listening."""
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop listening (returns within about a second)."""
+        self._stop.set()
+        self._thread.join(2.0)
+
+    def _loop(self) -> None:
+        delay = 0.1
+        while not self._stop.is_set():
+            try:
+                with psycopg.connect(self._dsn, autocommit=True) as conn:
+                    conn.execute(f"LISTEN {CHANNEL}")
+                    self.connected.set()
+                    self._wake()  # anything enqueued while we were not listening
+                    delay = 0.1
+                    while not self._stop.is_set():
+                        for note in conn.notifies(timeout=1.0):
+                            if note.payload in self._queues:
+                                self._wake()
+            except psycopg.Error as exc:
+                self.connected.clear()
+                self.reconnects += 1
+                event(logging.WARNING, "listener lost its connection; reconnecting", error=str(exc), retry_in=delay)
+                self._stop.wait(delay)
+                delay = min(delay * 2, 5.0)
+        self.connected.clear()

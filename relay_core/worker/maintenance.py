@@ -1,0 +1,143 @@
+"""Periodic duties of a worker: heartbeats, the sweeper, timeouts, the registry.
+
+Each duty is a plain function or method that tests call directly
+(``run_once``); the thread only decides when to call them.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable
+
+import psycopg
+from psycopg_pool import ConnectionPool, PoolTimeout
+
+from ..logs import event
+from ..queries import sql
+
+SWEEP_BATCH = 1000
+
+
+def sweep_once(conn: psycopg.Connection, limit: int = SWEEP_BATCH) -> dict[str, int]:
+    """Return expired leases to the queue (or to dead); count per new status.
+
+    Safe to run from every worker at once: the statement skips rows another
+    sweeper holds and re-checks the lease in its own WHERE.
+    """
+    counts = {"queued": 0, "dead": 0}
+    while True:
+        rows = conn.execute(sql("job_rescue_expired"), {"limit": limit}).fetchall()
+        conn.commit()
+        for _id, status in rows:
+            counts[status] += 1
+        if len(rows) < limit:
+            return counts
+
+
+def heartbeat_once(conn: psycopg.Connection, held: dict[int, int], lease_seconds: float) -> set[int]:
+    """Extend the leases in ``held`` (id -> token); return the ids no longer ours."""
+    if not held:
+        return set()
+    ids = list(held)
+    rows = conn.execute(
+        sql("job_heartbeat_many"),
+        {"ids": ids, "tokens": [held[i] for i in ids], "lease_seconds": lease_seconds},
+    ).fetchall()
+    conn.commit()
+    return set(ids) - {row[0] for row in rows}
+
+
+def register(conn: psycopg.Connection, worker_id: str, queues: tuple[str, ...], concurrency: int) -> None:
+    """Record this worker process in the registry."""
+    conn.execute(
+        sql("worker_register"),
+        {
+            "id": worker_id,
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "queues": list(queues),
+            "concurrency": concurrency,
+        },
+    )
+    conn.commit()
+
+
+class Maintenance:
+    """A thread that runs the periodic duties on their intervals."""
+
+    def __init__(
+        self,
+        pool: ConnectionPool,
+        *,
+        worker_id: str,
+        lease_seconds: float,
+        heartbeat_interval: float,
+        sweep_interval: float,
+        held_leases: Callable[[], dict[int, int]],
+        on_lost: Callable[[set[int]], None],
+        in_flight: Callable[[], int],
+        check_timeouts: Callable[[], None],
+    ) -> None:
+        self._pool = pool
+        self._worker_id = worker_id
+        self._lease_seconds = lease_seconds
+        self._heartbeat_interval = heartbeat_interval
+        self._sweep_interval = sweep_interval
+        self._held_leases = held_leases
+        self._on_lost = on_lost
+        self._in_flight = in_flight
+        self._check_timeouts = check_timeouts
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="relay-maintenance", daemon=True)
+        self.sweeps = 0
+
+    def start(self) -> None:
+        """Start the duties."""
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop after the current duty."""
+        self._stop.set()
+        self._thread.join(5.0)
+
+    def heartbeat(self) -> None:
+        """Renew leases and the registry entry; report leases that were taken over."""
+        with self._pool.connection() as conn:
+            lost = heartbeat_once(conn, self._held_leases(), self._lease_seconds)
+            conn.execute(sql("worker_heartbeat"), {"id": self._worker_id, "in_flight": self._in_flight()})
+        if lost:
+            self._on_lost(lost)
+
+    def sweep(self) -> dict[str, int]:
+        """Run the sweeper once."""
+        with self._pool.connection() as conn:
+            counts = sweep_once(conn)
+        self.sweeps += 1
+        if counts["queued"] or counts["dead"]:
+            event(logging.WARNING, "rescued jobs with expired leases", requeued=counts["queued"], dead=counts["dead"])
+        return counts
+
+    def _loop(self) -> None:
+        now = time.monotonic()
+        next_heartbeat = now + self._heartbeat_interval
+        # Spread sweepers of workers started together.
+        next_sweep = now + self._sweep_interval * (0.5 + (os.getpid() % 100) / 200)
+        while not self._stop.wait(0.2):
+            self._check_timeouts()
+            now = time.monotonic()
+            try:
+                if now >= next_heartbeat:
+                    next_heartbeat = now + self._heartbeat_interval
+                    self.heartbeat()
+                if now >= next_sweep:
+                    next_sweep = now + self._sweep_interval
+                    self.sweep()
+            except (psycopg.OperationalError, psycopg.InterfaceError, PoolTimeout) as exc:
+                event(logging.WARNING, "maintenance could not reach the database; will retry", error=str(exc))
+                next_heartbeat = min(next_heartbeat, now + 1.0)
+            except psycopg.Error as exc:  # a bug, not an outage: keep the worker alive and say so
+                event(logging.ERROR, "maintenance statement failed", error=str(exc))

@@ -1,0 +1,419 @@
+"""The worker process: claim, run, complete, heartbeat, shut down gracefully.
+
+Threads: the producer (the caller's thread) claims as many jobs as there are
+free slots in one statement; ``concurrency`` slot threads run handlers; the
+completer writes outcomes in batches; the maintenance thread heartbeats,
+sweeps and enforces timeouts; the listener turns NOTIFY into wake-ups.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import signal
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import psycopg
+from psycopg.rows import dict_row
+from psycopg_pool import ConnectionPool, PoolTimeout
+
+from ..errors import JobTimeout
+from ..handlers import HandlerSpec
+from ..job import Job
+from ..logs import event
+from ..queries import sql
+from . import executor
+from .completer import Completer
+from .config import WorkerConfig
+from .listener import Listener
+from .maintenance import Maintenance, register
+from .outcome import Kind, Outcome, describe
+
+#: How long the producer lets freed slots gather before claiming for them.
+CLAIM_COALESCE_SECONDS = 0.002
+
+
+@dataclass
+class Slot:
+    """One handler thread; abandoned when its job timed out or was handed back."""
+
+    index: int
+    abandoned: threading.Event = field(default_factory=threading.Event)
+
+
+@dataclass
+class Running:
+    """A job in a slot, with its deadline (monotonic) if its handler has a timeout."""
+
+    job: Job
+    slot: Slot | None = None  # None until a slot thread takes the job
+    deadline: float | None = None
+    started: float = 0.0
+
+
+@dataclass
+class Counters:
+    """Totals since the worker started, for logs and exporters."""
+
+    claimed: int = 0
+    succeeded: int = 0
+    retried: int = 0
+    dead: int = 0
+    snoozed: int = 0
+    lost: int = 0
+
+
+class Worker:
+    """Runs the handlers of one Relay app until told to stop."""
+
+    def __init__(self, dsn: str, handlers: Mapping[str, HandlerSpec], config: WorkerConfig | None = None) -> None:
+        self.dsn = dsn
+        self.handlers = dict(handlers)
+        self.config = config or WorkerConfig()
+        self.id = self.config.worker_id
+        self.counters = Counters()
+        self.stopping = threading.Event()
+        self.stopped = threading.Event()
+        self._wake = threading.Event()
+        self._lock = threading.Lock()
+        self._running: dict[int, Running] = {}
+        self._awaiting_write: dict[int, int] = {}  # id -> token: finished, not yet recorded
+        self._inbox: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
+        self._slots: list[Slot] = []
+        self.pool = ConnectionPool(
+            dsn,
+            min_size=2,
+            max_size=self.config.concurrency + 4,
+            open=False,
+            name=f"relay-worker-{self.id}",
+            check=ConnectionPool.check_connection,
+            timeout=10.0,
+        )
+        self.completer = Completer(self.pool, self._on_written)
+        self.maintenance = Maintenance(
+            self.pool,
+            worker_id=self.id,
+            lease_seconds=self.config.lease_seconds,
+            heartbeat_interval=self.config.heartbeat_interval,
+            sweep_interval=self.config.sweep_interval,
+            held_leases=self.held_leases,
+            on_lost=self._on_lost,
+            in_flight=self.in_flight,
+            check_timeouts=self._check_timeouts,
+        )
+        self.listener = Listener(dsn, self.config.queues, self._wake.set) if self.config.listen else None
+
+    # -- bookkeeping -------------------------------------------------------
+
+    def in_flight(self) -> int:
+        """Jobs whose handlers are running now."""
+        with self._lock:
+            return len(self._running)
+
+    def held_leases(self) -> dict[int, int]:
+        """Every lease this worker must keep alive: running or awaiting its write."""
+        with self._lock:
+            held = {jid: r.job.lease_token for jid, r in self._running.items()}
+            held.update(self._awaiting_write)
+            return held
+
+    def _on_written(self, batch: list[Outcome], still_ours: set[int]) -> None:
+        with self._lock:
+            for outcome in batch:
+                self._awaiting_write.pop(outcome.job.id, None)
+        for outcome in batch:
+            job = outcome.job
+            if job.id not in still_ours:
+                self.counters.lost += 1
+                event(
+                    logging.WARNING,
+                    "job outcome discarded: lease was taken over",
+                    job_id=job.id,
+                    type=job.type,
+                    attempt=job.attempt,
+                    outcome=outcome.kind.value,
+                )
+                continue
+            if outcome.kind in (Kind.SUCCEEDED, Kind.COMMITTED):
+                self.counters.succeeded += 1
+                event(
+                    logging.INFO,
+                    "job succeeded",
+                    job_id=job.id,
+                    type=job.type,
+                    attempt=job.attempt,
+                    duration_ms=round(outcome.duration * 1000, 3),
+                )
+            elif outcome.kind is Kind.RETRY:
+                self.counters.retried += 1
+                event(
+                    logging.WARNING,
+                    "job failed; will retry",
+                    job_id=job.id,
+                    type=job.type,
+                    attempt=job.attempt,
+                    duration_ms=round(outcome.duration * 1000, 3),
+                    retry_in_s=round(outcome.delay, 3),
+                    error=outcome.message,
+                )
+            elif outcome.kind is Kind.DEAD:
+                self.counters.dead += 1
+                event(
+                    logging.ERROR,
+                    "job dead",
+                    job_id=job.id,
+                    type=job.type,
+                    attempt=job.attempt,
+                    duration_ms=round(outcome.duration * 1000, 3),
+                    error=outcome.message,
+                )
+            else:
+                self.counters.snoozed += 1
+                event(
+                    logging.INFO,
+                    "job snoozed",
+                    job_id=job.id,
+                    type=job.type,
+                    attempt=job.attempt,
+                    snooze_s=outcome.delay,
+                )
+
+    def _on_lost(self, lost: set[int]) -> None:
+        with self._lock:
+            for jid in lost:
+                running = self._running.get(jid)
+                if running is not None:
+                    running.job._lease_lost.set()
+                self._awaiting_write.pop(jid, None)
+        event(logging.WARNING, "leases taken over by another worker", job_ids=sorted(lost))
+
+    def _finish(self, slot: Slot, job: Job, outcome: Outcome) -> None:
+        with self._lock:
+            running = self._running.get(job.id)
+            if slot.abandoned.is_set() or running is None or running.slot is not slot:
+                return  # timed out or handed back: its outcome was already decided
+            del self._running[job.id]
+            if outcome.kind is not Kind.COMMITTED:
+                self._awaiting_write[job.id] = job.lease_token
+        self.completer.put(outcome)
+        self._wake.set()
+
+    def _check_timeouts(self) -> None:
+        now = time.monotonic()
+        expired: list[Running] = []
+        with self._lock:
+            for jid, running in list(self._running.items()):
+                if running.slot is not None and running.deadline is not None and now > running.deadline:
+                    expired.append(running)
+                    del self._running[jid]
+                    self._awaiting_write[jid] = running.job.lease_token
+                    running.slot.abandoned.set()
+        for running in expired:
+            job = running.job
+            spec = self.handlers.get(job.type)
+            exc = JobTimeout(f"handler ran past its timeout of {spec.timeout if spec else '?'}s")
+            message, entry = describe(exc, job, self.id)
+            entry["traceback"] = None
+            job._lease_lost.set()  # tells a cooperative handler to stop
+            kind = Kind.DEAD if job.attempt >= job.max_attempts else Kind.RETRY
+            delay = spec.backoff.delay(job.attempt) if spec else 0.0
+            self.completer.put(Outcome(job, kind, now - running.started, delay=delay, message=message, error=entry))
+            self._start_slot()  # the stuck thread keeps its slot object; the worker gets a fresh one
+            event(logging.WARNING, "job timed out", job_id=job.id, type=job.type, attempt=job.attempt)
+
+    # -- slots -------------------------------------------------------------
+
+    def _start_slot(self) -> None:
+        slot = Slot(len(self._slots))
+        self._slots.append(slot)
+        threading.Thread(target=self._slot_loop, args=(slot,), name=f"relay-slot-{slot.index}", daemon=True).start()
+
+    def _slot_loop(self, slot: Slot) -> None:
+        while not slot.abandoned.is_set():
+            job = self._inbox.get()
+            if job is None:
+                return
+            if not self._bind(slot, job):
+                continue  # handed back while it waited for a slot
+            outcome = executor.run(job, self.handlers, self.pool, self.id)
+            self._finish(slot, job, outcome)
+
+    def _bind(self, slot: Slot, job: Job) -> bool:
+        """Mark ``job`` as running in ``slot``; its timeout starts now."""
+        spec = self.handlers.get(job.type)
+        now = time.monotonic()
+        with self._lock:
+            running = self._running.get(job.id)
+            if running is None:
+                return False
+            running.slot = slot
+            running.started = now
+            running.deadline = now + spec.timeout if spec and spec.timeout else None
+            return True
+
+    # -- the producer ------------------------------------------------------
+
+    def claim(self, limit: int) -> list[Job]:
+        """Claim up to ``limit`` jobs in one statement (THE CLAIM in queries.sql)."""
+        with self.pool.connection() as conn:
+            conn.autocommit = True
+            try:
+                with conn.cursor(row_factory=dict_row) as cur:
+                    rows = cur.execute(
+                        sql("job_claim"),
+                        {
+                            "queues": list(self.config.queues),
+                            "limit": limit,
+                            "worker_id": self.id,
+                            "lease_seconds": self.config.lease_seconds,
+                        },
+                        prepare=True,
+                    ).fetchall()
+            finally:
+                conn.autocommit = False
+        return [Job.from_row(row) for row in rows]
+
+    def _dispatch(self, jobs: list[Job]) -> None:
+        with self._lock:
+            for job in jobs:
+                self._running[job.id] = Running(job)
+        for job in jobs:
+            self.counters.claimed += 1
+            event(logging.INFO, "job claimed", job_id=job.id, type=job.type, attempt=job.attempt, queue=job.queue)
+            self._inbox.put(job)
+
+    def run(self, install_signals: bool = True) -> None:
+        """Run until :meth:`stop` (or SIGTERM/SIGINT), then shut down gracefully."""
+        if install_signals:
+            self._install_signal_handlers()
+        self.pool.open(wait=True, timeout=30.0)
+        self._with_retry(lambda: self._register())
+        for _ in range(self.config.concurrency):
+            self._start_slot()
+        self.completer.start()
+        self.maintenance.start()
+        if self.listener:
+            self.listener.start()
+        event(
+            logging.INFO,
+            "worker started",
+            worker_id=self.id,
+            queues=",".join(self.config.queues),
+            concurrency=self.config.concurrency,
+        )
+        try:
+            self._produce()
+        finally:
+            self._shutdown()
+
+    def _register(self) -> None:
+        with self.pool.connection() as conn:
+            register(conn, self.id, self.config.queues, self.config.concurrency)
+
+    def _with_retry(self, action) -> None:  # type: ignore[no-untyped-def]
+        delay = 0.1
+        while not self.stopping.is_set():
+            try:
+                action()
+                return
+            except (psycopg.OperationalError, psycopg.InterfaceError, PoolTimeout) as exc:
+                event(logging.WARNING, "database unreachable; retrying", error=str(exc), retry_in=delay)
+                self.stopping.wait(delay)
+                delay = min(delay * 2, 5.0)
+
+    def _produce(self) -> None:
+        delay = 0.1
+        while not self.stopping.is_set():
+            free = self.config.concurrency - self.in_flight()
+            if free <= 0:
+                self._wake.wait(self.config.poll_interval)
+                self._wake.clear()
+                continue
+            if free < self.config.concurrency:
+                # Let a few more slots free up so one statement claims for all of them.
+                self.stopping.wait(CLAIM_COALESCE_SECONDS)
+                free = self.config.concurrency - self.in_flight()
+            self._wake.clear()
+            try:
+                jobs = self.claim(free)
+                delay = 0.1
+            except (psycopg.OperationalError, psycopg.InterfaceError, PoolTimeout) as exc:
+                event(logging.WARNING, "claim failed; database unreachable, retrying", error=str(exc), retry_in=delay)
+                self.stopping.wait(delay)
+                delay = min(delay * 2, 5.0)
+                continue
+            if jobs:
+                self._dispatch(jobs)
+            if len(jobs) < free:
+                self._wake.wait(self.config.poll_interval)
+
+    # -- shutdown ----------------------------------------------------------
+
+    def stop(self) -> None:
+        """Ask the worker to stop claiming and shut down gracefully."""
+        self.stopping.set()
+        self._wake.set()
+
+    def _install_signal_handlers(self) -> None:
+        def handle(signum: int, _frame: object) -> None:
+            if self.stopping.is_set():
+                event(logging.WARNING, "second signal: handing back in-flight jobs now", signal=signum)
+                self.config.shutdown_timeout = 0
+            event(logging.INFO, "shutdown requested", signal=signal.Signals(signum).name)
+            self.stop()
+
+        signal.signal(signal.SIGTERM, handle)
+        signal.signal(signal.SIGINT, handle)
+
+    def _shutdown(self) -> None:
+        deadline = time.monotonic() + self.config.shutdown_timeout
+        while self.in_flight() and time.monotonic() < deadline and self.config.shutdown_timeout > 0:
+            time.sleep(0.02)
+        with self._lock:
+            unfinished = list(self._running.values())
+            self._running.clear()
+            for running in unfinished:
+                if running.slot is not None:
+                    running.slot.abandoned.set()
+        for _ in self._slots:
+            self._inbox.put(None)
+        if unfinished:
+            self._hand_back([r.job for r in unfinished])
+        self.completer.stop()
+        self.maintenance.stop()
+        if self.listener:
+            self.listener.stop()
+        try:
+            with self.pool.connection(timeout=5.0) as conn:
+                conn.execute(sql("worker_stop"), {"id": self.id})
+        except (psycopg.Error, PoolTimeout) as exc:
+            event(logging.WARNING, "could not record worker stop", error=str(exc))
+        self.pool.close()
+        event(
+            logging.INFO,
+            "worker stopped",
+            worker_id=self.id,
+            succeeded=self.counters.succeeded,
+            handed_back=len(unfinished),
+        )
+        self.stopped.set()
+
+    def _hand_back(self, jobs: list[Job]) -> None:
+        for job in jobs:
+            job._lease_lost.set()
+        try:
+            with self.pool.connection(timeout=5.0) as conn:
+                rows = conn.execute(
+                    sql("job_hand_back_many"), {"ids": [j.id for j in jobs], "tokens": [j.lease_token for j in jobs]}
+                ).fetchall()
+            event(logging.WARNING, "handed back unfinished jobs", job_ids=sorted(r[0] for r in rows))
+        except (psycopg.Error, PoolTimeout) as exc:
+            event(
+                logging.ERROR,
+                "hand-back failed; the sweeper will return these jobs when their leases expire",
+                error=str(exc),
+                job_ids=[j.id for j in jobs],
+            )

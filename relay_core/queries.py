@@ -1,7 +1,8 @@
-"""Loads ``sql/queries.sql`` once into named statements.
+"""Loads the ``sql/*.sql`` files once into named statements.
 
-All of Relay's SQL lives in that one file so a reader finds the claim query in
-one step; this module only parses it.
+All of Relay's SQL lives in those files: ``queries.sql`` holds the queue's hot
+path (the claim query among it) so a reader finds it in one step; the admin
+surface's reads live beside it. This module only parses them.
 """
 
 from __future__ import annotations
@@ -51,8 +52,17 @@ def parse(text: str) -> dict[str, Query]:
 
 
 def _load() -> dict[str, Query]:
-    text = resources.files("relay_core").joinpath("sql/queries.sql").read_text(encoding="utf-8")
-    return parse(text)
+    """Every ``sql/*.sql`` file of the package; a name may be defined only once."""
+    queries: dict[str, Query] = {}
+    folder = resources.files("relay_core").joinpath("sql")
+    for entry in sorted(folder.iterdir(), key=lambda e: e.name):
+        if not entry.name.endswith(".sql"):
+            continue
+        for name, query in parse(entry.read_text(encoding="utf-8")).items():
+            if name in queries:
+                raise ValueError(f"query {name} is defined in two files")
+            queries[name] = query
+    return queries
 
 
 QUERIES: dict[str, Query] = _load()

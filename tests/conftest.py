@@ -23,6 +23,19 @@ from relay_core.migrate import migrate
 
 ROOT = Path(__file__).resolve().parent.parent
 
+# Side effects of the test apps' handlers (tests/apps/worker_app.py).
+TEST_SCHEMA = """
+CREATE SCHEMA relay_test;
+CREATE TABLE relay_test.executions (
+    job_id bigint NOT NULL,
+    pid integer NOT NULL,
+    attempt integer NOT NULL,
+    lease_token integer NOT NULL,
+    phase text NOT NULL,
+    at timestamptz NOT NULL DEFAULT clock_timestamp()
+);
+"""
+
 
 def _server_dsn() -> str:
     dsn = os.environ.get("RELAY_TEST_DATABASE_URL") or os.environ.get("DATABASE_URL")
@@ -42,6 +55,8 @@ def database_url() -> Iterator[str]:
         admin.execute(f'CREATE DATABASE "{name}"')
     dsn = conninfo.make_conninfo(server, dbname=name)
     migrate(dsn)
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(TEST_SCHEMA)
     yield dsn
     with psycopg.connect(server, autocommit=True) as admin:
         admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')

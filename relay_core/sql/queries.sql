@@ -10,8 +10,8 @@
 -- The NOTIFY is sent in the caller's transaction, so it fires only on commit.
 -- transition: (new) -> queued
 WITH inserted AS (
-    INSERT INTO relay.jobs (type, payload, queue, priority, run_at, max_attempts, idempotency_key)
-    VALUES (%(type)s, %(payload)s::jsonb, %(queue)s, %(priority)s,
+    INSERT INTO relay.jobs (status, type, payload, queue, priority, run_at, max_attempts, idempotency_key)
+    VALUES ('queued', %(type)s, %(payload)s::jsonb, %(queue)s, %(priority)s,
             coalesce(%(run_at)s::timestamptz, now()), %(max_attempts)s, %(idempotency_key)s)
     ON CONFLICT (idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING
     RETURNING id, queue, run_at <= now() AS due
@@ -32,8 +32,8 @@ WITH input AS (
                          %(max_attempts)s::integer[], %(idempotency_keys)s::text[])
         WITH ORDINALITY AS t(type, payload, queue, priority, run_at, max_attempts, idempotency_key, ord)
 ), inserted AS (
-    INSERT INTO relay.jobs (type, payload, queue, priority, run_at, max_attempts, idempotency_key)
-    SELECT type, payload::jsonb, queue, priority, coalesce(run_at, now()), max_attempts, idempotency_key
+    INSERT INTO relay.jobs (status, type, payload, queue, priority, run_at, max_attempts, idempotency_key)
+    SELECT 'queued', type, payload::jsonb, queue, priority, coalesce(run_at, now()), max_attempts, idempotency_key
     FROM input ORDER BY ord
     ON CONFLICT (idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING
     RETURNING id, queue, run_at <= now() AS due, idempotency_key

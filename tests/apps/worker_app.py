@@ -1,0 +1,48 @@
+"""The Relay app that the tests' worker processes run (``--app tests.apps.worker_app:relay``).
+
+Handlers write to ``relay_test.executions`` so tests can see every run:
+``phase`` is 'start' when a handler begins and 'end' when it returns.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+from psycopg_pool import ConnectionPool
+
+from relay_core import Job, Relay
+
+relay = Relay()
+_pool: ConnectionPool | None = None
+
+RECORD = "INSERT INTO relay_test.executions (job_id, pid, attempt, lease_token, phase) VALUES (%s, %s, %s, %s, %s)"
+
+
+def pool() -> ConnectionPool:
+    """A pool for side effects recorded outside the job's completion."""
+    global _pool
+    if _pool is None:
+        _pool = ConnectionPool(relay.dsn, min_size=1, max_size=8, open=True, name="test-app")
+    return _pool
+
+
+def record(job: Job, phase: str) -> None:
+    """Write one executions row in its own transaction."""
+    with pool().connection() as conn:
+        conn.execute(RECORD, (job.id, os.getpid(), job.attempt, job.lease_token, phase))
+
+
+@relay.handler("record", max_attempts=5)
+def record_run(job: Job) -> None:
+    """Record start, sleep ``payload.sleep`` seconds, record end."""
+    record(job, "start")
+    time.sleep(float((job.payload or {}).get("sleep", 0)))
+    record(job, "end")
+
+
+@relay.handler("record_tx", max_attempts=5)
+def record_run_tx(job: Job, conn) -> None:  # type: ignore[no-untyped-def]
+    """Sleep, then record the run in the completion's own transaction (exactly once)."""
+    time.sleep(float((job.payload or {}).get("sleep", 0)))
+    conn.execute(RECORD, (job.id, os.getpid(), job.attempt, job.lease_token, "tx"))

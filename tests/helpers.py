@@ -1,0 +1,82 @@
+"""Test helpers: run workers in threads or processes, and wait on conditions."""
+
+from __future__ import annotations
+
+import subprocess
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import psycopg
+
+from relay_core import Relay, Worker, WorkerConfig
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def wait_for(condition: Callable[[], object], timeout: float = 30.0, interval: float = 0.05, what: str = "") -> object:
+    """Poll ``condition`` until it is truthy; fail the test after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what or condition}")
+        time.sleep(interval)
+
+
+@contextmanager
+def running_worker(relay: Relay, **settings: object) -> Iterator[Worker]:
+    """Run a worker for ``relay`` in a thread; stop it gracefully on exit."""
+    defaults: dict[str, object] = {
+        "poll_interval": 0.2,
+        "sweep_interval": 0.5,
+        "lease_seconds": 10.0,
+        "heartbeat_interval": 2.0,
+        "shutdown_timeout": 5.0,
+    }
+    defaults.update(settings)
+    worker = Worker(relay.dsn, relay.handlers, WorkerConfig(**defaults))  # type: ignore[arg-type]
+    thread = threading.Thread(target=worker.run, kwargs={"install_signals": False}, daemon=True)
+    thread.start()
+    try:
+        yield worker
+    finally:
+        worker.stop()
+        thread.join(30)
+        assert not thread.is_alive(), "worker did not stop"
+
+
+def job_status(conn: psycopg.Connection, job_id: int) -> str:
+    """The status of one job."""
+    row = conn.execute("SELECT status::text FROM relay.jobs WHERE id = %s", (job_id,)).fetchone()
+    assert row is not None, f"job {job_id} does not exist"
+    return row[0]
+
+
+def status_counts(conn: psycopg.Connection) -> dict[str, int]:
+    """How many jobs are in each status."""
+    return dict(conn.execute("SELECT status::text, count(*) FROM relay.jobs GROUP BY 1").fetchall())
+
+
+def start_worker_process(
+    python: str, env: dict[str, str], *args: str, app: str = "tests.apps.worker_app:relay", log: Path | None = None
+) -> subprocess.Popen:
+    """Start ``relay worker`` as a real process (its own pid, real signals)."""
+    command = [python, "-m", "relay_core", "--log-level", "info", "worker", "--app", app, *args]
+    out = open(log, "ab") if log else subprocess.DEVNULL  # noqa: SIM115 - closed by the process's exit
+    return subprocess.Popen(command, env=env, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
+
+
+def stop_process(proc: subprocess.Popen, timeout: float = 30.0) -> int:
+    """SIGTERM a process and wait for it; SIGKILL if it does not stop."""
+    if proc.poll() is None:
+        proc.terminate()
+    try:
+        return proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        return proc.wait(5)

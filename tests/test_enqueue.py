@@ -1,0 +1,195 @@
+"""Transactional enqueue (R1), bulk enqueue, idempotency keys and bad input."""
+
+from __future__ import annotations
+
+import select
+from datetime import UTC, datetime, timedelta
+from typing import ClassVar
+
+import psycopg
+import pytest
+import sqlalchemy
+from sqlalchemy.orm import Session
+
+from relay_core import InvalidJobError, Relay
+
+
+def job_count(db: psycopg.Connection) -> int:
+    return db.execute("SELECT count(*) FROM relay.jobs").fetchone()[0]
+
+
+def sa_url(dsn: str) -> str:
+    info = psycopg.conninfo.conninfo_to_dict(dsn)
+    host = info.get("host", "127.0.0.1")
+    port = info.get("port", "5432")
+    user = info.get("user", "postgres")
+    password = f":{info['password']}" if info.get("password") else ""
+    return f"postgresql+psycopg://{user}{password}@{host}:{port}/{info['dbname']}"
+
+
+def test_psycopg_transaction_that_raises_leaves_no_job(relay: Relay, dsn: str, db: psycopg.Connection) -> None:
+    with pytest.raises(RuntimeError), psycopg.connect(dsn) as conn, conn.transaction():
+        relay.enqueue("send_email", {"to": "a@b.c"}, conn=conn)
+        raise RuntimeError("order failed")
+    assert job_count(db) == 0
+
+
+def test_psycopg_transaction_that_commits_leaves_one_job(relay: Relay, dsn: str, db: psycopg.Connection) -> None:
+    with psycopg.connect(dsn) as conn, conn.transaction():
+        job_id = relay.enqueue("send_email", {"to": "a@b.c"}, conn=conn)
+        # Not visible to anyone else until the caller commits.
+        assert job_count(db) == 0
+    assert job_count(db) == 1
+    assert relay.get_job(job_id).payload == {"to": "a@b.c"}
+
+
+def test_sqlalchemy_connection_joins_the_transaction(relay: Relay, dsn: str, db: psycopg.Connection) -> None:
+    engine = sqlalchemy.create_engine(sa_url(dsn))
+    try:
+        with pytest.raises(RuntimeError), engine.begin() as conn:
+            relay.enqueue("send_email", {"n": 1}, conn=conn)
+            raise RuntimeError("rolled back")
+        assert job_count(db) == 0
+        with engine.begin() as conn:
+            relay.enqueue("send_email", {"n": 2}, conn=conn)
+        assert job_count(db) == 1
+    finally:
+        engine.dispose()
+
+
+def test_sqlalchemy_session_joins_the_transaction(relay: Relay, dsn: str, db: psycopg.Connection) -> None:
+    engine = sqlalchemy.create_engine(sa_url(dsn))
+    try:
+        with Session(engine) as session:
+            relay.enqueue("send_email", {"n": 1}, conn=session)
+            session.rollback()
+        assert job_count(db) == 0
+        with Session(engine) as session:
+            relay.enqueue("send_email", {"n": 2}, conn=session)
+            ids = relay.enqueue_many([{"type": "send_email", "payload": {"n": 3}}], conn=session)
+            assert len(ids) == 1
+            session.commit()
+        assert job_count(db) == 2
+    finally:
+        engine.dispose()
+
+
+def test_enqueue_without_conn_commits_at_once(relay: Relay, db: psycopg.Connection) -> None:
+    job_id = relay.enqueue("report", {"month": "2026-11"}, queue="reports", priority=-5)
+    row = db.execute(
+        "SELECT status::text, queue, priority, attempts FROM relay.jobs WHERE id = %s", (job_id,)
+    ).fetchone()
+    assert row == ("queued", "reports", -5, 0)
+
+
+def test_notify_fires_only_on_commit(relay: Relay, dsn: str) -> None:
+    with psycopg.connect(dsn, autocommit=True) as listener:
+        listener.execute("LISTEN relay_jobs")
+        with psycopg.connect(dsn) as conn:
+            relay.enqueue("a", conn=conn)
+            assert select.select([listener.fileno()], [], [], 0.3)[0] == []  # nothing before commit
+            conn.commit()
+        notes = list(listener.notifies(timeout=2.0, stop_after=1))
+        assert [n.payload for n in notes] == ["default"]
+
+
+class CountingCursor(psycopg.Cursor):
+    """Counts the statements sent through it."""
+
+    executed: ClassVar[list[str]] = []
+
+    def execute(self, query, params=None, **kwargs):  # type: ignore[no-untyped-def, override]
+        CountingCursor.executed.append(str(query)[:40])
+        return super().execute(query, params, **kwargs)
+
+
+def test_enqueue_many_inserts_thousands_in_one_statement(relay: Relay, dsn: str, db: psycopg.Connection) -> None:
+    jobs = [{"type": "bulk", "payload": {"n": n}} for n in range(5000)]
+    CountingCursor.executed = []
+    with psycopg.connect(dsn, cursor_factory=CountingCursor) as conn:
+        ids = relay.enqueue_many(jobs, conn=conn)
+        conn.commit()
+    assert len(CountingCursor.executed) == 1, CountingCursor.executed
+    assert len(ids) == 5000 and len(set(ids)) == 5000
+    payloads = dict(db.execute("SELECT id, (payload->>'n')::int FROM relay.jobs").fetchall())
+    assert [payloads[i] for i in ids] == list(range(5000)), "ids come back in input order"
+
+
+def test_idempotency_key_returns_the_existing_job(relay: Relay, db: psycopg.Connection) -> None:
+    first = relay.enqueue("charge", {"order": 1}, idempotency_key="order-1-charge")
+    second = relay.enqueue("charge", {"order": 1}, idempotency_key="order-1-charge")
+    assert first == second
+    assert job_count(db) == 1
+    many = relay.enqueue_many(
+        [
+            {"type": "charge", "idempotency_key": "order-1-charge"},
+            {"type": "charge", "idempotency_key": "order-2-charge"},
+            {"type": "charge", "idempotency_key": "order-2-charge"},
+            {"type": "charge"},
+        ]
+    )
+    assert many[0] == first
+    assert many[1] == many[2] != first
+    assert len(set(many)) == 3
+    assert job_count(db) == 3
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"job_type": "x", "payload": {"when": datetime.now(UTC)}}, "payload"),
+        ({"job_type": "x", "payload": {"f": float("nan")}}, "payload"),
+        ({"job_type": "x", "payload": {"s": "a\x00b"}}, "payload"),
+        ({"job_type": "x", "payload": {"blob": "x" * 300_000}}, "payload"),
+        ({"job_type": "x", "run_at": datetime(2030, 1, 1)}, "run_at"),
+        ({"job_type": "x", "run_at": "2030-01-01T00:00:00Z"}, "run_at"),
+        ({"job_type": ""}, "type"),
+        ({"job_type": "   "}, "type"),
+        ({"job_type": "t" * 201}, "type"),
+        ({"job_type": None}, "type"),
+        ({"job_type": "x", "queue": "Has Spaces"}, "queue"),
+        ({"job_type": "x", "queue": "'; DROP TABLE relay.jobs; --"}, "queue"),
+        ({"job_type": "x", "queue": ""}, "queue"),
+        ({"job_type": "x", "priority": 10**6}, "priority"),
+        ({"job_type": "x", "priority": "high"}, "priority"),
+        ({"job_type": "x", "max_attempts": 0}, "max_attempts"),
+        ({"job_type": "x", "idempotency_key": ""}, "idempotency_key"),
+    ],
+)
+def test_bad_input_is_refused_and_writes_nothing(
+    relay: Relay, db: psycopg.Connection, kwargs: dict, field: str
+) -> None:
+    job_type = kwargs.pop("job_type")
+    with pytest.raises(InvalidJobError) as caught:
+        relay.enqueue(job_type, kwargs.pop("payload", {}), **kwargs)
+    assert caught.value.field == field
+    assert job_count(db) == 0
+
+
+def test_one_bad_item_refuses_the_whole_batch(relay: Relay, db: psycopg.Connection) -> None:
+    with pytest.raises(InvalidJobError) as caught:
+        relay.enqueue_many([{"type": "ok"}, {"type": "ok", "run_at": datetime(2030, 1, 1)}])
+    assert caught.value.field == "jobs[1].run_at"
+    with pytest.raises(InvalidJobError, match="unknown fields"):
+        relay.enqueue_many([{"type": "ok", "colour": "red"}])
+    assert job_count(db) == 0
+
+
+def test_payload_limit_is_configurable(dsn: str, db: psycopg.Connection) -> None:
+    small = Relay(dsn, max_payload_bytes=100)
+    try:
+        with pytest.raises(InvalidJobError, match="over the limit of 100"):
+            small.enqueue("x", {"blob": "y" * 200})
+        assert job_count(db) == 0
+    finally:
+        small.close()
+
+
+def test_run_at_is_stored_as_given_and_now_comes_from_the_database(relay: Relay, db: psycopg.Connection) -> None:
+    later = datetime.now(UTC) + timedelta(hours=1)
+    scheduled = relay.enqueue("x", run_at=later)
+    immediate = relay.enqueue("x")
+    rows = dict(db.execute("SELECT id, run_at FROM relay.jobs").fetchall())
+    assert rows[scheduled] == later
+    db_now = db.execute("SELECT now()").fetchone()[0]
+    assert abs((rows[immediate] - db_now).total_seconds()) < 5

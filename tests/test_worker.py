@@ -1,0 +1,282 @@
+"""The worker runtime in-process: outcomes, retries, dead letters, snooze,
+timeouts, scheduling, priorities, queues, heartbeats, the registry, wake-ups."""
+
+from __future__ import annotations
+
+import threading
+import time
+from datetime import timedelta
+
+import psycopg
+
+from relay_core import Backoff, Job, PermanentFailure, Relay, Snooze
+
+from .helpers import job_status, running_worker, wait_for
+
+FAST = Backoff(base=0.05, factor=2, cap=1, jitter=0)
+
+
+def test_handler_success_marks_job_succeeded(relay: Relay, db: psycopg.Connection) -> None:
+    seen: list[tuple[int, object, int]] = []
+
+    @relay.handler("send_email")
+    def send_email(job: Job) -> None:
+        seen.append((job.id, job.payload, job.attempt))
+
+    job_id = relay.enqueue("send_email", {"to": "a@b.c"})
+    with running_worker(relay):
+        wait_for(lambda: job_status(db, job_id) == "succeeded")
+    assert seen == [(job_id, {"to": "a@b.c"}, 1)]
+    job = relay.get_job(job_id)
+    assert job.finished_at is not None and job.started_at is not None and job.claimed_until is None
+
+
+def test_failures_retry_with_backoff_then_die_with_full_history(relay: Relay, db: psycopg.Connection) -> None:
+    @relay.handler("flaky", max_attempts=3, backoff=Backoff(base=0.3, factor=2, jitter=0))
+    def flaky(job: Job) -> None:
+        raise ConnectionError(f"smtp down on attempt {job.attempt}")
+
+    job_id = relay.enqueue("flaky")
+    with running_worker(relay, poll_interval=0.05):
+        wait_for(lambda: job_status(db, job_id) == "dead", timeout=30)
+    job = relay.get_job(job_id)
+    assert job.attempts == 3
+    assert job.last_error == "ConnectionError: smtp down on attempt 3"
+    assert [e["attempt"] for e in job.errors] == [1, 2, 3]
+    assert all(e["type"] == "ConnectionError" and "Traceback" in e["traceback"] for e in job.errors)
+    assert all(e["worker"] and e["at"] for e in job.errors)
+    # The rescheduling used the handler's backoff: attempt 2 started >= 0.3 s after attempt 1 failed.
+    rows = db.execute(
+        "SELECT (errors->0->>'at')::timestamptz, (errors->1->>'at')::timestamptz FROM relay.jobs WHERE id = %s",
+        (job_id,),
+    ).fetchone()
+    assert rows[1] - rows[0] >= timedelta(seconds=0.3)
+
+
+def test_permanent_failure_is_dead_at_once(relay: Relay, db: psycopg.Connection) -> None:
+    @relay.handler("charge", max_attempts=10)
+    def charge(job: Job) -> None:
+        raise PermanentFailure("card number is invalid")
+
+    job_id = relay.enqueue("charge")
+    with running_worker(relay):
+        wait_for(lambda: job_status(db, job_id) == "dead")
+    job = relay.get_job(job_id)
+    assert job.attempts == 1
+    assert job.last_error == "PermanentFailure: card number is invalid"
+
+
+def test_snooze_runs_later_without_spending_an_attempt(relay: Relay, db: psycopg.Connection) -> None:
+    runs: list[int] = []
+
+    @relay.handler("poll_export", max_attempts=1)
+    def poll_export(job: Job) -> None:
+        runs.append(job.attempt)
+        if len(runs) < 3:
+            raise Snooze(0.1)
+
+    job_id = relay.enqueue("poll_export")
+    with running_worker(relay, poll_interval=0.05):
+        wait_for(lambda: job_status(db, job_id) == "succeeded")
+    assert runs == [1, 1, 1]
+    assert relay.get_job(job_id).errors == []
+
+
+def test_unknown_type_fails_naming_type_and_worker(relay: Relay, db: psycopg.Connection) -> None:
+    job_id = relay.enqueue("nobody_handles_this", max_attempts=1)
+    with running_worker(relay) as worker:
+        wait_for(lambda: job_status(db, job_id) == "dead")
+    error = relay.get_job(job_id).last_error
+    assert "nobody_handles_this" in error and worker.id in error and error.startswith("HandlerNotFound")
+
+
+def test_handler_past_its_timeout_is_a_failed_attempt(relay: Relay, db: psycopg.Connection) -> None:
+    release = threading.Event()
+
+    @relay.handler("hang", timeout=0.5, max_attempts=1)
+    def hang(job: Job) -> None:
+        release.wait(30)
+
+    @relay.handler("after")
+    def after(job: Job) -> None:
+        return None
+
+    job_id = relay.enqueue("hang")
+    with running_worker(relay, concurrency=1):
+        wait_for(lambda: job_status(db, job_id) == "dead", timeout=15)
+        # The stuck thread does not eat the only slot: the next job still runs.
+        next_id = relay.enqueue("after")
+        wait_for(lambda: job_status(db, next_id) == "succeeded", timeout=15)
+        release.set()
+    assert relay.get_job(job_id).last_error.startswith("JobTimeout")
+
+
+def test_transactional_handler_commits_with_success_or_not_at_all(
+    relay: Relay, dsn: str, db: psycopg.Connection
+) -> None:
+    db.execute("CREATE TABLE relay_test.orders_sent (job_id bigint PRIMARY KEY)")
+    try:
+
+        @relay.handler("tx_ok")
+        def tx_ok(job: Job, conn: psycopg.Connection) -> None:
+            conn.execute("INSERT INTO relay_test.orders_sent VALUES (%s)", (job.id,))
+
+        @relay.handler("tx_fail", max_attempts=1)
+        def tx_fail(job: Job, conn: psycopg.Connection) -> None:
+            conn.execute("INSERT INTO relay_test.orders_sent VALUES (%s)", (job.id,))
+            raise RuntimeError("after writing")
+
+        ok_id, fail_id = relay.enqueue("tx_ok"), relay.enqueue("tx_fail")
+        with running_worker(relay):
+            wait_for(lambda: job_status(db, ok_id) == "succeeded" and job_status(db, fail_id) == "dead")
+        sent = [r[0] for r in db.execute("SELECT job_id FROM relay_test.orders_sent")]
+        assert sent == [ok_id]
+    finally:
+        db.execute("DROP TABLE relay_test.orders_sent")
+
+
+def test_scheduled_job_waits_for_its_time(relay: Relay, db: psycopg.Connection) -> None:
+    started: dict[int, float] = {}
+
+    @relay.handler("later")
+    def later(job: Job) -> None:
+        started[job.id] = time.time()
+
+    db_now = db.execute("SELECT now()").fetchone()[0]
+    run_at = db_now + timedelta(seconds=1.5)
+    with running_worker(relay, poll_interval=0.2):
+        job_id = relay.enqueue("later", run_at=run_at)
+        time.sleep(0.5)
+        assert job_status(db, job_id) == "queued"
+        wait_for(lambda: job_status(db, job_id) == "succeeded", timeout=10)
+    lag = db.execute(
+        "SELECT extract(epoch FROM started_at - run_at) FROM relay.jobs WHERE id = %s", (job_id,)
+    ).fetchone()[0]
+    assert 0 <= lag < 1.0, f"started {lag}s after its run_at"
+
+
+def test_lower_priority_number_runs_first_then_older(relay: Relay, db: psycopg.Connection) -> None:
+    order: list[str] = []
+
+    @relay.handler("p")
+    def p(job: Job) -> None:
+        order.append(job.payload["name"])
+
+    relay.enqueue("p", {"name": "normal-1"})
+    relay.enqueue("p", {"name": "urgent"}, priority=-10)
+    relay.enqueue("p", {"name": "normal-2"})
+    relay.enqueue("p", {"name": "bulk"}, priority=10)
+    with running_worker(relay, concurrency=1):
+        wait_for(lambda: len(order) == 4)
+    assert order == ["urgent", "normal-1", "normal-2", "bulk"]
+
+
+def test_worker_serves_only_its_queues(relay: Relay, db: psycopg.Connection) -> None:
+    @relay.handler("q")
+    def q(job: Job) -> None:
+        return None
+
+    mine = [relay.enqueue("q", queue="emails"), relay.enqueue("q", queue="reports")]
+    other = relay.enqueue("q", queue="default")
+    with running_worker(relay, queues=("emails", "reports")):
+        wait_for(lambda: all(job_status(db, j) == "succeeded" for j in mine))
+        time.sleep(0.5)
+        assert job_status(db, other) == "queued"
+
+
+def test_heartbeats_keep_a_long_job_from_running_twice(relay: Relay, db: psycopg.Connection) -> None:
+    runs: list[int] = []
+
+    @relay.handler("long")
+    def long_job(job: Job) -> None:
+        runs.append(job.id)
+        time.sleep(4)
+
+    job_id = relay.enqueue("long")
+    with (
+        running_worker(relay, lease_seconds=1.5, heartbeat_interval=0.3, sweep_interval=0.2),
+        running_worker(relay, lease_seconds=1.5, heartbeat_interval=0.3, sweep_interval=0.2),
+    ):
+        wait_for(lambda: job_status(db, job_id) == "succeeded", timeout=20)
+    assert runs == [job_id], "a job longer than its lease ran twice"
+    assert relay.get_job(job_id).errors == []
+
+
+def test_worker_registry_records_and_retires_a_worker(relay: Relay, db: psycopg.Connection) -> None:
+    with running_worker(relay, queues=("a", "b"), concurrency=3, heartbeat_interval=0.3) as worker:
+        row = wait_for(
+            lambda: db.execute(
+                "SELECT queues, concurrency, pid, stopped_at FROM relay.workers WHERE id = %s", (worker.id,)
+            ).fetchone()
+        )
+        assert row[0] == ["a", "b"] and row[1] == 3 and row[3] is None
+        first_seen = db.execute("SELECT last_seen_at FROM relay.workers WHERE id = %s", (worker.id,)).fetchone()[0]
+        wait_for(
+            lambda: (
+                db.execute("SELECT last_seen_at FROM relay.workers WHERE id = %s", (worker.id,)).fetchone()[0]
+                > first_seen
+            ),
+            what="registry heartbeat",
+        )
+    stopped = db.execute("SELECT stopped_at FROM relay.workers WHERE id = %s", (worker.id,)).fetchone()[0]
+    assert stopped is not None
+
+
+def test_notify_wakes_an_idle_worker_long_before_its_poll(relay: Relay, db: psycopg.Connection) -> None:
+    @relay.handler("ping")
+    def ping(job: Job) -> None:
+        return None
+
+    with running_worker(relay, poll_interval=30.0) as worker:
+        wait_for(lambda: worker.listener.connected.is_set())
+        time.sleep(0.3)  # let the worker settle into its 30 s wait
+        job_id = relay.enqueue("ping")
+        wait_for(lambda: job_status(db, job_id) == "succeeded", timeout=10, what="woken by NOTIFY")
+
+
+def test_listener_listens_again_after_its_connection_is_killed(relay: Relay, db: psycopg.Connection) -> None:
+    @relay.handler("ping")
+    def ping(job: Job) -> None:
+        return None
+
+    with running_worker(relay, poll_interval=30.0) as worker:
+        wait_for(lambda: worker.listener.connected.is_set())
+        killed = db.execute(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE query LIKE 'LISTEN relay_jobs%%' "
+            "AND datname = current_database()"
+        ).fetchall()
+        assert killed and all(r[0] for r in killed)
+        wait_for(lambda: worker.listener.reconnects >= 1 and worker.listener.connected.is_set(), timeout=15)
+        time.sleep(0.3)
+        job_id = relay.enqueue("ping")
+        wait_for(lambda: job_status(db, job_id) == "succeeded", timeout=10, what="woken after re-LISTEN")
+
+
+def test_poll_only_mode_still_finds_every_job(relay: Relay, db: psycopg.Connection) -> None:
+    @relay.handler("ping")
+    def ping(job: Job) -> None:
+        return None
+
+    with running_worker(relay, listen=False, poll_interval=0.2) as worker:
+        assert worker.listener is None
+        ids = [relay.enqueue("ping") for _ in range(20)]
+        wait_for(lambda: all(job_status(db, j) == "succeeded" for j in ids))
+
+
+def test_worker_survives_its_connections_being_killed(relay: Relay, db: psycopg.Connection) -> None:
+    done: set[int] = set()
+
+    @relay.handler("n")
+    def n(job: Job) -> None:
+        done.add(job.id)
+
+    with running_worker(relay, poll_interval=0.1):
+        first = relay.enqueue_many([{"type": "n"} for _ in range(50)])
+        wait_for(lambda: all(job_status(db, j) == "succeeded" for j in first))
+        db.execute(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+            "WHERE datname = current_database() AND pid <> pg_backend_pid()"
+        )
+        second = relay.enqueue_many([{"type": "n"} for _ in range(50)])
+        wait_for(lambda: all(job_status(db, j) == "succeeded" for j in second), timeout=30)
+    assert done == set(first) | set(second)

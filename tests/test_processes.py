@@ -1,0 +1,161 @@
+"""Real worker processes and real signals: fencing (SIGSTOP/SIGCONT),
+graceful shutdown (SIGTERM), crashes (SIGKILL), and the zero-duplicate proof."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import psycopg
+import pytest
+
+from relay_core import Relay
+
+from .helpers import ROOT, start_worker_process, status_counts, stop_process, wait_for
+
+pytestmark = pytest.mark.slow
+
+
+def executions(db: psycopg.Connection, job_id: int | None = None) -> list[tuple]:
+    sql = "SELECT job_id, pid, attempt, lease_token, phase FROM relay_test.executions"
+    if job_id is None:
+        return db.execute(sql + " ORDER BY at").fetchall()
+    return db.execute(sql + " WHERE job_id = %s ORDER BY at", (job_id,)).fetchall()
+
+
+def job_row(db: psycopg.Connection, job_id: int) -> tuple:
+    return db.execute(
+        "SELECT status::text, attempts, lease_token, claimed_by, finished_at FROM relay.jobs WHERE id = %s", (job_id,)
+    ).fetchone()
+
+
+def test_paused_worker_cannot_complete_a_job_taken_over(
+    relay: Relay, db: psycopg.Connection, python: str, worker_env: dict, tmp_path: Path
+) -> None:
+    env = dict(worker_env, RELAY_SWEEP_INTERVAL="0.3", RELAY_POLL_INTERVAL="0.2")
+    log_a = tmp_path / "worker-a.log"
+    worker_a = start_worker_process(python, env, "--lease", "2", "--concurrency", "1", log=log_a)
+    worker_b = None
+    try:
+        job_id = relay.enqueue("record", {"sleep": 3})
+        wait_for(lambda: executions(db, job_id), what="worker A to start the job")
+        os.kill(worker_a.pid, signal.SIGSTOP)
+        worker_b = start_worker_process(python, env, "--lease", "2", "--concurrency", "1")
+        # A's lease runs out, a sweeper returns the job, B claims it and finishes it.
+        wait_for(lambda: job_row(db, job_id)[0] == "succeeded", timeout=30, what="worker B to finish the job")
+        after_b = job_row(db, job_id)
+        assert after_b[2] == 2, "B ran the job under the second lease"
+        os.kill(worker_a.pid, signal.SIGCONT)
+        # A wakes, its handler returns and records 'end', then its completion is fenced out.
+        wait_for(
+            lambda: any(row[1] == worker_a.pid and row[4] == "end" for row in executions(db, job_id)),
+            what="worker A to finish its stale run",
+        )
+        wait_for(lambda: "lease was taken over" in log_a.read_text(), timeout=15, what="A to learn it lost the job")
+        assert job_row(db, job_id) == after_b, "the stale completion changed the job"
+        runs = executions(db, job_id)
+        assert {(r[1], r[3]) for r in runs} == {(worker_a.pid, 1), (worker_b.pid, 2)}
+    finally:
+        if worker_a.poll() is None:
+            os.kill(worker_a.pid, signal.SIGCONT)
+        stop_process(worker_a)
+        if worker_b is not None:
+            stop_process(worker_b)
+
+
+def test_sigterm_hands_back_unfinished_jobs_at_once(
+    relay: Relay, db: psycopg.Connection, python: str, worker_env: dict
+) -> None:
+    worker = start_worker_process(python, worker_env, "--lease", "60", "--shutdown-timeout", "0.5")
+    try:
+        job_id = relay.enqueue("record", {"sleep": 30})
+        wait_for(lambda: executions(db, job_id), what="the job to start")
+        started = time.monotonic()
+        worker.send_signal(signal.SIGTERM)
+        assert worker.wait(15) == 0
+        assert time.monotonic() - started < 10
+        status, attempts, _token, _by, _finished = job_row(db, job_id)
+        # Back in the queue now, not after the 60 s lease, and the interrupted run spent no attempt.
+        assert (status, attempts) == ("queued", 0)
+        stopped = db.execute("SELECT stopped_at FROM relay.workers").fetchall()
+        assert stopped and stopped[0][0] is not None
+    finally:
+        stop_process(worker)
+
+
+def run_crash_drill(
+    relay: Relay, db: psycopg.Connection, python: str, env: dict, job_type: str, total: int
+) -> tuple[int, int]:
+    """Drain ``total`` jobs with three workers; SIGTERM one and SIGKILL another mid-batch."""
+    env = dict(env, RELAY_SWEEP_INTERVAL="0.5")
+    relay.enqueue_many([{"type": job_type, "payload": {"sleep": 0.02}} for _ in range(total)])
+    args = ("--lease", "3", "--concurrency", "4")
+    workers = [start_worker_process(python, env, *args) for _ in range(3)]
+    graceful, crashed, survivor = workers
+    try:
+        wait_for(lambda: status_counts(db).get("succeeded", 0) >= total // 5, timeout=60, what="progress")
+        graceful.send_signal(signal.SIGTERM)
+        crashed.send_signal(signal.SIGKILL)
+        assert graceful.wait(30) == 0
+        assert crashed.wait(10) == -signal.SIGKILL
+        wait_for(lambda: status_counts(db) == {"succeeded": total}, timeout=120, what="every job to succeed")
+    finally:
+        for proc in workers:
+            stop_process(proc)
+    return graceful.pid, crashed.pid
+
+
+def test_sigterm_and_sigkill_mid_batch_with_transactional_completion_run_each_job_once(
+    relay: Relay, db: psycopg.Connection, python: str, worker_env: dict
+) -> None:
+    total = 400
+    run_crash_drill(relay, db, python, worker_env, "record_tx", total)
+    per_job = db.execute("SELECT job_id, count(*) FROM relay_test.executions GROUP BY job_id").fetchall()
+    assert len(per_job) == total
+    assert all(count == 1 for _job, count in per_job), "a job's transactional work committed twice"
+
+
+def test_sigterm_and_sigkill_mid_batch_rerun_only_jobs_in_flight_in_the_killed_process(
+    relay: Relay, db: psycopg.Connection, python: str, worker_env: dict
+) -> None:
+    total = 400
+    graceful_pid, crashed_pid = run_crash_drill(relay, db, python, worker_env, "record", total)
+    ends = db.execute("SELECT job_id, count(*) FROM relay_test.executions WHERE phase = 'end' GROUP BY 1").fetchall()
+    assert len(ends) == total
+    rerun = db.execute(
+        "SELECT job_id, array_agg(pid ORDER BY at) FROM relay_test.executions WHERE phase = 'start' "
+        "GROUP BY job_id HAVING count(*) > 1"
+    ).fetchall()
+    for job_id, pids in rerun:
+        assert pids[0] == crashed_pid, f"job {job_id} re-ran though its first run was in {pids[0]}"
+    ran_in = dict(db.execute("SELECT pid, count(*) FROM relay_test.executions GROUP BY pid").fetchall())
+    assert ran_in.get(crashed_pid) and ran_in.get(graceful_pid), "both signalled workers were mid-batch"
+
+
+def test_relay_prove_finds_no_duplicates_and_loses_nothing(dsn: str, worker_env: dict, python: str) -> None:
+    result = subprocess.run(
+        [python, "-m", "relay_core", "prove", "--workers", "3", "--jobs", "5000", "--concurrency", "4"],
+        env=worker_env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    lines = dict(line.split(":", 1) for line in result.stdout.splitlines() if ":" in line)
+    assert lines["workers"].strip() == "3 processes"
+    assert lines["jobs"].strip() == "5000"
+    assert lines["succeeded"].strip() == "5000"
+    assert lines["duplicates found"].strip() == "0"
+    assert lines["jobs lost"].strip() == "0"
+    with psycopg.connect(dsn) as conn:
+        assert conn.execute("SELECT count(DISTINCT job_id) FROM relay_proof.executions").fetchone()[0] == 5000
+        assert (
+            conn.execute(
+                "SELECT count(*) FROM (SELECT job_id FROM relay_proof.executions GROUP BY 1 HAVING count(*) > 1) d"
+            ).fetchone()[0]
+            == 0
+        )

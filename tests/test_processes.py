@@ -94,7 +94,7 @@ def run_crash_drill(
     relay.enqueue_many([{"type": job_type, "payload": {"sleep": 0.02}} for _ in range(total)])
     args = ("--lease", "3", "--concurrency", "4")
     workers = [start_worker_process(python, env, *args) for _ in range(3)]
-    graceful, crashed, survivor = workers
+    graceful, crashed, _survivor = workers
     try:
         wait_for(lambda: status_counts(db).get("succeeded", 0) >= total // 5, timeout=60, what="progress")
         graceful.send_signal(signal.SIGTERM)

@@ -8,6 +8,7 @@ succeeded.
 
 from __future__ import annotations
 
+import atexit
 import os
 import subprocess
 import sys
@@ -34,6 +35,7 @@ def record_execution(job: Job) -> None:
     global _pool
     if _pool is None:
         _pool = ConnectionPool(app.dsn, min_size=1, max_size=8, open=True, name="relay-proof")
+        atexit.register(_pool.close)
     with _pool.connection() as conn:
         conn.execute(
             sql("proof_record_execution"),

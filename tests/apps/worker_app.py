@@ -6,6 +6,7 @@ Handlers write to ``relay_test.executions`` so tests can see every run:
 
 from __future__ import annotations
 
+import atexit
 import os
 import time
 
@@ -24,6 +25,7 @@ def pool() -> ConnectionPool:
     global _pool
     if _pool is None:
         _pool = ConnectionPool(relay.dsn, min_size=1, max_size=8, open=True, name="test-app")
+        atexit.register(_pool.close)
     return _pool
 
 

@@ -39,6 +39,17 @@ def _dsn() -> str:
         raise click.ClickException(str(exc)) from None
 
 
+def _dsn_or_embedded() -> str:
+    """DATABASE_URL when set, else an embedded PostgreSQL (stopped when this command exits)."""
+    try:
+        return database_url()
+    except ConfigurationError:
+        from .embedded import default_data_dir, start
+
+        click.echo(f"no DATABASE_URL: starting an embedded PostgreSQL in {default_data_dir()}", err=True)
+        return start()
+
+
 @click.group()
 @click.option(
     "--log-level",
@@ -162,7 +173,7 @@ def prove(workers: int, jobs: int, concurrency: int) -> None:
     """Drain JOBS jobs with WORKERS processes and audit for duplicates and losses."""
     from .prove import run_proof
 
-    dsn = _dsn()
+    dsn = _dsn_or_embedded()
     Relay(dsn).migrate()
     result = run_proof(dsn, workers=workers, jobs=jobs, concurrency=concurrency)
     click.echo(result.report())

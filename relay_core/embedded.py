@@ -7,6 +7,7 @@ directory is kept, so a second start reuses it.
 from __future__ import annotations
 
 import os
+import warnings
 from pathlib import Path
 
 from .errors import ConfigurationError
@@ -30,5 +31,8 @@ def start(data_dir: Path | None = None, *, cleanup: str = "stop") -> str:
         raise ConfigurationError("no DATABASE_URL set and the embedded PostgreSQL (pgserver) is not installed") from exc
     data_dir = data_dir or default_data_dir()
     data_dir.mkdir(parents=True, exist_ok=True)
-    server = pgserver.get_server(str(data_dir), cleanup_mode=cleanup)
+    with warnings.catch_warnings():
+        # pgserver asks platformdirs for a runtime dir; its fallback warning is noise here.
+        warnings.simplefilter("ignore")
+        server = pgserver.get_server(str(data_dir), cleanup_mode=cleanup)
     return server.get_uri()

@@ -193,3 +193,8 @@ def requeue(job_id: int) -> None:
     finally:
         relay.close()
     click.echo(f"job {job.id} is {job.status}")
+
+
+from .cli_users import user  # noqa: E402
+
+main.add_command(user)

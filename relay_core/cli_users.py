@@ -1,0 +1,120 @@
+"""``relay user ...``: manage who may use the admin surface.
+
+Relay ships no default account and no default password: the first admin is
+made here. Passwords are prompted for twice (never echoed), or read from
+standard input with ``--password-stdin`` so scripts never put one on a
+command line, where ``ps`` and shell history would show it.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import click
+import psycopg
+
+from . import users
+from .errors import ConfigurationError, RelayError
+from .settings import database_url, env_int
+
+
+def _connect() -> psycopg.Connection:
+    try:
+        dsn = database_url()
+    except ConfigurationError as exc:
+        raise click.ClickException(str(exc)) from None
+    try:
+        return psycopg.connect(dsn, autocommit=True)
+    except psycopg.OperationalError as exc:
+        raise click.ClickException(f"cannot connect to the database: {exc}") from None
+
+
+def _hasher() -> users.PasswordHasher:
+    """The same Argon2id parameters the web app uses (RELAY_ARGON2_* settings)."""
+    try:
+        return users.make_hasher(
+            env_int("RELAY_ARGON2_TIME_COST", 0) or None,
+            env_int("RELAY_ARGON2_MEMORY_COST", 0) or None,
+            env_int("RELAY_ARGON2_PARALLELISM", 0) or None,
+        )
+    except ConfigurationError as exc:
+        raise click.ClickException(str(exc)) from None
+
+
+def _read_password(from_stdin: bool) -> str:
+    if from_stdin:
+        # One line; the newline a pipe or heredoc adds is not part of the password.
+        return sys.stdin.readline().rstrip("\r\n")
+    return click.prompt("Password", hide_input=True, confirmation_prompt="Repeat the password")
+
+
+def _run(action: str, func: object, *args: object) -> None:
+    with _connect() as conn:
+        try:
+            func(conn, *args)  # type: ignore[operator]
+        except users.InvalidUserError as exc:
+            raise click.BadParameter(exc.message, param_hint=exc.field) from None
+        except psycopg.errors.UndefinedTable:
+            raise click.ClickException("Relay's tables are missing: run `relay migrate` first") from None
+        except RelayError as exc:
+            raise click.ClickException(f"{action} failed: {exc}") from None
+
+
+@click.group()
+def user() -> None:
+    """Manage admin-surface users (admin: read and act; viewer: read)."""
+
+
+@user.command("create")
+@click.argument("username")
+@click.option("--role", type=click.Choice(users.ROLES), required=True, help="admin acts on jobs; viewer only reads.")
+@click.option("--password-stdin", is_flag=True, help="Read the password from standard input instead of prompting.")
+def create(username: str, role: str, password_stdin: bool) -> None:
+    """Create a user; prompts for the password twice."""
+    try:
+        name = users.normalize_username(username)
+    except users.InvalidUserError as exc:
+        raise click.BadParameter(exc.message, param_hint="USERNAME") from None
+    password = _read_password(password_stdin)
+    _run("create", lambda conn: users.create_user(conn, name, password, role, hasher=_hasher()))
+    click.echo(f"created {role} {name}")
+
+
+@user.command("set-password")
+@click.argument("username")
+@click.option("--password-stdin", is_flag=True, help="Read the password from standard input instead of prompting.")
+def set_password(username: str, password_stdin: bool) -> None:
+    """Give a user a new password (their refresh tokens stop working)."""
+    password = _read_password(password_stdin)
+    _run("set-password", lambda conn: users.set_password(conn, username, password, hasher=_hasher()))
+    click.echo(f"password of {username.lower()} changed")
+
+
+@user.command("set-role")
+@click.argument("username")
+@click.argument("role", type=click.Choice(users.ROLES))
+def set_role(username: str, role: str) -> None:
+    """Make a user an admin or a viewer."""
+    _run("set-role", users.set_role, username, role)
+    click.echo(f"{username.lower()} is now {role}")
+
+
+@user.command("delete")
+@click.argument("username")
+def delete(username: str) -> None:
+    """Remove a user."""
+    _run("delete", users.delete_user, username)
+    click.echo(f"deleted {username.lower()}")
+
+
+@user.command("list")
+def list_() -> None:
+    """Show every user and their role."""
+    with _connect() as conn:
+        try:
+            found = users.list_users(conn)
+        except psycopg.errors.UndefinedTable:
+            raise click.ClickException("Relay's tables are missing: run `relay migrate` first") from None
+    for u in found:
+        seen = u.last_login_at.isoformat(timespec="seconds") if u.last_login_at else "never"
+        click.echo(f"{u.username}\t{u.role}\tlast login: {seen}")

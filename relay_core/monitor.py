@@ -1,0 +1,341 @@
+"""What the admin surface reads and does to many jobs at once.
+
+Listings page by keyset, bulk actions walk the table in short batches, and
+every count comes from the counters migration 0003 keeps, never from a count
+over ``relay.jobs``. Flask-free: the web app, the CLI and exporters share it.
+Every function takes a psycopg connection the caller owns.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+import psycopg
+from psycopg.rows import dict_row
+
+from .errors import RelayError
+from .queries import sql
+from .states import JobStatus
+from .validation import check_queue
+
+#: Largest page a listing returns, whatever the caller asks.
+MAX_PAGE = 200
+#: Characters of ``last_error`` a listing row carries (the job itself has all of it).
+LIST_ERROR_CHARS = 500
+#: Rows a bulk action changes per transaction.
+BULK_BATCH = 1000
+#: A worker that has not heartbeated for this long is gone.
+DEFAULT_STALE_SECONDS = 60.0
+#: Minutes of per-minute outcomes kept before they fold into all-time totals.
+OUTCOME_MINUTES_KEPT = 60
+#: Advisory-lock key of the counter fold ("relay" + "fold" as digits, arbitrary but fixed).
+FOLD_LOCK_KEY = 7_265_108_722
+
+_BIGINT_MAX = 2**63 - 1
+
+
+@dataclass(frozen=True)
+class JobFilter:
+    """Which jobs a listing or bulk action means; None matches anything.
+
+    ``q`` is a case-insensitive substring of the type or the last error.
+    """
+
+    status: str | None = None
+    queue: str | None = None
+    type: str | None = None
+    q: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.status is not None and self.status not in {s.value for s in JobStatus}:
+            raise RelayError(f"unknown status {self.status!r}")
+        if self.queue is not None:
+            check_queue(self.queue)
+        for name in ("queue", "type", "q"):
+            value = getattr(self, name)
+            if value is not None and "\x00" in value:
+                raise RelayError(f"{name} must not contain NUL characters")
+
+    def params(self) -> dict[str, Any]:
+        """Parameters shared by the filtered statements."""
+        return {"status": self.status, "queue": self.queue, "type": self.type, "q": self.q}
+
+
+@dataclass(frozen=True)
+class JobSummary:
+    """One row of a job listing (the error cut to :data:`LIST_ERROR_CHARS`)."""
+
+    id: int
+    type: str
+    queue: str
+    priority: int
+    status: str
+    attempts: int
+    max_attempts: int
+    run_at: datetime
+    created_at: datetime
+    started_at: datetime | None
+    finished_at: datetime | None
+    claimed_by: str | None
+    last_error: str | None
+
+
+@dataclass(frozen=True)
+class JobPage:
+    """A page of jobs, newest first; pass ``next_before`` back for the next page."""
+
+    jobs: list[JobSummary]
+    next_before: int | None
+
+
+@dataclass(frozen=True)
+class QueueDepth:
+    """One queue: its jobs per state and how long its oldest due job has waited."""
+
+    queue: str
+    counts: dict[str, int]
+    oldest_runnable_at: datetime | None
+    oldest_runnable_age_seconds: float | None
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    """One registered worker process and whether it is alive, stopped or gone."""
+
+    id: str
+    host: str
+    pid: int
+    queues: list[str]
+    concurrency: int
+    in_flight: int
+    started_at: datetime
+    last_seen_at: datetime
+    stopped_at: datetime | None
+    state: str
+    seconds_since_seen: float
+
+
+@dataclass(frozen=True)
+class MinuteOutcomes:
+    """Attempts that finished within one minute."""
+
+    minute: datetime
+    succeeded: int
+    failed: int
+    dead: int
+
+
+@dataclass(frozen=True)
+class OutcomeTotals:
+    """All-time attempts finished for one (queue, type)."""
+
+    queue: str
+    type: str
+    succeeded: int
+    failed: int
+    dead: int
+
+
+@dataclass(frozen=True)
+class WorkerCounts:
+    """How many registered workers are in each state."""
+
+    alive: int = 0
+    stopped: int = 0
+    gone: int = 0
+
+
+@dataclass(frozen=True)
+class Stats:
+    """Jobs per status now, and how attempts ended over the last minutes."""
+
+    counts: dict[str, int]
+    minutes: list[MinuteOutcomes] = field(default_factory=list)
+
+    @property
+    def succeeded(self) -> int:
+        """Successful attempts in the window."""
+        return sum(m.succeeded for m in self.minutes)
+
+    @property
+    def failed(self) -> int:
+        """Failed attempts (retried or dead) in the window."""
+        return sum(m.failed for m in self.minutes)
+
+    @property
+    def dead(self) -> int:
+        """Jobs that died in the window."""
+        return sum(m.dead for m in self.minutes)
+
+    @property
+    def failure_rate(self) -> float | None:
+        """Failed attempts over finished attempts in the window; None when nothing finished."""
+        finished = self.succeeded + self.failed
+        return self.failed / finished if finished else None
+
+
+def _rows(conn: psycopg.Connection, name: str, params: dict[str, Any]) -> list[dict[str, Any]]:
+    # Unprepared on purpose: each call is planned with its real filter values,
+    # so "%(x)s IS NULL OR ..." branches vanish and the right index is used.
+    with conn.cursor(row_factory=dict_row) as cur:
+        cur.execute(sql(name), params, prepare=False)
+        return cur.fetchall() if cur.description else []
+
+
+# -- listing -----------------------------------------------------------------
+
+
+def list_jobs(
+    conn: psycopg.Connection, where: JobFilter | None = None, *, limit: int = 50, before: int | None = None
+) -> JobPage:
+    """A page of jobs matching ``where``, newest first, older than id ``before``."""
+    if not 1 <= limit <= MAX_PAGE:
+        raise RelayError(f"limit must be between 1 and {MAX_PAGE}")
+    if before is not None and not 1 <= before <= _BIGINT_MAX:
+        raise RelayError("before must be a positive job id")
+    params = (where or JobFilter()).params()
+    params.update(limit=limit + 1, before=before, error_chars=LIST_ERROR_CHARS)
+    rows = _rows(conn, "job_list", params)
+    more = len(rows) > limit
+    jobs = [JobSummary(**row) for row in rows[:limit]]
+    return JobPage(jobs=jobs, next_before=jobs[-1].id if more else None)
+
+
+# -- bulk actions --------------------------------------------------------------
+
+
+def _bulk(conn: psycopg.Connection, statement: str, params: dict[str, Any], batch: int) -> int:
+    """Run a batched action over ids up to today's newest; each batch commits alone."""
+    with conn.transaction():
+        max_id = _rows(conn, "job_max_id", {})[0]["max_id"]
+    changed, after = 0, 0
+    while True:
+        with conn.transaction():
+            row = _rows(conn, statement, dict(params, after=after, max_id=max_id, batch=batch))[0]
+        changed += row["changed"]
+        if row["picked"] < batch or row["last_id"] is None:
+            return changed
+        after = row["last_id"]
+
+
+def requeue_matching(conn: psycopg.Connection, where: JobFilter, *, batch: int = BULK_BATCH) -> int:
+    """Requeue every dead or cancelled job matching ``where``; return how many changed.
+
+    ``where.status`` may narrow it to ``dead`` or ``cancelled``. Jobs that die
+    after the call began are left alone, so the walk always ends.
+    """
+    if where.status not in (None, JobStatus.DEAD, JobStatus.CANCELLED):
+        raise RelayError("only dead or cancelled jobs can be requeued")
+    return _bulk(conn, "job_requeue_matching", where.params(), batch)
+
+
+def cancel_matching(conn: psycopg.Connection, where: JobFilter, *, batch: int = BULK_BATCH) -> int:
+    """Cancel every queued job matching ``where``; return how many changed."""
+    if where.status not in (None, JobStatus.QUEUED):
+        raise RelayError("only queued jobs can be cancelled")
+    return _bulk(conn, "job_cancel_matching", where.params(), batch)
+
+
+def created_in_this_transaction(conn: psycopg.Connection, job_id: int) -> bool:
+    """Whether the open transaction inserted this job (an idempotent enqueue made it new)."""
+    rows = _rows(conn, "job_created_here", {"id": job_id})
+    return bool(rows and rows[0]["created_here"])
+
+
+# -- counters ------------------------------------------------------------------
+
+
+def fold_counters(conn: psycopg.Connection) -> bool:
+    """Fold the counter deltas into one row per key; False if another process is folding.
+
+    Readers call it before reading so the counter tables stay a few rows long
+    whatever the write rate; a long-lived process (a worker) may call it on a
+    timer so the deltas never pile up while nobody looks.
+    """
+    with conn.transaction():
+        if not _rows(conn, "job_counts_fold_lock", {"key": FOLD_LOCK_KEY})[0]["locked"]:
+            return False
+        _rows(conn, "job_counts_fold", {})
+        _rows(conn, "job_outcomes_fold", {"keep_minutes": OUTCOME_MINUTES_KEPT})
+    return True
+
+
+def queue_counts(conn: psycopg.Connection) -> dict[str, dict[str, int]]:
+    """Jobs per state of every queue that has any (states with none left out)."""
+    counts: dict[str, dict[str, int]] = {}
+    for row in _rows(conn, "job_counts_by_queue", {}):
+        counts.setdefault(row["queue"], {})[row["state"]] = row["n"]
+    return counts
+
+
+def status_counts(conn: psycopg.Connection) -> dict[str, int]:
+    """Jobs per status across all queues, every status present (zero when empty)."""
+    totals = {status.value: 0 for status in JobStatus}
+    for states in queue_counts(conn).values():
+        for state, n in states.items():
+            totals[state] += n
+    return totals
+
+
+def queue_depths(conn: psycopg.Connection) -> list[QueueDepth]:
+    """Every queue with its depth by state and the age of its oldest due job."""
+    counts = queue_counts(conn)
+    if not counts:
+        return []
+    oldest = {
+        row["queue"]: row
+        for row in _rows(conn, "queue_oldest_runnable", {"queues": [q for q, c in counts.items() if c.get("queued")]})
+    }
+    depths = []
+    for queue, states in counts.items():
+        full = {status.value: states.get(status.value, 0) for status in JobStatus}
+        row = oldest.get(queue)
+        at = row["oldest_run_at"] if row else None
+        age = max(0.0, (row["now"] - at).total_seconds()) if row and at else None
+        depths.append(QueueDepth(queue=queue, counts=full, oldest_runnable_at=at, oldest_runnable_age_seconds=age))
+    return depths
+
+
+def outcomes_per_minute(conn: psycopg.Connection, minutes: int = OUTCOME_MINUTES_KEPT) -> list[MinuteOutcomes]:
+    """Attempts finished in each of the last ``minutes`` minutes, oldest first."""
+    if not 1 <= minutes <= OUTCOME_MINUTES_KEPT:
+        raise RelayError(f"minutes must be between 1 and {OUTCOME_MINUTES_KEPT}")
+    return [MinuteOutcomes(**row) for row in _rows(conn, "job_outcomes_per_minute", {"minutes": minutes})]
+
+
+def outcome_totals(conn: psycopg.Connection) -> list[OutcomeTotals]:
+    """All-time finished attempts per (queue, type)."""
+    return [OutcomeTotals(**row) for row in _rows(conn, "job_outcome_totals", {})]
+
+
+def stats(conn: psycopg.Connection, minutes: int = OUTCOME_MINUTES_KEPT) -> Stats:
+    """Counts by status and the per-minute outcomes of the last ``minutes``."""
+    return Stats(counts=status_counts(conn), minutes=outcomes_per_minute(conn, minutes))
+
+
+# -- workers and health --------------------------------------------------------
+
+
+def list_workers(
+    conn: psycopg.Connection, *, stale_seconds: float = DEFAULT_STALE_SECONDS, limit: int = MAX_PAGE
+) -> list[WorkerInfo]:
+    """Registered workers, alive ones first, then the most recently seen."""
+    rows = _rows(conn, "worker_list", {"stale_seconds": stale_seconds, "limit": limit})
+    workers = []
+    for row in rows:
+        now = row.pop("now")
+        seen = max(0.0, (now - row["last_seen_at"]).total_seconds())
+        workers.append(WorkerInfo(**row, seconds_since_seen=seen))
+    return workers
+
+
+def worker_counts(conn: psycopg.Connection, *, stale_seconds: float = DEFAULT_STALE_SECONDS) -> WorkerCounts:
+    """How many registered workers are alive, stopped and gone."""
+    return WorkerCounts(**_rows(conn, "worker_counts", {"stale_seconds": stale_seconds})[0])
+
+
+def ping(conn: psycopg.Connection) -> bool:
+    """One round trip to the database."""
+    return _rows(conn, "database_ping", {})[0]["ok"] == 1

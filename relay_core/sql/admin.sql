@@ -1,0 +1,207 @@
+-- The admin surface's statements: listings, bulk actions and the counters that
+-- keep /queues, /stats and /metrics off full-table counts. Same format as
+-- queries.sql; relay_core/monitor.py runs them. Filters pass NULL for "any":
+-- monitor.py sends these statements unprepared, so PostgreSQL plans each call
+-- with its real values and drops the NULL branches.
+
+-- name: job_list
+-- One page of jobs, newest first, by keyset on id (stable under inserts, no
+-- OFFSET scan). %(q)s matches the type or the error text, case-insensitively,
+-- as a plain substring (strpos, so LIKE wildcards in it mean nothing).
+SELECT id, type, queue, priority, status::text AS status, attempts, max_attempts,
+       run_at, created_at, started_at, finished_at, claimed_by,
+       left(last_error, %(error_chars)s) AS last_error
+FROM relay.jobs
+WHERE (%(status)s::relay.job_status IS NULL OR status = %(status)s::relay.job_status)
+  AND (%(queue)s::text IS NULL OR queue = %(queue)s::text)
+  AND (%(type)s::text IS NULL OR type = %(type)s::text)
+  AND (%(q)s::text IS NULL
+       OR strpos(lower(type), lower(%(q)s::text)) > 0
+       OR strpos(lower(last_error), lower(%(q)s::text)) > 0)
+  AND (%(before)s::bigint IS NULL OR id < %(before)s::bigint)
+ORDER BY id DESC
+LIMIT %(limit)s;
+
+-- name: job_max_id
+-- The newest job id: bulk actions touch only jobs that existed when they began.
+SELECT coalesce(max(id), 0) AS max_id FROM relay.jobs;
+
+-- name: job_requeue_matching
+-- Admin, in bulk: up to %(batch)s dead or cancelled jobs matching the filter
+-- (ids in (%(after)s, %(max_id)s]) run again now with fresh attempts; their error
+-- history is kept. Returns how many changed and the last id looked at, so the
+-- caller walks the table in short transactions instead of one long one.
+-- transition: dead -> queued
+-- transition: cancelled -> queued
+WITH picked AS (
+    SELECT id FROM relay.jobs
+    WHERE status IN ('dead', 'cancelled')
+      AND (%(status)s::relay.job_status IS NULL OR status = %(status)s::relay.job_status)
+      AND (%(queue)s::text IS NULL OR queue = %(queue)s::text)
+      AND (%(type)s::text IS NULL OR type = %(type)s::text)
+      AND (%(q)s::text IS NULL
+           OR strpos(lower(type), lower(%(q)s::text)) > 0
+           OR strpos(lower(last_error), lower(%(q)s::text)) > 0)
+      AND id > %(after)s AND id <= %(max_id)s
+    ORDER BY id
+    LIMIT %(batch)s
+    FOR UPDATE SKIP LOCKED
+), requeued AS (
+    UPDATE relay.jobs AS j
+    SET status = 'queued', attempts = 0, run_at = now(), finished_at = NULL,
+        claimed_by = NULL, claimed_until = NULL
+    FROM picked
+    WHERE j.id = picked.id AND j.status IN ('dead', 'cancelled')
+    RETURNING j.id, j.queue
+), notified AS (
+    SELECT count(pg_notify('relay_jobs', queue)) AS n FROM (SELECT DISTINCT queue FROM requeued) AS woken
+)
+SELECT (SELECT count(*) FROM requeued) AS changed,
+       (SELECT count(*) FROM picked) AS picked,
+       (SELECT max(id) FROM picked) AS last_id,
+       (SELECT n FROM notified) AS notified;
+
+-- name: job_cancel_matching
+-- Admin, in bulk: up to %(batch)s queued jobs matching the filter (ids in
+-- (%(after)s, %(max_id)s]) will not run. Jobs a worker is claiming right now are
+-- skipped, not waited for: they are no longer queued when the claim commits.
+-- transition: queued -> cancelled
+WITH picked AS (
+    SELECT id FROM relay.jobs
+    WHERE status = 'queued'
+      AND (%(queue)s::text IS NULL OR queue = %(queue)s::text)
+      AND (%(type)s::text IS NULL OR type = %(type)s::text)
+      AND (%(q)s::text IS NULL
+           OR strpos(lower(type), lower(%(q)s::text)) > 0
+           OR strpos(lower(last_error), lower(%(q)s::text)) > 0)
+      AND id > %(after)s AND id <= %(max_id)s
+    ORDER BY id
+    LIMIT %(batch)s
+    FOR UPDATE SKIP LOCKED
+), cancelled AS (
+    UPDATE relay.jobs AS j SET status = 'cancelled', finished_at = now()
+    FROM picked
+    WHERE j.id = picked.id AND j.status = 'queued'
+    RETURNING j.id
+)
+SELECT (SELECT count(*) FROM cancelled) AS changed,
+       (SELECT count(*) FROM picked) AS picked,
+       (SELECT max(id) FROM picked) AS last_id;
+
+-- name: job_created_here
+-- Whether this transaction wrote the job's current row version: true right
+-- after an enqueue inserted it, false when an idempotency key returned an
+-- older job (exact, unlike comparing timestamps).
+SELECT xmin = pg_current_xact_id()::xid AS created_here FROM relay.jobs WHERE id = %(id)s;
+
+-- name: job_counts_fold_lock
+-- Only one folder at a time; the others read the unfolded deltas (still exact).
+SELECT pg_try_advisory_xact_lock(%(key)s) AS locked;
+
+-- name: job_counts_fold
+-- Replace the committed count deltas with one row per (queue, state). Deltas
+-- that commit meanwhile are not seen by the DELETE and stay for the next fold.
+WITH folded AS (
+    DELETE FROM relay.job_counts RETURNING queue, state, n
+)
+INSERT INTO relay.job_counts (queue, state, n)
+SELECT queue, state, sum(n) FROM folded GROUP BY queue, state HAVING sum(n) <> 0;
+
+-- name: job_outcomes_fold
+-- Replace the committed outcome deltas with one row per (minute, queue, type);
+-- minutes older than %(keep_minutes)s fold into one '-infinity' row per
+-- (queue, type) that keeps the all-time totals.
+WITH folded AS (
+    DELETE FROM relay.job_outcomes RETURNING minute, queue, type, succeeded, failed, dead
+)
+INSERT INTO relay.job_outcomes (minute, queue, type, succeeded, failed, dead)
+SELECT CASE WHEN minute < date_trunc('minute', now()) - make_interval(mins => %(keep_minutes)s::int)
+            THEN '-infinity'::timestamptz ELSE minute END AS bucket,
+       queue, type, sum(succeeded), sum(failed), sum(dead)
+FROM folded
+GROUP BY bucket, queue, type;
+
+-- name: job_counts_by_queue
+-- Jobs per (queue, state) from the counters, never from relay.jobs.
+SELECT queue, state::text AS state, sum(n)::bigint AS n
+FROM relay.job_counts
+GROUP BY queue, state
+HAVING sum(n) <> 0
+ORDER BY queue, state;
+
+-- name: queue_oldest_runnable
+-- Per queue, the run_at of the job that has waited longest among those due now.
+-- A loose index scan over jobs_runnable_idx: hop from one priority to the next,
+-- take each priority's earliest run_at, keep the earliest that is due. Cost
+-- grows with the number of distinct priorities, not with the backlog.
+SELECT q.queue, (
+    WITH RECURSIVE priorities AS (
+        (SELECT priority FROM relay.jobs
+         WHERE queue = q.queue AND status = 'queued' ORDER BY priority LIMIT 1)
+        UNION ALL
+        SELECT (SELECT j.priority FROM relay.jobs AS j
+                WHERE j.queue = q.queue AND j.status = 'queued' AND j.priority > p.priority
+                ORDER BY j.priority LIMIT 1)
+        FROM priorities AS p WHERE p.priority IS NOT NULL
+    )
+    SELECT min(earliest.run_at) FROM priorities AS p
+    CROSS JOIN LATERAL (
+        SELECT j.run_at FROM relay.jobs AS j
+        WHERE j.queue = q.queue AND j.status = 'queued' AND j.priority = p.priority
+        ORDER BY j.run_at LIMIT 1
+    ) AS earliest
+    WHERE earliest.run_at <= now()
+) AS oldest_run_at,
+now() AS now
+FROM unnest(%(queues)s::text[]) AS q(queue);
+
+-- name: job_outcomes_per_minute
+-- Succeeded, failed and dead attempts in each of the last %(minutes)s minutes
+-- (the current one included), zeros where nothing happened.
+WITH minutes AS (
+    SELECT generate_series(date_trunc('minute', now()) - make_interval(mins => %(minutes)s::int - 1),
+                           date_trunc('minute', now()), interval '1 minute') AS minute
+)
+SELECT m.minute,
+       coalesce(sum(o.succeeded), 0)::bigint AS succeeded,
+       coalesce(sum(o.failed), 0)::bigint AS failed,
+       coalesce(sum(o.dead), 0)::bigint AS dead
+FROM minutes AS m
+LEFT JOIN relay.job_outcomes AS o ON o.minute = m.minute
+GROUP BY m.minute
+ORDER BY m.minute;
+
+-- name: job_outcome_totals
+-- All-time attempts finished per (queue, type), for Prometheus counters.
+SELECT queue, type,
+       sum(succeeded)::bigint AS succeeded, sum(failed)::bigint AS failed, sum(dead)::bigint AS dead
+FROM relay.job_outcomes
+GROUP BY queue, type
+ORDER BY queue, type;
+
+-- name: worker_list
+-- The worker registry, live workers first. A worker is alive while it keeps
+-- heartbeating, stopped after a graceful shutdown, and gone when it went quiet
+-- without one (killed, or its machine vanished).
+SELECT id, host, pid, queues, concurrency, in_flight, started_at, last_seen_at, stopped_at,
+       CASE WHEN stopped_at IS NOT NULL THEN 'stopped'
+            WHEN last_seen_at >= now() - make_interval(secs => %(stale_seconds)s::float8) THEN 'alive'
+            ELSE 'gone' END AS state,
+       now() AS now
+FROM relay.workers
+ORDER BY (stopped_at IS NULL AND last_seen_at >= now() - make_interval(secs => %(stale_seconds)s::float8)) DESC,
+         last_seen_at DESC, id
+LIMIT %(limit)s;
+
+-- name: worker_counts
+-- How many registered workers are alive, stopped and gone.
+SELECT count(*) FILTER (WHERE stopped_at IS NULL
+                          AND last_seen_at >= now() - make_interval(secs => %(stale_seconds)s::float8)) AS alive,
+       count(*) FILTER (WHERE stopped_at IS NOT NULL) AS stopped,
+       count(*) FILTER (WHERE stopped_at IS NULL
+                          AND last_seen_at < now() - make_interval(secs => %(stale_seconds)s::float8)) AS gone
+FROM relay.workers;
+
+-- name: database_ping
+-- The readiness check's round trip.
+SELECT 1 AS ok;

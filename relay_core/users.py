@@ -1,0 +1,264 @@
+"""Users of the admin surface: Argon2id passwords, roles, and the login throttle.
+
+Flask-free so the CLI (``relay user create``), the demo and the web app share
+one implementation. Hashes are Argon2id PHC strings: their parameters travel
+with them, so raising the parameters upgrades each stored hash at its owner's
+next successful login. The throttle lives in PostgreSQL because a throttle in
+one web process's memory is dodged by the next process behind the balancer.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import secrets
+from dataclasses import dataclass
+from datetime import datetime
+from functools import lru_cache
+from typing import Any
+
+import psycopg
+from argon2 import PasswordHasher, Type
+from argon2.exceptions import InvalidHashError, VerificationError
+from psycopg.rows import dict_row
+
+from .errors import RelayError
+from .queries import sql
+
+ROLES = ("admin", "viewer")
+USERNAME = re.compile(r"^[a-z0-9_.@-]{1,150}$")
+MIN_PASSWORD_LENGTH = 8
+#: Longer inputs are refused before hashing: Argon2 would accept them, but a
+#: megabyte "password" is a way to make the server work, not a password.
+MAX_PASSWORD_LENGTH = 1024
+#: Throttle keys keep this much of a username, however long the name tried.
+_MAX_KEY_NAME = 200
+
+
+class UserError(RelayError):
+    """A user could not be created, changed or found."""
+
+
+class InvalidUserError(UserError, ValueError):
+    """A username, password or role was refused; ``field`` names which."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+        self.message = message
+
+
+class UserExists(UserError):
+    """The username is taken."""
+
+
+class UserNotFound(UserError, LookupError):
+    """No user has this name."""
+
+
+@dataclass(frozen=True)
+class User:
+    """A user as the rest of Relay sees it: never with the password hash."""
+
+    id: int
+    username: str
+    role: str
+    created_at: datetime
+    password_changed_at: datetime
+    last_login_at: datetime | None
+
+    @property
+    def is_admin(self) -> bool:
+        """Admins may act on jobs; viewers only read."""
+        return self.role == "admin"
+
+
+# -- hashing -------------------------------------------------------------------
+
+
+@lru_cache(maxsize=8)
+def make_hasher(
+    time_cost: int | None = None, memory_cost: int | None = None, parallelism: int | None = None
+) -> PasswordHasher:
+    """An Argon2id hasher; None keeps argon2-cffi's defaults (RFC 9106's low-memory profile)."""
+    defaults = PasswordHasher()
+    return PasswordHasher(
+        time_cost=time_cost or defaults.time_cost,
+        memory_cost=memory_cost or defaults.memory_cost,
+        parallelism=parallelism or defaults.parallelism,
+        type=Type.ID,
+    )
+
+
+@lru_cache(maxsize=8)
+def _decoy_hash(hasher: PasswordHasher) -> str:
+    # Verified against when the username is unknown, so a wrong name costs as
+    # long as a wrong password and response times do not reveal who exists.
+    return hasher.hash(secrets.token_urlsafe(32))
+
+
+# -- validation ----------------------------------------------------------------
+
+
+def normalize_username(username: Any) -> str:
+    """Lowercase a username and check it: 1-150 of a-z, 0-9, '_', '.', '@', '-'."""
+    if not isinstance(username, str):
+        raise InvalidUserError("username", "must be a string")
+    name = username.lower()
+    if not USERNAME.match(name):
+        raise InvalidUserError("username", "use 1-150 of a-z, 0-9, '_', '.', '@', '-'")
+    return name
+
+
+def check_password(password: Any) -> str:
+    """A password is a string of 8 to 1024 characters."""
+    if not isinstance(password, str):
+        raise InvalidUserError("password", "must be a string")
+    if len(password) < MIN_PASSWORD_LENGTH:
+        raise InvalidUserError("password", f"must be at least {MIN_PASSWORD_LENGTH} characters")
+    if len(password) > MAX_PASSWORD_LENGTH:
+        raise InvalidUserError("password", f"must be at most {MAX_PASSWORD_LENGTH} characters")
+    return password
+
+
+def check_role(role: Any) -> str:
+    """``admin`` or ``viewer``."""
+    if role not in ROLES:
+        raise InvalidUserError("role", f"must be one of {', '.join(ROLES)}")
+    return role
+
+
+# -- users ---------------------------------------------------------------------
+
+
+def _rows(conn: psycopg.Connection, name: str, params: dict[str, Any]) -> list[dict[str, Any]]:
+    with conn.cursor(row_factory=dict_row) as cur:
+        cur.execute(sql(name), params)
+        return cur.fetchall() if cur.description else []
+
+
+def _user(row: dict[str, Any]) -> User:
+    return User(**{k: v for k, v in row.items() if k != "password_hash"})
+
+
+def create_user(
+    conn: psycopg.Connection, username: str, password: str, role: str, *, hasher: PasswordHasher | None = None
+) -> User:
+    """Create a user; raise :class:`UserExists` if the name is taken."""
+    name = normalize_username(username)
+    check_role(role)
+    digest = (hasher or make_hasher()).hash(check_password(password))
+    rows = _rows(conn, "user_insert", {"username": name, "password_hash": digest, "role": role})
+    if not rows:
+        raise UserExists(f"user {name!r} already exists")
+    return _user(rows[0])
+
+
+def authenticate(
+    conn: psycopg.Connection, username: str, password: str, *, hasher: PasswordHasher | None = None
+) -> User | None:
+    """The user whose name and password these are, or None.
+
+    Unknown names cost one hash verification too. A hash made with other
+    parameters than ``hasher``'s is replaced by a fresh one on success.
+    """
+    hasher = hasher or make_hasher()
+    try:
+        name = normalize_username(username)
+    except InvalidUserError:
+        name = None
+    row = _rows(conn, "user_get_by_username", {"username": name})[0:1] if name else []
+    stored = row[0]["password_hash"] if row else _decoy_hash(hasher)
+    if not isinstance(password, str) or len(password) > MAX_PASSWORD_LENGTH:
+        password = ""
+    try:
+        hasher.verify(stored, password)
+    except (VerificationError, InvalidHashError):
+        return None
+    if not row:
+        return None
+    new_hash = hasher.hash(password) if hasher.check_needs_rehash(stored) else None
+    _rows(conn, "user_logged_in", {"id": row[0]["id"], "verified_hash": stored, "new_hash": new_hash})
+    return _user(row[0])
+
+
+def get_user(conn: psycopg.Connection, user_id: int) -> User | None:
+    """A user by id, or None if there is none (deleted since the token was issued)."""
+    rows = _rows(conn, "user_get", {"id": user_id})
+    return _user(rows[0]) if rows else None
+
+
+def list_users(conn: psycopg.Connection) -> list[User]:
+    """Every user, by name."""
+    return [_user(row) for row in _rows(conn, "user_list", {})]
+
+
+def set_password(
+    conn: psycopg.Connection, username: str, password: str, *, hasher: PasswordHasher | None = None
+) -> None:
+    """Give a user a new password; their refresh tokens stop working."""
+    digest = (hasher or make_hasher()).hash(check_password(password))
+    if not _rows(conn, "user_set_password", {"username": normalize_username(username), "password_hash": digest}):
+        raise UserNotFound(f"no user {username!r}")
+
+
+def set_role(conn: psycopg.Connection, username: str, role: str) -> None:
+    """Make a user an admin or a viewer."""
+    if not _rows(conn, "user_set_role", {"username": normalize_username(username), "role": check_role(role)}):
+        raise UserNotFound(f"no user {username!r}")
+
+
+def delete_user(conn: psycopg.Connection, username: str) -> None:
+    """Remove a user."""
+    if not _rows(conn, "user_delete", {"username": normalize_username(username)}):
+        raise UserNotFound(f"no user {username!r}")
+
+
+# -- login throttle --------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ThrottlePolicy:
+    """How many login attempts a username and a client address get per window.
+
+    The address limit is higher: one office behind one NAT address shares it.
+    """
+
+    window_seconds: float = 900.0
+    max_per_user: int = 5
+    max_per_address: int = 50
+
+    def __post_init__(self) -> None:
+        if self.window_seconds <= 0 or self.max_per_user < 1 or self.max_per_address < 1:
+            raise RelayError("login throttle limits must be positive")
+
+
+def _throttle_keys(username: str, address: str | None) -> tuple[str, str | None]:
+    user_key = "user:" + username.lower()[:_MAX_KEY_NAME]
+    return user_key, ("addr:" + address) if address else None
+
+
+def throttle_hit(conn: psycopg.Connection, policy: ThrottlePolicy, username: str, address: str | None) -> int | None:
+    """Count one login attempt; return the seconds to wait if it is over a limit, else None.
+
+    Commits on its own, before the password is checked, so every web process
+    sees the attempt at once.
+    """
+    user_key, address_key = _throttle_keys(username, address)
+    limits = {user_key: policy.max_per_user}
+    if address_key:
+        limits[address_key] = policy.max_per_address
+    with conn.transaction():
+        rows = _rows(conn, "login_throttle_hit", {"keys": sorted(limits), "window_seconds": policy.window_seconds})
+        _rows(conn, "login_throttle_prune", {"window_seconds": policy.window_seconds})
+    waits = [row["seconds_left"] for row in rows if row["failures"] > limits[row["key"]]]
+    if not waits:
+        return None
+    return max(1, math.ceil(max(waits)))
+
+
+def throttle_forgive(conn: psycopg.Connection, username: str, address: str | None) -> None:
+    """A login succeeded: clear its username's count and take back its address's attempt."""
+    user_key, address_key = _throttle_keys(username, address)
+    with conn.transaction():
+        _rows(conn, "login_throttle_forgive", {"user_key": user_key, "address_key": address_key})

@@ -15,6 +15,7 @@ from psycopg.rows import dict_row
 
 from .errors import IllegalTransition, JobNotFound
 from .queries import sql
+from .validation import check_queue
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,9 @@ class JobDetail:
     created_at: datetime
     started_at: datetime | None
     finished_at: datetime | None
+    cancel_requested_at: datetime | None = None
+    progress: Any = None
+    result: Any = None
 
 
 def get_job(conn: psycopg.Connection, job_id: int) -> JobDetail:
@@ -67,5 +71,33 @@ def requeue(conn: psycopg.Connection, job_id: int) -> JobDetail:
 
 
 def cancel(conn: psycopg.Connection, job_id: int) -> JobDetail:
-    """queued -> cancelled."""
-    return _act(conn, job_id, "job_cancel", "cancel", ("queued",))
+    """queued -> cancelled; for a claimed job, ask its handler to stop.
+
+    The running job stays ``claimed`` until its worker sees the request at a
+    heartbeat and the handler stops; then it becomes ``cancelled``.
+    """
+    with conn.transaction():
+        if conn.execute(sql("job_cancel"), {"id": job_id}).fetchall():
+            return get_job(conn, job_id)
+        if conn.execute(sql("job_request_cancel"), {"id": job_id}).fetchall():
+            return get_job(conn, job_id)
+        current = get_job(conn, job_id)
+        raise IllegalTransition(job_id, current.status, "cancel", ("queued", "claimed"))
+
+
+def set_queue_paused(conn: psycopg.Connection, queue: str, paused: bool) -> None:
+    """Pause or resume a queue; workers honour it at their next claim."""
+    check_queue(queue)
+    conn.execute(sql("queue_set_paused"), {"name": queue, "paused": paused})
+    conn.commit()
+
+
+def paused_queues(conn: psycopg.Connection) -> list[str]:
+    """The queues paused now."""
+    return [row[0] for row in conn.execute(sql("queue_paused_list")).fetchall()]
+
+
+def schedules(conn: psycopg.Connection) -> list[dict[str, Any]]:
+    """Periodic schedules with their last and next ticks."""
+    with conn.cursor(row_factory=dict_row) as cur:
+        return cur.execute(sql("schedule_list")).fetchall()

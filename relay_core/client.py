@@ -85,12 +85,22 @@ class Relay:
         backoff: Backoff | None = None,
         timeout: float | None = None,
         transactional: bool | None = None,
+        concurrency: int | None = None,
+        rate_limit: tuple[int, float] | None = None,
+        cron: str | None = None,
+        timezone: str = "UTC",
+        catch_up: bool = False,
+        queue: str = "default",
     ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
         """Register the decorated function as the handler of ``job_type``.
 
         ``timeout`` (seconds) fails an attempt that runs longer. A handler
         with a second parameter (``def h(job, conn)``) is transactional unless
-        ``transactional=False``.
+        ``transactional=False``. ``concurrency=N`` caps running jobs of the type
+        across all workers; ``rate_limit=(N, seconds)`` caps starts per sliding
+        window. ``cron="0 0 1 * *"`` (with ``timezone``) enqueues one job per
+        tick into ``queue``; ``catch_up=True`` enqueues the latest tick missed
+        while no worker ran.
         """
 
         def register(func: Callable[..., Any]) -> Callable[..., Any]:
@@ -103,6 +113,12 @@ class Relay:
                 backoff=backoff,
                 timeout=timeout,
                 transactional=transactional,
+                concurrency=concurrency,
+                rate_limit=rate_limit,
+                cron=cron,
+                timezone=timezone,
+                catch_up=catch_up,
+                queue=queue,
             )
             return func
 
@@ -264,9 +280,33 @@ class Relay:
             return admin.requeue(conn, job_id)
 
     def cancel(self, job_id: int) -> admin.JobDetail:
-        """Make a queued job cancelled so it never runs."""
+        """Cancel a job: a queued one never runs; a running one is asked to stop.
+
+        A running job's worker sees the request at its next heartbeat; the job
+        ends ``cancelled`` when its handler stops (see ``Job.cancel_requested``).
+        """
         with self.pool.connection() as conn:
             return admin.cancel(conn, job_id)
+
+    def pause_queue(self, queue: str) -> None:
+        """Stop every worker from claiming from ``queue`` (survives restarts)."""
+        with self.pool.connection() as conn:
+            admin.set_queue_paused(conn, queue, True)
+
+    def resume_queue(self, queue: str) -> None:
+        """Let workers claim from ``queue`` again."""
+        with self.pool.connection() as conn:
+            admin.set_queue_paused(conn, queue, False)
+
+    def paused_queues(self) -> list[str]:
+        """Names of the queues paused now."""
+        with self.pool.connection() as conn:
+            return admin.paused_queues(conn)
+
+    def schedules(self) -> list[dict[str, Any]]:
+        """Every periodic schedule with its last and next tick."""
+        with self.pool.connection() as conn:
+            return admin.schedules(conn)
 
     def worker(self, **settings: Any) -> Worker:
         """A worker for this app's handlers; settings override RELAY_* defaults."""

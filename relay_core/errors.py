@@ -75,3 +75,11 @@ class Snooze(RelayError):
             raise ValueError("snooze seconds must be >= 0")
         super().__init__(f"snoozed for {seconds}s")
         self.seconds = float(seconds)
+
+
+class JobCancelled(RelayError):
+    """Raised by a handler (or for it) when an admin asked its running job to stop.
+
+    A handler that raises anything after cancellation was requested ends the
+    job ``cancelled`` rather than failed.
+    """

@@ -8,7 +8,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from .backoff import DEFAULT_BACKOFF, Backoff
-from .validation import check_max_attempts, check_seconds, check_type
+from .schedule import check_cron
+from .validation import InvalidJobError, check_max_attempts, check_queue, check_seconds, check_type
 
 DEFAULT_MAX_ATTEMPTS = 20
 
@@ -28,6 +29,23 @@ class HandlerSpec:
     backoff: Backoff = DEFAULT_BACKOFF
     timeout: float | None = None
     transactional: bool = False
+    #: At most this many jobs of the type run at once across all workers.
+    concurrency: int | None = None
+    #: (starts, seconds): at most ``starts`` jobs of the type start per sliding ``seconds``.
+    rate_limit: tuple[int, float] | None = None
+    #: A periodic schedule: a 5-field cron expression or @daily, @monthly, ...
+    cron: str | None = None
+    #: Time zone the cron expression is read in.
+    timezone: str = "UTC"
+    #: Enqueue the latest tick missed while every worker was down (else skip it).
+    catch_up: bool = False
+    #: Queue periodic jobs go to.
+    queue: str = "default"
+
+    @property
+    def has_limits(self) -> bool:
+        """Whether the claim must respect a limit for this type."""
+        return self.concurrency is not None or self.rate_limit is not None
 
 
 def make_spec(
@@ -38,12 +56,31 @@ def make_spec(
     backoff: Backoff | None,
     timeout: float | None,
     transactional: bool | None,
+    concurrency: int | None = None,
+    rate_limit: tuple[int, float] | None = None,
+    cron: str | None = None,
+    timezone: str = "UTC",
+    catch_up: bool = False,
+    queue: str = "default",
 ) -> HandlerSpec:
     """Validate a registration; ``transactional`` defaults to "the handler takes a conn"."""
     check_type(job_type)
     check_max_attempts(max_attempts)
+    check_queue(queue)
     if timeout is not None:
         check_seconds("timeout", timeout)
+    if concurrency is not None and (
+        isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1
+    ):
+        raise InvalidJobError("concurrency", "must be a positive integer")
+    if rate_limit is not None:
+        if not (isinstance(rate_limit, tuple) and len(rate_limit) == 2 and isinstance(rate_limit[0], int)):
+            raise InvalidJobError("rate_limit", "must be (starts, seconds), e.g. (100, 60)")
+        if rate_limit[0] < 1:
+            raise InvalidJobError("rate_limit", "starts must be at least 1")
+        rate_limit = (rate_limit[0], check_seconds("rate_limit", rate_limit[1]))
+    if cron is not None:
+        check_cron(cron, timezone)
     if transactional is None:
         params = [p for p in inspect.signature(func).parameters.values() if p.kind != p.VAR_KEYWORD]
         transactional = len(params) >= 2
@@ -54,4 +91,10 @@ def make_spec(
         backoff=backoff or DEFAULT_BACKOFF,
         timeout=timeout,
         transactional=bool(transactional),
+        concurrency=concurrency,
+        rate_limit=rate_limit,
+        cron=cron,
+        timezone=timezone,
+        catch_up=catch_up,
+        queue=queue,
     )

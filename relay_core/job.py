@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
@@ -27,6 +28,8 @@ class Job:
     run_at: datetime
     created_at: datetime
     _lease_lost: threading.Event = field(default_factory=threading.Event, repr=False, compare=False)
+    _cancel_requested: threading.Event = field(default_factory=threading.Event, repr=False, compare=False)
+    _report: Callable[[Job, dict[str, Any]], bool] | None = field(default=None, repr=False, compare=False)
 
     @property
     def lease_lost(self) -> bool:
@@ -36,6 +39,36 @@ class Job:
         not be recorded, because another run now owns the job.
         """
         return self._lease_lost.is_set()
+
+    @property
+    def cancel_requested(self) -> bool:
+        """True once an admin asked this running job to stop (seen at a heartbeat).
+
+        A cooperative handler checks it between steps and raises
+        :class:`relay_core.JobCancelled` (or calls :meth:`raise_if_cancelled`).
+        """
+        return self._cancel_requested.is_set()
+
+    def raise_if_cancelled(self) -> None:
+        """Raise :class:`relay_core.JobCancelled` if cancellation was requested."""
+        if self._cancel_requested.is_set():
+            from .errors import JobCancelled
+
+            raise JobCancelled(f"job {self.id} was cancelled while running")
+
+    def progress(self, percent: float | None = None, message: str | None = None) -> bool:
+        """Report progress (shown on the job's admin page); False if the job is no longer ours.
+
+        Each call is one fenced UPDATE, so report per step, not per item.
+        """
+        if self._report is None:
+            return False
+        value: dict[str, Any] = {}
+        if percent is not None:
+            value["percent"] = max(0.0, min(100.0, float(percent)))
+        if message is not None:
+            value["message"] = str(message)[:500]
+        return self._report(self, value)
 
     @classmethod
     def from_row(cls, row: dict[str, Any]) -> Job:

@@ -10,6 +10,7 @@ workers and admin actions run, and every change seen must be legal.
 from __future__ import annotations
 
 import re
+import time
 from pathlib import Path
 
 import psycopg
@@ -125,10 +126,20 @@ def test_every_transition_seen_under_real_work_is_legal(relay: Relay, audited: p
             snoozed.add(job.id)
             raise Snooze(0.1)
 
-    ids = {name: relay.enqueue(name) for name in ("ok", "flaky", "hopeless", "sleepy")}
+    @relay.handler("stoppable")
+    def stoppable(job):  # type: ignore[no-untyped-def]
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            job.raise_if_cancelled()
+            time.sleep(0.05)
+
+    ids = {name: relay.enqueue(name) for name in ("ok", "flaky", "hopeless", "sleepy", "stoppable")}
     cancelled = relay.enqueue("ok", run_at=None, queue="parked")
     relay.cancel(cancelled)
-    with running_worker(relay, concurrency=2):
+    with running_worker(relay, concurrency=3, heartbeat_interval=0.3):
+        wait_for(lambda: relay.get_job(ids["stoppable"]).status == "claimed", what="stoppable job running")
+        relay.cancel(ids["stoppable"])
+        wait_for(lambda: relay.get_job(ids["stoppable"]).status == "cancelled", what="running job cancelled")
         wait_for(lambda: relay.get_job(ids["flaky"]).status == "dead", what="flaky job dead")
         wait_for(lambda: relay.get_job(ids["sleepy"]).status == "succeeded", what="snoozed job done")
         wait_for(lambda: relay.get_job(ids["hopeless"]).status == "dead", what="permanent failure dead")

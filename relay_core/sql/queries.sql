@@ -51,51 +51,82 @@ FROM inserted;
 SELECT idempotency_key, id FROM relay.jobs WHERE idempotency_key = ANY(%(idempotency_keys)s::text[]);
 
 -- name: job_claim
--- THE CLAIM. Take up to %(limit)s runnable jobs from the worker's queues in one
--- statement: for each queue walk jobs_runnable_idx in (priority, run_at, id)
--- order, skip rows another worker has locked, keep the best %(limit)s overall,
--- and mark them claimed with a fresh lease and fencing token.
+-- THE CLAIM. Take up to %(limit)s runnable jobs from the worker's unpaused
+-- queues in one statement: for each queue walk jobs_runnable_idx in
+-- (priority, run_at, id) order, skip rows another worker has locked and types
+-- with no room under their limits, keep the best %(limit)s overall, and mark
+-- them claimed with a fresh lease and fencing token. When type limits exist the
+-- worker runs claim_limits_lock first, in the same transaction.
 -- transition: queued -> claimed
-WITH candidates AS (
-    SELECT c.id, c.priority, c.run_at
-    FROM unnest(%(queues)s::text[]) AS q(name)
+WITH room AS (
+    -- How many more jobs of each limited type may start now (no row: unlimited).
+    SELECT l.type,
+           least(
+               coalesce(l.max_running - (SELECT count(*) FROM relay.jobs AS r
+                                         WHERE r.status = 'claimed' AND r.type = l.type), 2147483647),
+               coalesce(l.rate_limit - (SELECT count(*) FROM relay.rate_starts AS s
+                                        WHERE s.type = l.type
+                                          AND s.started_at > now() - make_interval(secs => l.rate_period_seconds)),
+                        2147483647)
+           ) AS n
+    FROM relay.type_limits AS l
+), candidates AS (
+    SELECT c.id, c.type, c.priority, c.run_at
+    FROM (SELECT name FROM unnest(%(queues)s::text[]) AS u(name)
+          WHERE name NOT IN (SELECT name FROM relay.queues WHERE paused)) AS q
     CROSS JOIN LATERAL (
-        SELECT id, priority, run_at FROM relay.jobs
+        SELECT id, type, priority, run_at FROM relay.jobs
         WHERE queue = q.name AND status = 'queued' AND run_at <= now()
+          AND type NOT IN (SELECT type FROM room WHERE n <= 0)
         ORDER BY priority, run_at, id
         LIMIT %(limit)s
         FOR UPDATE SKIP LOCKED
     ) AS c
-    ORDER BY c.priority, c.run_at, c.id
+), chosen AS (
+    SELECT ranked.id
+    FROM (SELECT candidates.*,
+                 row_number() OVER (PARTITION BY type ORDER BY priority, run_at, id) AS nth
+          FROM candidates) AS ranked
+    LEFT JOIN room ON room.type = ranked.type
+    WHERE room.n IS NULL OR ranked.nth <= room.n
+    ORDER BY ranked.priority, ranked.run_at, ranked.id
     LIMIT %(limit)s
+), claimed AS (
+    UPDATE relay.jobs AS j
+    SET status = 'claimed',
+        attempts = j.attempts + 1,
+        lease_token = j.lease_token + 1,
+        claimed_by = %(worker_id)s,
+        claimed_until = now() + make_interval(secs => %(lease_seconds)s),
+        started_at = now(),
+        progress = NULL
+    FROM chosen
+    WHERE j.id = chosen.id AND j.status = 'queued'
+    RETURNING j.id, j.type, j.queue, j.priority, j.payload, j.attempts, j.max_attempts,
+              j.lease_token, j.run_at, j.created_at
+), rate_logged AS (
+    INSERT INTO relay.rate_starts (type)
+    SELECT claimed.type FROM claimed
+    JOIN relay.type_limits AS l ON l.type = claimed.type AND l.rate_limit IS NOT NULL
 )
-UPDATE relay.jobs AS j
-SET status = 'claimed',
-    attempts = j.attempts + 1,
-    lease_token = j.lease_token + 1,
-    claimed_by = %(worker_id)s,
-    claimed_until = now() + make_interval(secs => %(lease_seconds)s),
-    started_at = now()
-FROM candidates
-WHERE j.id = candidates.id AND j.status = 'queued'
-RETURNING j.id, j.type, j.queue, j.priority, j.payload, j.attempts, j.max_attempts,
-          j.lease_token, j.run_at, j.created_at;
+SELECT * FROM claimed;
 
 -- name: job_heartbeat_many
--- Extend the leases a worker still holds; returns the ids that are still its own.
+-- Extend the leases a worker still holds; returns the ids that are still its
+-- own and whether an admin asked each to stop.
 UPDATE relay.jobs AS j
 SET claimed_until = now() + make_interval(secs => %(lease_seconds)s)
 FROM unnest(%(ids)s::bigint[], %(tokens)s::integer[]) AS held(id, token)
 WHERE j.id = held.id AND j.lease_token = held.token AND j.status = 'claimed'
-RETURNING j.id;
+RETURNING j.id, j.cancel_requested_at IS NOT NULL AS cancel_requested;
 
 -- name: job_succeed_many
 -- Record successes in one statement, fenced by status and lease token; returns
 -- the ids that were still this worker's.
 -- transition: claimed -> succeeded
 UPDATE relay.jobs AS j
-SET status = 'succeeded', finished_at = now(), claimed_until = NULL
-FROM unnest(%(ids)s::bigint[], %(tokens)s::integer[]) AS done(id, token)
+SET status = 'succeeded', finished_at = now(), claimed_until = NULL, result = done.result::jsonb
+FROM unnest(%(ids)s::bigint[], %(tokens)s::integer[], %(results)s::text[]) AS done(id, token, result)
 WHERE j.id = done.id AND j.lease_token = done.token AND j.status = 'claimed'
 RETURNING j.id;
 
@@ -140,13 +171,16 @@ RETURNING j.id;
 
 -- name: job_rescue_expired
 -- The sweeper, in one statement: jobs whose lease ran out (their worker died or
--- hung) go back to queued, or to dead when their attempts are spent. The outer
--- WHERE re-checks the lease itself, so a heartbeat or completion that won the
--- row first is never overwritten, and several sweepers can run at once.
--- transition: claimed -> queued, dead
+-- hung) go back to queued, or to dead when their attempts are spent, or to
+-- cancelled when an admin had asked them to stop. The outer WHERE re-checks the
+-- lease itself, so a heartbeat or completion that won the row first is never
+-- overwritten, and several sweepers can run at once.
+-- transition: claimed -> queued, dead, cancelled
 UPDATE relay.jobs AS j
-SET status = CASE WHEN j.attempts >= j.max_attempts THEN 'dead' ELSE 'queued' END::relay.job_status,
-    finished_at = CASE WHEN j.attempts >= j.max_attempts THEN now() END,
+SET status = CASE WHEN j.cancel_requested_at IS NOT NULL THEN 'cancelled'
+                  WHEN j.attempts >= j.max_attempts THEN 'dead'
+                  ELSE 'queued' END::relay.job_status,
+    finished_at = CASE WHEN j.cancel_requested_at IS NOT NULL OR j.attempts >= j.max_attempts THEN now() END,
     run_at = now(),
     last_error = 'lease expired: worker ' || j.claimed_by || ' stopped heartbeating',
     errors = j.errors || jsonb_build_array(jsonb_build_object(
@@ -173,7 +207,7 @@ RETURNING j.id, j.status::text AS status;
 WITH requeued AS (
     UPDATE relay.jobs
     SET status = 'queued', attempts = 0, run_at = now(), finished_at = NULL,
-        claimed_by = NULL, claimed_until = NULL
+        claimed_by = NULL, claimed_until = NULL, cancel_requested_at = NULL, progress = NULL, result = NULL
     WHERE id = %(id)s AND status IN ('dead', 'cancelled')
     RETURNING id, queue
 )
@@ -190,7 +224,7 @@ RETURNING id;
 -- One job with everything the admin surface shows.
 SELECT id, type, queue, priority, payload, status::text AS status, attempts, max_attempts,
        run_at, lease_token, claimed_by, claimed_until, idempotency_key, last_error,
-       errors, created_at, started_at, finished_at
+       errors, created_at, started_at, finished_at, cancel_requested_at, progress, result
 FROM relay.jobs WHERE id = %(id)s;
 
 -- name: job_status_by_ids

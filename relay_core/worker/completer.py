@@ -87,12 +87,13 @@ class Completer:
             return
 
     def write(self, batch: list[Outcome]) -> set[int]:
-        """Record a batch in at most three statements; return ids still this worker's."""
+        """Record a batch in one statement per outcome kind; return ids still this worker's."""
         succeeded = [o for o in batch if o.kind is Kind.SUCCEEDED]
         failed = [o for o in batch if o.kind in (Kind.RETRY, Kind.DEAD)]
         snoozed = [o for o in batch if o.kind is Kind.SNOOZED]
+        cancelled = [o for o in batch if o.kind is Kind.CANCELLED]
         ours: set[int] = {o.job.id for o in batch if o.kind is Kind.COMMITTED}
-        if not (succeeded or failed or snoozed):
+        if not (succeeded or failed or snoozed or cancelled):
             return ours
         with self._pool.connection() as conn:
             with conn.pipeline():
@@ -101,7 +102,11 @@ class Completer:
                     cursors.append(
                         conn.execute(
                             sql("job_succeed_many"),
-                            {"ids": [o.job.id for o in succeeded], "tokens": [o.job.lease_token for o in succeeded]},
+                            {
+                                "ids": [o.job.id for o in succeeded],
+                                "tokens": [o.job.lease_token for o in succeeded],
+                                "results": [o.result for o in succeeded],
+                            },
                             prepare=True,
                         )
                     )
@@ -129,6 +134,14 @@ class Completer:
                                 "tokens": [o.job.lease_token for o in snoozed],
                                 "delays": [o.delay for o in snoozed],
                             },
+                            prepare=True,
+                        )
+                    )
+                if cancelled:
+                    cursors.append(
+                        conn.execute(
+                            sql("job_cancel_running_many"),
+                            {"ids": [o.job.id for o in cancelled], "tokens": [o.job.lease_token for o in cancelled]},
                             prepare=True,
                         )
                     )

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from ..errors import ConfigurationError
 from ..settings import env_bool, env_float, env_int
 from ..validation import InvalidJobError, check_queue
+from .retention import Retention
 
 
 def _worker_id() -> str:
@@ -36,6 +37,8 @@ class WorkerConfig:
     shutdown_timeout: float = 25.0
     listen: bool = True
     worker_id: str = field(default_factory=_worker_id)
+    #: How long finished jobs are kept; None turns pruning off in this worker.
+    retention: Retention | None = field(default_factory=Retention)
 
     def __post_init__(self) -> None:
         if not self.queues:
@@ -67,6 +70,7 @@ class WorkerConfig:
             "sweep_interval": env_float("RELAY_SWEEP_INTERVAL", 5.0),
             "shutdown_timeout": env_float("RELAY_SHUTDOWN_TIMEOUT", 25.0),
             "listen": env_bool("RELAY_LISTEN", True),
+            "retention": Retention.from_env() if env_bool("RELAY_PRUNE", True) else None,
         }
         queues = os.environ.get("RELAY_QUEUES")
         if queues:

@@ -14,11 +14,11 @@ from collections.abc import Mapping
 from psycopg_pool import ConnectionPool
 
 from ..backoff import DEFAULT_BACKOFF
-from ..errors import HandlerNotFound, LeaseLost, PermanentFailure, Snooze
+from ..errors import HandlerNotFound, JobCancelled, LeaseLost, PermanentFailure, Snooze
 from ..handlers import HandlerSpec
 from ..job import Job
 from ..queries import sql
-from .outcome import Kind, Outcome, describe
+from .outcome import Kind, Outcome, describe, result_json
 
 
 def run(job: Job, handlers: Mapping[str, HandlerSpec], pool: ConnectionPool, worker_id: str) -> Outcome:
@@ -34,14 +34,15 @@ def run(job: Job, handlers: Mapping[str, HandlerSpec], pool: ConnectionPool, wor
         if spec.transactional:
             _run_transactional(job, spec, pool)
             return Outcome(job, Kind.COMMITTED, time.monotonic() - started)
-        spec.func(job)
-        return Outcome(job, Kind.SUCCEEDED, time.monotonic() - started)
+        value = spec.func(job)
+        return Outcome(job, Kind.SUCCEEDED, time.monotonic() - started, result=result_json(value))
     except Snooze as snooze:
         return Outcome(job, Kind.SNOOZED, time.monotonic() - started, delay=snooze.seconds)
     except BaseException as exc:
         message, entry = describe(exc, job, worker_id)
-        permanent = isinstance(exc, PermanentFailure)
-        if permanent or job.attempt >= job.max_attempts:
+        if isinstance(exc, JobCancelled) or job.cancel_requested:
+            return Outcome(job, Kind.CANCELLED, time.monotonic() - started, message=message, error=entry)
+        if isinstance(exc, PermanentFailure) or job.attempt >= job.max_attempts:
             return Outcome(job, Kind.DEAD, time.monotonic() - started, message=message, error=entry)
         delay = (spec.backoff if spec else DEFAULT_BACKOFF).delay(job.attempt)
         return Outcome(job, Kind.RETRY, time.monotonic() - started, delay=delay, message=message, error=entry)
@@ -50,7 +51,10 @@ def run(job: Job, handlers: Mapping[str, HandlerSpec], pool: ConnectionPool, wor
 def _run_transactional(job: Job, spec: HandlerSpec, pool: ConnectionPool) -> None:
     """Handler and fenced success in one transaction; LeaseLost rolls both back."""
     with pool.connection() as conn, conn.transaction():
-        spec.func(job, conn)
-        done = conn.execute(sql("job_succeed_many"), {"ids": [job.id], "tokens": [job.lease_token]}).fetchall()
+        value = spec.func(job, conn)
+        done = conn.execute(
+            sql("job_succeed_many"),
+            {"ids": [job.id], "tokens": [job.lease_token], "results": [result_json(value)]},
+        ).fetchall()
         if not done:
             raise LeaseLost(f"job {job.id} is no longer this worker's; its work was rolled back")

@@ -38,17 +38,20 @@ def sweep_once(conn: psycopg.Connection, limit: int = SWEEP_BATCH) -> dict[str, 
             return counts
 
 
-def heartbeat_once(conn: psycopg.Connection, held: dict[int, int], lease_seconds: float) -> set[int]:
-    """Extend the leases in ``held`` (id -> token); return the ids no longer ours."""
+def heartbeat_once(conn: psycopg.Connection, held: dict[int, int], lease_seconds: float) -> tuple[set[int], set[int]]:
+    """Extend the leases in ``held`` (id -> token).
+
+    Returns the ids no longer ours and the ids an admin asked to cancel.
+    """
     if not held:
-        return set()
+        return set(), set()
     ids = list(held)
     rows = conn.execute(
         sql("job_heartbeat_many"),
         {"ids": ids, "tokens": [held[i] for i in ids], "lease_seconds": lease_seconds},
     ).fetchall()
     conn.commit()
-    return set(ids) - {row[0] for row in rows}
+    return set(ids) - {row[0] for row in rows}, {row[0] for row in rows if row[1]}
 
 
 def register(conn: psycopg.Connection, worker_id: str, queues: tuple[str, ...], concurrency: int) -> None:
@@ -79,8 +82,12 @@ class Maintenance:
         sweep_interval: float,
         held_leases: Callable[[], dict[int, int]],
         on_lost: Callable[[set[int]], None],
+        on_cancel: Callable[[set[int]], None],
         in_flight: Callable[[], int],
         check_timeouts: Callable[[], None],
+        periodic: Callable[[psycopg.Connection], object] | None = None,
+        prune: Callable[[psycopg.Connection], dict[str, int]] | None = None,
+        prune_interval: float = 60.0,
     ) -> None:
         self._pool = pool
         self._worker_id = worker_id
@@ -89,6 +96,10 @@ class Maintenance:
         self._sweep_interval = sweep_interval
         self._held_leases = held_leases
         self._on_lost = on_lost
+        self._on_cancel = on_cancel
+        self._periodic = periodic
+        self._prune = prune
+        self._prune_interval = prune_interval
         self._in_flight = in_flight
         self._check_timeouts = check_timeouts
         self._stop = threading.Event()
@@ -107,10 +118,12 @@ class Maintenance:
     def heartbeat(self) -> None:
         """Renew leases and the registry entry; report leases that were taken over."""
         with self._pool.connection() as conn:
-            lost = heartbeat_once(conn, self._held_leases(), self._lease_seconds)
+            lost, cancel = heartbeat_once(conn, self._held_leases(), self._lease_seconds)
             conn.execute(sql("worker_heartbeat"), {"id": self._worker_id, "in_flight": self._in_flight()})
         if lost:
             self._on_lost(lost)
+        if cancel:
+            self._on_cancel(cancel)
 
     def sweep(self) -> dict[str, int]:
         """Run the sweeper once."""
@@ -121,11 +134,30 @@ class Maintenance:
             event(logging.WARNING, "rescued jobs with expired leases", requeued=counts["queued"], dead=counts["dead"])
         return counts
 
+    def run_periodic(self) -> None:
+        """Enqueue due periodic ticks once."""
+        if self._periodic is not None:
+            with self._pool.connection() as conn:
+                self._periodic(conn)
+
+    def prune(self) -> dict[str, int]:
+        """Run retention once."""
+        if self._prune is None:
+            return {}
+        with self._pool.connection() as conn:
+            deleted = self._prune(conn)
+        if any(deleted.values()):
+            event(logging.INFO, "pruned finished jobs", **deleted)
+        return deleted
+
     def _loop(self) -> None:
         now = time.monotonic()
         next_heartbeat = now + self._heartbeat_interval
-        # Spread sweepers of workers started together.
-        next_sweep = now + self._sweep_interval * (0.5 + (os.getpid() % 100) / 200)
+        # Spread sweepers (and pruners) of workers started together.
+        spread = 0.5 + (os.getpid() % 100) / 200
+        next_sweep = now + self._sweep_interval * spread
+        next_prune = now + min(self._prune_interval * spread, 10.0)
+        next_periodic = now
         while not self._stop.wait(0.2):
             self._check_timeouts()
             now = time.monotonic()
@@ -136,6 +168,12 @@ class Maintenance:
                 if now >= next_sweep:
                     next_sweep = now + self._sweep_interval
                     self.sweep()
+                if now >= next_periodic:
+                    next_periodic = now + 1.0
+                    self.run_periodic()
+                if now >= next_prune:
+                    next_prune = now + self._prune_interval
+                    self.prune()
             except (psycopg.OperationalError, psycopg.InterfaceError, PoolTimeout) as exc:
                 event(logging.WARNING, "maintenance could not reach the database; will retry", error=str(exc))
                 next_heartbeat = min(next_heartbeat, now + 1.0)

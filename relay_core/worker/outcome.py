@@ -12,6 +12,7 @@ from ..job import Job
 
 MAX_TRACEBACK_CHARS = 8000
 MAX_MESSAGE_CHARS = 2000
+MAX_RESULT_BYTES = 64 * 1024
 
 
 class Kind(StrEnum):
@@ -22,6 +23,7 @@ class Kind(StrEnum):
     DEAD = "dead"  # failed for good
     SNOOZED = "snoozed"  # back to queued later, attempt not spent
     COMMITTED = "committed"  # transactional success, already written by the run itself
+    CANCELLED = "cancelled"  # stopped after an admin asked it to
 
 
 @dataclass
@@ -34,10 +36,26 @@ class Outcome:
     delay: float = 0.0
     message: str | None = None
     error: dict[str, Any] | None = None
+    result: str | None = None  # the handler's return value as JSON text
 
     def error_json(self) -> str:
         """The error-history entry as JSON text for ``job_fail_many``."""
         return json.dumps(self.error or {}, default=str)
+
+
+def result_json(value: Any, limit: int = MAX_RESULT_BYTES) -> str | None:
+    """A handler's return value as JSON text; None for None, a marker when it cannot be kept."""
+    if value is None:
+        return None
+    try:
+        text = json.dumps(value, allow_nan=False, separators=(",", ":"))
+    except (TypeError, ValueError):
+        return json.dumps({"unstored_result": f"not JSON-serializable: {type(value).__name__}"})
+    if "\\u0000" in text:
+        return json.dumps({"unstored_result": "contains NUL characters"})
+    if len(text.encode("utf-8")) > limit:
+        return json.dumps({"unstored_result": f"over {limit} bytes"})
+    return text
 
 
 def describe(exc: BaseException, job: Job, worker_id: str) -> tuple[str, dict[str, Any]]:

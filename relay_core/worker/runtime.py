@@ -8,6 +8,7 @@ sweeps and enforces timeouts; the listener turns NOTIFY into wake-ups.
 
 from __future__ import annotations
 
+import json
 import logging
 import queue
 import signal
@@ -25,12 +26,13 @@ from ..handlers import HandlerSpec
 from ..job import Job
 from ..logs import event
 from ..queries import sql
-from . import executor
+from . import executor, limits, periodic
 from .completer import Completer
 from .config import WorkerConfig
 from .listener import Listener
 from .maintenance import Maintenance, register
 from .outcome import Kind, Outcome, describe
+from .retention import prune_once
 
 #: How long the producer lets freed slots gather before claiming for them.
 CLAIM_COALESCE_SECONDS = 0.002
@@ -101,8 +103,11 @@ class Worker:
             sweep_interval=self.config.sweep_interval,
             held_leases=self.held_leases,
             on_lost=self._on_lost,
+            on_cancel=self._on_cancel,
             in_flight=self.in_flight,
             check_timeouts=self._check_timeouts,
+            periodic=self._enqueue_periodic if any(s.cron for s in self.handlers.values()) else None,
+            prune=(lambda conn: prune_once(conn, self.config.retention)) if self.config.retention else None,
         )
         self.listener = Listener(dsn, self.config.queues, self._wake.set) if self.config.listen else None
 
@@ -190,6 +195,28 @@ class Worker:
                 self._awaiting_write.pop(jid, None)
         event(logging.WARNING, "leases taken over by another worker", job_ids=sorted(lost))
 
+    def _on_cancel(self, ids: set[int]) -> None:
+        with self._lock:
+            for jid in ids:
+                running = self._running.get(jid)
+                if running is not None and not running.job.cancel_requested:
+                    running.job._cancel_requested.set()
+                    event(logging.INFO, "cancellation requested", job_id=jid, type=running.job.type)
+
+    def _enqueue_periodic(self, conn: psycopg.Connection) -> None:
+        periodic.enqueue_due(conn, self.handlers.values())
+
+    def _report_progress(self, job: Job, progress: dict) -> bool:  # type: ignore[type-arg]
+        try:
+            with self.pool.connection() as conn:
+                row = conn.execute(
+                    sql("job_set_progress"),
+                    {"id": job.id, "token": job.lease_token, "progress": json.dumps(progress)},
+                ).fetchone()
+        except (psycopg.OperationalError, psycopg.InterfaceError, PoolTimeout):
+            return False
+        return row is not None
+
     def _finish(self, slot: Slot, job: Job, outcome: Outcome) -> None:
         with self._lock:
             running = self._running.get(job.id)
@@ -257,24 +284,28 @@ class Worker:
     # -- the producer ------------------------------------------------------
 
     def claim(self, limit: int) -> list[Job]:
-        """Claim up to ``limit`` jobs in one statement (THE CLAIM in queries.sql)."""
+        """Claim up to ``limit`` jobs in one statement (THE CLAIM in queries.sql).
+
+        The lock statement and the claim travel in one pipeline, so the claim
+        still costs a single round trip; the lock is only taken while some job
+        type has a limit.
+        """
+        params = {
+            "queues": list(self.config.queues),
+            "limit": limit,
+            "worker_id": self.id,
+            "lease_seconds": self.config.lease_seconds,
+        }
         with self.pool.connection() as conn:
-            conn.autocommit = True
-            try:
-                with conn.cursor(row_factory=dict_row) as cur:
-                    rows = cur.execute(
-                        sql("job_claim"),
-                        {
-                            "queues": list(self.config.queues),
-                            "limit": limit,
-                            "worker_id": self.id,
-                            "lease_seconds": self.config.lease_seconds,
-                        },
-                        prepare=True,
-                    ).fetchall()
-            finally:
-                conn.autocommit = False
-        return [Job.from_row(row) for row in rows]
+            with conn.pipeline(), conn.transaction():
+                conn.execute(sql("claim_limits_lock"), prepare=True)
+                cur = conn.cursor(row_factory=dict_row)
+                cur.execute(sql("job_claim"), params, prepare=True)
+            rows = cur.fetchall()
+        jobs = [Job.from_row(row) for row in rows]
+        for job in jobs:
+            job._report = self._report_progress
+        return jobs
 
     def _dispatch(self, jobs: list[Job]) -> None:
         with self._lock:
@@ -312,6 +343,8 @@ class Worker:
     def _register(self) -> None:
         with self.pool.connection() as conn:
             register(conn, self.id, self.config.queues, self.config.concurrency)
+            limits.publish(conn, self.handlers.values())
+            periodic.publish(conn, self.handlers.values())
 
     def _with_retry(self, action) -> None:  # type: ignore[no-untyped-def]
         delay = 0.1

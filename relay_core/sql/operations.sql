@@ -1,0 +1,111 @@
+-- Statements for operating Relay: paused queues, type limits, schedules,
+-- retention, cancellation of running jobs, progress. Same format as queries.sql.
+
+-- name: claim_limits_lock
+-- Claims that may hit a type limit serialise on one advisory lock, taken in the
+-- claim's transaction before the claim statement, so that statement's snapshot
+-- sees every earlier claim. Without limits no lock is taken.
+SELECT pg_advisory_xact_lock(7265108723) FROM relay.type_limits LIMIT 1;
+
+-- name: queue_set_paused
+-- Pause or resume a queue; workers skip paused queues at their next claim.
+INSERT INTO relay.queues (name, paused, paused_at, updated_at)
+VALUES (%(name)s, %(paused)s, CASE WHEN %(paused)s THEN now() END, now())
+ON CONFLICT (name) DO UPDATE
+SET paused = excluded.paused, paused_at = excluded.paused_at, updated_at = now()
+RETURNING name, paused, paused_at;
+
+-- name: queue_paused_list
+-- Queues that are paused now.
+SELECT name, paused_at FROM relay.queues WHERE paused ORDER BY name;
+
+-- name: type_limit_upsert
+-- A worker publishes the limits its handler declares for a type.
+INSERT INTO relay.type_limits (type, max_running, rate_limit, rate_period_seconds, updated_at)
+VALUES (%(type)s, %(max_running)s, %(rate_limit)s, %(rate_period_seconds)s, now())
+ON CONFLICT (type) DO UPDATE
+SET max_running = excluded.max_running, rate_limit = excluded.rate_limit,
+    rate_period_seconds = excluded.rate_period_seconds, updated_at = now()
+WHERE (relay.type_limits.max_running, relay.type_limits.rate_limit, relay.type_limits.rate_period_seconds)
+      IS DISTINCT FROM (excluded.max_running, excluded.rate_limit, excluded.rate_period_seconds);
+
+-- name: type_limit_delete
+-- A worker's handler for a type declares no limits any more.
+DELETE FROM relay.type_limits WHERE type = %(type)s;
+
+-- name: type_limit_list
+-- Every declared limit with the jobs of that type running now.
+SELECT l.type, l.max_running, l.rate_limit, l.rate_period_seconds,
+       (SELECT count(*) FROM relay.jobs r WHERE r.status = 'claimed' AND r.type = l.type) AS running
+FROM relay.type_limits l ORDER BY l.type;
+
+-- name: rate_starts_prune
+-- Forget starts older than every rate window.
+DELETE FROM relay.rate_starts s
+WHERE s.started_at < now() - make_interval(secs => coalesce(
+    (SELECT max(rate_period_seconds) FROM relay.type_limits), 0));
+
+-- name: schedule_upsert
+-- A worker publishes a periodic schedule; a changed cron expression starts from now.
+INSERT INTO relay.schedules (type, cron, timezone, queue, last_tick, next_tick, updated_at)
+VALUES (%(type)s, %(cron)s, %(timezone)s, %(queue)s, %(last_tick)s, %(next_tick)s, now())
+ON CONFLICT (type) DO UPDATE
+SET cron = excluded.cron, timezone = excluded.timezone, queue = excluded.queue,
+    last_tick = CASE WHEN (relay.schedules.cron, relay.schedules.timezone) = (excluded.cron, excluded.timezone)
+                     THEN relay.schedules.last_tick ELSE excluded.last_tick END,
+    next_tick = CASE WHEN (relay.schedules.cron, relay.schedules.timezone) = (excluded.cron, excluded.timezone)
+                     THEN relay.schedules.next_tick ELSE excluded.next_tick END,
+    updated_at = now()
+RETURNING type, cron, timezone, queue, last_tick, next_tick;
+
+-- name: schedule_advance
+-- Claim one tick of a schedule: only the worker whose UPDATE moves last_tick
+-- forward enqueues it (in the same transaction).
+UPDATE relay.schedules
+SET last_tick = %(tick)s, next_tick = %(next_tick)s, updated_at = now()
+WHERE type = %(type)s AND (last_tick IS NULL OR last_tick < %(tick)s)
+RETURNING type;
+
+-- name: schedule_list
+-- Every schedule with its next run.
+SELECT type, cron, timezone, queue, last_tick, next_tick FROM relay.schedules ORDER BY next_tick NULLS LAST, type;
+
+-- name: db_now
+-- The database clock; every decision about time uses it.
+SELECT now();
+
+-- name: job_prune_finished
+-- Retention: delete up to %(limit)s finished jobs of one status older than the
+-- cutoff, oldest ids first, skipping rows anyone holds. Per-minute history
+-- lives in relay.job_outcomes and is not touched.
+DELETE FROM relay.jobs
+WHERE id IN (
+    SELECT id FROM relay.jobs
+    WHERE status = %(status)s::relay.job_status
+      AND finished_at < now() - make_interval(secs => %(older_than_seconds)s)
+    ORDER BY id
+    LIMIT %(limit)s
+    FOR UPDATE SKIP LOCKED
+)
+RETURNING id;
+
+-- name: job_request_cancel
+-- Admin: ask a running job to stop; its worker sees it at the next heartbeat.
+UPDATE relay.jobs SET cancel_requested_at = now()
+WHERE id = %(id)s AND status = 'claimed' AND cancel_requested_at IS NULL
+RETURNING id;
+
+-- name: job_cancel_running_many
+-- A handler stopped after cancellation was requested: the job ends cancelled, fenced.
+-- transition: claimed -> cancelled
+UPDATE relay.jobs AS j
+SET status = 'cancelled', finished_at = now(), claimed_until = NULL
+FROM unnest(%(ids)s::bigint[], %(tokens)s::integer[]) AS c(id, token)
+WHERE j.id = c.id AND j.lease_token = c.token AND j.status = 'claimed'
+RETURNING j.id;
+
+-- name: job_set_progress
+-- A running handler reports progress, fenced by its lease.
+UPDATE relay.jobs SET progress = %(progress)s::jsonb
+WHERE id = %(id)s AND lease_token = %(token)s AND status = 'claimed'
+RETURNING id;

@@ -1,0 +1,32 @@
+"""Publishing handler limits where the claim query reads them."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import psycopg
+
+from ..handlers import HandlerSpec
+from ..queries import sql
+
+
+def publish(conn: psycopg.Connection, specs: Iterable[HandlerSpec]) -> bool:
+    """Write this worker's per-type limits; return whether any type is limited."""
+    limited = False
+    for spec in specs:
+        if spec.has_limits:
+            limited = True
+            starts, seconds = spec.rate_limit or (None, None)
+            conn.execute(
+                sql("type_limit_upsert"),
+                {
+                    "type": spec.type,
+                    "max_running": spec.concurrency,
+                    "rate_limit": starts,
+                    "rate_period_seconds": seconds,
+                },
+            )
+        else:
+            conn.execute(sql("type_limit_delete"), {"type": spec.type})
+    conn.commit()
+    return limited

@@ -1,0 +1,85 @@
+"""Periodic (cron) jobs: publish schedules, enqueue each due tick exactly once.
+
+Every worker runs :func:`enqueue_due` about once a second. Exactly one of them
+enqueues a given tick: advancing ``relay.schedules.last_tick`` is a guarded
+UPDATE in the same transaction as the enqueue, and the job also carries the
+idempotency key ``cron:<type>:<tick>``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterable
+
+import psycopg
+
+from ..handlers import HandlerSpec
+from ..logs import event
+from ..queries import sql
+from ..schedule import is_missed, next_tick, previous_tick
+
+
+def _db_now(conn: psycopg.Connection):  # type: ignore[no-untyped-def]
+    return conn.execute(sql("db_now")).fetchone()[0]
+
+
+def publish(conn: psycopg.Connection, specs: Iterable[HandlerSpec]) -> None:
+    """Record this worker's schedules; a new or changed schedule starts from now."""
+    now = _db_now(conn)
+    for spec in specs:
+        if not spec.cron:
+            continue
+        conn.execute(
+            sql("schedule_upsert"),
+            {
+                "type": spec.type,
+                "cron": spec.cron,
+                "timezone": spec.timezone,
+                "queue": spec.queue,
+                "last_tick": previous_tick(spec.cron, spec.timezone, now),
+                "next_tick": next_tick(spec.cron, spec.timezone, now),
+            },
+        )
+    conn.commit()
+
+
+def enqueue_due(conn: psycopg.Connection, specs: Iterable[HandlerSpec]) -> list[tuple[str, str]]:
+    """Enqueue every schedule's due tick that nobody enqueued yet; return (type, tick) pairs."""
+    enqueued: list[tuple[str, str]] = []
+    for spec in specs:
+        if not spec.cron:
+            continue
+        with conn.transaction():
+            now = _db_now(conn)
+            tick = previous_tick(spec.cron, spec.timezone, now)
+            following = next_tick(spec.cron, spec.timezone, now)
+            won = conn.execute(
+                sql("schedule_advance"), {"type": spec.type, "tick": tick, "next_tick": following}
+            ).fetchone()
+            if not won:
+                continue
+            if is_missed(tick, now) and not spec.catch_up:
+                event(
+                    logging.WARNING,
+                    "skipped a periodic tick missed while no worker ran",
+                    type=spec.type,
+                    tick=tick.isoformat(),
+                )
+                continue
+            key = f"cron:{spec.type}:{tick.isoformat()}"
+            conn.execute(
+                sql("job_insert"),
+                {
+                    "type": spec.type,
+                    "payload": json.dumps({"scheduled_for": tick.isoformat()}),
+                    "queue": spec.queue,
+                    "priority": 0,
+                    "run_at": None,
+                    "max_attempts": spec.max_attempts,
+                    "idempotency_key": key,
+                },
+            )
+            enqueued.append((spec.type, tick.isoformat()))
+            event(logging.INFO, "periodic job enqueued", type=spec.type, tick=tick.isoformat())
+    return enqueued

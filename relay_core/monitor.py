@@ -15,6 +15,7 @@ from typing import Any
 import psycopg
 from psycopg.rows import dict_row
 
+from . import migrate
 from .errors import RelayError
 from .queries import sql
 from .states import JobStatus
@@ -339,3 +340,8 @@ def worker_counts(conn: psycopg.Connection, *, stale_seconds: float = DEFAULT_ST
 def ping(conn: psycopg.Connection) -> bool:
     """One round trip to the database."""
     return _rows(conn, "database_ping", {})[0]["ok"] == 1
+
+
+def schema_is_current(conn: psycopg.Connection) -> bool:
+    """Whether every migration Relay ships is applied (the readiness check)."""
+    return migrate.is_current(conn)

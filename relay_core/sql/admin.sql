@@ -29,7 +29,7 @@ SELECT coalesce(max(id), 0) AS max_id FROM relay.jobs;
 -- name: job_requeue_matching
 -- Admin, in bulk: up to %(batch)s dead or cancelled jobs matching the filter
 -- (ids in (%(after)s, %(max_id)s]) run again now with fresh attempts; their error
--- history is kept. Returns how many changed and the last id looked at, so the
+-- history is kept. The SET list is job_requeue's, row for row. Returns how many changed and the last id looked at, so the
 -- caller walks the table in short transactions instead of one long one.
 -- transition: dead -> queued
 -- transition: cancelled -> queued
@@ -49,7 +49,7 @@ WITH picked AS (
 ), requeued AS (
     UPDATE relay.jobs AS j
     SET status = 'queued', attempts = 0, run_at = now(), finished_at = NULL,
-        claimed_by = NULL, claimed_until = NULL
+        claimed_by = NULL, claimed_until = NULL, cancel_requested_at = NULL, progress = NULL, result = NULL
     FROM picked
     WHERE j.id = picked.id AND j.status IN ('dead', 'cancelled')
     RETURNING j.id, j.queue

@@ -1,0 +1,99 @@
+"""``/api/auth``: log in, refresh an access token, and say who the token belongs to.
+
+Every login attempt is counted in PostgreSQL against its username and its
+client address before the password is checked (so parallel guesses cannot
+slip past the limit, and every web process sees the same counts); a success
+forgives its own attempt. Over the limit, the answer is 429 with Retry-After.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from flask import Blueprint, current_app, request
+
+from relay_core import users
+
+from .. import auth
+from ..db import connection
+from ..endpoint import endpoint
+from ..problems import Problem, unauthorized
+from ..records.ops import LoginBody, TokenRecord
+
+bp = Blueprint("auth", __name__, url_prefix="/auth")
+
+
+def _policy() -> users.ThrottlePolicy:
+    config = current_app.config
+    return users.ThrottlePolicy(
+        window_seconds=config["RELAY_LOGIN_WINDOW_SECONDS"],
+        max_per_user=config["RELAY_LOGIN_MAX_FAILURES"],
+        max_per_address=config["RELAY_LOGIN_MAX_FAILURES_PER_ADDRESS"],
+    )
+
+
+def _hasher() -> Any:
+    config = current_app.config
+    return users.make_hasher(
+        config["RELAY_ARGON2_TIME_COST"] or None,
+        config["RELAY_ARGON2_MEMORY_COST"] or None,
+        config["RELAY_ARGON2_PARALLELISM"] or None,
+    )
+
+
+@bp.post("/login")
+@endpoint(
+    tag="auth",
+    body=LoginBody,
+    responses={200: TokenRecord},
+    problems=(401, 429),
+    response_headers={429: {"Retry-After": "Seconds until another attempt is allowed."}},
+)
+def login(body: LoginBody) -> TokenRecord:
+    """Trade a username and password for an access token and a refresh token."""
+    address = request.remote_addr
+    with connection() as conn:
+        wait = users.throttle_hit(conn, _policy(), body.username, address)
+        if wait is not None:
+            raise Problem(
+                429,
+                "Too many login attempts",
+                f"Too many attempts for this username or from this address; try again in {wait} seconds.",
+                slug="login-throttled",
+                headers={"Retry-After": str(wait)},
+                retry_after=wait,
+            )
+        user = users.authenticate(conn, body.username, body.password, hasher=_hasher())
+        if user is None:
+            raise unauthorized("Wrong username or password.", slug="login-failed")
+        users.throttle_forgive(conn, body.username, address)
+    access, expires_in = auth.access_token(user)
+    refresh, refresh_expires_in = auth.refresh_token(user)
+    return TokenRecord(
+        access_token=access,
+        expires_in=expires_in,
+        refresh_token=refresh,
+        refresh_expires_in=refresh_expires_in,
+        username=user.username,
+        role=user.role,  # type: ignore[arg-type]
+    )
+
+
+@bp.post("/refresh")
+@endpoint(tag="auth", refresh=True, responses={200: TokenRecord})
+def refresh(claims: dict[str, Any]) -> TokenRecord:
+    """Trade a refresh token for a new access token, with the user's current role.
+
+    Send the refresh token as ``Authorization: Bearer <refresh token>``. A
+    user removed, or whose password changed, since login must log in again.
+    """
+    with connection() as conn:
+        user = users.get_user(conn, int(claims["sub"]))
+    if user is None or claims.get("pwd") != auth.session_mark(user):
+        raise unauthorized(
+            "This session has ended (the user was removed or changed password); log in again.",
+            slug="session-ended",
+            invalid_token=True,
+        )
+    access, expires_in = auth.access_token(user)
+    return TokenRecord(access_token=access, expires_in=expires_in, username=user.username, role=user.role)  # type: ignore[arg-type]

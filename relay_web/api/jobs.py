@@ -1,0 +1,153 @@
+"""``/api/admin/jobs``: list, read, enqueue, requeue and cancel jobs, one or many.
+
+Every read and write goes through relay_core (``admin`` for one job,
+``monitor`` for many, ``Relay.enqueue`` to add one); no job SQL lives here.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from flask import Blueprint, url_for
+
+from relay_core import admin, monitor
+
+from ..db import connection, get_database
+from ..endpoint import Reply, endpoint
+from ..problems import Problem
+from ..records.jobs import (
+    BulkResultRecord,
+    CancelFilter,
+    EnqueueBody,
+    IdempotencyHeaders,
+    JobListQuery,
+    JobPageRecord,
+    JobPath,
+    JobRecord,
+    JobSummaryRecord,
+    RequeueFilter,
+)
+
+bp = Blueprint("jobs", __name__, url_prefix="/admin")
+
+
+@bp.get("/jobs")
+@endpoint(tag="jobs", role="viewer", query=JobListQuery, responses={200: JobPageRecord})
+def list_jobs(query: JobListQuery, claims: dict[str, Any]) -> JobPageRecord:
+    """List jobs, newest first, filtered by status, queue, type or a search in type and error text.
+
+    Keyset-paginated: follow ``next_cursor`` until it is null. A page stays
+    stable while new jobs arrive.
+    """
+    where = monitor.JobFilter(status=query.status, queue=query.queue, type=query.type, q=query.q)
+    before = int(query.cursor) if query.cursor else None
+    with connection() as conn:
+        page = monitor.list_jobs(conn, where, limit=query.limit, before=before)
+    return JobPageRecord(
+        jobs=[JobSummaryRecord.of(job) for job in page.jobs],
+        limit=query.limit,
+        next_cursor=str(page.next_before) if page.next_before else None,
+    )
+
+
+@bp.get("/jobs/<job_id>")
+@endpoint(tag="jobs", role="viewer", path=JobPath, responses={200: JobRecord}, problems=(404,))
+def get_job(path: JobPath, claims: dict[str, Any]) -> JobRecord:
+    """One job with its payload, attempts, lease, worker, timings and full error history."""
+    with connection() as conn:
+        return JobRecord.of(admin.get_job(conn, path.job_id))
+
+
+@bp.post("/jobs/<job_id>/requeue")
+@endpoint(tag="jobs", role="admin", path=JobPath, responses={200: JobRecord}, problems=(404, 409))
+def requeue_job(path: JobPath, claims: dict[str, Any]) -> JobRecord:
+    """Run a dead or cancelled job again now, with fresh attempts; its error history is kept.
+
+    Any other state answers 409 with the job's current state.
+    """
+    with connection() as conn:
+        return JobRecord.of(admin.requeue(conn, path.job_id))
+
+
+@bp.post("/jobs/<job_id>/cancel")
+@endpoint(tag="jobs", role="admin", path=JobPath, responses={200: JobRecord}, problems=(404, 409))
+def cancel_job(path: JobPath, claims: dict[str, Any]) -> JobRecord:
+    """Cancel a job: a queued one never runs; a running one is asked to stop.
+
+    A claimed job stays claimed, with ``cancel_requested_at`` set, until its
+    worker sees the request at a heartbeat and the handler stops. A finished
+    job answers 409 with its current state.
+    """
+    with connection() as conn:
+        return JobRecord.of(admin.cancel(conn, path.job_id))
+
+
+@bp.post("/jobs")
+@endpoint(
+    tag="jobs",
+    role="admin",
+    headers=IdempotencyHeaders,
+    body=EnqueueBody,
+    responses={201: JobRecord, 200: JobRecord},
+    problems=(409,),
+    response_headers={201: {"Location": "The URL of the new job."}, 200: {"Location": "The URL of the job."}},
+)
+def enqueue(headers: IdempotencyHeaders, body: EnqueueBody, claims: dict[str, Any]) -> Reply:
+    """Enqueue a job. 201 when it is new; with an Idempotency-Key already used, 200 and the first job.
+
+    Reusing a key for a different job (another type, queue, priority or
+    payload) answers 409 and changes nothing.
+    """
+    key = headers.idempotency_key
+    with connection() as conn:
+        job_id = get_database().relay.enqueue(
+            body.type,
+            body.payload,
+            conn=conn,
+            run_at=body.run_at,
+            priority=body.priority,
+            queue=body.queue,
+            idempotency_key=key,
+            max_attempts=body.max_attempts,
+        )
+        created = monitor.created_in_this_transaction(conn, job_id)
+        job = admin.get_job(conn, job_id)
+    if not created and (job.type, job.queue, job.priority, job.payload) != (
+        body.type,
+        body.queue,
+        body.priority,
+        body.payload,
+    ):
+        raise Problem(
+            409,
+            "Idempotency key reused",
+            f"Idempotency-Key {key!r} already enqueued job {job.id} with other values; use a new key.",
+            slug="idempotency-key-reused",
+            job_id=job.id,
+        )
+    location = url_for(".get_job", job_id=job.id)
+    return Reply(JobRecord.of(job), 201 if created else 200, {"Location": location})
+
+
+@bp.post("/jobs/requeue")
+@endpoint(tag="jobs", role="admin", body=RequeueFilter, responses={200: BulkResultRecord})
+def requeue_many(body: RequeueFilter, claims: dict[str, Any]) -> BulkResultRecord:
+    """Requeue every dead or cancelled job matching the filters (e.g. every dead send_email job).
+
+    An empty object means every dead and cancelled job. Jobs that die while
+    the request runs are left alone. Answers how many jobs changed.
+    """
+    where = monitor.JobFilter(status=body.status, queue=body.queue, type=body.type, q=body.q)
+    with connection() as conn:
+        changed = monitor.requeue_matching(conn, where)
+    return BulkResultRecord(action="requeue", changed=changed)
+
+
+@bp.post("/jobs/cancel")
+@endpoint(tag="jobs", role="admin", body=CancelFilter, responses={200: BulkResultRecord})
+def cancel_many(body: CancelFilter, claims: dict[str, Any]) -> BulkResultRecord:
+    """Cancel every queued job matching the filters. Answers how many jobs changed."""
+    where = monitor.JobFilter(queue=body.queue, type=body.type, q=body.q)
+    with connection() as conn:
+        changed = monitor.cancel_matching(conn, where)
+    return BulkResultRecord(action="cancel", changed=changed)

@@ -1,0 +1,74 @@
+"""``/api/admin/queues``, ``/workers`` and ``/stats``: how the system is doing.
+
+Counts come from the counters migration 0003 keeps (folded first, so the
+counter tables stay a few rows long); nothing here counts ``relay.jobs``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from flask import Blueprint, current_app
+
+from relay_core import monitor
+
+from ..db import connection
+from ..endpoint import endpoint
+from ..records.ops import (
+    MinuteRecord,
+    QueueRecord,
+    QueuesRecord,
+    StatsRecord,
+    StatusCountsRecord,
+    WorkerCountsRecord,
+    WorkerRecord,
+    WorkersRecord,
+)
+
+bp = Blueprint("monitor", __name__, url_prefix="/admin")
+
+
+@bp.get("/queues")
+@endpoint(tag="monitor", role="viewer", responses={200: QueuesRecord})
+def queues(claims: dict[str, Any]) -> QueuesRecord:
+    """Every queue's depth by state and the age of its oldest job that is due to run."""
+    with connection() as conn:
+        monitor.fold_counters(conn)
+        depths = monitor.queue_depths(conn)
+    return QueuesRecord(queues=[QueueRecord.of(depth) for depth in depths])
+
+
+@bp.get("/workers")
+@endpoint(tag="monitor", role="viewer", responses={200: WorkersRecord})
+def workers(claims: dict[str, Any]) -> WorkersRecord:
+    """The worker registry: alive workers first, then stopped and gone ones, most recently seen first."""
+    stale = float(current_app.config["RELAY_WORKER_STALE_SECONDS"])
+    with connection() as conn:
+        found = monitor.list_workers(conn, stale_seconds=stale)
+        counts = monitor.worker_counts(conn, stale_seconds=stale)
+    return WorkersRecord(
+        workers=[WorkerRecord.of(worker) for worker in found],
+        counts=WorkerCountsRecord(alive=counts.alive, stopped=counts.stopped, gone=counts.gone),
+        stale_after_seconds=stale,
+    )
+
+
+@bp.get("/stats")
+@endpoint(tag="monitor", role="viewer", responses={200: StatsRecord})
+def stats(claims: dict[str, Any]) -> StatsRecord:
+    """Jobs by status, and attempts succeeded, failed and dead per minute over the last hour."""
+    with connection() as conn:
+        monitor.fold_counters(conn)
+        found = monitor.stats(conn)
+    return StatsRecord(
+        counts=StatusCountsRecord(**found.counts),
+        total=sum(found.counts.values()),
+        window_minutes=len(found.minutes),
+        per_minute=[
+            MinuteRecord(minute=m.minute, succeeded=m.succeeded, failed=m.failed, dead=m.dead) for m in found.minutes
+        ],
+        succeeded=found.succeeded,
+        failed=found.failed,
+        dead=found.dead,
+        failure_rate=found.failure_rate,
+    )

@@ -1,0 +1,61 @@
+"""The app factory: ``create_app(config=None)``.
+
+``gunicorn 'relay_web:create_app()'`` serves it with settings from the
+environment; tests and the demo pass a dict. The JSON API lives under
+``/api``; health and metrics at the root; a server-rendered dashboard, when
+the ``relay_web.dashboard`` package exists, is registered from it (it exposes
+``bp``, a Flask blueprint) without this file changing.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+from flask import Flask
+from werkzeug.middleware.proxy_fix import ProxyFix
+
+from . import api, auth, config, db, errors, health, metrics
+
+log = logging.getLogger("relay.web")
+
+
+def _trust_proxies(app: Flask) -> None:
+    """Believe X-Forwarded-For/-Proto only as far as RELAY_PROXY_HOPS proxies we run.
+
+    With one hop (Render, Railway, Heroku), the client address is the entry
+    the platform's proxy appended, the last one; anything a client wrote in
+    the header itself sits to its left and is ignored, so a forged header
+    cannot dodge the login throttle.
+    """
+    hops = app.config["RELAY_PROXY_HOPS"]
+    if hops:
+        app.wsgi_app = ProxyFix(app.wsgi_app, x_for=hops, x_proto=hops, x_host=0, x_port=0, x_prefix=0)  # type: ignore[method-assign]
+
+
+def _register_dashboard(app: Flask) -> None:
+    if importlib.util.find_spec(f"{__package__}.dashboard") is None:
+        return
+    dashboard = importlib.import_module(f"{__package__}.dashboard")
+    app.register_blueprint(dashboard.bp)
+
+
+def create_app(config_overrides: Mapping[str, Any] | None = None) -> Flask:
+    """Build the Relay admin app; raises ConfigurationError when a required setting is missing."""
+    app = Flask(__package__)
+    app.config.update(config.load(config_overrides))
+    app.json.sort_keys = False  # type: ignore[attr-defined]
+    app.url_map.strict_slashes = True
+    errors.register(app)
+    auth.init_app(app)
+    database = db.init_app(app)
+    app.register_blueprint(api.blueprint())
+    app.register_blueprint(health.bp)
+    app.register_blueprint(metrics.bp)
+    _register_dashboard(app)
+    _trust_proxies(app)
+    app.extensions["relay.close"] = database.close
+    return app

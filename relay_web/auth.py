@@ -1,0 +1,105 @@
+"""JWT authentication and roles, on flask-jwt-extended.
+
+Access tokens are short-lived and carry the role; refresh tokens are longer
+lived and are checked against the database on every use, so deleting a user
+or changing their password ends their sessions within one access-token
+lifetime. Only HS256 is accepted, so ``alg: none`` and algorithm-confusion
+tokens are refused. Every failure is a 401 or 403 problem.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from flask import Flask, Response, current_app
+from flask_jwt_extended import (
+    JWTManager,
+    create_access_token,
+    create_refresh_token,
+    get_jwt,
+    verify_jwt_in_request,
+)
+
+from relay_core.users import User
+
+from .problems import Problem, unauthorized
+
+ROLES = ("viewer", "admin")
+
+
+def _missing(reason: str) -> Response:
+    return unauthorized(
+        "Send 'Authorization: Bearer <access token>'; get one from POST /api/auth/login.",
+        slug="token-missing",
+    ).response()
+
+
+def _invalid(reason: str) -> Response:
+    return unauthorized(
+        "The token is malformed, of the wrong kind, or not signed by this server; log in again.",
+        slug="token-invalid",
+        invalid_token=True,
+    ).response()
+
+
+def _expired(header: dict[str, Any], payload: dict[str, Any]) -> Response:
+    what = "refresh" if payload.get("type") == "refresh" else "access"
+    hint = "log in again" if what == "refresh" else "get a new one from POST /api/auth/refresh or log in again"
+    return unauthorized(f"The {what} token has expired; {hint}.", slug="token-expired", invalid_token=True).response()
+
+
+def init_app(app: Flask) -> JWTManager:
+    """Attach flask-jwt-extended with problem-shaped failures."""
+    jwt = JWTManager(app)
+    jwt.unauthorized_loader(_missing)
+    jwt.invalid_token_loader(_invalid)
+    jwt.expired_token_loader(_expired)
+    jwt.revoked_token_loader(lambda header, payload: _invalid("revoked"))
+    jwt.user_lookup_error_loader(lambda header, payload: _invalid("unknown user"))
+    jwt.token_verification_failed_loader(lambda header, payload: _invalid("claims"))
+    jwt.needs_fresh_token_loader(lambda header, payload: _invalid("not fresh"))
+    return jwt
+
+
+def require(role: str) -> dict[str, Any]:
+    """The claims of the request's access token, if its role is at least ``role``.
+
+    Raises a 401 problem without a valid token and a 403 problem for a
+    viewer where an admin is needed.
+    """
+    verify_jwt_in_request(locations=["headers"])
+    claims = get_jwt()
+    held = claims.get("role")
+    if held not in ROLES:
+        raise unauthorized("The token carries no role Relay knows; log in again.", slug="token-invalid")
+    if ROLES.index(held) < ROLES.index(role):
+        raise Problem(
+            403,
+            "Forbidden",
+            f"This needs the {role} role; you are a {held}. Ask an admin to act, or to change your role.",
+            slug="forbidden",
+        )
+    return claims
+
+
+def refresh_claims() -> dict[str, Any]:
+    """The claims of the request's refresh token (401 problem without a valid one)."""
+    verify_jwt_in_request(refresh=True, locations=["headers"])
+    return get_jwt()
+
+
+def session_mark(user: User) -> str:
+    """What a refresh token remembers of the password it was issued under."""
+    return user.password_changed_at.isoformat()
+
+
+def access_token(user: User) -> tuple[str, int]:
+    """A new access token for ``user`` and its lifetime in seconds."""
+    token = create_access_token(identity=str(user.id), additional_claims={"role": user.role, "username": user.username})
+    return token, int(current_app.config["JWT_ACCESS_TOKEN_EXPIRES"].total_seconds())
+
+
+def refresh_token(user: User) -> tuple[str, int]:
+    """A new refresh token for ``user`` and its lifetime in seconds."""
+    token = create_refresh_token(identity=str(user.id), additional_claims={"pwd": session_mark(user)})
+    return token, int(current_app.config["JWT_REFRESH_TOKEN_EXPIRES"].total_seconds())

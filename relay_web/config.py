@@ -1,0 +1,123 @@
+"""The web app's settings: defaults, then the environment, then explicit config.
+
+12-factor: a deployment sets environment variables (DATABASE_URL,
+JWT_SECRET_KEY or SECRET_KEY, RELAY_*); tests and the demo pass a dict to
+``create_app``. A missing or weak secret in production stops the app at
+startup with a message saying what to set, never a silent default.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+from collections.abc import Mapping
+from datetime import timedelta
+from typing import Any
+
+from relay_core import ConfigurationError
+from relay_core.settings import database_url
+
+log = logging.getLogger("relay.web")
+
+#: Shorter HMAC keys are guessable offline from any token (RFC 7518 3.2 asks for 256 bits).
+MIN_SECRET_LENGTH = 32
+
+#: Integer settings: name -> (default, smallest allowed).
+INT_SETTINGS: dict[str, tuple[int, int]] = {
+    "RELAY_PROXY_HOPS": (0, 0),
+    "RELAY_ACCESS_TOKEN_SECONDS": (900, 30),
+    "RELAY_REFRESH_TOKEN_SECONDS": (12 * 3600, 60),
+    "RELAY_LOGIN_WINDOW_SECONDS": (900, 1),
+    "RELAY_LOGIN_MAX_FAILURES": (5, 1),
+    "RELAY_LOGIN_MAX_FAILURES_PER_ADDRESS": (50, 1),
+    "RELAY_ARGON2_TIME_COST": (0, 0),
+    "RELAY_ARGON2_MEMORY_COST": (0, 0),
+    "RELAY_ARGON2_PARALLELISM": (0, 0),
+    "RELAY_WORKER_STALE_SECONDS": (60, 1),
+    "RELAY_WEB_POOL_SIZE": (4, 1),
+    "RELAY_DB_WAIT_SECONDS": (5, 1),
+    "RELAY_STATEMENT_TIMEOUT_MS": (5000, 0),
+}
+
+#: String settings read from the environment when not given explicitly.
+STR_SETTINGS = ("RELAY_ENV", "RELAY_METRICS_TOKEN")
+
+#: RELAY_ENV values where a missing secret is replaced by a random one.
+NON_PRODUCTION = frozenset({"development", "test"})
+
+
+def _int(name: str, raw: Any, smallest: int) -> int:
+    try:
+        value = int(raw)
+    except (TypeError, ValueError):
+        raise ConfigurationError(f"{name} must be an integer, got {raw!r}") from None
+    if value < smallest:
+        raise ConfigurationError(f"{name} must be at least {smallest}, got {value}")
+    return value
+
+
+def _pick(name: str, given: Mapping[str, Any], *aliases: str) -> Any:
+    """The first of ``name``/aliases set in ``given``, else in the environment."""
+    for key in (name, *aliases):
+        if given.get(key) not in (None, ""):
+            return given[key]
+    for key in (name, *aliases):
+        if os.environ.get(key):
+            return os.environ[key]
+    return None
+
+
+def _secret(given: Mapping[str, Any], production: bool) -> str:
+    secret = _pick("JWT_SECRET_KEY", given, "SECRET_KEY")
+    if secret is None:
+        if production:
+            raise ConfigurationError(
+                "no signing secret: set JWT_SECRET_KEY (or SECRET_KEY) to a random string of at least "
+                f"{MIN_SECRET_LENGTH} characters, e.g. python -c 'import secrets; print(secrets.token_urlsafe(48))'"
+            )
+        log.warning("no JWT_SECRET_KEY set: using a random one; tokens will not survive a restart")
+        return secrets.token_urlsafe(48)
+    secret = str(secret)
+    if production and len(secret) < MIN_SECRET_LENGTH:
+        raise ConfigurationError(f"JWT_SECRET_KEY (or SECRET_KEY) must be at least {MIN_SECRET_LENGTH} characters")
+    return secret
+
+
+def load(given: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """Every setting the app needs, validated; raises ConfigurationError."""
+    given = dict(given or {})
+    settings: dict[str, Any] = {}
+    for name in STR_SETTINGS:
+        value = _pick(name, given)
+        settings[name] = None if value is None else str(value)
+    settings["RELAY_ENV"] = (settings["RELAY_ENV"] or "production").lower()
+    production = settings["RELAY_ENV"] not in NON_PRODUCTION and not given.get("TESTING")
+    for name, (default, smallest) in INT_SETTINGS.items():
+        raw = _pick(name, given)
+        settings[name] = default if raw is None else _int(name, raw, smallest)
+    settings["RELAY_DATABASE_URL"] = database_url(_pick("RELAY_DATABASE_URL", given, "DATABASE_URL"))
+    secret = _secret(given, production)
+    settings.update(
+        JWT_SECRET_KEY=secret,
+        SECRET_KEY=_pick("SECRET_KEY", given) or secret,
+        JWT_ALGORITHM="HS256",
+        JWT_DECODE_ALGORITHMS=["HS256"],
+        # The API reads tokens from the Authorization header only (views pass
+        # locations=["headers"]); cookies are for a browser dashboard, with CSRF.
+        JWT_TOKEN_LOCATION=["headers", "cookies"],
+        JWT_ACCESS_TOKEN_EXPIRES=timedelta(seconds=settings["RELAY_ACCESS_TOKEN_SECONDS"]),
+        JWT_REFRESH_TOKEN_EXPIRES=timedelta(seconds=settings["RELAY_REFRESH_TOKEN_SECONDS"]),
+        JWT_ENCODE_ISSUER="relay",
+        JWT_DECODE_ISSUER="relay",
+        JWT_COOKIE_SECURE=production,
+        JWT_COOKIE_SAMESITE="Strict",
+        JWT_COOKIE_CSRF_PROTECT=True,
+        MAX_CONTENT_LENGTH=1024 * 1024,
+        JSON_SORT_KEYS=False,
+    )
+    # Anything else given (TESTING, a dashboard's settings, JWT_* overrides) wins.
+    for key, value in given.items():
+        if key not in settings or (key.startswith("JWT_") and key != "JWT_SECRET_KEY"):
+            settings[key] = value
+    return settings

@@ -1,0 +1,99 @@
+"""The web app's database connections: one small pool per process.
+
+The pool opens on first use, not in ``create_app``: gunicorn forks workers
+after importing the app, and a pool's threads and sockets do not survive a
+fork. Waiting for a connection is bounded, so a database outage answers 503
+in seconds instead of hanging every request. Each connection carries a
+statement timeout so no admin query can run away with the database.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import psycopg
+from flask import Flask, current_app
+from psycopg_pool import ConnectionPool
+
+from relay_core import Relay
+
+EXTENSION = "relay.db"
+
+
+class Database:
+    """A lazily opened, fork-aware connection pool and the Relay used to enqueue."""
+
+    def __init__(self, dsn: str, *, size: int, wait_seconds: float, statement_timeout_ms: int) -> None:
+        self.dsn = dsn
+        self.relay = Relay(dsn)
+        self._size = size
+        self._wait = wait_seconds
+        self._statement_timeout_ms = statement_timeout_ms
+        self._pool: ConnectionPool | None = None
+        self._pid = 0
+        self._lock = threading.Lock()
+
+    def _configure(self, conn: psycopg.Connection) -> None:
+        conn.autocommit = True
+        conn.execute("SELECT set_config('statement_timeout', %s, false)", (str(self._statement_timeout_ms),))
+        conn.execute("SELECT set_config('application_name', 'relay-web', false)")
+        conn.autocommit = False
+
+    def pool(self) -> ConnectionPool:
+        """This process's pool, opened on first use (and again after a fork)."""
+        with self._lock:
+            if self._pool is None or self._pid != os.getpid():
+                self._pool = ConnectionPool(
+                    self.dsn,
+                    min_size=1,
+                    max_size=self._size,
+                    open=False,
+                    name="relay-web",
+                    configure=self._configure,
+                    check=ConnectionPool.check_connection,
+                    timeout=self._wait,
+                )
+                self._pool.open(wait=False)
+                self._pid = os.getpid()
+            return self._pool
+
+    @contextmanager
+    def connection(self) -> Iterator[psycopg.Connection]:
+        """A connection for one unit of work: committed when the block ends, rolled back on error."""
+        with self.pool().connection() as conn:
+            yield conn
+
+    def close(self) -> None:
+        """Close the pool (tests and shutdown)."""
+        with self._lock:
+            if self._pool is not None and self._pid == os.getpid():
+                self._pool.close()
+            self._pool = None
+        self.relay.close()
+
+
+def init_app(app: Flask) -> Database:
+    """Attach a :class:`Database` built from the app's settings."""
+    database = Database(
+        app.config["RELAY_DATABASE_URL"],
+        size=app.config["RELAY_WEB_POOL_SIZE"],
+        wait_seconds=app.config["RELAY_DB_WAIT_SECONDS"],
+        statement_timeout_ms=app.config["RELAY_STATEMENT_TIMEOUT_MS"],
+    )
+    app.extensions[EXTENSION] = database
+    return database
+
+
+def get_database() -> Database:
+    """The current app's database."""
+    return current_app.extensions[EXTENSION]
+
+
+@contextmanager
+def connection() -> Iterator[psycopg.Connection]:
+    """A pooled connection of the current app."""
+    with get_database().connection() as conn:
+        yield conn

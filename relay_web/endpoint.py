@@ -1,0 +1,176 @@
+"""The ``@endpoint`` decorator: one declaration drives checking, parsing and the spec.
+
+A view declares who may call it and the records of its path, query, headers,
+body and responses. The decorator checks the token, parses every input into
+its record (422 problem listing each bad field otherwise), calls the view
+with the records, and serialises the record it returns. The OpenAPI document
+reads the same declarations, so the spec cannot drift from the code.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from flask import Response, json, request
+from pydantic import BaseModel, ValidationError
+
+from . import auth
+from .problems import Problem, validation_problem
+
+#: The view keyword argument each input arrives as.
+KWARGS = {"path": "path", "query": "query", "header": "headers"}
+
+#: Problems every endpoint may answer.
+COMMON_PROBLEMS = (500, 503)
+
+
+@dataclass(frozen=True)
+class Reply:
+    """A view's answer when it needs another status or extra headers."""
+
+    record: BaseModel
+    status: int = 200
+    headers: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """Everything the app and the spec know about one view."""
+
+    summary: str
+    description: str
+    tag: str
+    role: str | None = None
+    refresh: bool = False
+    path: type[BaseModel] | None = None
+    query: type[BaseModel] | None = None
+    headers: type[BaseModel] | None = None
+    body: type[BaseModel] | None = None
+    responses: dict[int, type[BaseModel] | None] = field(default_factory=dict)
+    media_type: str = "application/json"
+    problems: tuple[int, ...] = ()
+    response_headers: dict[int, dict[str, str]] = field(default_factory=dict)
+    security: str | None = None
+
+    def all_problems(self) -> list[int]:
+        """Every error status this endpoint can answer, for the spec."""
+        found = set(self.problems) | set(COMMON_PROBLEMS)
+        if self.role or self.refresh:
+            found.add(401)
+        if self.role == "admin":
+            found.add(403)
+        if self.path or self.query or self.headers or self.body:
+            found.add(422)
+        if self.body:
+            found.update({400, 413, 415})
+        return sorted(found)
+
+
+def _detail(error: dict[str, Any]) -> str:
+    message = str(error.get("msg", "is invalid"))
+    for prefix in ("Value error, ", "Assertion failed, "):
+        message = message.removeprefix(prefix)
+    if error.get("type") == "extra_forbidden":
+        message = "is not a known field"
+    return message
+
+
+def _field_errors(exc: ValidationError, where: str) -> list[dict[str, Any]]:
+    errors = []
+    for error in exc.errors(include_url=False, include_input=False):
+        loc = [str(part) for part in error.get("loc", ())]
+        errors.append({"field": ".".join(loc) or where, "in": where, "detail": _detail(dict(error))})
+    return errors
+
+
+def _single_values(pairs: Any, where: str) -> tuple[dict[str, str], list[dict[str, Any]]]:
+    values: dict[str, str] = {}
+    errors: list[dict[str, Any]] = []
+    for name in pairs:
+        given = pairs.getlist(name)
+        if len(given) > 1:
+            errors.append({"field": name, "in": where, "detail": "give it once"})
+        values[name] = given[0]
+    return values, errors
+
+
+def _parse_body(model: type[BaseModel]) -> BaseModel:
+    if not request.is_json:
+        raise Problem(415, "Unsupported Media Type", "Send the body as application/json.")
+    raw = request.get_data(cache=True)
+    try:
+        return model.model_validate_json(raw or b"null")
+    except ValidationError as exc:
+        if any(e.get("type") == "json_invalid" for e in exc.errors(include_url=False)):
+            raise Problem(400, "Bad Request", "The body is not valid JSON.") from None
+        if any(e.get("type") == "model_type" and not e.get("loc") for e in exc.errors(include_url=False)):
+            raise validation_problem([{"field": "body", "in": "body", "detail": "must be a JSON object"}]) from None
+        raise validation_problem(_field_errors(exc, "body")) from None
+
+
+def _parse_inputs(spec: Endpoint, view_args: dict[str, Any]) -> dict[str, Any]:
+    parsed: dict[str, Any] = {}
+    errors: list[dict[str, Any]] = []
+    sources: list[tuple[str, type[BaseModel] | None, dict[str, Any]]] = []
+    if spec.path:
+        sources.append(("path", spec.path, dict(view_args)))
+    if spec.query:
+        values, repeated = _single_values(request.args, "query")
+        errors.extend(repeated)
+        sources.append(("query", spec.query, values))
+    elif request.args:
+        errors.extend({"field": name, "in": "query", "detail": "is not a known parameter"} for name in request.args)
+    if spec.headers:
+        names = [f.alias or n for n, f in spec.headers.model_fields.items()]
+        sources.append(("header", spec.headers, {n: request.headers[n] for n in names if n in request.headers}))
+    for where, model, values in sources:
+        try:
+            parsed[KWARGS[where]] = model.model_validate(values)  # type: ignore[union-attr]
+        except ValidationError as exc:
+            errors.extend(_field_errors(exc, where))
+    if errors:
+        raise validation_problem(errors)
+    if spec.body:
+        parsed["body"] = _parse_body(spec.body)
+    return parsed
+
+
+def _respond(spec: Endpoint, result: Any) -> Response:
+    if isinstance(result, Response):
+        return result
+    reply = result if isinstance(result, Reply) else Reply(result, min(spec.responses or {200: None}))
+    body = json.dumps(reply.record.model_dump(mode="json", by_alias=True))
+    response = Response(body, status=reply.status, mimetype=spec.media_type)
+    for name, value in reply.headers.items():
+        response.headers[name] = value
+    return response
+
+
+def endpoint(**declaration: Any) -> Callable[[Callable[..., Any]], Callable[..., Response]]:
+    """Declare a view: ``summary``, ``tag``, ``role``, ``path``/``query``/``headers``/``body`` records, ``responses``.
+
+    The view receives the parsed records as keyword arguments named ``path``,
+    ``query``, ``headers``, ``body`` and, when authenticated, ``claims``.
+    """
+
+    def wrap(view: Callable[..., Any]) -> Callable[..., Response]:
+        doc = (view.__doc__ or "").strip()
+        spec = Endpoint(summary=declaration.pop("summary", doc.split("\n")[0]), description=doc, **declaration)
+
+        @functools.wraps(view)
+        def run(**view_args: Any) -> Response:
+            kwargs: dict[str, Any] = {}
+            if spec.role:
+                kwargs["claims"] = auth.require(spec.role)
+            elif spec.refresh:
+                kwargs["claims"] = auth.refresh_claims()
+            kwargs.update(_parse_inputs(spec, view_args))
+            return _respond(spec, view(**kwargs))
+
+        run.relay_endpoint = spec  # type: ignore[attr-defined]
+        return run
+
+    return wrap

@@ -1,0 +1,122 @@
+"""Error handlers: every failure, expected or not, leaves as a problem.
+
+HTTP errors keep their status; Relay's own errors map to the status that
+says what went wrong; a database that cannot be reached is a 503 the client
+may retry; anything else is a 500 whose details go to the log, never to the
+client.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import psycopg
+from flask import Flask, Response
+from psycopg_pool import PoolTimeout
+from werkzeug.exceptions import HTTPException, MethodNotAllowed
+
+from relay_core import IllegalTransition, InvalidJobError, JobNotFound, RelayError
+
+from .problems import Problem
+
+log = logging.getLogger("relay.web")
+
+#: Details for the HTTP errors werkzeug raises, in words a client can act on.
+HTTP_DETAILS = {
+    400: "The request could not be read (is the body valid JSON?).",
+    404: "There is nothing at this URL.",
+    405: "This URL does not accept this method.",
+    406: "This URL cannot answer in a format the request accepts.",
+    413: "The request body is too large.",
+    415: "Send the body as application/json.",
+}
+
+
+def _http(exc: HTTPException) -> Response:
+    status = exc.code or 500
+    detail = HTTP_DETAILS.get(status, exc.description or "")
+    headers = {}
+    if isinstance(exc, MethodNotAllowed) and exc.valid_methods:
+        headers["Allow"] = ", ".join(sorted(exc.valid_methods))
+    return Problem(status, exc.name, detail, headers=headers).response()
+
+
+def _problem(exc: Problem) -> Response:
+    return exc.response()
+
+
+def _not_found(exc: JobNotFound) -> Response:
+    return Problem(404, "Job not found", f"There is no job {exc.job_id}.", slug="job-not-found").response()
+
+
+def _illegal(exc: IllegalTransition) -> Response:
+    allowed = " or ".join(exc.allowed_from)
+    return Problem(
+        409,
+        "Illegal transition",
+        f"Job {exc.job_id} is {exc.current}; only {allowed} jobs can be {exc.action}d.",
+        slug="illegal-transition",
+        job_id=exc.job_id,
+        current_status=exc.current,
+        allowed_from=list(exc.allowed_from),
+    ).response()
+
+
+def _invalid_job(exc: InvalidJobError) -> Response:
+    field = exc.field.split(".")[-1]
+    return Problem(
+        422,
+        "Invalid request",
+        f"Fix these fields and try again: {field}.",
+        slug="validation",
+        errors=[{"field": field, "in": "body", "detail": exc.message}],
+    ).response()
+
+
+def _unavailable(exc: Exception) -> Response:
+    log.warning("database unavailable: %s", exc)
+    return Problem(
+        503,
+        "Service unavailable",
+        "The database cannot be reached right now; try again shortly.",
+        slug="unavailable",
+        headers={"Retry-After": "5"},
+    ).response()
+
+
+def _too_slow(exc: psycopg.errors.QueryCanceled) -> Response:
+    log.warning("admin query cancelled by statement_timeout: %s", exc)
+    return Problem(
+        503,
+        "Query took too long",
+        "The database gave up on this query; narrow the filters (status, queue, type) and try again.",
+        slug="query-timeout",
+        headers={"Retry-After": "1"},
+    ).response()
+
+
+def _relay_error(exc: RelayError) -> Response:
+    log.error("unexpected Relay error", exc_info=exc)
+    return _internal(exc)
+
+
+def _internal(exc: Exception) -> Response:
+    log.error("unhandled error", exc_info=exc)
+    return Problem(
+        500, "Internal server error", "Something went wrong on our side; it has been logged.", slug="internal"
+    ).response()
+
+
+def register(app: Flask) -> None:
+    """Install the handlers on ``app`` (most specific class wins)."""
+    app.register_error_handler(HTTPException, _http)
+    app.register_error_handler(Problem, _problem)
+    app.register_error_handler(JobNotFound, _not_found)
+    app.register_error_handler(IllegalTransition, _illegal)
+    app.register_error_handler(InvalidJobError, _invalid_job)
+    app.register_error_handler(RelayError, _relay_error)
+    app.register_error_handler(psycopg.errors.QueryCanceled, _too_slow)
+    app.register_error_handler(psycopg.OperationalError, _unavailable)
+    app.register_error_handler(psycopg.InterfaceError, _unavailable)
+    app.register_error_handler(PoolTimeout, _unavailable)
+    app.register_error_handler(Exception, _internal)

@@ -1,0 +1,44 @@
+"""``/healthz`` (the process answers) and ``/readyz`` (the database answers, schema current).
+
+Platforms restart a process whose liveness check fails and stop routing to
+one whose readiness check fails, so liveness never touches the database: a
+database outage must not make every web process restart in a loop.
+"""
+
+from __future__ import annotations
+
+from flask import Blueprint
+
+from relay_core import monitor
+
+from .db import connection
+from .endpoint import endpoint
+from .problems import Problem
+from .records.ops import HealthRecord, ReadyRecord
+
+bp = Blueprint("health", __name__)
+
+
+@bp.get("/healthz")
+@endpoint(tag="health", responses={200: HealthRecord})
+def healthz() -> HealthRecord:
+    """Liveness: the process is up. Never touches the database."""
+    return HealthRecord()
+
+
+@bp.get("/readyz")
+@endpoint(tag="health", responses={200: ReadyRecord})
+def readyz() -> ReadyRecord:
+    """Readiness: the database answers and every migration is applied; 503 otherwise."""
+    with connection() as conn:
+        monitor.ping(conn)
+        current = monitor.schema_is_current(conn)
+    if not current:
+        raise Problem(
+            503,
+            "Not ready",
+            "The database schema is behind this release; run `relay migrate`.",
+            slug="migrations-pending",
+            headers={"Retry-After": "10"},
+        )
+    return ReadyRecord()

@@ -1,0 +1,91 @@
+"""Base records and field types shared by every request and response.
+
+Every input is parsed into one of these before use and every output is built
+as one; unknown fields are refused both ways. The OpenAPI document is
+generated from these same classes, so the spec cannot drift from the code.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+
+from relay_core.validation import QUEUE_NAME
+
+#: Job ids are PostgreSQL bigints.
+BIGINT_MAX = 2**63 - 1
+
+StatusName = Literal["queued", "claimed", "succeeded", "dead", "cancelled"]
+
+
+def _plain_text(value: str) -> str:
+    # PostgreSQL text cannot hold NUL, and a lone surrogate cannot be sent as
+    # UTF-8: refuse both here so they are a 422, never a database error.
+    if "\x00" in value:
+        raise ValueError("must not contain NUL characters")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError("must be valid Unicode text") from None
+    return value
+
+
+#: Text without NUL characters (``pattern`` tells OpenAPI clients the same).
+Text = Annotated[str, AfterValidator(_plain_text), Field(pattern=r"^[^\x00]*$")]
+
+QueueName = Annotated[
+    str,
+    Field(
+        pattern=QUEUE_NAME.pattern,
+        description="1-63 of a-z, 0-9, '_', '.', '-', not starting with '.' or '-'.",
+        examples=["default"],
+    ),
+]
+
+JobType = Annotated[Text, Field(min_length=1, max_length=200, examples=["send_email"])]
+
+JobId = Annotated[int, Field(ge=1, le=BIGINT_MAX, examples=[42])]
+
+
+class Record(BaseModel):
+    """A response record: immutable, and exactly the fields it declares."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class QueryRecord(BaseModel):
+    """Query-string or path parameters: text on the wire, coerced to types, unknown names refused."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class BodyRecord(BaseModel):
+    """A JSON request body: strict types (no "5" for 5), unknown fields refused."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+
+class FieldError(Record):
+    """One bad field of a request."""
+
+    field: str = Field(description="The parameter or body member at fault (dotted for nested members).")
+    in_: Literal["query", "path", "header", "body"] = Field(alias="in", serialization_alias="in")
+    detail: str
+
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+
+class ProblemRecord(Record):
+    """RFC 9457 problem details: the body of every error response."""
+
+    type: str = Field(description="A URI naming the kind of problem; about:blank means only the status matters.")
+    title: str
+    status: int = Field(ge=400, le=599)
+    detail: str
+    instance: str | None = Field(default=None, description="The path the problem happened on.")
+    errors: list[FieldError] | None = Field(default=None, description="Each bad field, for validation problems.")
+    job_id: JobId | None = Field(default=None, description="The job an illegal transition was asked of.")
+    current_status: StatusName | None = Field(default=None, description="That job's state at the time.")
+    allowed_from: list[StatusName] | None = Field(default=None, description="The states the action is allowed from.")
+    retry_after: int | None = Field(default=None, description="Seconds to wait before trying again (also a header).")

@@ -1,0 +1,188 @@
+"""Records of the job endpoints: filters, pages, one job, enqueue and bulk actions."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Annotated, Any, Literal
+
+from pydantic import AwareDatetime, Field, JsonValue, field_validator
+
+from relay_core import JobDetail
+from relay_core.monitor import MAX_PAGE, JobSummary
+
+from .common import BIGINT_MAX, BodyRecord, JobId, JobType, QueryRecord, QueueName, Record, StatusName, Text
+
+DEFAULT_PAGE = 50
+
+Search = Annotated[
+    Text, Field(min_length=1, max_length=200, description="Case-insensitive substring of the type or the last error.")
+]
+
+
+class JobFilterFields(QueryRecord):
+    """Filters shared by listing and bulk actions; each narrows, none means all."""
+
+    queue: QueueName | None = None
+    type: JobType | None = None
+    q: Search | None = None
+
+
+class JobListQuery(JobFilterFields):
+    """``GET /api/admin/jobs`` parameters."""
+
+    status: StatusName | None = None
+    limit: int = Field(default=DEFAULT_PAGE, ge=1, le=MAX_PAGE, description=f"Page size, at most {MAX_PAGE}.")
+    cursor: str | None = Field(
+        default=None,
+        pattern=r"^[1-9][0-9]{0,18}$",
+        max_length=19,
+        description="Opaque: pass the previous page's next_cursor to read the page after it.",
+    )
+
+    @field_validator("cursor")
+    @classmethod
+    def _cursor_in_range(cls, value: str | None) -> str | None:
+        if value is not None and int(value) > BIGINT_MAX:
+            raise ValueError("is not a cursor this API returned")
+        return value
+
+
+class JobPath(QueryRecord):
+    """A job id in the URL."""
+
+    job_id: JobId
+
+
+class JobSummaryRecord(Record):
+    """One job in a listing; ``last_error`` is cut to its first 500 characters."""
+
+    id: JobId
+    type: str
+    queue: str
+    priority: int
+    status: StatusName
+    attempts: int
+    max_attempts: int
+    run_at: datetime
+    created_at: datetime
+    started_at: datetime | None
+    finished_at: datetime | None
+    claimed_by: str | None
+    last_error: str | None
+
+    @classmethod
+    def of(cls, job: JobSummary) -> JobSummaryRecord:
+        """The record of a listing row."""
+        return cls(**vars(job))
+
+
+class JobPageRecord(Record):
+    """A page of jobs, newest first."""
+
+    jobs: list[JobSummaryRecord]
+    limit: int
+    next_cursor: str | None = Field(description="Pass as ?cursor= for the next page; null on the last page.")
+
+
+class ErrorEntryRecord(Record):
+    """One failed attempt in a job's error history."""
+
+    attempt: int | None = None
+    at: datetime | None = None
+    worker: str | None = None
+    type: str | None = Field(default=None, description="The exception type the handler raised.")
+    message: str | None = None
+    traceback: str | None = None
+
+    @classmethod
+    def of(cls, entry: Any) -> ErrorEntryRecord:
+        """An entry of the stored history; unknown keys are dropped, odd values shown as text."""
+        if not isinstance(entry, dict):
+            return cls(message=str(entry))
+        attempt = entry.get("attempt")
+        texts = {k: entry.get(k) for k in ("worker", "type", "message", "traceback")}
+        return cls(
+            attempt=attempt if isinstance(attempt, int) and not isinstance(attempt, bool) else None,
+            at=entry.get("at") if isinstance(entry.get("at"), str) else None,
+            **{k: v if v is None or isinstance(v, str) else str(v) for k, v in texts.items()},
+        )
+
+
+class JobRecord(Record):
+    """Everything about one job: payload, attempts, lease, worker, timings and error history."""
+
+    id: JobId
+    type: str
+    queue: str
+    priority: int
+    payload: JsonValue
+    status: StatusName
+    attempts: int
+    max_attempts: int
+    run_at: datetime
+    lease_token: int = Field(description="Fencing token of the latest claim.")
+    claimed_by: str | None = Field(description="The worker holding the lease, or that held it last.")
+    claimed_until: datetime | None = Field(description="When the current lease runs out.")
+    idempotency_key: str | None
+    last_error: str | None
+    errors: list[ErrorEntryRecord]
+    created_at: datetime
+    started_at: datetime | None
+    finished_at: datetime | None
+    cancel_requested_at: datetime | None = Field(
+        description="When an admin asked the running handler to stop; it becomes cancelled when it does."
+    )
+    progress: JsonValue = Field(description="What the running handler last reported, if anything.")
+    result: JsonValue = Field(description="The handler's return value, stored with its success.")
+
+    @classmethod
+    def of(cls, job: JobDetail) -> JobRecord:
+        """The record of a stored job."""
+        fields = vars(job).copy()
+        fields["errors"] = [ErrorEntryRecord.of(e) for e in (job.errors or [])]
+        return cls(**fields)
+
+
+class EnqueueBody(BodyRecord):
+    """``POST /api/admin/jobs``: a job to add."""
+
+    type: JobType
+    payload: JsonValue = Field(default_factory=dict, description="Any JSON value; the handler's input.")
+    run_at: AwareDatetime | None = Field(default=None, description="Earliest run time, with a UTC offset; now if null.")
+    queue: QueueName = "default"
+    priority: int = Field(default=0, ge=-32768, le=32767, description="Lower runs first.")
+    max_attempts: int | None = Field(default=None, ge=1, le=1000, description="Default: 20.")
+
+
+class IdempotencyHeaders(QueryRecord):
+    """Request headers of ``POST /api/admin/jobs``."""
+
+    idempotency_key: Annotated[Text, Field(min_length=1, max_length=200)] | None = Field(
+        default=None,
+        alias="Idempotency-Key",
+        description="Repeat a request with the same key and the first job is returned, not a second one made.",
+    )
+
+
+class RequeueFilter(BodyRecord):
+    """Bulk requeue: every dead or cancelled job matching all given filters."""
+
+    status: Literal["dead", "cancelled"] | None = Field(default=None, description="Both when omitted.")
+    queue: QueueName | None = None
+    type: JobType | None = None
+    q: Search | None = None
+
+
+class CancelFilter(BodyRecord):
+    """Bulk cancel: every queued job matching all given filters."""
+
+    queue: QueueName | None = None
+    type: JobType | None = None
+    q: Search | None = None
+
+
+class BulkResultRecord(Record):
+    """What a bulk action changed."""
+
+    action: Literal["requeue", "cancel"]
+    changed: int = Field(ge=0, description="How many jobs changed state.")

@@ -1,0 +1,150 @@
+"""Records of login, queues, workers, stats and health."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Annotated, Literal
+
+from pydantic import Field
+
+from relay_core.monitor import QueueDepth, WorkerInfo
+
+from .common import BodyRecord, Record, Text
+
+# -- auth ------------------------------------------------------------------------
+
+
+class LoginBody(BodyRecord):
+    """``POST /api/auth/login``."""
+
+    username: Annotated[Text, Field(min_length=1, max_length=150)]
+    password: Annotated[Text, Field(min_length=1, max_length=1024)]
+
+
+class TokenRecord(Record):
+    """A fresh access token (and, at login, a refresh token)."""
+
+    access_token: str
+    token_type: Literal["Bearer"] = "Bearer"
+    expires_in: int = Field(description="Seconds until the access token expires.")
+    refresh_token: str | None = Field(default=None, description="Trade it at /api/auth/refresh; login only.")
+    refresh_expires_in: int | None = None
+    username: str
+    role: Literal["admin", "viewer"]
+
+
+# -- queues, workers, stats --------------------------------------------------------
+
+
+class StatusCountsRecord(Record):
+    """Jobs in each state."""
+
+    queued: int
+    claimed: int
+    succeeded: int
+    dead: int
+    cancelled: int
+
+
+class QueueRecord(Record):
+    """One queue's depth by state and how long its oldest due job has waited."""
+
+    name: str
+    counts: StatusCountsRecord
+    oldest_runnable_at: datetime | None
+    oldest_runnable_age_seconds: float | None = Field(description="null when nothing is due.")
+
+    @classmethod
+    def of(cls, depth: QueueDepth) -> QueueRecord:
+        """The record of a queue's depth."""
+        return cls(
+            name=depth.queue,
+            counts=StatusCountsRecord(**depth.counts),
+            oldest_runnable_at=depth.oldest_runnable_at,
+            oldest_runnable_age_seconds=depth.oldest_runnable_age_seconds,
+        )
+
+
+class QueuesRecord(Record):
+    """Every queue that holds jobs."""
+
+    queues: list[QueueRecord]
+
+
+WorkerState = Literal["alive", "stopped", "gone"]
+
+
+class WorkerRecord(Record):
+    """One worker process: alive (heartbeating), stopped (shut down cleanly) or gone (went quiet)."""
+
+    id: str
+    host: str
+    pid: int
+    queues: list[str]
+    concurrency: int
+    in_flight: int
+    state: WorkerState
+    started_at: datetime
+    last_seen_at: datetime
+    stopped_at: datetime | None
+    seconds_since_seen: float
+
+    @classmethod
+    def of(cls, worker: WorkerInfo) -> WorkerRecord:
+        """The record of a registered worker."""
+        return cls(**vars(worker))
+
+
+class WorkerCountsRecord(Record):
+    """How many registered workers are in each state."""
+
+    alive: int
+    stopped: int
+    gone: int
+
+
+class WorkersRecord(Record):
+    """The worker registry."""
+
+    workers: list[WorkerRecord]
+    counts: WorkerCountsRecord
+    stale_after_seconds: float = Field(description="A worker silent this long counts as gone.")
+
+
+class MinuteRecord(Record):
+    """Attempts that finished in one minute."""
+
+    minute: datetime
+    succeeded: int
+    failed: int = Field(description="Attempts that raised or lost their lease (retried or dead).")
+    dead: int
+
+
+class StatsRecord(Record):
+    """Counts by status now, and throughput over the last hour."""
+
+    counts: StatusCountsRecord
+    total: int
+    window_minutes: int
+    per_minute: list[MinuteRecord]
+    succeeded: int
+    failed: int
+    dead: int
+    failure_rate: float | None = Field(description="failed / (succeeded + failed) over the window; null if idle.")
+
+
+# -- health ------------------------------------------------------------------------
+
+
+class HealthRecord(Record):
+    """The process answers."""
+
+    status: Literal["ok"] = "ok"
+
+
+class ReadyRecord(Record):
+    """The database answers and its schema is current."""
+
+    status: Literal["ready"] = "ready"
+    database: Literal["ok"] = "ok"
+    migrations: Literal["current"] = "current"

@@ -48,3 +48,17 @@ def record_run_tx(job: Job, conn) -> None:  # type: ignore[no-untyped-def]
     """Sleep, then record the run in the completion's own transaction (exactly once)."""
     time.sleep(float((job.payload or {}).get("sleep", 0)))
     conn.execute(RECORD, (job.id, os.getpid(), job.attempt, job.lease_token, "tx"))
+
+
+@relay.handler("limited", concurrency=3)
+def limited_run(job: Job) -> None:
+    """At most three run at once anywhere: record start, sleep, record end."""
+    record(job, "start")
+    time.sleep(float((job.payload or {}).get("sleep", 0)))
+    record(job, "end")
+
+
+@relay.handler("rate_limited", rate_limit=(5, 2.0))
+def rate_limited_run(job: Job) -> None:
+    """At most five starts per two seconds anywhere."""
+    record(job, "start")

@@ -1,0 +1,220 @@
+"""Running Relay for months: paused queues, type limits, cron, retention,
+cooperative cancel, progress and results."""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from datetime import UTC, datetime, timedelta
+
+import psycopg
+import pytest
+
+from relay_core import IllegalTransition, Job, Relay
+from relay_core.worker.periodic import enqueue_due, publish
+from relay_core.worker.retention import Retention, prune_once
+
+from .helpers import job_status, running_worker, start_worker_process, stop_process, wait_for
+
+
+def test_paused_queue_is_skipped_and_the_pause_survives_restarts(relay: Relay, dsn: str, db) -> None:
+    @relay.handler("p")
+    def p(job: Job) -> None:
+        return None
+
+    relay.pause_queue("emails")
+    other = Relay(dsn)  # a fresh client (as after a restart) sees the pause
+    try:
+        assert other.paused_queues() == ["emails"]
+    finally:
+        other.close()
+    with running_worker(relay, queues=("emails", "default"), poll_interval=0.1):
+        held = relay.enqueue("p", queue="emails")
+        runs = relay.enqueue("p", queue="default")
+        wait_for(lambda: job_status(db, runs) == "succeeded")
+        time.sleep(1.0)
+        assert job_status(db, held) == "queued"
+        relay.resume_queue("emails")
+        wait_for(lambda: job_status(db, held) == "succeeded", timeout=5, what="resumed queue to run")
+    assert relay.paused_queues() == []
+
+
+def max_overlap(db: psycopg.Connection, job_type_filter: str = "") -> int:
+    rows = db.execute(
+        "SELECT at, CASE phase WHEN 'start' THEN 1 ELSE -1 END FROM relay_test.executions "
+        "WHERE phase IN ('start', 'end') ORDER BY at, 2"
+    ).fetchall()
+    current = best = 0
+    for _at, delta in rows:
+        current += delta
+        best = max(best, current)
+    return best
+
+
+@pytest.mark.slow
+def test_type_concurrency_limit_holds_across_worker_processes(
+    relay: Relay, db: psycopg.Connection, python: str, worker_env: dict
+) -> None:
+    # Four processes with two slots each: eight slots, so only the claim can hold them to three,
+    # and reaching three takes at least two processes.
+    workers = [start_worker_process(python, worker_env, "--concurrency", "2") for _ in range(4)]
+    wait_for(lambda: db.execute("SELECT count(*) FROM relay.workers").fetchone()[0] == 4, what="workers up")
+    relay.enqueue_many([{"type": "limited", "payload": {"sleep": 0.3}} for _ in range(30)])
+    try:
+        wait_for(lambda: job_counts(db).get("succeeded") == 30, timeout=60, what="all limited jobs")
+    finally:
+        for proc in workers:
+            stop_process(proc)
+    assert max_overlap(db) == 3
+    assert len({row[0] for row in db.execute("SELECT pid FROM relay_test.executions")}) >= 2
+
+
+def job_counts(db: psycopg.Connection) -> dict[str, int]:
+    return dict(db.execute("SELECT status::text, count(*) FROM relay.jobs GROUP BY 1").fetchall())
+
+
+@pytest.mark.slow
+def test_rate_limit_holds_back_without_failing(
+    relay: Relay, db: psycopg.Connection, python: str, worker_env: dict
+) -> None:
+    relay.enqueue_many([{"type": "rate_limited"} for _ in range(12)])
+    workers = [start_worker_process(python, worker_env, "--concurrency", "4") for _ in range(2)]
+    try:
+        wait_for(lambda: job_counts(db).get("succeeded") == 12, timeout=60, what="all rate-limited jobs")
+    finally:
+        for proc in workers:
+            stop_process(proc)
+    starts = [row[0] for row in db.execute("SELECT at FROM relay_test.executions ORDER BY at")]
+    assert len(starts) == 12
+    for i, start in enumerate(starts):
+        in_window = [s for s in starts[i:] if s - start < timedelta(seconds=2.0)]
+        assert len(in_window) <= 5, f"{len(in_window)} starts within 2 s"
+    # Held back is not failed: one attempt each, no errors.
+    assert db.execute("SELECT max(attempts), max(jsonb_array_length(errors)) FROM relay.jobs").fetchone() == (1, 0)
+    assert starts[-1] - starts[0] >= timedelta(seconds=4.0)
+
+
+def test_cron_enqueues_exactly_one_job_per_tick_across_workers(relay: Relay, db: psycopg.Connection) -> None:
+    @relay.handler("every_two_seconds", cron="* * * * * */2")
+    def tick(job: Job) -> None:
+        return None
+
+    with running_worker(relay), running_worker(relay), running_worker(relay):
+        wait_for(lambda: db.execute("SELECT count(*) FROM relay.jobs").fetchone()[0] >= 3, timeout=15)
+    ticks = db.execute("SELECT payload->>'scheduled_for', count(*) FROM relay.jobs GROUP BY 1 ORDER BY 1").fetchall()
+    assert all(count == 1 for _tick, count in ticks), ticks
+    times = [datetime.fromisoformat(t) for t, _ in ticks]
+    assert all((b - a) == timedelta(seconds=2) for a, b in itertools.pairwise(times))
+    schedule = relay.schedules()[0]
+    assert schedule["type"] == "every_two_seconds" and schedule["next_tick"] > schedule["last_tick"]
+
+
+@pytest.mark.parametrize("catch_up", [False, True])
+def test_ticks_missed_while_no_worker_ran_are_enqueued_once_only_when_configured(
+    relay: Relay, db: psycopg.Connection, catch_up: bool
+) -> None:
+    @relay.handler("settlement_report", cron="0 0 1 * *", timezone="Europe/Berlin", catch_up=catch_up)
+    def settle(job: Job) -> None:
+        return None
+
+    specs = list(relay.handlers.values())
+    publish(db, specs)
+    # No job for the tick that had already passed when the schedule first appeared.
+    assert enqueue_due(db, specs) == []
+    # Every worker was down across the last month-end tick:
+    db.execute("UPDATE relay.schedules SET last_tick = last_tick - interval '62 days'")
+    first = enqueue_due(db, specs)
+    again = enqueue_due(db, specs)
+    assert again == []
+    jobs = db.execute("SELECT payload->>'scheduled_for' FROM relay.jobs").fetchall()
+    if catch_up:
+        assert len(first) == 1 and len(jobs) == 1
+        assert datetime.fromisoformat(jobs[0][0]).day == 1
+    else:
+        assert first == [] and jobs == []
+
+
+def test_invalid_cron_or_timezone_is_refused(relay: Relay) -> None:
+    from relay_core import InvalidJobError
+
+    with pytest.raises(InvalidJobError, match="cron"):
+        relay.handler("bad", cron="every tuesday")(lambda job: None)
+    with pytest.raises(InvalidJobError, match="timezone"):
+        relay.handler("bad2", cron="@daily", timezone="Mars/Olympus")(lambda job: None)
+
+
+def test_retention_prunes_old_finished_jobs_and_keeps_history(relay: Relay, db: psycopg.Connection) -> None:
+    @relay.handler("r")
+    def r(job: Job) -> None:
+        return None
+
+    ids = relay.enqueue_many([{"type": "r"} for _ in range(30)])
+    with running_worker(relay, retention=None):
+        wait_for(lambda: job_counts(db).get("succeeded") == 30)
+    dead = relay.enqueue("r")
+    db.execute("UPDATE relay.jobs SET status = 'dead', finished_at = now() - interval '10 days' WHERE id = %s", (dead,))
+    db.execute("UPDATE relay.jobs SET finished_at = now() - interval '8 days' WHERE id = ANY(%s)", (ids[:20],))
+    history_before = db.execute("SELECT coalesce(sum(succeeded), 0) FROM relay.job_outcomes").fetchone()[0]
+    deleted = prune_once(db, Retention(succeeded=7 * 86400, dead=30 * 86400))
+    assert deleted == {"succeeded": 20, "cancelled": 0, "dead": 0}
+    remaining = {row[0] for row in db.execute("SELECT id FROM relay.jobs")}
+    assert remaining == set(ids[20:]) | {dead}
+    history_after = db.execute("SELECT coalesce(sum(succeeded), 0) FROM relay.job_outcomes").fetchone()[0]
+    assert history_after == history_before == 30
+    assert prune_once(db, Retention(succeeded=7 * 86400, dead=9 * 86400))["dead"] == 1
+
+
+def test_running_job_is_cancelled_cooperatively(relay: Relay, db: psycopg.Connection) -> None:
+    saw_request = threading.Event()
+
+    @relay.handler("export")
+    def export(job: Job) -> None:
+        for _ in range(400):
+            if job.cancel_requested:
+                saw_request.set()
+            job.raise_if_cancelled()
+            time.sleep(0.05)
+
+    job_id = relay.enqueue("export")
+    with running_worker(relay, heartbeat_interval=0.3):
+        wait_for(lambda: job_status(db, job_id) == "claimed")
+        detail = relay.cancel(job_id)
+        assert detail.status == "claimed" and detail.cancel_requested_at is not None
+        wait_for(lambda: job_status(db, job_id) == "cancelled", timeout=10)
+    assert saw_request.is_set()
+    with pytest.raises(IllegalTransition, match="it is cancelled"):
+        relay.cancel(job_id)
+    assert relay.requeue(job_id).status == "queued"
+
+
+def test_progress_is_visible_while_running_and_the_result_is_kept(relay: Relay, db: psycopg.Connection) -> None:
+    halfway = threading.Event()
+    release = threading.Event()
+
+    @relay.handler("import_rows")
+    def import_rows(job: Job) -> dict:
+        assert job.progress(50, "halfway")
+        halfway.set()
+        release.wait(10)
+        return {"rows": 3}
+
+    @relay.handler("odd_result")
+    def odd_result(job: Job) -> object:
+        return {1, 2}
+
+    job_id = relay.enqueue("import_rows")
+    odd = relay.enqueue("odd_result")
+    with running_worker(relay):
+        wait_for(halfway.is_set)
+        assert relay.get_job(job_id).progress == {"percent": 50.0, "message": "halfway"}
+        release.set()
+        wait_for(lambda: job_status(db, job_id) == "succeeded" and job_status(db, odd) == "succeeded")
+    assert relay.get_job(job_id).result == {"rows": 3}
+    assert relay.get_job(odd).result == {"unstored_result": "not JSON-serializable: set"}
+
+
+def test_requeue_of_a_queued_job_is_refused_naming_its_state(relay: Relay) -> None:
+    job_id = relay.enqueue("x", run_at=datetime.now(UTC) + timedelta(hours=1))
+    with pytest.raises(IllegalTransition, match="it is queued"):
+        relay.requeue(job_id)

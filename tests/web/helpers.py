@@ -1,0 +1,23 @@
+"""Assertions shared by the web tests."""
+
+from __future__ import annotations
+
+from typing import Any
+
+#: Text that must never reach a client: stack traces, SQL, driver and class names.
+LEAKS = ("Traceback", "psycopg", "SELECT ", "UPDATE ", "relay.jobs", 'File "', "Exception", "Error(")
+
+
+def assert_problem(response: Any, status: int, slug: str | None = None) -> dict[str, Any]:
+    """The response is an RFC 9457 problem with this status (and type), and leaks nothing."""
+    assert response.status_code == status, response.get_data(as_text=True)
+    assert response.mimetype == "application/problem+json"
+    body = response.get_json()
+    assert {"type", "title", "status", "detail"} <= set(body)
+    assert body["status"] == status
+    if slug is not None:
+        assert body["type"] == f"urn:relay:problem:{slug}", body
+    text = response.get_data(as_text=True)
+    for leak in LEAKS:
+        assert leak not in text, f"{leak!r} leaked: {text}"
+    return body

@@ -1,0 +1,242 @@
+"""Login, tokens, roles and the login throttle, against a real database."""
+
+from __future__ import annotations
+
+import base64
+import json
+import time
+from datetime import timedelta
+
+import jwt
+import psycopg
+from flask import Flask
+from flask_jwt_extended import create_access_token
+
+from relay_core import users
+
+from .conftest import PASSWORD, SECRET, AuthActions
+from .helpers import assert_problem
+
+
+def _b64(data: dict) -> str:
+    return base64.urlsafe_b64encode(json.dumps(data).encode()).rstrip(b"=").decode()
+
+
+def _claims(auth: AuthActions, role: str = "admin") -> dict:
+    token = auth.tokens(role)["access_token"]
+    return jwt.decode(token, SECRET, algorithms=["HS256"], issuer="relay")
+
+
+def test_no_user_ships_with_relay(db: psycopg.Connection) -> None:
+    assert db.execute("SELECT count(*) FROM relay.users").fetchone()[0] == 0
+
+
+def test_login_returns_expiring_access_and_refresh_tokens(auth: AuthActions) -> None:
+    auth.create_user("Alice", "admin")
+    response = auth.login("alice")
+    assert response.status_code == 200
+    body = response.get_json()
+    assert body["token_type"] == "Bearer"
+    assert body["role"] == "admin" and body["username"] == "alice"
+    assert body["expires_in"] == 900 and body["refresh_expires_in"] > body["expires_in"]
+    claims = jwt.decode(body["access_token"], SECRET, algorithms=["HS256"], issuer="relay")
+    assert claims["exp"] - claims["iat"] == 900
+    assert claims["role"] == "admin"
+    assert PASSWORD not in response.get_data(as_text=True)
+
+
+def test_usernames_are_case_insensitive(auth: AuthActions) -> None:
+    auth.create_user("Bob", "viewer")
+    assert auth.login("BOB").status_code == 200
+
+
+def test_wrong_password_and_unknown_user_answer_the_same_401(auth: AuthActions) -> None:
+    auth.create_user("carol", "admin")
+    wrong = assert_problem(auth.login("carol", "not the password"), 401, "login-failed")
+    unknown = assert_problem(auth.login("nobody", "not the password"), 401, "login-failed")
+    assert wrong["detail"] == unknown["detail"]
+
+
+def test_admin_routes_need_a_token(client, auth: AuthActions) -> None:
+    response = client.get("/api/admin/jobs")
+    assert_problem(response, 401, "token-missing")
+    assert response.headers["WWW-Authenticate"].startswith("Bearer")
+    assert_problem(client.get("/api/admin/jobs", headers={"Authorization": "Basic YTpi"}), 401, "token-missing")
+    assert_problem(client.get("/api/admin/jobs", headers={"Authorization": "Bearer"}), 401)
+
+
+def test_expired_token_is_refused(app: Flask, client, auth: AuthActions) -> None:
+    user = auth.create_user("dave", "admin")
+    with app.app_context():
+        token = create_access_token(
+            identity=str(user.id), additional_claims={"role": "admin"}, expires_delta=timedelta(seconds=-30)
+        )
+    response = client.get("/api/admin/jobs", headers={"Authorization": f"Bearer {token}"})
+    body = assert_problem(response, 401, "token-expired")
+    assert "refresh" in body["detail"]
+    assert 'error="invalid_token"' in response.headers["WWW-Authenticate"]
+
+
+def test_token_signed_with_another_key_is_refused(client, auth: AuthActions) -> None:
+    claims = _claims(auth)
+    forged = jwt.encode(claims, "another-key-" + "x" * 40, algorithm="HS256")
+    assert_problem(client.get("/api/admin/jobs", headers={"Authorization": f"Bearer {forged}"}), 401, "token-invalid")
+
+
+def test_alg_none_token_is_refused(client, auth: AuthActions) -> None:
+    claims = _claims(auth)
+    unsigned = f"{_b64({'alg': 'none', 'typ': 'JWT'})}.{_b64(claims)}."
+    assert_problem(client.get("/api/admin/jobs", headers={"Authorization": f"Bearer {unsigned}"}), 401, "token-invalid")
+
+
+def test_tampered_role_is_refused(client, auth: AuthActions) -> None:
+    token = auth.tokens("viewer")["access_token"]
+    header, payload, signature = token.split(".")
+    claims = json.loads(base64.urlsafe_b64decode(payload + "=" * (-len(payload) % 4)))
+    claims["role"] = "admin"
+    tampered = f"{header}.{_b64(claims)}.{signature}"
+    response = client.post("/api/admin/jobs/1/requeue", headers={"Authorization": f"Bearer {tampered}"})
+    assert_problem(response, 401, "token-invalid")
+
+
+def test_garbage_token_is_refused(client) -> None:
+    for token in ("abc", "a.b.c", "é.é.é", "x" * 5000):
+        assert_problem(client.get("/api/admin/jobs", headers={"Authorization": f"Bearer {token}"}), 401)
+
+
+def test_viewer_reads_but_cannot_act(client, auth: AuthActions, relay) -> None:
+    job_id = relay.enqueue("send_email", {"to": "a@b.c"})
+    viewer = auth.headers("viewer")
+    assert client.get("/api/admin/jobs", headers=viewer).status_code == 200
+    assert client.get(f"/api/admin/jobs/{job_id}", headers=viewer).status_code == 200
+    for path, body in (
+        (f"/api/admin/jobs/{job_id}/requeue", None),
+        (f"/api/admin/jobs/{job_id}/cancel", None),
+        ("/api/admin/jobs/requeue", {}),
+        ("/api/admin/jobs/cancel", {}),
+        ("/api/admin/jobs", {"type": "x"}),
+    ):
+        assert_problem(client.post(path, headers=viewer, json=body), 403, "forbidden")
+    assert relay.get_job(job_id).status == "queued"
+
+
+def test_refresh_token_gives_a_new_access_token_with_the_current_role(client, auth: AuthActions, dsn: str) -> None:
+    auth.create_user("erin", "admin")
+    tokens = auth.login("erin").get_json()
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        users.set_role(conn, "erin", "viewer")
+    response = client.post("/api/auth/refresh", headers={"Authorization": f"Bearer {tokens['refresh_token']}"})
+    assert response.status_code == 200
+    body = response.get_json()
+    assert body["role"] == "viewer" and body["refresh_token"] is None
+    assert_problem(
+        client.post("/api/admin/jobs/1/requeue", headers={"Authorization": f"Bearer {body['access_token']}"}), 403
+    )
+
+
+def test_access_and_refresh_tokens_are_not_interchangeable(client, auth: AuthActions) -> None:
+    tokens = auth.tokens("admin")
+    assert_problem(client.post("/api/auth/refresh", headers={"Authorization": f"Bearer {tokens['access_token']}"}), 401)
+    assert_problem(client.get("/api/admin/jobs", headers={"Authorization": f"Bearer {tokens['refresh_token']}"}), 401)
+
+
+def test_password_change_or_removal_ends_refresh_sessions(client, auth: AuthActions, dsn: str) -> None:
+    auth.create_user("frank", "admin")
+    auth.create_user("grace", "admin")
+    frank = auth.login("frank").get_json()["refresh_token"]
+    grace = auth.login("grace").get_json()["refresh_token"]
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        users.set_password(conn, "frank", "a brand new password", hasher=users.make_hasher(1, 1024, 1))
+        users.delete_user(conn, "grace")
+    for token in (frank, grace):
+        response = client.post("/api/auth/refresh", headers={"Authorization": f"Bearer {token}"})
+        assert_problem(response, 401, "session-ended")
+
+
+def test_hash_is_upgraded_when_parameters_change(make_app, auth: AuthActions, db: psycopg.Connection) -> None:
+    auth.create_user("heidi", "admin")
+    before = db.execute("SELECT password_hash FROM relay.users WHERE username = 'heidi'").fetchone()[0]
+    assert "m=1024,t=1,p=1" in before
+    stronger = make_app(RELAY_ARGON2_TIME_COST=2, RELAY_ARGON2_MEMORY_COST=2048).test_client()
+    assert stronger.post("/api/auth/login", json={"username": "heidi", "password": PASSWORD}).status_code == 200
+    after = db.execute("SELECT password_hash, last_login_at FROM relay.users WHERE username = 'heidi'").fetchone()
+    assert after[0].startswith("$argon2id$") and "m=2048,t=2,p=1" in after[0]
+    assert after[1] is not None
+    assert stronger.post("/api/auth/login", json={"username": "heidi", "password": PASSWORD}).status_code == 200
+
+
+def test_failed_logins_are_throttled_across_app_instances(make_app, auth: AuthActions) -> None:
+    auth.create_user("ivan", "admin")
+    settings = {"RELAY_LOGIN_MAX_FAILURES": 3, "RELAY_LOGIN_WINDOW_SECONDS": 600}
+    first, second = make_app(**settings).test_client(), make_app(**settings).test_client()
+    for client in (first, second, first):
+        response = client.post("/api/auth/login", json={"username": "ivan", "password": "wrong password"})
+        assert response.status_code == 401
+    for client in (second, first):
+        response = client.post("/api/auth/login", json={"username": "ivan", "password": PASSWORD})
+        body = assert_problem(response, 429, "login-throttled")
+        assert 590 <= int(response.headers["Retry-After"]) <= 600
+        assert body["retry_after"] == int(response.headers["Retry-After"])
+
+
+def test_a_successful_login_forgives_earlier_failures(make_app, auth: AuthActions) -> None:
+    auth.create_user("judy", "admin")
+    client = make_app(RELAY_LOGIN_MAX_FAILURES=3).test_client()
+    for _ in range(2):
+        client.post("/api/auth/login", json={"username": "judy", "password": "wrong password"})
+    assert client.post("/api/auth/login", json={"username": "judy", "password": PASSWORD}).status_code == 200
+    for _ in range(2):
+        client.post("/api/auth/login", json={"username": "judy", "password": "wrong password"})
+    assert client.post("/api/auth/login", json={"username": "judy", "password": PASSWORD}).status_code == 200
+
+
+def test_throttle_counts_per_address_too(make_app, auth: AuthActions) -> None:
+    client = make_app(RELAY_LOGIN_MAX_FAILURES_PER_ADDRESS=3).test_client()
+    for name in ("u1", "u2", "u3"):
+        assert client.post("/api/auth/login", json={"username": name, "password": "guess-guess"}).status_code == 401
+    assert_problem(client.post("/api/auth/login", json={"username": "u4", "password": "guess-guess"}), 429)
+
+
+def _attempts_from(client, forwarded_for: str, n: int) -> list[int]:
+    statuses = []
+    for i in range(n):
+        response = client.post(
+            "/api/auth/login",
+            json={"username": f"spray{i}", "password": "guess-guess"},
+            headers={"X-Forwarded-For": forwarded_for},
+            environ_base={"REMOTE_ADDR": "10.0.0.1"},
+        )
+        statuses.append(response.status_code)
+    return statuses
+
+
+def test_proxy_hops_decide_the_client_address(make_app, db: psycopg.Connection) -> None:
+    behind_one_proxy = make_app(RELAY_PROXY_HOPS=1, RELAY_LOGIN_MAX_FAILURES_PER_ADDRESS=2).test_client()
+    # The client writes a fake address; the platform's proxy appends the real one.
+    statuses = [_attempts_from(behind_one_proxy, f"198.51.100.{i}, 203.0.113.7", 1)[0] for i in range(3)]
+    assert statuses == [401, 401, 429]
+    keys = {row[0] for row in db.execute("SELECT key FROM relay.login_throttle WHERE key LIKE 'addr:%'")}
+    assert keys == {"addr:203.0.113.7"}
+
+
+def test_without_proxy_hops_forwarded_headers_are_ignored(make_app, db: psycopg.Connection) -> None:
+    direct = make_app(RELAY_LOGIN_MAX_FAILURES_PER_ADDRESS=2).test_client()
+    assert _attempts_from(direct, "203.0.113.9", 3) == [401, 401, 429]
+    keys = {row[0] for row in db.execute("SELECT key FROM relay.login_throttle WHERE key LIKE 'addr:%'")}
+    assert keys == {"addr:10.0.0.1"}
+
+
+def test_two_proxy_hops_take_the_second_entry_from_the_right(make_app, db: psycopg.Connection) -> None:
+    client = make_app(RELAY_PROXY_HOPS=2).test_client()
+    _attempts_from(client, "6.6.6.6, 192.0.2.44, 172.16.0.3", 1)
+    keys = {row[0] for row in db.execute("SELECT key FROM relay.login_throttle WHERE key LIKE 'addr:%'")}
+    assert keys == {"addr:192.0.2.44"}
+
+
+def test_throttle_window_ends(make_app, auth: AuthActions) -> None:
+    auth.create_user("mallory", "admin")
+    client = make_app(RELAY_LOGIN_MAX_FAILURES=1, RELAY_LOGIN_WINDOW_SECONDS=1).test_client()
+    client.post("/api/auth/login", json={"username": "mallory", "password": "wrong password"})
+    assert client.post("/api/auth/login", json={"username": "mallory", "password": PASSWORD}).status_code == 429
+    time.sleep(1.1)
+    assert client.post("/api/auth/login", json={"username": "mallory", "password": PASSWORD}).status_code == 200

@@ -1,0 +1,262 @@
+"""The jobs endpoints: listing, one job, requeue, cancel, bulk actions and enqueue."""
+
+from __future__ import annotations
+
+from urllib.parse import quote
+
+import psycopg
+import pytest
+
+from relay_core import Relay
+from relay_core.validation import QUEUE_NAME
+
+from .helpers import assert_problem
+from .states import make_claimed, make_dead, make_succeeded
+
+#: Strings that would break a query built by concatenation, or a LIKE pattern.
+NASTY = [
+    "'; DROP TABLE relay.jobs; --",
+    '" OR 1=1 --',
+    "%",
+    "_",
+    "\\",
+    "a' OR 'a'='a",
+    "$1",
+    "%(status)s",
+    "));",
+    "é😀",
+]
+
+
+def _ids(response) -> list[int]:
+    assert response.status_code == 200, response.get_json()
+    return [job["id"] for job in response.get_json()["jobs"]]
+
+
+def test_list_is_newest_first_with_filters(client, admin, relay: Relay, db: psycopg.Connection) -> None:
+    a = relay.enqueue("send_email", {"n": 1})
+    b = relay.enqueue("resize_image", {"n": 2}, queue="media")
+    c = relay.enqueue("send_email", {"n": 3}, queue="media")
+    make_dead(db, a, "SMTP timeout talking to mx.example.com")
+    assert _ids(client.get("/api/admin/jobs", headers=admin)) == [c, b, a]
+    assert _ids(client.get("/api/admin/jobs?status=dead", headers=admin)) == [a]
+    assert _ids(client.get("/api/admin/jobs?queue=media", headers=admin)) == [c, b]
+    assert _ids(client.get("/api/admin/jobs?type=send_email", headers=admin)) == [c, a]
+    assert _ids(client.get("/api/admin/jobs?q=smtp", headers=admin)) == [a]
+    assert _ids(client.get("/api/admin/jobs?q=RESIZE", headers=admin)) == [b]
+    assert _ids(client.get("/api/admin/jobs?type=send_email&queue=media&status=queued", headers=admin)) == [c]
+    row = client.get("/api/admin/jobs?status=dead", headers=admin).get_json()["jobs"][0]
+    assert row["last_error"] == "SMTP timeout talking to mx.example.com" and row["attempts"] == 1
+
+
+def test_keyset_pages_are_stable_under_inserts(client, admin, relay: Relay) -> None:
+    ids = relay.enqueue_many([{"type": "t", "payload": {"i": i}} for i in range(7)])
+    first = client.get("/api/admin/jobs?limit=3", headers=admin).get_json()
+    assert [j["id"] for j in first["jobs"]] == ids[::-1][:3]
+    relay.enqueue_many([{"type": "t"} for _ in range(5)])  # arrive between page reads
+    second = client.get(f"/api/admin/jobs?limit=3&cursor={first['next_cursor']}", headers=admin).get_json()
+    third = client.get(f"/api/admin/jobs?limit=3&cursor={second['next_cursor']}", headers=admin).get_json()
+    assert [j["id"] for j in second["jobs"]] == ids[::-1][3:6]
+    assert [j["id"] for j in third["jobs"]] == ids[::-1][6:]
+    assert third["next_cursor"] is None
+
+
+def test_default_and_maximum_page_size(client, admin, relay: Relay) -> None:
+    relay.enqueue_many([{"type": "t"} for _ in range(205)])
+    assert len(_ids(client.get("/api/admin/jobs", headers=admin))) == 50
+    assert len(_ids(client.get("/api/admin/jobs?limit=200", headers=admin))) == 200
+    for limit in ("1000000000", "201", "0", "-5", "ten", "1e3", "", "99999999999999999999999"):
+        body = assert_problem(client.get(f"/api/admin/jobs?limit={limit}", headers=admin), 422, "validation")
+        assert [e["field"] for e in body["errors"]] == ["limit"]
+
+
+@pytest.mark.parametrize("value", NASTY)
+def test_sql_metacharacters_in_every_filter_are_plain_data(client, admin, relay: Relay, db, value: str) -> None:
+    plain = relay.enqueue("plain", {})
+    tricky = relay.enqueue(f"type{value}", {})
+    make_dead(db, tricky, f"error with {value} inside")
+    quoted = quote(value, safe="")
+    assert _ids(client.get(f"/api/admin/jobs?type={quote('type' + value, safe='')}", headers=admin)) == [tricky]
+    assert _ids(client.get(f"/api/admin/jobs?q={quoted}", headers=admin)) == [tricky]
+    assert _ids(client.get(f"/api/admin/jobs?type={quoted}", headers=admin)) == []
+    for name in ("status", "cursor", "limit"):
+        assert_problem(client.get(f"/api/admin/jobs?{name}={quoted}", headers=admin), 422, "validation")
+    valid_queue = bool(QUEUE_NAME.match(value))  # "_" is a fine queue name
+    if valid_queue:
+        assert _ids(client.get(f"/api/admin/jobs?queue={quoted}", headers=admin)) == []
+    else:
+        assert_problem(client.get(f"/api/admin/jobs?queue={quoted}", headers=admin), 422, "validation")
+    for path in ("/api/admin/jobs/requeue", "/api/admin/jobs/cancel"):
+        assert client.post(path, headers=admin, json={"type": value}).get_json()["changed"] == 0
+        assert client.post(path, headers=admin, json={"q": "nothing" + value}).get_json()["changed"] == 0
+        response = client.post(path, headers=admin, json={"queue": value})
+        if valid_queue:
+            assert response.get_json()["changed"] == 0
+        else:
+            assert_problem(response, 422)
+    assert db.execute("SELECT count(*) FROM relay.jobs").fetchone()[0] == 2
+    assert relay.get_job(plain).status == "queued"
+
+
+def test_nul_characters_are_refused_not_sent_to_the_database(client, admin) -> None:
+    for name in ("type", "q"):
+        assert_problem(client.get(f"/api/admin/jobs?{name}=a%00b", headers=admin), 422, "validation")
+    assert_problem(client.post("/api/admin/jobs/requeue", headers=admin, json={"type": "a\u0000b"}), 422)
+    assert_problem(client.post("/api/admin/jobs", headers=admin, json={"type": "a\u0000b"}), 422)
+
+
+def test_unknown_and_repeated_parameters_are_refused(client, admin) -> None:
+    body = assert_problem(client.get("/api/admin/jobs?stauts=dead", headers=admin), 422, "validation")
+    assert body["errors"] == [{"field": "stauts", "in": "query", "detail": "is not a known field"}]
+    body = assert_problem(client.get("/api/admin/jobs?status=dead&status=queued", headers=admin), 422)
+    assert body["errors"][0]["field"] == "status"
+    assert_problem(client.get("/api/admin/queues?x=1", headers=admin), 422)
+    assert_problem(client.get("/api/admin/jobs?status=exploded", headers=admin), 422)
+
+
+@pytest.mark.parametrize("job_id", ["-1", "0", "abc", "1.5", "9223372036854775808", "99999999999999999999", "1e3"])
+def test_bad_job_ids_are_422(client, admin, job_id: str) -> None:
+    body = assert_problem(client.get(f"/api/admin/jobs/{job_id}", headers=admin), 422, "validation")
+    assert body["errors"][0] == {"field": "job_id", "in": "path", "detail": body["errors"][0]["detail"]}
+    assert_problem(client.post(f"/api/admin/jobs/{job_id}/requeue", headers=admin), 422)
+
+
+def test_unknown_job_is_404(client, admin) -> None:
+    body = assert_problem(client.get("/api/admin/jobs/9223372036854775807", headers=admin), 404, "job-not-found")
+    assert "9223372036854775807" in body["detail"]
+    assert_problem(client.post("/api/admin/jobs/424242/requeue", headers=admin), 404, "job-not-found")
+    assert_problem(client.post("/api/admin/jobs/424242/cancel", headers=admin), 404, "job-not-found")
+
+
+def test_one_job_has_payload_history_lease_and_timings(client, admin, relay: Relay, db) -> None:
+    job_id = relay.enqueue("send_email", {"to": "a@b.c", "html": "<script>x</script>"}, idempotency_key="k-1")
+    make_dead(db, job_id, "SMTP 554 rejected", attempts=3)
+    job = client.get(f"/api/admin/jobs/{job_id}", headers=admin).get_json()
+    assert job["payload"] == {"to": "a@b.c", "html": "<script>x</script>"}
+    assert job["status"] == "dead" and job["attempts"] == 3 and job["max_attempts"] == 20
+    assert job["last_error"] == "SMTP 554 rejected" and job["idempotency_key"] == "k-1"
+    assert [e["attempt"] for e in job["errors"]] == [1, 2, 3]
+    assert job["errors"][0]["type"] == "ValueError" and job["errors"][0]["worker"] == "w1"
+    assert job["claimed_by"] == "w1" and job["finished_at"] is not None and job["started_at"] is not None
+    assert {"lease_token", "claimed_until", "run_at", "created_at", "progress", "result"} <= set(job)
+
+
+def test_requeue_dead_job_resets_attempts_and_keeps_history(client, admin, relay: Relay, db) -> None:
+    job_id = relay.enqueue("send_email", {})
+    make_dead(db, job_id, "boom", attempts=2)
+    response = client.post(f"/api/admin/jobs/{job_id}/requeue", headers=admin)
+    assert response.status_code == 200
+    job = response.get_json()
+    assert job["status"] == "queued" and job["attempts"] == 0 and len(job["errors"]) == 2
+    assert job["finished_at"] is None
+
+
+def test_illegal_transitions_are_409_naming_the_current_state(client, admin, relay: Relay, db) -> None:
+    queued = relay.enqueue("t", {})
+    done = relay.enqueue("t", {})
+    make_succeeded(db, done)
+    body = assert_problem(client.post(f"/api/admin/jobs/{queued}/requeue", headers=admin), 409, "illegal-transition")
+    assert body["current_status"] == "queued" and body["job_id"] == queued
+    assert body["allowed_from"] == ["dead", "cancelled"]
+    assert "queued" in body["detail"]
+    body = assert_problem(client.post(f"/api/admin/jobs/{done}/cancel", headers=admin), 409, "illegal-transition")
+    assert body["current_status"] == "succeeded"
+    assert relay.get_job(done).status == "succeeded" and relay.get_job(queued).status == "queued"
+
+
+def test_cancel_queued_then_requeue_cancelled(client, admin, relay: Relay) -> None:
+    job_id = relay.enqueue("t", {})
+    assert client.post(f"/api/admin/jobs/{job_id}/cancel", headers=admin).get_json()["status"] == "cancelled"
+    assert client.post(f"/api/admin/jobs/{job_id}/requeue", headers=admin).get_json()["status"] == "queued"
+
+
+def test_cancel_running_job_asks_it_to_stop(client, admin, relay: Relay, db) -> None:
+    job_id = relay.enqueue("t", {})
+    make_claimed(db, job_id)
+    job = client.post(f"/api/admin/jobs/{job_id}/cancel", headers=admin).get_json()
+    assert job["status"] == "claimed" and job["cancel_requested_at"] is not None
+
+
+def test_bulk_requeue_by_filter_answers_how_many_changed(client, admin, relay: Relay, db) -> None:
+    emails = relay.enqueue_many([{"type": "send_email"} for _ in range(5)])
+    other = relay.enqueue("resize_image", {})
+    for job_id in [*emails[:4], other]:
+        make_dead(db, job_id)
+    response = client.post("/api/admin/jobs/requeue", headers=admin, json={"type": "send_email", "status": "dead"})
+    assert response.get_json() == {"action": "requeue", "changed": 4}
+    assert {relay.get_job(i).status for i in emails} == {"queued"}
+    assert relay.get_job(other).status == "dead"
+    assert client.post("/api/admin/jobs/requeue", headers=admin, json={}).get_json()["changed"] == 1
+
+
+def test_bulk_actions_walk_many_batches(client, admin, relay: Relay, db) -> None:
+    relay.enqueue_many([{"type": "bulk", "queue": "q1"} for _ in range(2500)])
+    relay.enqueue("bulk", {}, queue="q2")
+    response = client.post("/api/admin/jobs/cancel", headers=admin, json={"queue": "q1"})
+    assert response.get_json() == {"action": "cancel", "changed": 2500}
+    counts = dict(db.execute("SELECT queue, count(*) FILTER (WHERE status = 'cancelled') FROM relay.jobs GROUP BY 1"))
+    assert counts == {"q1": 2500, "q2": 0}
+    response = client.post("/api/admin/jobs/requeue", headers=admin, json={"status": "cancelled"})
+    assert response.get_json()["changed"] == 2500
+
+
+def test_bulk_bodies_are_validated(client, admin) -> None:
+    assert_problem(client.post("/api/admin/jobs/requeue", headers=admin, json={"status": "queued"}), 422)
+    assert_problem(client.post("/api/admin/jobs/requeue", headers=admin, json={"typo": "x"}), 422)
+    assert_problem(client.post("/api/admin/jobs/cancel", headers=admin, json={"status": "queued"}), 422)
+    assert_problem(client.post("/api/admin/jobs/cancel", headers=admin, json=[]), 422)
+
+
+def test_enqueue_over_http(client, admin, relay: Relay) -> None:
+    response = client.post(
+        "/api/admin/jobs",
+        headers=admin,
+        json={
+            "type": "send_email",
+            "payload": {"to": "a@b.c"},
+            "queue": "mail",
+            "priority": -5,
+            "run_at": "2030-01-01T09:00:00+02:00",
+            "max_attempts": 3,
+        },
+    )
+    assert response.status_code == 201
+    job = response.get_json()
+    assert response.headers["Location"] == f"/api/admin/jobs/{job['id']}"
+    stored = relay.get_job(job["id"])
+    assert (stored.type, stored.queue, stored.priority, stored.max_attempts) == ("send_email", "mail", -5, 3)
+    assert stored.run_at.isoformat().startswith("2030-01-01T07:00:00")
+
+
+def test_idempotency_key_returns_the_first_job(client, admin, db) -> None:
+    headers = {**admin, "Idempotency-Key": "order-17-receipt"}
+    first = client.post("/api/admin/jobs", headers=headers, json={"type": "receipt", "payload": {"order": 17}})
+    again = client.post("/api/admin/jobs", headers=headers, json={"type": "receipt", "payload": {"order": 17}})
+    assert (first.status_code, again.status_code) == (201, 200)
+    assert first.get_json()["id"] == again.get_json()["id"]
+    assert db.execute("SELECT count(*) FROM relay.jobs").fetchone()[0] == 1
+    clash = client.post("/api/admin/jobs", headers=headers, json={"type": "receipt", "payload": {"order": 18}})
+    body = assert_problem(clash, 409, "idempotency-key-reused")
+    assert body["job_id"] == first.get_json()["id"]
+    assert db.execute("SELECT count(*) FROM relay.jobs").fetchone()[0] == 1
+    assert_problem(client.post("/api/admin/jobs", headers={**admin, "Idempotency-Key": ""}, json={"type": "r"}), 422)
+
+
+@pytest.mark.parametrize(
+    ("body", "field"),
+    [
+        ({"type": "t", "run_at": "2030-01-01T09:00:00"}, "run_at"),
+        ({"type": "t", "queue": "Bad Queue"}, "queue"),
+        ({"type": "t", "priority": "5"}, "priority"),
+        ({"type": "t", "priority": 40000}, "priority"),
+        ({"type": ""}, "type"),
+        ({"type": "t", "max_attempts": 0}, "max_attempts"),
+        ({"type": "t", "colour": "red"}, "colour"),
+        ({"payload": {}}, "type"),
+        ({"type": "t", "payload": {"blob": "x" * 300_000}}, "payload"),
+    ],
+)
+def test_enqueue_refuses_bad_input_and_writes_nothing(client, admin, db, body: dict, field: str) -> None:
+    problem = assert_problem(client.post("/api/admin/jobs", headers=admin, json=body), 422, "validation")
+    assert field in [e["field"] for e in problem["errors"]], problem
+    assert db.execute("SELECT count(*) FROM relay.jobs").fetchone()[0] == 0

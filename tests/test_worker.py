@@ -280,3 +280,43 @@ def test_worker_survives_its_connections_being_killed(relay: Relay, db: psycopg.
         second = relay.enqueue_many([{"type": "n"} for _ in range(50)])
         wait_for(lambda: all(job_status(db, j) == "succeeded" for j in second), timeout=30)
     assert done == set(first) | set(second)
+
+
+def test_error_text_with_nul_characters_is_recorded(relay: Relay, db: psycopg.Connection) -> None:
+    @relay.handler("nul", max_attempts=1)
+    def nul(job: Job) -> None:
+        raise ValueError("bad byte \x00 in input")
+
+    @relay.handler("fine")
+    def fine(job: Job) -> None:
+        return None
+
+    bad, good = relay.enqueue("nul"), relay.enqueue("fine")
+    with running_worker(relay):
+        wait_for(lambda: job_status(db, bad) == "dead" and job_status(db, good) == "succeeded")
+    assert relay.get_job(bad).last_error == "ValueError: bad byte \\x00 in input"
+
+
+def test_worker_refuses_to_start_on_an_unmigrated_database(database_url: str, python: str, worker_env: dict) -> None:
+    import subprocess
+    import uuid
+
+    from psycopg import conninfo
+
+    name = f"relay_unmigrated_{uuid.uuid4().hex[:8]}"
+    with psycopg.connect(database_url, autocommit=True) as admin:
+        admin.execute(f'CREATE DATABASE "{name}"')
+    try:
+        env = dict(worker_env, RELAY_DATABASE_URL=conninfo.make_conninfo(database_url, dbname=name))
+        result = subprocess.run(
+            [python, "-m", "relay_core", "worker", "--app", "tests.apps.worker_app:relay"],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert result.returncode != 0
+        assert "run `relay migrate` first" in result.stderr
+    finally:
+        with psycopg.connect(database_url, autocommit=True) as admin:
+            admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')

@@ -141,7 +141,9 @@ SET status = f.next_status::relay.job_status,
     finished_at = CASE WHEN f.next_status = 'dead' THEN now() END,
     claimed_until = NULL,
     last_error = f.message,
-    errors = j.errors || jsonb_build_array(f.error::jsonb || jsonb_build_object('at', now()))
+    -- The history keeps the newest 100 attempts, so a job with a huge max_attempts stays small.
+    errors = (CASE WHEN jsonb_array_length(j.errors) >= 100 THEN j.errors - 0 ELSE j.errors END)
+             || jsonb_build_array(f.error::jsonb || jsonb_build_object('at', now()))
 FROM unnest(%(ids)s::bigint[], %(tokens)s::integer[], %(next_statuses)s::text[],
             %(delays)s::float8[], %(messages)s::text[], %(errors)s::text[])
      AS f(id, token, next_status, delay_seconds, message, error)
@@ -183,7 +185,8 @@ SET status = CASE WHEN j.cancel_requested_at IS NOT NULL THEN 'cancelled'
     finished_at = CASE WHEN j.cancel_requested_at IS NOT NULL OR j.attempts >= j.max_attempts THEN now() END,
     run_at = now(),
     last_error = 'lease expired: worker ' || j.claimed_by || ' stopped heartbeating',
-    errors = j.errors || jsonb_build_array(jsonb_build_object(
+    errors = (CASE WHEN jsonb_array_length(j.errors) >= 100 THEN j.errors - 0 ELSE j.errors END)
+             || jsonb_build_array(jsonb_build_object(
         'attempt', j.attempts, 'at', now(), 'worker', j.claimed_by,
         'type', 'LeaseExpired',
         'message', 'lease expired: worker ' || j.claimed_by || ' stopped heartbeating',

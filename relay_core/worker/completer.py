@@ -83,6 +83,22 @@ class Completer:
                 time.sleep(delay)
                 delay = min(delay * 2, 5.0)
                 continue
+            except psycopg.Error as exc:
+                # Not an outage: one outcome the database refuses must not block the others.
+                if len(batch) > 1:
+                    for outcome in batch:
+                        self._write_until_done([outcome], give_up_after)
+                    return
+                job = batch[0].job
+                event(
+                    logging.ERROR,
+                    "completion refused by the database; the lease will expire and the job rerun",
+                    job_id=job.id,
+                    type=job.type,
+                    error=str(exc),
+                )
+                self._on_written(batch, set())
+                return
             self._on_written(batch, still_ours)
             return
 

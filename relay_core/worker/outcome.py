@@ -61,13 +61,19 @@ def result_json(value: Any, limit: int = MAX_RESULT_BYTES) -> str | None:
 def describe(exc: BaseException, job: Job, worker_id: str) -> tuple[str, dict[str, Any]]:
     """A failed attempt's last_error line and its error-history entry."""
     name = type(exc).__name__
-    text = str(exc)
+    try:
+        text = str(exc)
+    except Exception:
+        text = f"<unprintable {name}>"
     message = f"{name}: {text}" if text else name
     if len(message) > MAX_MESSAGE_CHARS:
         message = message[: MAX_MESSAGE_CHARS - 1] + "…"
     trace = "".join(tb.format_exception(type(exc), exc, exc.__traceback__))
     if len(trace) > MAX_TRACEBACK_CHARS:
         trace = "…" + trace[-(MAX_TRACEBACK_CHARS - 1) :]
+    # PostgreSQL text cannot hold NUL; keep the rest of the evidence intact.
+    message = message.replace("\x00", "\\x00")
+    trace = trace.replace("\x00", "\\x00")
     entry = {
         "attempt": job.attempt,
         "worker": worker_id,

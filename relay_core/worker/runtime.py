@@ -21,7 +21,8 @@ import psycopg
 from psycopg.rows import dict_row
 from psycopg_pool import ConnectionPool, PoolTimeout
 
-from ..errors import JobTimeout
+from .. import migrate as migrator
+from ..errors import ConfigurationError, JobTimeout
 from ..handlers import HandlerSpec
 from ..job import Job
 from ..logs import event
@@ -321,7 +322,11 @@ class Worker:
         if install_signals:
             self._install_signal_handlers()
         self.pool.open(wait=True, timeout=30.0)
-        self._with_retry(lambda: self._register())
+        try:
+            self._with_retry(lambda: self._register())
+        except ConfigurationError:
+            self.pool.close()
+            raise
         for _ in range(self.config.concurrency):
             self._start_slot()
         self.completer.start()
@@ -342,6 +347,8 @@ class Worker:
 
     def _register(self) -> None:
         with self.pool.connection() as conn:
+            if not migrator.is_current(conn):
+                raise ConfigurationError("the database schema is not up to date: run `relay migrate` first")
             register(conn, self.id, self.config.queues, self.config.concurrency)
             limits.publish(conn, self.handlers.values())
             periodic.publish(conn, self.handlers.values())

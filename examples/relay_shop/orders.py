@@ -1,0 +1,97 @@
+"""Placing an order: the row and its follow-up jobs commit in ONE transaction.
+
+This is the reason to keep a job queue in the application's own database.
+With a separate broker, "save the order, then publish the email job" has two
+failure windows: the order commits and the publish fails (a customer never
+hears from you), or the publish succeeds and the order rolls back (an email
+about an order that does not exist). Here ``relay.enqueue(..., conn=session)``
+inserts the job through the SQLAlchemy session's own connection, so the order
+and its jobs are committed together by ``session.commit()`` or not at all.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+
+from sqlalchemy.orm import Session
+
+from .jobs import relay
+from .models import Order, OrderLine
+from .settings import ShopSettings
+
+
+@dataclass(frozen=True)
+class Product:
+    """Something the shop sells."""
+
+    sku: str
+    name: str
+    price_cents: int
+
+
+@dataclass(frozen=True)
+class Customer:
+    """Who orders, and where it ships."""
+
+    name: str
+    email: str
+    street: str
+    postcode: str
+    country: str
+
+
+def place_order(
+    session: Session,
+    customer: Customer,
+    items: list[tuple[Product, int]],
+    *,
+    settings: ShopSettings | None = None,
+) -> Order:
+    """Save an order and enqueue everything it sets off; commit once.
+
+    If anything raises before ``commit`` (a bad item, a refused job, the
+    database going away), the session rolls back: no order and no jobs.
+    """
+    if not items:
+        raise ValueError("an order needs at least one item")
+    settings = settings or ShopSettings.from_env()
+    order = Order(
+        customer_name=customer.name,
+        customer_email=customer.email,
+        street=customer.street,
+        postcode=customer.postcode,
+        country=customer.country,
+        total_cents=sum(product.price_cents * quantity for product, quantity in items),
+        lines=[OrderLine(sku=p.sku, name=p.name, quantity=n, unit_price_cents=p.price_cents) for p, n in items],
+    )
+    session.add(order)
+    session.flush()  # assigns order.id inside the still-open transaction
+
+    key = f"order-{order.id}"
+    ids = {"order_id": order.id}
+    relay.enqueue("send_confirmation_email", ids, conn=session, idempotency_key=f"{key}:confirmation")
+    relay.enqueue("print_shipping_label", ids, conn=session, idempotency_key=f"{key}:label")
+    relay.enqueue(
+        "request_review",
+        ids,
+        conn=session,
+        run_at=datetime.now(UTC) + timedelta(seconds=settings.review_delay_seconds),
+        idempotency_key=f"{key}:review",
+    )
+    if settings.webhook_url:
+        event = {
+            "type": "order.placed",
+            "order_id": order.id,
+            "total_cents": order.total_cents,
+            "currency": order.currency,
+            "items": [{"sku": p.sku, "quantity": q} for p, q in items],
+        }
+        relay.enqueue(
+            "deliver_webhook",
+            {"url": settings.webhook_url, "event": event, "idempotency_key": f"{key}:order.placed"},
+            conn=session,
+            idempotency_key=f"{key}:webhook",
+        )
+    session.commit()
+    return order

@@ -1,0 +1,90 @@
+"""A stream of realistic orders: ``python -m relay_shop.producer --per-minute 30``.
+
+It stands in for the shop's web front end: every order goes through
+:func:`relay_shop.orders.place_order`, one SQLAlchemy transaction each. One
+customer in six typed a postcode the carrier rejects, so the demo always has
+dead jobs to inspect and requeue. SIGTERM or Ctrl-C stops it between orders,
+so no order is ever half placed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import signal
+import sys
+import threading
+
+from sqlalchemy.orm import Session
+
+from .models import create_schema, make_engine
+from .orders import Customer, Product, place_order
+
+CATALOGUE = [
+    Product("MUG-BLK", "Black enamel mug", 1400),
+    Product("TEE-GRY-M", "Grey T-shirt, M", 2500),
+    Product("NOTE-A5", "Dot-grid notebook A5", 900),
+    Product("PEN-STL", "Steel pen", 3200),
+    Product("BAG-CNV", "Canvas tote bag", 1800),
+    Product("CAP-NVY", "Navy cap", 2200),
+]
+
+CUSTOMERS = [
+    Customer("Ada Lovelace", "ada@example.com", "12 St James's Square", "SW1Y 4JH", "GB"),
+    Customer("Linus Meyer", "linus@example.de", "Torstrasse 101", "10119", "DE"),
+    Customer("Camille Martin", "camille@example.fr", "8 rue de Rivoli", "75004", "FR"),
+    Customer("Daan de Vries", "daan@example.nl", "Prinsengracht 263", "1016 GV", "NL"),
+    Customer("Giulia Rossi", "giulia@example.it", "Via del Corso 12", "00186", "IT"),
+    # A typo the carrier will refuse: German postcodes have five digits.
+    Customer("Grace Hopper", "grace@example.de", "Kastanienallee 7", "1043", "DE"),
+]
+
+
+def random_items(rng: random.Random) -> list[tuple[Product, int]]:
+    """One to three different products, one or two of each."""
+    return [(product, rng.choice((1, 1, 2))) for product in rng.sample(CATALOGUE, rng.randint(1, 3))]
+
+
+def run(per_minute: float, limit: int | None = None) -> int:
+    """Place orders until stopped (or ``limit`` orders); return how many were placed."""
+    stop = threading.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: stop.set())
+    engine = make_engine()
+    create_schema(engine)
+    rng = random.Random()
+    interval = 60.0 / per_minute
+    placed = 0
+    try:
+        while not stop.is_set() and (limit is None or placed < limit):
+            customer = CUSTOMERS[placed % len(CUSTOMERS)]
+            with Session(engine) as session:
+                order = place_order(session, customer, random_items(rng))
+                print(
+                    f"order {order.id} placed for {customer.email}: {len(order.lines)} item(s), "
+                    f"{order.total_cents / 100:.2f} {order.currency}",
+                    flush=True,
+                )
+            placed += 1
+            # Poisson-like arrivals look like real traffic; the mean stays at `interval`.
+            stop.wait(rng.expovariate(1.0 / interval))
+    finally:
+        engine.dispose()
+    return placed
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Command-line entry point."""
+    parser = argparse.ArgumentParser(description="Place demo orders in the Relay shop.")
+    parser.add_argument("--per-minute", type=float, default=30.0, help="mean orders per minute (default 30)")
+    parser.add_argument("--limit", type=int, default=None, help="stop after this many orders")
+    args = parser.parse_args(argv)
+    if args.per_minute <= 0:
+        parser.error("--per-minute must be positive")
+    placed = run(args.per_minute, args.limit)
+    print(f"producer stopped after {placed} order(s)", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -104,63 +104,41 @@ class Completer:
 
     def write(self, batch: list[Outcome]) -> set[int]:
         """Record a batch in one statement per outcome kind; return ids still this worker's."""
-        succeeded = [o for o in batch if o.kind is Kind.SUCCEEDED]
-        failed = [o for o in batch if o.kind in (Kind.RETRY, Kind.DEAD)]
-        snoozed = [o for o in batch if o.kind is Kind.SNOOZED]
-        cancelled = [o for o in batch if o.kind is Kind.CANCELLED]
         ours: set[int] = {o.job.id for o in batch if o.kind is Kind.COMMITTED}
-        if not (succeeded or failed or snoozed or cancelled):
+        statements = [(name, params) for name, params in _statements(batch) if params["ids"]]
+        if not statements:
             return ours
         with self._pool.connection() as conn:
             with conn.pipeline():
-                cursors = []
-                if succeeded:
-                    cursors.append(
-                        conn.execute(
-                            sql("job_succeed_many"),
-                            {
-                                "ids": [o.job.id for o in succeeded],
-                                "tokens": [o.job.lease_token for o in succeeded],
-                                "results": [o.result for o in succeeded],
-                            },
-                            prepare=True,
-                        )
-                    )
-                if failed:
-                    cursors.append(
-                        conn.execute(
-                            sql("job_fail_many"),
-                            {
-                                "ids": [o.job.id for o in failed],
-                                "tokens": [o.job.lease_token for o in failed],
-                                "next_statuses": ["dead" if o.kind is Kind.DEAD else "queued" for o in failed],
-                                "delays": [o.delay for o in failed],
-                                "messages": [o.message for o in failed],
-                                "errors": [o.error_json() for o in failed],
-                            },
-                            prepare=True,
-                        )
-                    )
-                if snoozed:
-                    cursors.append(
-                        conn.execute(
-                            sql("job_snooze_many"),
-                            {
-                                "ids": [o.job.id for o in snoozed],
-                                "tokens": [o.job.lease_token for o in snoozed],
-                                "delays": [o.delay for o in snoozed],
-                            },
-                            prepare=True,
-                        )
-                    )
-                if cancelled:
-                    cursors.append(
-                        conn.execute(
-                            sql("job_cancel_running_many"),
-                            {"ids": [o.job.id for o in cancelled], "tokens": [o.job.lease_token for o in cancelled]},
-                            prepare=True,
-                        )
-                    )
+                cursors = [conn.execute(sql(name), params, prepare=True) for name, params in statements]
             for cur in cursors:
                 ours.update(row[0] for row in cur.fetchall())
         return ours
+
+
+def _fenced(outcomes: list[Outcome], **columns: list[object]) -> dict[str, list[object]]:
+    """Parameters of a fenced *_many statement: ids, lease tokens and per-job columns."""
+    return {"ids": [o.job.id for o in outcomes], "tokens": [o.job.lease_token for o in outcomes], **columns}
+
+
+def _statements(batch: list[Outcome]) -> list[tuple[str, dict[str, list[object]]]]:
+    """The fenced statement (and its parameters) for each kind of outcome in ``batch``."""
+    succeeded = [o for o in batch if o.kind is Kind.SUCCEEDED]
+    failed = [o for o in batch if o.kind in (Kind.RETRY, Kind.DEAD)]
+    snoozed = [o for o in batch if o.kind is Kind.SNOOZED]
+    cancelled = [o for o in batch if o.kind is Kind.CANCELLED]
+    return [
+        ("job_succeed_many", _fenced(succeeded, results=[o.result for o in succeeded])),
+        (
+            "job_fail_many",
+            _fenced(
+                failed,
+                next_statuses=["dead" if o.kind is Kind.DEAD else "queued" for o in failed],
+                delays=[o.delay for o in failed],
+                messages=[o.message for o in failed],
+                errors=[o.error_json() for o in failed],
+            ),
+        ),
+        ("job_snooze_many", _fenced(snoozed, delays=[o.delay for o in snoozed])),
+        ("job_cancel_running_many", _fenced(cancelled)),
+    ]

@@ -198,3 +198,25 @@ def requeue(job_id: int) -> None:
 from .cli_users import user  # noqa: E402
 
 main.add_command(user)
+
+
+@main.command()
+@click.option(
+    "--port",
+    type=click.IntRange(1, 65535),
+    default=8000,
+    envvar="PORT",
+    show_default=True,
+    help="Port of the dashboard on 127.0.0.1 (or PORT).",
+)
+@click.option("--fresh", is_flag=True, help="Delete the embedded database's data and start over.")
+@click.option("--orders-per-minute", type=click.FloatRange(min=0.1, max=6000), default=30.0, show_default=True)
+def demo(port: int, fresh: bool, orders_per_minute: float) -> None:
+    """Run the whole product here: database, dashboard, two workers and a shop placing orders."""
+    from .demo import DemoError, run
+
+    try:
+        code = run(port=port, fresh=fresh, orders_per_minute=orders_per_minute)
+    except DemoError as exc:
+        raise click.ClickException(str(exc)) from None
+    sys.exit(code)

@@ -18,13 +18,9 @@ def job_count(db: psycopg.Connection) -> int:
     return db.execute("SELECT count(*) FROM relay.jobs").fetchone()[0]
 
 
-def sa_url(dsn: str) -> str:
-    info = psycopg.conninfo.conninfo_to_dict(dsn)
-    host = info.get("host", "127.0.0.1")
-    port = info.get("port", "5432")
-    user = info.get("user", "postgres")
-    password = f":{info['password']}" if info.get("password") else ""
-    return f"postgresql+psycopg://{user}{password}@{host}:{port}/{info['dbname']}"
+def sa_engine(dsn: str) -> sqlalchemy.Engine:
+    """A SQLAlchemy engine on the test database (TCP or a Unix socket alike)."""
+    return sqlalchemy.create_engine("postgresql+psycopg://", creator=lambda: psycopg.connect(dsn))
 
 
 def test_psycopg_transaction_that_raises_leaves_no_job(relay: Relay, dsn: str, db: psycopg.Connection) -> None:
@@ -44,7 +40,7 @@ def test_psycopg_transaction_that_commits_leaves_one_job(relay: Relay, dsn: str,
 
 
 def test_sqlalchemy_connection_joins_the_transaction(relay: Relay, dsn: str, db: psycopg.Connection) -> None:
-    engine = sqlalchemy.create_engine(sa_url(dsn))
+    engine = sa_engine(dsn)
     try:
         with pytest.raises(RuntimeError), engine.begin() as conn:
             relay.enqueue("send_email", {"n": 1}, conn=conn)
@@ -58,7 +54,7 @@ def test_sqlalchemy_connection_joins_the_transaction(relay: Relay, dsn: str, db:
 
 
 def test_sqlalchemy_session_joins_the_transaction(relay: Relay, dsn: str, db: psycopg.Connection) -> None:
-    engine = sqlalchemy.create_engine(sa_url(dsn))
+    engine = sa_engine(dsn)
     try:
         with Session(engine) as session:
             relay.enqueue("send_email", {"n": 1}, conn=session)

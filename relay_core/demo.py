@@ -30,6 +30,7 @@ import tempfile
 import threading
 import time
 import urllib.request
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
@@ -128,7 +129,10 @@ class Demo:
                 raise DemoError("--fresh starts the embedded database over; it does nothing to DATABASE_URL's")
             self.step(1, "database: DATABASE_URL")
             return dsn
-        import pgserver
+        with warnings.catch_warnings():
+            # pgserver asks platformdirs for a runtime dir at import; its fallback warning is noise here.
+            warnings.simplefilter("ignore")
+            import pgserver
 
         data_dir = demo_data_dir()
         data_dir.parent.mkdir(parents=True, exist_ok=True)

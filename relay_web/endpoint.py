@@ -19,6 +19,7 @@ from pydantic import BaseModel, ValidationError
 
 from . import auth
 from .problems import Problem, validation_problem
+from .records.common import NO_NUL, VISIBLE
 
 #: The view keyword argument each input arrives as.
 KWARGS = {"path": "path", "query": "query", "header": "headers"}
@@ -75,6 +76,12 @@ def _detail(error: dict[str, Any]) -> str:
         message = message.removeprefix(prefix)
     if error.get("type") == "extra_forbidden":
         message = "is not a known field"
+    if error.get("type") == "string_pattern_mismatch":
+        pattern = error.get("ctx", {}).get("pattern")
+        if pattern == NO_NUL:
+            message = "must not contain NUL characters"
+        elif pattern == VISIBLE:
+            message = "must contain a visible character and no NUL characters"
     return message
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from flask import Blueprint, url_for
+from werkzeug.routing import BaseConverter
 
 from relay_core import admin, monitor
 
@@ -31,6 +32,20 @@ from ..records.jobs import (
 bp = Blueprint("jobs", __name__, url_prefix="/admin")
 
 
+class JobIdSegment(BaseConverter):
+    """A job id in a URL: any segment but the bulk actions' names.
+
+    So ``/jobs/requeue`` is never also read as "job 'requeue'" (which would
+    advertise GET in its Allow header). The value itself is checked by
+    :class:`JobPath`, so ``/jobs/abc`` answers 422 naming the field, not 404.
+    """
+
+    regex = r"(?!(?:requeue|cancel)$)[^/]+"
+
+
+bp.record_once(lambda state: state.app.url_map.converters.setdefault("job_id", JobIdSegment))
+
+
 @bp.get("/jobs")
 @endpoint(tag="jobs", role="viewer", query=JobListQuery, responses={200: JobPageRecord})
 def list_jobs(query: JobListQuery, claims: dict[str, Any]) -> JobPageRecord:
@@ -50,7 +65,7 @@ def list_jobs(query: JobListQuery, claims: dict[str, Any]) -> JobPageRecord:
     )
 
 
-@bp.get("/jobs/<job_id>")
+@bp.get("/jobs/<job_id:job_id>")
 @endpoint(tag="jobs", role="viewer", path=JobPath, responses={200: JobRecord}, problems=(404,))
 def get_job(path: JobPath, claims: dict[str, Any]) -> JobRecord:
     """One job with its payload, attempts, lease, worker, timings and full error history."""
@@ -58,7 +73,7 @@ def get_job(path: JobPath, claims: dict[str, Any]) -> JobRecord:
         return JobRecord.of(admin.get_job(conn, path.job_id))
 
 
-@bp.post("/jobs/<job_id>/requeue")
+@bp.post("/jobs/<job_id:job_id>/requeue")
 @endpoint(tag="jobs", role="admin", path=JobPath, responses={200: JobRecord}, problems=(404, 409))
 def requeue_job(path: JobPath, claims: dict[str, Any]) -> JobRecord:
     """Run a dead or cancelled job again now, with fresh attempts; its error history is kept.
@@ -69,7 +84,7 @@ def requeue_job(path: JobPath, claims: dict[str, Any]) -> JobRecord:
         return JobRecord.of(admin.requeue(conn, path.job_id))
 
 
-@bp.post("/jobs/<job_id>/cancel")
+@bp.post("/jobs/<job_id:job_id>/cancel")
 @endpoint(tag="jobs", role="admin", path=JobPath, responses={200: JobRecord}, problems=(404, 409))
 def cancel_job(path: JobPath, claims: dict[str, Any]) -> JobRecord:
     """Cancel a job: a queued one never runs; a running one is asked to stop.

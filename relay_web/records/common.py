@@ -7,9 +7,9 @@ generated from these same classes, so the spec cannot drift from the code.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, StringConstraints
 
 from relay_core.validation import QUEUE_NAME
 
@@ -31,8 +31,26 @@ def _plain_text(value: str) -> str:
     return value
 
 
-#: Text without NUL characters (``pattern`` tells OpenAPI clients the same).
-Text = Annotated[str, AfterValidator(_plain_text), Field(pattern=r"^[^\x00]*$")]
+#: The pattern of text without NUL characters, as OpenAPI clients see it.
+NO_NUL = r"^[^\x00]*$"
+
+#: Text without NUL characters or lone surrogates.
+Text = Annotated[str, StringConstraints(pattern=NO_NUL), AfterValidator(_plain_text)]
+
+
+def _integral(value: Any) -> Any:
+    # JSON Schema calls 5.0 an integer, so a client generated from the spec may
+    # send it; strict records would refuse it. Whole floats become ints here;
+    # anything else (5.5, "5", true) still fails the strict int check.
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+def integer(ge: int, le: int) -> Any:
+    """An integer in ``[ge, le]`` for a strict JSON body, accepting 5.0 as JSON Schema does."""
+    return Annotated[int, Field(ge=ge, le=le), BeforeValidator(_integral)]
+
 
 QueueName = Annotated[
     str,
@@ -44,6 +62,18 @@ QueueName = Annotated[
 ]
 
 JobType = Annotated[Text, Field(min_length=1, max_length=200, examples=["send_email"])]
+
+#: Text with at least one character Python's str.strip() keeps (and no NUL),
+#: spelled so JSON Schema, Python and pydantic's regex engine agree on it.
+VISIBLE = r"^[^\x00]*[^\x00\t-\r\x1c-\x20\u0085\u00a0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000][^\x00]*$"
+
+#: The type of a new job: relay_core refuses an empty or all-whitespace one.
+NewJobType = Annotated[
+    str,
+    StringConstraints(min_length=1, max_length=200, pattern=VISIBLE),
+    AfterValidator(_plain_text),
+    Field(examples=["send_email"]),
+]
 
 JobId = Annotated[int, Field(ge=1, le=BIGINT_MAX, examples=[42])]
 

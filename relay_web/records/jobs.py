@@ -3,16 +3,49 @@
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, Union
 
-from pydantic import AwareDatetime, Field, JsonValue, field_validator
+from pydantic import AwareDatetime, Field, JsonValue, StringConstraints, field_validator
+from typing_extensions import TypeAliasType
 
 from relay_core import JobDetail
 from relay_core.monitor import MAX_PAGE, JobSummary
 
-from .common import BIGINT_MAX, BodyRecord, JobId, JobType, QueryRecord, QueueName, Record, StatusName, Text
+from .common import (
+    BIGINT_MAX,
+    NO_NUL,
+    BodyRecord,
+    JobId,
+    JobType,
+    NewJobType,
+    QueryRecord,
+    QueueName,
+    Record,
+    StatusName,
+    Text,
+    integer,
+)
 
 DEFAULT_PAGE = 50
+
+Priority = integer(-32768, 32767)
+MaxAttempts = integer(1, 1000)
+
+_Key = Annotated[str, StringConstraints(pattern=NO_NUL)]
+
+#: Any JSON value PostgreSQL's jsonb can store: no NUL in any string or key.
+PayloadValue = TypeAliasType(
+    "PayloadValue",
+    Union[  # noqa: UP007 - a recursive alias needs the Union spelling
+        _Key,
+        int,
+        Annotated[float, Field(allow_inf_nan=False)],
+        bool,
+        list["PayloadValue"],
+        Annotated[dict[_Key, "PayloadValue"], Field(json_schema_extra={"additionalProperties": False})],
+        None,
+    ],
+)
 
 Search = Annotated[
     Text, Field(min_length=1, max_length=200, description="Case-insensitive substring of the type or the last error.")
@@ -146,12 +179,12 @@ class JobRecord(Record):
 class EnqueueBody(BodyRecord):
     """``POST /api/admin/jobs``: a job to add."""
 
-    type: JobType
-    payload: JsonValue = Field(default_factory=dict, description="Any JSON value; the handler's input.")
+    type: NewJobType
+    payload: PayloadValue = Field(default_factory=dict, description="Any JSON value; the handler's input.")
     run_at: AwareDatetime | None = Field(default=None, description="Earliest run time, with a UTC offset; now if null.")
     queue: QueueName = "default"
-    priority: int = Field(default=0, ge=-32768, le=32767, description="Lower runs first.")
-    max_attempts: int | None = Field(default=None, ge=1, le=1000, description="Default: 20.")
+    priority: Priority = Field(default=0, description="Lower runs first.")
+    max_attempts: MaxAttempts | None = Field(default=None, description="Default: 20.")
 
 
 class IdempotencyHeaders(QueryRecord):

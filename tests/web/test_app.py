@@ -1,0 +1,105 @@
+"""The app factory: 12-factor settings, clear startup errors, and gunicorn serving it."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from relay_core import ConfigurationError
+from relay_web import create_app
+
+from .conftest import SECRET
+
+ROOT = Path(__file__).resolve().parents[2]
+SETTINGS = ("JWT_SECRET_KEY", "SECRET_KEY", "RELAY_ENV", "DATABASE_URL", "RELAY_DATABASE_URL", "RELAY_PROXY_HOPS")
+
+
+@pytest.fixture
+def clean_env(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
+    for name in SETTINGS:
+        monkeypatch.delenv(name, raising=False)
+    return monkeypatch
+
+
+def test_production_without_a_secret_refuses_to_start(clean_env, dsn: str) -> None:
+    with pytest.raises(ConfigurationError, match="JWT_SECRET_KEY"):
+        create_app({"RELAY_DATABASE_URL": dsn})
+
+
+def test_production_refuses_a_short_secret(clean_env, dsn: str) -> None:
+    with pytest.raises(ConfigurationError, match="at least 32"):
+        create_app({"RELAY_DATABASE_URL": dsn, "SECRET_KEY": "changeme"})
+
+
+def test_missing_database_is_a_startup_error(clean_env) -> None:
+    with pytest.raises(ConfigurationError, match="DATABASE_URL"):
+        create_app({"JWT_SECRET_KEY": SECRET})
+
+
+def test_malformed_setting_is_a_startup_error(clean_env, dsn: str) -> None:
+    with pytest.raises(ConfigurationError, match="RELAY_PROXY_HOPS"):
+        create_app({"RELAY_DATABASE_URL": dsn, "JWT_SECRET_KEY": SECRET, "RELAY_PROXY_HOPS": "two"})
+
+
+def test_development_generates_a_secret(clean_env, dsn: str) -> None:
+    clean_env.setenv("RELAY_ENV", "development")
+    first = create_app({"RELAY_DATABASE_URL": dsn})
+    second = create_app({"RELAY_DATABASE_URL": dsn})
+    assert len(first.config["JWT_SECRET_KEY"]) >= 32
+    assert first.config["JWT_SECRET_KEY"] != second.config["JWT_SECRET_KEY"]
+
+
+def test_settings_come_from_the_environment(clean_env, dsn: str) -> None:
+    clean_env.setenv("DATABASE_URL", dsn)
+    clean_env.setenv("SECRET_KEY", SECRET)
+    clean_env.setenv("RELAY_PROXY_HOPS", "1")
+    app = create_app()
+    assert app.config["RELAY_DATABASE_URL"] == dsn
+    assert app.config["JWT_SECRET_KEY"] == SECRET
+    assert app.config["RELAY_PROXY_HOPS"] == 1
+    assert app.config["JWT_COOKIE_SECURE"] is True
+    clean_env.setenv("RELAY_DATABASE_URL", f"{dsn} application_name=relay-web-test")
+    assert create_app().config["RELAY_DATABASE_URL"].endswith("application_name=relay-web-test")  # RELAY_ wins
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_gunicorn_serves_the_factory(dsn: str) -> None:
+    port = _free_port()
+    env = {k: v for k, v in os.environ.items() if k not in SETTINGS}
+    env.update(DATABASE_URL=dsn, JWT_SECRET_KEY=SECRET, PYTHONPATH=str(ROOT))
+    gunicorn = Path(sys.executable).with_name("gunicorn")
+    proc = subprocess.Popen(
+        [str(gunicorn), "--bind", f"127.0.0.1:{port}", "--workers", "2", "relay_web:create_app()"],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=2) as response:
+                    assert response.status == 200
+                    break
+            except OSError:
+                assert proc.poll() is None, proc.stderr.read().decode() if proc.stderr else ""
+                assert time.monotonic() < deadline, "gunicorn did not answer"
+                time.sleep(0.2)
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/api/openapi.json", timeout=5) as response:
+            assert response.headers["Content-Type"] == "application/json"
+    finally:
+        proc.terminate()
+        proc.wait(10)

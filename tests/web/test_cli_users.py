@@ -1,0 +1,90 @@
+"""``relay user ...``: the only way users come to exist; no default password ships."""
+
+from __future__ import annotations
+
+import psycopg
+import pytest
+from click.testing import CliRunner
+
+from relay_core.cli import main
+
+
+@pytest.fixture
+def run(dsn: str):
+    env = {
+        "RELAY_DATABASE_URL": dsn,
+        "RELAY_ARGON2_TIME_COST": "1",
+        "RELAY_ARGON2_MEMORY_COST": "1024",
+        "RELAY_ARGON2_PARALLELISM": "1",
+    }
+
+    def invoke(*args: str, stdin: str | None = None):
+        return CliRunner().invoke(main, list(args), input=stdin, env=env, catch_exceptions=False)
+
+    return invoke
+
+
+def _hash(db: psycopg.Connection, name: str) -> tuple[str, str]:
+    return db.execute("SELECT role, password_hash FROM relay.users WHERE username = %s", (name,)).fetchone()
+
+
+def test_create_with_password_from_stdin(run, db, client) -> None:
+    result = run("user", "create", "Ops", "--role", "admin", "--password-stdin", stdin="s3cret-enough\n")
+    assert result.exit_code == 0, result.output
+    assert "created admin ops" in result.output
+    role, digest = _hash(db, "ops")
+    assert role == "admin" and digest.startswith("$argon2id$") and "s3cret" not in digest
+    login = client.post("/api/auth/login", json={"username": "ops", "password": "s3cret-enough"})
+    assert login.status_code == 200 and login.get_json()["role"] == "admin"
+
+
+def test_create_prompts_twice_and_hides_the_password(run, db) -> None:
+    result = run("user", "create", "watcher", "--role", "viewer", stdin="first-password\nfirst-password\n")
+    assert result.exit_code == 0, result.output
+    assert "first-password" not in result.output
+    assert result.output.count("assword") >= 2
+    assert _hash(db, "watcher")[0] == "viewer"
+
+
+def test_mismatched_prompts_are_asked_again(run, db) -> None:
+    result = run(
+        "user", "create", "w2", "--role", "viewer", stdin="one-password\ntwo-password\nok-password\nok-password\n"
+    )
+    assert result.exit_code == 0, result.output
+    assert _hash(db, "w2") is not None
+
+
+@pytest.mark.parametrize(
+    ("args", "stdin", "message"),
+    [
+        (("user", "create", "a", "--role", "admin", "--password-stdin"), "short\n", "at least 8"),
+        (("user", "create", "bad name", "--role", "admin", "--password-stdin"), "long-enough\n", "USERNAME"),
+        (("user", "create", "a", "--role", "root", "--password-stdin"), "long-enough\n", "root"),
+        (("user", "create", "a", "--password-stdin"), "long-enough\n", "--role"),
+    ],
+)
+def test_refusals_create_nothing(run, db, args, stdin, message) -> None:
+    result = run(*args, stdin=stdin)
+    assert result.exit_code != 0
+    assert message in result.output
+    assert db.execute("SELECT count(*) FROM relay.users").fetchone()[0] == 0
+
+
+def test_duplicate_user_is_refused(run) -> None:
+    assert run("user", "create", "dup", "--role", "admin", "--password-stdin", stdin="long-enough\n").exit_code == 0
+    result = run("user", "create", "DUP", "--role", "viewer", "--password-stdin", stdin="long-enough\n")
+    assert result.exit_code == 1 and "already exists" in result.output
+
+
+def test_list_set_role_set_password_delete(run, db) -> None:
+    run("user", "create", "eve", "--role", "viewer", "--password-stdin", stdin="long-enough\n")
+    before = _hash(db, "eve")[1]
+    assert run("user", "set-role", "eve", "admin").exit_code == 0
+    assert run("user", "set-password", "eve", "--password-stdin", stdin="another-long-one\n").exit_code == 0
+    role, after = _hash(db, "eve")
+    assert role == "admin" and after != before
+    listing = run("user", "list")
+    assert "eve\tadmin\tlast login: never" in listing.output
+    assert run("user", "delete", "eve").exit_code == 0
+    assert _hash(db, "eve") is None
+    assert run("user", "delete", "eve").exit_code == 1

@@ -1,0 +1,159 @@
+"""Queues, workers, stats, metrics and health, with the counters checked against real work."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+
+import psycopg
+import pytest
+
+from relay_core import Backoff, PermanentFailure, Relay, monitor
+
+from ..helpers import running_worker, wait_for
+from .helpers import assert_problem
+from .states import make_dead
+
+
+def _true_counts(db: psycopg.Connection) -> dict[tuple[str, str], int]:
+    rows = db.execute("SELECT queue, status::text, count(*) FROM relay.jobs GROUP BY 1, 2").fetchall()
+    return {(q, s): n for q, s, n in rows}
+
+
+def _counter_counts(db: psycopg.Connection) -> dict[tuple[str, str], int]:
+    return {(q, s): n for q, states in monitor.queue_counts(db).items() for s, n in states.items()}
+
+
+def test_counters_match_a_full_count_after_real_work(client, admin, relay: Relay, db) -> None:
+    @relay.handler("ok")
+    def ok(job) -> None:
+        pass
+
+    @relay.handler("flaky", max_attempts=2, backoff=Backoff(base=0.01, jitter=0))
+    def flaky(job) -> None:
+        raise RuntimeError("always fails")
+
+    @relay.handler("hopeless")
+    def hopeless(job) -> None:
+        raise PermanentFailure("no such mailbox")
+
+    relay.enqueue_many([{"type": "ok"} for _ in range(30)] + [{"type": "flaky"} for _ in range(4)])
+    relay.enqueue("hopeless", {}, queue="mail")
+    relay.enqueue("ok", {}, queue="later", run_at=datetime.now(UTC) + timedelta(hours=1))
+    with running_worker(relay, queues=("default", "mail")):
+        wait_for(lambda: _true_counts(db).get(("default", "succeeded")) == 30, what="ok jobs done")
+        wait_for(lambda: _true_counts(db).get(("default", "dead")) == 4, what="flaky jobs dead")
+        wait_for(lambda: _true_counts(db).get(("mail", "dead")) == 1, what="hopeless job dead")
+    assert _counter_counts(db) == _true_counts(db)
+
+    stats = client.get("/api/admin/stats", headers=admin).get_json()
+    assert stats["counts"] == {"queued": 1, "claimed": 0, "succeeded": 30, "dead": 5, "cancelled": 0}
+    assert stats["total"] == 36 and stats["window_minutes"] == 60 and len(stats["per_minute"]) == 60
+    assert (stats["succeeded"], stats["failed"], stats["dead"]) == (30, 9, 5)
+    assert stats["failure_rate"] == pytest.approx(9 / 39)
+    assert sum(m["succeeded"] for m in stats["per_minute"][-2:]) == 30
+
+    queues = {q["name"]: q for q in client.get("/api/admin/queues", headers=admin).get_json()["queues"]}
+    assert queues["default"]["counts"]["succeeded"] == 30 and queues["mail"]["counts"]["dead"] == 1
+    assert queues["later"]["counts"]["queued"] == 1
+    assert queues["later"]["oldest_runnable_age_seconds"] is None  # not due yet
+
+    # Deletes (retention) and truncation keep the counters true as well.
+    db.execute("DELETE FROM relay.jobs WHERE type = 'ok' AND status = 'succeeded' AND id % 2 = 0")
+    assert _counter_counts(db) == _true_counts(db)
+    db.execute("TRUNCATE relay.jobs")
+    assert monitor.status_counts(db) == dict.fromkeys(monitor.status_counts(db), 0)
+
+
+def test_folding_keeps_counters_short_and_exact(relay: Relay, db) -> None:
+    for i in range(50):
+        relay.enqueue("t", {"i": i}, queue=f"q{i % 3}")
+    before = db.execute("SELECT count(*) FROM relay.job_counts").fetchone()[0]
+    assert before >= 50
+    assert monitor.fold_counters(db)
+    assert db.execute("SELECT count(*) FROM relay.job_counts").fetchone()[0] == 3
+    assert _counter_counts(db) == _true_counts(db)
+
+
+def test_queue_depth_and_oldest_due_job_age(client, admin, relay: Relay, db) -> None:
+    now = datetime.now(UTC)
+    relay.enqueue("t", {}, queue="mail", run_at=now - timedelta(minutes=10), priority=5)
+    relay.enqueue("t", {}, queue="mail", run_at=now - timedelta(minutes=3), priority=-5)
+    relay.enqueue("t", {}, queue="mail", run_at=now - timedelta(hours=9), priority=0)
+    dead = relay.enqueue("t", {}, queue="mail", run_at=now - timedelta(days=3))
+    make_dead(db, dead)
+    relay.enqueue("t", {}, queue="mail", run_at=now + timedelta(hours=1), priority=-10)
+    body = client.get("/api/admin/queues", headers=admin).get_json()
+    (mail,) = body["queues"]
+    assert mail["name"] == "mail"
+    assert mail["counts"] == {"queued": 4, "claimed": 0, "succeeded": 0, "dead": 1, "cancelled": 0}
+    assert 9 * 3600 - 5 <= mail["oldest_runnable_age_seconds"] <= 9 * 3600 + 60
+
+
+def test_workers_alive_stopped_and_gone(client, admin, relay: Relay, db) -> None:
+    with running_worker(relay, worker_id="alive-1"):
+        wait_for(lambda: db.execute("SELECT count(*) FROM relay.workers").fetchone()[0] == 1, what="registered")
+        db.execute(
+            "INSERT INTO relay.workers (id, host, pid, queues, concurrency, last_seen_at) "
+            "VALUES ('gone-1', 'h', 1, '{default}', 4, now() - interval '10 minutes')"
+        )
+        body = client.get("/api/admin/workers", headers=admin).get_json()
+        states = {w["id"]: w["state"] for w in body["workers"]}
+        assert states == {"alive-1": "alive", "gone-1": "gone"}
+        assert body["workers"][0]["id"] == "alive-1"
+        assert body["counts"] == {"alive": 1, "stopped": 0, "gone": 1}
+        assert body["stale_after_seconds"] == 60
+    body = client.get("/api/admin/workers", headers=admin).get_json()
+    assert {w["id"]: w["state"] for w in body["workers"]} == {"alive-1": "stopped", "gone-1": "gone"}
+
+
+def test_metrics_series(client, relay: Relay, db) -> None:
+    relay.enqueue("send_email", {}, queue="mail")
+    dead = relay.enqueue("send_email", {}, queue="mail")
+    make_dead(db, dead)
+    response = client.get("/metrics")
+    assert response.status_code == 200
+    assert response.content_type.startswith("text/plain; version=0.0.4")
+    text = response.get_data(as_text=True)
+    for line in (
+        'relay_jobs{queue="mail",state="queued"} 1.0',
+        'relay_jobs{queue="mail",state="dead"} 1.0',
+        'relay_jobs_failed_total{queue="mail",type="send_email"} 1.0',
+        'relay_jobs_dead_total{queue="mail",type="send_email"} 1.0',
+        "relay_jobs_failure_ratio 1.0",
+        'relay_workers{state="alive"} 0.0',
+        "relay_workers_alive 0.0",
+    ):
+        assert line in text, text
+    assert 'relay_queue_oldest_job_age_seconds{queue="mail"}' in text
+
+
+def test_metrics_token(make_app) -> None:
+    client = make_app(RELAY_METRICS_TOKEN="scrape-me").test_client()
+    assert_problem(client.get("/metrics"), 401, "metrics-token")
+    assert_problem(client.get("/metrics", headers={"Authorization": "Bearer wrong"}), 401)
+    assert client.get("/metrics", headers={"Authorization": "Bearer scrape-me"}).status_code == 200
+
+
+def test_health_and_readiness(client, db) -> None:
+    assert client.get("/healthz").get_json() == {"status": "ok"}
+    assert client.get("/readyz").get_json() == {"status": "ready", "database": "ok", "migrations": "current"}
+    version, name = db.execute(
+        "DELETE FROM relay.schema_migrations WHERE version = (SELECT max(version) FROM relay.schema_migrations) "
+        "RETURNING version, name"
+    ).fetchone()
+    try:
+        response = client.get("/readyz")
+        body = assert_problem(response, 503, "migrations-pending")
+        assert "relay migrate" in body["detail"]
+    finally:
+        db.execute("INSERT INTO relay.schema_migrations (version, name) VALUES (%s, %s)", (version, name))
+
+
+def test_database_outage_is_503_and_liveness_stays_up(make_app, admin) -> None:
+    app = make_app(RELAY_DATABASE_URL="postgresql://postgres@127.0.0.1:1/nowhere", RELAY_DB_WAIT_SECONDS=1)
+    client = app.test_client()
+    assert client.get("/healthz").status_code == 200
+    response = client.get("/readyz")
+    assert_problem(response, 503, "unavailable")
+    assert response.headers["Retry-After"] == "5"
+    assert_problem(client.get("/api/admin/queues", headers=admin), 503, "unavailable")

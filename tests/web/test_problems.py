@@ -1,0 +1,89 @@
+"""One error shape: every failure is RFC 9457 problem details, and nothing internal leaks."""
+
+from __future__ import annotations
+
+import psycopg
+import pytest
+from flask import Flask
+
+from .helpers import assert_problem
+
+
+def test_unknown_route_is_a_404_problem(client) -> None:
+    for path in ("/", "/nope", "/api", "/api/admin", "/api/admin/jobs/1/explode"):
+        body = assert_problem(client.get(path), 404)
+        assert body["type"] == "about:blank" and body["instance"] == path
+
+
+def test_wrong_method_is_a_405_problem_with_allow(client, admin) -> None:
+    response = client.delete("/api/admin/jobs/1", headers=admin)
+    assert_problem(response, 405)
+    assert "GET" in response.headers["Allow"]
+    assert_problem(client.get("/api/auth/login"), 405)
+    assert_problem(client.put("/metrics"), 405)
+
+
+def test_malformed_body_is_400_and_wrong_type_is_415(client, admin) -> None:
+    body = assert_problem(
+        client.post("/api/admin/jobs", headers=admin, data="{not json", content_type="application/json"), 400
+    )
+    assert "JSON" in body["detail"]
+    assert_problem(client.post("/api/admin/jobs", headers=admin, data="type=x"), 415)
+    assert_problem(client.post("/api/auth/login", data="{}", content_type="text/plain"), 415)
+
+
+def test_body_that_is_not_an_object_is_422(client, admin) -> None:
+    for payload in ("[]", "null", "42", '"x"'):
+        response = client.post("/api/admin/jobs", headers=admin, data=payload, content_type="application/json")
+        assert_problem(response, 422, "validation")
+
+
+def test_oversized_body_is_413(client, admin) -> None:
+    response = client.post("/api/admin/jobs", headers=admin, json={"type": "t", "payload": "x" * (2 * 1024 * 1024)})
+    assert_problem(response, 413)
+
+
+def test_validation_problem_lists_each_bad_field(client, admin) -> None:
+    response = client.post(
+        "/api/admin/jobs", headers=admin, json={"type": 5, "priority": "high", "queue": "UPPER", "extra": 1}
+    )
+    body = assert_problem(response, 422, "validation")
+    assert sorted(e["field"] for e in body["errors"]) == ["extra", "priority", "queue", "type"]
+    assert all(e["in"] == "body" and e["detail"] for e in body["errors"])
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        RuntimeError("secret internals: SELECT password_hash FROM relay.users"),
+        psycopg.errors.SyntaxError("syntax error at or near SELECT"),
+        KeyError("relay.jobs"),
+    ],
+)
+def test_unexpected_errors_are_a_bare_500(make_app, error: Exception, caplog) -> None:
+    app: Flask = make_app()
+
+    @app.get("/boom")
+    def boom() -> None:
+        raise error
+
+    response = app.test_client().get("/boom")
+    body = assert_problem(response, 500, "internal")
+    assert set(body) == {"type", "title", "status", "detail", "instance"}
+    assert "unhandled error" in caplog.text  # the details went to the log instead
+
+
+def test_every_problem_has_the_same_members(client, admin, viewer) -> None:
+    responses = [
+        client.get("/missing"),
+        client.post("/healthz"),
+        client.get("/api/admin/jobs"),
+        client.post("/api/admin/jobs/1/requeue", headers=viewer),
+        client.get("/api/admin/jobs?limit=0", headers=admin),
+        client.get("/api/admin/jobs/1", headers=admin),
+    ]
+    for response in responses:
+        body = response.get_json()
+        assert response.mimetype == "application/problem+json"
+        assert list(body)[:5] == ["type", "title", "status", "detail", "instance"]
+        assert body["status"] == response.status_code

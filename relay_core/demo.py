@@ -212,7 +212,8 @@ class Demo:
         self.step(4, f"sinks: SMTP on 127.0.0.1:{smtp_port}, partner webhook on 127.0.0.1:{hook_port}")
         web = [py, "-m", "gunicorn", "relay_web:create_app()", "--bind", f"127.0.0.1:{self.port}"]
         web += ["--worker-class", "gthread", "--workers", "1", "--threads", "8", "--graceful-timeout", "5"]
-        self.spawn("web", [*web, "--access-logfile", "-"], env, log_dir)
+        # No gunicornc control socket: its default path in $HOME is shared by every gunicorn of the user.
+        self.spawn("web", [*web, "--no-control-socket", "--access-logfile", "-"], env, log_dir)
         for n in range(1, WORKERS + 1):
             worker = [py, "-m", "relay_core", "worker", "--app", SHOP_APP, "--concurrency", "4"]
             self.spawn(f"worker-{n}", worker, env, log_dir)

@@ -1,0 +1,170 @@
+"""``relay demo`` end to end: start it, log in with what it prints, watch the shop work, Ctrl-C it.
+
+It runs against the test database (DATABASE_URL set), so it also proves the
+demo uses that database instead of starting an embedded one. Within seconds
+the dashboard's API must show jobs of several types succeeded, a webhook
+delivery that was retried, a dead shipping label with a readable error and a
+review request scheduled a minute out; after SIGINT the demo exits 0 and no
+job is left claimed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import re
+import signal
+import socket
+import subprocess
+import threading
+import urllib.error
+import urllib.parse
+import urllib.request
+from datetime import UTC, datetime
+from typing import Any
+
+import psycopg
+import pytest
+
+from .helpers import ROOT, wait_for
+
+pytestmark = pytest.mark.slow
+
+
+def free_port() -> int:
+    """A port nobody listens on right now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def call(method: str, url: str, body: Any = None, token: str | None = None) -> tuple[int, Any]:
+    """One JSON request; returns (status, decoded body) for any status."""
+    headers = {"Content-Type": "application/json"}
+    if token:
+        headers["Authorization"] = f"Bearer {token}"
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(url, data=data, method=method, headers=headers)
+    try:
+        with urllib.request.urlopen(request, timeout=5) as response:
+            raw = response.read()
+            return response.status, json.loads(raw) if raw else None
+    except urllib.error.HTTPError as exc:
+        raw = exc.read()
+        return exc.code, json.loads(raw) if raw else None
+
+
+class Output:
+    """The demo's stdout, read line by line in a thread so waits stay bounded."""
+
+    def __init__(self, stream: Any) -> None:
+        self.lines: list[str] = []
+        self._queue: queue.Queue[str | None] = queue.Queue()
+        self.closed = threading.Event()
+        threading.Thread(target=self._pump, args=(stream,), daemon=True).start()
+
+    def _pump(self, stream: Any) -> None:
+        for line in stream:
+            self._queue.put(line.rstrip("\n"))
+        self._queue.put(None)
+        self.closed.set()
+
+    def drain(self) -> None:
+        """Move every line read so far into ``lines``."""
+        while True:
+            try:
+                line = self._queue.get_nowait()
+            except queue.Empty:
+                return
+            if line is not None:
+                self.lines.append(line)
+
+    def field(self, name: str) -> str | None:
+        """The value of a ``  name:  value`` line of the banner, once printed."""
+        self.drain()
+        for line in self.lines:
+            match = re.match(rf"^\s+{name}:\s+(\S+)", line)
+            if match:
+                return match.group(1)
+        return None
+
+    @property
+    def text(self) -> str:
+        """Everything printed so far."""
+        self.drain()
+        return "\n".join(self.lines)
+
+
+def jobs(base: str, token: str, **filters: str) -> list[dict[str, Any]]:
+    """One page (up to 200) of jobs matching ``filters``, newest first."""
+    query = urllib.parse.urlencode({"limit": "200", **filters})
+    status, page = call("GET", f"{base}/api/admin/jobs?{query}", token=token)
+    assert status == 200, page
+    return page["jobs"]
+
+
+def test_relay_demo_shows_every_outcome_and_stops_without_losing_a_job(
+    dsn: str, db: psycopg.Connection, python: str
+) -> None:
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RELAY_", "SHOP_", "PORT"))}
+    env.update(DATABASE_URL=dsn, PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen(
+        [python, "-m", "relay_core", "demo", "--port", str(port), "--orders-per-minute", "120"],
+        env=env,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    out = Output(proc.stdout)
+    try:
+        password = wait_for(lambda: out.field("password"), timeout=60, what="the demo's banner")
+        assert out.field("username") == "admin"
+        base = out.field("URL").rstrip("/")
+        assert base == f"http://127.0.0.1:{port}", out.text
+        assert "[1/6] database: DATABASE_URL" in out.text
+
+        status, login = call("POST", f"{base}/api/auth/login", {"username": "admin", "password": password})
+        assert status == 200, login
+        token = login["access_token"]
+
+        wanted = {"send_confirmation_email", "print_shipping_label", "deliver_webhook", "settlement_report"}
+
+        def shop_is_busy() -> bool:
+            succeeded = {job["type"] for job in jobs(base, token, status="succeeded")}
+            retried = [job for job in jobs(base, token, type="deliver_webhook") if job["attempts"] >= 2]
+            dead = jobs(base, token, status="dead")
+            return wanted <= succeeded and bool(retried) and bool(dead)
+
+        wait_for(shop_is_busy, timeout=45, interval=1.0, what="succeeded, retried and dead jobs")
+
+        dead = jobs(base, token, status="dead")
+        assert {job["type"] for job in dead} == {"print_shipping_label"}
+        assert "postcode" in dead[0]["last_error"] and "requeue" in dead[0]["last_error"]
+        now = datetime.now(UTC)
+        scheduled = [
+            job
+            for job in jobs(base, token, status="queued", type="request_review")
+            if datetime.fromisoformat(job["run_at"]) > now
+        ]
+        assert scheduled, "a review request scheduled a minute out"
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+        try:
+            code = proc.wait(45)
+        except subprocess.TimeoutExpired:
+            proc.kill()  # its children die with it (they get SIGTERM when their parent goes)
+            code = proc.wait(10)
+    out.closed.wait(10)
+    text = out.text
+    assert code == 0, text
+    assert "stopped: 0 job(s) left claimed" in text, text
+    assert db.execute("SELECT count(*) FROM relay.jobs WHERE status = 'claimed'").fetchone()[0] == 0
+    workers = db.execute("SELECT count(*), count(stopped_at) FROM relay.workers").fetchone()
+    assert workers[0] == 2 and workers[1] == 2, "both workers registered and stopped gracefully"
+    with socket.socket() as sock:
+        assert sock.connect_ex(("127.0.0.1", port)) != 0, "the web app is still listening"

@@ -26,8 +26,14 @@ from typing import Any
 
 import psycopg
 import pytest
+from aiosmtpd.controller import Controller
+from relay_shop.jobs import relay as shop
+from relay_shop.models import create_schema, make_engine
+from relay_shop.orders import place_order
+from relay_shop.producer import CATALOGUE, CUSTOMERS
+from sqlalchemy.orm import Session
 
-from .helpers import ROOT, wait_for
+from .helpers import ROOT, running_worker, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -168,3 +174,82 @@ def test_relay_demo_shows_every_outcome_and_stops_without_losing_a_job(
     assert workers[0] == 2 and workers[1] == 2, "both workers registered and stopped gracefully"
     with socket.socket() as sock:
         assert sock.connect_ex(("127.0.0.1", port)) != 0, "the web app is still listening"
+
+
+# -- the example shop's own promises ------------------------------------------------
+
+
+class SmtpSink:
+    """An in-process aiosmtpd server on 127.0.0.1 that keeps what it receives."""
+
+    def __init__(self) -> None:
+        self.messages: list[Any] = []
+        self.port = free_port()
+        self.controller = Controller(self, hostname="127.0.0.1", port=self.port)
+
+    async def handle_DATA(self, server: Any, session: Any, envelope: Any) -> str:
+        """Keep the envelope; accept it."""
+        self.messages.append(envelope)
+        return "250 OK"
+
+
+def test_place_order_commits_the_order_and_its_jobs_together_or_not_at_all(
+    dsn: str, db: psycopg.Connection, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("SHOP_WEBHOOK_URL", "http://127.0.0.1:9/hooks/orders")
+    engine = make_engine(dsn)
+    try:
+        create_schema(engine)
+        before = db.execute("SELECT count(*) FROM shop.orders").fetchone()[0]
+        with Session(engine) as session:
+            order_id = place_order(session, CUSTOMERS[0], [(CATALOGUE[0], 2)]).id
+        types = db.execute("SELECT type FROM relay.jobs ORDER BY id").fetchall()
+        assert [t[0] for t in types] == [
+            "send_confirmation_email",
+            "print_shipping_label",
+            "request_review",
+            "deliver_webhook",
+        ]
+        assert db.execute("SELECT total_cents FROM shop.orders WHERE id = %s", (order_id,)).fetchone()[0] == 2800
+
+        def refuse() -> None:
+            raise RuntimeError("the database went away at commit")
+
+        with Session(engine) as session:
+            monkeypatch.setattr(session, "commit", refuse)
+            with pytest.raises(RuntimeError):
+                place_order(session, CUSTOMERS[1], [(CATALOGUE[1], 1)])
+        assert db.execute("SELECT count(*) FROM shop.orders").fetchone()[0] == before + 1
+        assert db.execute("SELECT count(*) FROM relay.jobs").fetchone()[0] == 4, "no job without its order"
+    finally:
+        engine.dispose()
+
+
+def test_a_confirmation_email_goes_out_once_when_its_job_runs_twice(
+    dsn: str, db: psycopg.Connection, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    sink = SmtpSink()
+    sink.controller.start()
+    monkeypatch.setenv("RELAY_DATABASE_URL", dsn)
+    monkeypatch.setenv("SHOP_SMTP_PORT", str(sink.port))
+    monkeypatch.delenv("SHOP_WEBHOOK_URL", raising=False)
+    engine = make_engine(dsn)
+    try:
+        create_schema(engine)
+        with Session(engine) as session:
+            order_id = place_order(session, CUSTOMERS[2], [(CATALOGUE[2], 1)]).id
+        # The same email job again, as a lease takeover or a requeue would run it.
+        shop.enqueue("send_confirmation_email", {"order_id": order_id})
+        emails = "SELECT count(*) FROM relay.jobs WHERE type = 'send_confirmation_email' AND status = 'succeeded'"
+        with running_worker(shop, queues=("default",)):
+            wait_for(lambda: db.execute(emails).fetchone()[0] == 2, timeout=20, what="both email jobs to succeed")
+        results = [r[0] for r in db.execute("SELECT result FROM relay.jobs WHERE type = 'send_confirmation_email'")]
+        assert sorted("skipped" in r for r in results) == [False, True], results
+        assert len(sink.messages) == 1
+        assert sink.messages[0].rcpt_tos == [CUSTOMERS[2].email]
+        sent = db.execute("SELECT count(*) FROM shop.sent_emails WHERE order_id = %s", (order_id,)).fetchone()[0]
+        assert sent == 1
+    finally:
+        sink.controller.stop()
+        engine.dispose()
+        shop.close()

@@ -102,8 +102,14 @@ def request_review(job: Job, conn: psycopg.Connection) -> dict[str, Any]:
     "deliver_webhook", max_attempts=8, timeout=15, concurrency=4, backoff=Backoff(base=2.0, factor=2.0, cap=120.0)
 )
 def deliver_webhook(job: Job) -> dict[str, Any]:
-    """POST an order event to the partner's endpoint; retried with growing gaps while it fails."""
-    url = job.payload["url"]
+    """POST an order event to the partner's endpoint; retried with growing gaps while it fails.
+
+    The URL is read when the job runs, not stored in the job: a partner that
+    moves its endpoint gets the events still waiting at its new address.
+    """
+    url = ShopSettings.from_env().webhook_url
+    if not url:
+        raise PermanentFailure("SHOP_WEBHOOK_URL is not set on this worker: nowhere to deliver; set it, then requeue")
     key = job.payload.get("idempotency_key") or f"relay-job-{job.id}"
     try:
         status = webhooks.post_event(url, job.payload["event"], idempotency_key=key)

@@ -89,7 +89,7 @@ def place_order(
         }
         relay.enqueue(
             "deliver_webhook",
-            {"url": settings.webhook_url, "event": event, "idempotency_key": f"{key}:order.placed"},
+            {"event": event, "idempotency_key": f"{key}:order.placed"},
             conn=session,
             idempotency_key=f"{key}:webhook",
         )

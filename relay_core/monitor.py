@@ -19,7 +19,7 @@ from . import migrate
 from .errors import RelayError
 from .queries import sql
 from .states import JobStatus
-from .validation import check_queue
+from .validation import QUEUE_NAME, check_queue
 
 #: Largest page a listing returns, whatever the caller asks.
 MAX_PAGE = 200
@@ -35,6 +35,9 @@ OUTCOME_MINUTES_KEPT = 60
 FOLD_LOCK_KEY = 7_265_108_722
 
 _BIGINT_MAX = 2**63 - 1
+
+#: What a queue name may look like (for clients that validate filters up front).
+QUEUE_NAME_PATTERN = QUEUE_NAME.pattern
 
 
 @dataclass(frozen=True)

@@ -15,8 +15,7 @@ from collections.abc import Mapping
 from datetime import timedelta
 from typing import Any
 
-from relay_core import ConfigurationError
-from relay_core.settings import database_url
+from relay_core import ConfigurationError, Relay
 
 log = logging.getLogger("relay.web")
 
@@ -96,7 +95,8 @@ def load(given: Mapping[str, Any] | None = None) -> dict[str, Any]:
     for name, (default, smallest) in INT_SETTINGS.items():
         raw = _pick(name, given)
         settings[name] = default if raw is None else _int(name, raw, smallest)
-    settings["RELAY_DATABASE_URL"] = database_url(_pick("RELAY_DATABASE_URL", given, "DATABASE_URL"))
+    # Relay resolves the DSN as everywhere else (explicit, RELAY_DATABASE_URL, DATABASE_URL).
+    settings["RELAY_DATABASE_URL"] = Relay(_pick("RELAY_DATABASE_URL", given, "DATABASE_URL")).dsn
     secret = _secret(given, production)
     settings.update(
         JWT_SECRET_KEY=secret,

@@ -11,7 +11,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, StringConstraints
 
-from relay_core.validation import QUEUE_NAME
+from relay_core.monitor import QUEUE_NAME_PATTERN
 
 #: Job ids are PostgreSQL bigints.
 BIGINT_MAX = 2**63 - 1
@@ -55,7 +55,7 @@ def integer(ge: int, le: int) -> Any:
 QueueName = Annotated[
     str,
     Field(
-        pattern=QUEUE_NAME.pattern,
+        pattern=QUEUE_NAME_PATTERN,
         description="1-63 of a-z, 0-9, '_', '.', '-', not starting with '.' or '-'.",
         examples=["default"],
     ),

@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import IO
 
 import psycopg
+from psycopg import conninfo
 
 from . import monitor, users
 from .client import Relay
@@ -73,6 +74,18 @@ def _port_is_free(port: int) -> bool:
         except OSError:
             return False
         return True
+
+
+def _safe_dsn(dsn: str) -> str:
+    """The DSN to print: the password, if it has one, masked."""
+    try:
+        params = conninfo.conninfo_to_dict(dsn)
+    except psycopg.ProgrammingError:
+        return "(as configured)"
+    if params.get("password"):
+        params["password"] = "****"
+        return conninfo.make_conninfo(**params)
+    return dsn
 
 
 def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
@@ -272,14 +285,14 @@ class Demo:
                 self.start_processes(dsn, log_dir)
                 self.wait_ready()
             if not self.stopping.is_set():
-                self.banner(password, log_dir)
+                self.banner(dsn, password, log_dir)
                 self.watch(dsn)
             return 0
         finally:
             self.stop_all()
             self.summary(dsn)
 
-    def banner(self, password: str, log_dir: Path) -> None:
+    def banner(self, dsn: str, password: str, log_dir: Path) -> None:
         """Where to look and how to log in."""
         base = f"http://127.0.0.1:{self.port}"
         login = f'{{"username": "{ADMIN}", "password": "{password}"}}'
@@ -291,6 +304,7 @@ class Demo:
         self.say(f"  password:  {password}   (shown once; the next `relay demo` sets a new one)")
         self.say()
         self.say(f"  API:       curl -s -X POST {base}/api/auth/login -H 'Content-Type: application/json' -d '{login}'")
+        self.say(f"  database:  {_safe_dsn(dsn)}")
         self.say(f"  logs:      {log_dir}/")
         self.say()
         self.say("Orders arrive every few seconds. Within a minute you will see every state: mails sent,")

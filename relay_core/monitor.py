@@ -15,7 +15,7 @@ from typing import Any
 import psycopg
 from psycopg.rows import dict_row
 
-from . import migrate
+from . import admin, migrate
 from .errors import RelayError
 from .queries import sql
 from .states import JobStatus
@@ -96,12 +96,13 @@ class JobPage:
 
 @dataclass(frozen=True)
 class QueueDepth:
-    """One queue: its jobs per state and how long its oldest due job has waited."""
+    """One queue: its jobs per state, how long its oldest due job has waited, whether it is paused."""
 
     queue: str
     counts: dict[str, int]
     oldest_runnable_at: datetime | None
     oldest_runnable_age_seconds: float | None
+    paused: bool = False
 
 
 @dataclass(frozen=True)
@@ -284,8 +285,11 @@ def status_counts(conn: psycopg.Connection) -> dict[str, int]:
 
 
 def queue_depths(conn: psycopg.Connection) -> list[QueueDepth]:
-    """Every queue with its depth by state and the age of its oldest due job."""
+    """Every queue that holds jobs or is paused, with its depth by state and the age of its oldest due job."""
     counts = queue_counts(conn)
+    paused = set(admin.paused_queues(conn))
+    for queue in sorted(paused - set(counts)):
+        counts[queue] = {}
     if not counts:
         return []
     oldest = {
@@ -298,7 +302,15 @@ def queue_depths(conn: psycopg.Connection) -> list[QueueDepth]:
         row = oldest.get(queue)
         at = row["oldest_run_at"] if row else None
         age = max(0.0, (row["now"] - at).total_seconds()) if row and at else None
-        depths.append(QueueDepth(queue=queue, counts=full, oldest_runnable_at=at, oldest_runnable_age_seconds=age))
+        depths.append(
+            QueueDepth(
+                queue=queue,
+                counts=full,
+                oldest_runnable_at=at,
+                oldest_runnable_age_seconds=age,
+                paused=queue in paused,
+            )
+        )
     return depths
 
 

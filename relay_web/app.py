@@ -15,7 +15,7 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
-from flask import Flask
+from flask import Flask, Response, request
 from werkzeug.middleware.proxy_fix import ProxyFix
 
 from . import api, auth, config, db, errors, health, metrics
@@ -34,6 +34,14 @@ def _trust_proxies(app: Flask) -> None:
     hops = app.config["RELAY_PROXY_HOPS"]
     if hops:
         app.wsgi_app = ProxyFix(app.wsgi_app, x_for=hops, x_proto=hops, x_host=0, x_port=0, x_prefix=0)  # type: ignore[method-assign]
+
+
+def _no_sniffing_no_caching(response: Response) -> Response:
+    """API answers carry tokens and job data: never cached, never content-sniffed."""
+    response.headers.setdefault("X-Content-Type-Options", "nosniff")
+    if request.path.startswith("/api/"):
+        response.headers.setdefault("Cache-Control", "no-store")
+    return response
 
 
 def _register_dashboard(app: Flask) -> None:
@@ -56,6 +64,7 @@ def create_app(config_overrides: Mapping[str, Any] | None = None) -> Flask:
     app.register_blueprint(health.bp)
     app.register_blueprint(metrics.bp)
     _register_dashboard(app)
+    app.after_request(_no_sniffing_no_caching)
     _trust_proxies(app)
     app.extensions["relay.close"] = database.close
     return app

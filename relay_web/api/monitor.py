@@ -1,4 +1,4 @@
-"""``/api/admin/queues``, ``/workers`` and ``/stats``: how the system is doing.
+"""``/api/admin/queues``, ``/workers`` and ``/stats``: how the system is doing; pausing queues.
 
 Counts come from the counters migration 0003 keeps (folded first, so the
 counter tables stay a few rows long); nothing here counts ``relay.jobs``.
@@ -10,14 +10,16 @@ from typing import Any
 
 from flask import Blueprint, current_app
 
-from relay_core import monitor
+from relay_core import admin, monitor
 
 from ..db import connection
 from ..endpoint import endpoint
 from ..records.ops import (
     MinuteRecord,
+    QueuePath,
     QueueRecord,
     QueuesRecord,
+    QueueStateRecord,
     StatsRecord,
     StatusCountsRecord,
     WorkerCountsRecord,
@@ -36,6 +38,26 @@ def queues(claims: dict[str, Any]) -> QueuesRecord:
         monitor.fold_counters(conn)
         depths = monitor.queue_depths(conn)
     return QueuesRecord(queues=[QueueRecord.of(depth) for depth in depths])
+
+
+def _set_paused(queue: str, paused: bool) -> QueueStateRecord:
+    with connection() as conn:
+        admin.set_queue_paused(conn, queue, paused)
+    return QueueStateRecord(name=queue, paused=paused)
+
+
+@bp.post("/queues/<queue>/pause")
+@endpoint(tag="monitor", role="admin", path=QueuePath, responses={200: QueueStateRecord})
+def pause_queue(path: QueuePath, claims: dict[str, Any]) -> QueueStateRecord:
+    """Pause a queue: workers claim nothing from it (running jobs finish) until it is resumed."""
+    return _set_paused(path.queue, True)
+
+
+@bp.post("/queues/<queue>/resume")
+@endpoint(tag="monitor", role="admin", path=QueuePath, responses={200: QueueStateRecord})
+def resume_queue(path: QueuePath, claims: dict[str, Any]) -> QueueStateRecord:
+    """Resume a paused queue."""
+    return _set_paused(path.queue, False)
 
 
 @bp.get("/workers")

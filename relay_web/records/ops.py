@@ -9,7 +9,7 @@ from pydantic import Field
 
 from relay_core.monitor import QueueDepth, WorkerInfo
 
-from .common import BodyRecord, Record, Text
+from .common import BodyRecord, QueryRecord, QueueName, Record, Text
 
 # -- auth ------------------------------------------------------------------------
 
@@ -53,6 +53,7 @@ class QueueRecord(Record):
     counts: StatusCountsRecord
     oldest_runnable_at: datetime | None
     oldest_runnable_age_seconds: float | None = Field(description="null when nothing is due.")
+    paused: bool = Field(description="Workers claim nothing from a paused queue until it is resumed.")
 
     @classmethod
     def of(cls, depth: QueueDepth) -> QueueRecord:
@@ -62,7 +63,21 @@ class QueueRecord(Record):
             counts=StatusCountsRecord(**depth.counts),
             oldest_runnable_at=depth.oldest_runnable_at,
             oldest_runnable_age_seconds=depth.oldest_runnable_age_seconds,
+            paused=depth.paused,
         )
+
+
+class QueuePath(QueryRecord):
+    """A queue name in the URL."""
+
+    queue: QueueName
+
+
+class QueueStateRecord(Record):
+    """Whether a queue is paused, after a pause or resume."""
+
+    name: str
+    paused: bool
 
 
 class QueuesRecord(Record):

@@ -157,3 +157,31 @@ def test_database_outage_is_503_and_liveness_stays_up(make_app, admin) -> None:
     assert_problem(response, 503, "unavailable")
     assert response.headers["Retry-After"] == "5"
     assert_problem(client.get("/api/admin/queues", headers=admin), 503, "unavailable")
+
+
+def test_pause_and_resume_a_queue(client, admin, viewer, relay: Relay, db) -> None:
+    relay.enqueue("t", {}, queue="mail")
+    assert client.post("/api/admin/queues/mail/pause", headers=admin).get_json() == {"name": "mail", "paused": True}
+    assert client.post("/api/admin/queues/empty/pause", headers=admin).status_code == 200
+    queues = {q["name"]: q for q in client.get("/api/admin/queues", headers=viewer).get_json()["queues"]}
+    assert queues["mail"]["paused"] is True and queues["mail"]["counts"]["queued"] == 1
+    assert queues["empty"]["paused"] is True and sum(queues["empty"]["counts"].values()) == 0
+    assert client.post("/api/admin/queues/mail/resume", headers=admin).get_json() == {"name": "mail", "paused": False}
+    assert_problem(client.post("/api/admin/queues/mail/pause", headers=viewer), 403, "forbidden")
+    assert_problem(client.post("/api/admin/queues/Bad%20Queue/pause", headers=admin), 422, "validation")
+
+
+def test_a_runaway_listing_is_cut_off_with_503(make_app, auth, relay: Relay) -> None:
+    relay.enqueue_many([{"type": f"type-{i}"} for i in range(30_000)])
+    client = make_app(RELAY_STATEMENT_TIMEOUT_MS=1).test_client()
+    response = client.get("/api/admin/jobs?q=no-such-text", headers=auth.headers("viewer"))
+    body = assert_problem(response, 503, "query-timeout")
+    assert "narrow" in body["detail"]
+
+
+def test_api_answers_are_not_cached_or_sniffed(client, admin) -> None:
+    response = client.get("/api/admin/queues", headers=admin)
+    assert response.headers["Cache-Control"] == "no-store"
+    assert response.headers["X-Content-Type-Options"] == "nosniff"
+    login = client.post("/api/auth/login", json={"username": "x", "password": "y"})
+    assert login.headers["Cache-Control"] == "no-store"

@@ -7,6 +7,7 @@ documented statuses, content types, headers and bodies.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import schemathesis
@@ -64,7 +65,7 @@ def test_every_route_is_described(app: Flask, client) -> None:
     for rule in app.url_map.iter_rules():
         if rule.endpoint in ("static", "api.spec.openapi"):
             continue
-        path = rule.rule.replace("<job_id:job_id>", "{job_id}")
+        path = re.sub(r"<(?:\w+:)?(\w+)>", r"{\1}", rule.rule)
         for method in rule.methods - {"HEAD", "OPTIONS"}:
             assert (path, method.lower()) in described, f"{method} {rule.rule} is not in the document"
 

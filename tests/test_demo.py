@@ -3,9 +3,9 @@
 It runs against the test database (DATABASE_URL set), so it also proves the
 demo uses that database instead of starting an embedded one. Within seconds
 the dashboard's API must show jobs of several types succeeded, a webhook
-delivery that was retried, a dead shipping label with a readable error and a
-review request scheduled a minute out; after SIGINT the demo exits 0 and no
-job is left claimed.
+delivery that was retried, a dead shipping label with a readable error, a
+review request scheduled a minute out and one cancelled with its order; after
+SIGINT the demo exits 0 and no job is left claimed.
 """
 
 from __future__ import annotations
@@ -143,9 +143,10 @@ def test_relay_demo_shows_every_outcome_and_stops_without_losing_a_job(
             succeeded = {job["type"] for job in jobs(base, token, status="succeeded")}
             retried = [job for job in jobs(base, token, type="deliver_webhook") if job["attempts"] >= 2]
             dead = jobs(base, token, status="dead")
-            return wanted <= succeeded and bool(retried) and bool(dead)
+            cancelled = jobs(base, token, status="cancelled")
+            return wanted <= succeeded and bool(retried) and bool(dead) and bool(cancelled)
 
-        wait_for(shop_is_busy, timeout=45, interval=1.0, what="succeeded, retried and dead jobs")
+        wait_for(shop_is_busy, timeout=45, interval=1.0, what="succeeded, retried, dead and cancelled jobs")
 
         dead = jobs(base, token, status="dead")
         assert {job["type"] for job in dead} == {"print_shipping_label"}
@@ -157,6 +158,7 @@ def test_relay_demo_shows_every_outcome_and_stops_without_losing_a_job(
             if datetime.fromisoformat(job["run_at"]) > now
         ]
         assert scheduled, "a review request scheduled a minute out"
+        assert {job["type"] for job in jobs(base, token, status="cancelled")} == {"request_review"}
     finally:
         if proc.poll() is None:
             proc.send_signal(signal.SIGINT)
@@ -202,7 +204,7 @@ def test_place_order_commits_the_order_and_its_jobs_together_or_not_at_all(
         create_schema(engine)
         before = db.execute("SELECT count(*) FROM shop.orders").fetchone()[0]
         with Session(engine) as session:
-            order_id = place_order(session, CUSTOMERS[0], [(CATALOGUE[0], 2)]).id
+            order_id = place_order(session, CUSTOMERS[0], [(CATALOGUE[0], 2)]).order.id
         types = db.execute("SELECT type FROM relay.jobs ORDER BY id").fetchall()
         assert [t[0] for t in types] == [
             "send_confirmation_email",
@@ -237,7 +239,7 @@ def test_a_confirmation_email_goes_out_once_when_its_job_runs_twice(
     try:
         create_schema(engine)
         with Session(engine) as session:
-            order_id = place_order(session, CUSTOMERS[2], [(CATALOGUE[2], 1)]).id
+            order_id = place_order(session, CUSTOMERS[2], [(CATALOGUE[2], 1)]).order.id
         # The same email job again, as a lease takeover or a requeue would run it.
         shop.enqueue("send_confirmation_email", {"order_id": order_id})
         emails = "SELECT count(*) FROM relay.jobs WHERE type = 'send_confirmation_email' AND status = 'succeeded'"

@@ -20,7 +20,10 @@ Relay delivers every job at least once, so every handler here is safe to run twi
 from __future__ import annotations
 
 import hashlib
+import random
 import re
+import time
+from dataclasses import dataclass
 from datetime import date, datetime, timedelta
 from typing import Any
 
@@ -43,21 +46,34 @@ POSTCODES = {
 }
 
 
-def _order(conn: psycopg.Connection, order_id: int) -> tuple[str, str, str, str, int]:
-    """Lock the order and return (name, email, postcode, country, total_cents).
+@dataclass(frozen=True)
+class OrderRow:
+    """What the handlers need to know about an order."""
+
+    id: int
+    name: str
+    email: str
+    postcode: str
+    country: str
+    total_cents: int
+    status: str
+
+
+def _order(conn: psycopg.Connection, order_id: int, *, lock: bool = True) -> OrderRow:
+    """Read an order, by default locking its row until the job's transaction ends.
 
     The row lock makes two runs of the same job (a stale worker and its
     successor) take turns, so the second sees what the first recorded.
     """
     models.ensure_schema(relay.dsn)
     row = conn.execute(
-        "SELECT customer_name, customer_email, postcode, country, total_cents"
-        " FROM shop.orders WHERE id = %s FOR UPDATE",
+        "SELECT id, customer_name, customer_email, postcode, country, total_cents, status"
+        " FROM shop.orders WHERE id = %s" + (" FOR UPDATE" if lock else ""),
         (order_id,),
     ).fetchone()
     if row is None:
         raise PermanentFailure(f"order {order_id} does not exist (was it deleted?)")
-    return row
+    return OrderRow(*row)
 
 
 def _send_once(conn: psycopg.Connection, order_id: int, kind: str, subject: str, body: str, to: str) -> dict[str, Any]:
@@ -80,22 +96,24 @@ def _send_once(conn: psycopg.Connection, order_id: int, kind: str, subject: str,
 @relay.handler("send_confirmation_email", max_attempts=10, timeout=30, rate_limit=(20, 1.0))
 def send_confirmation_email(job: Job, conn: psycopg.Connection) -> dict[str, Any]:
     """Email the customer that their order is confirmed (at most 20 mails a second)."""
-    order_id = int(job.payload["order_id"])
-    name, email, _postcode, _country, total = _order(conn, order_id)
+    order = _order(conn, int(job.payload["order_id"]))
     body = (
-        f"Hello {name},\n\nthank you for your order #{order_id} of {total / 100:.2f} EUR.\n"
+        f"Hello {order.name},\n\nthank you for your order #{order.id} of {order.total_cents / 100:.2f} EUR.\n"
         "We will email you again when it ships.\n\nRelay Shop\n"
     )
-    return _send_once(conn, order_id, "confirmation", f"Your order #{order_id} is confirmed", body, email)
+    return _send_once(conn, order.id, "confirmation", f"Your order #{order.id} is confirmed", body, order.email)
 
 
 @relay.handler("request_review", max_attempts=10, timeout=30)
 def request_review(job: Job, conn: psycopg.Connection) -> dict[str, Any]:
     """Ask for a review once the order has had time to arrive (scheduled with ``run_at``)."""
-    order_id = int(job.payload["order_id"])
-    name, email, *_ = _order(conn, order_id)
-    body = f"Hello {name},\n\nhow do you like what you ordered (#{order_id})? Tell us in one click.\n\nRelay Shop\n"
-    return _send_once(conn, order_id, "review_request", f"How was order #{order_id}?", body, email)
+    order = _order(conn, int(job.payload["order_id"]))
+    if order.status == "cancelled":  # cancelling the order also cancels this job; this covers a race
+        return {"skipped": "order cancelled"}
+    body = (
+        f"Hello {order.name},\n\nhow do you like what you ordered (#{order.id})? Tell us in one click.\n\nRelay Shop\n"
+    )
+    return _send_once(conn, order.id, "review_request", f"How was order #{order.id}?", body, order.email)
 
 
 @relay.handler(
@@ -121,27 +139,38 @@ def deliver_webhook(job: Job) -> dict[str, Any]:
 @relay.handler("print_shipping_label", max_attempts=5, timeout=30)
 def print_shipping_label(job: Job, conn: psycopg.Connection) -> dict[str, Any]:
     """Buy a shipping label from the carrier; an address it cannot ship to is a permanent failure."""
-    order_id = int(job.payload["order_id"])
-    _name, _email, postcode, country, _total = _order(conn, order_id)
-    existing = conn.execute("SELECT tracking_number FROM shop.shipments WHERE order_id = %s", (order_id,)).fetchone()
+    order = _order(conn, int(job.payload["order_id"]), lock=False)  # no lock held across the carrier call
+    existing = conn.execute("SELECT tracking_number FROM shop.shipments WHERE order_id = %s", (order.id,)).fetchone()
     if existing:
         return {"skipped": "label exists", "tracking_number": existing[0]}
-    rule = POSTCODES.get(country)
+    tracking = buy_label(order)
+    # A concurrent run may have bought one too (at-least-once): the first recorded label wins.
+    row = conn.execute(
+        "INSERT INTO shop.shipments (order_id, carrier, tracking_number) VALUES (%s, 'RelayPost', %s)"
+        " ON CONFLICT (order_id) DO UPDATE SET order_id = excluded.order_id RETURNING tracking_number",
+        (order.id, tracking),
+    ).fetchone()
+    return {"carrier": "RelayPost", "tracking_number": row[0]}
+
+
+def buy_label(order: OrderRow) -> str:
+    """The carrier's API, simulated here: it checks the postcode and takes a second or two.
+
+    The pause makes running jobs visible on the dashboard, as a real carrier's
+    latency would.
+    """
+    rule = POSTCODES.get(order.country)
     if rule is None:
-        raise PermanentFailure(f"carrier does not ship to country {country!r} (order {order_id})")
+        raise PermanentFailure(f"carrier does not ship to country {order.country!r} (order {order.id})")
     pattern, expected = rule
-    if not pattern.match(postcode.upper()):
+    if not pattern.match(order.postcode.upper()):
         raise PermanentFailure(
-            f"carrier rejected the shipping address of order {order_id}: postcode {postcode!r} is not valid "
-            f"for {country} (expected {expected}). Correct it (UPDATE shop.orders SET postcode = '...' "
-            f"WHERE id = {order_id}), then requeue this job."
+            f"carrier rejected the shipping address of order {order.id}: postcode {order.postcode!r} is not valid "
+            f"for {order.country} (expected {expected}). Correct it (UPDATE shop.orders SET postcode = '...' "
+            f"WHERE id = {order.id}), then requeue this job."
         )
-    tracking = "RS" + hashlib.sha256(f"order-{order_id}".encode()).hexdigest()[:10].upper()
-    conn.execute(
-        "INSERT INTO shop.shipments (order_id, carrier, tracking_number) VALUES (%s, 'RelayPost', %s)",
-        (order_id, tracking),
-    )
-    return {"carrier": "RelayPost", "tracking_number": tracking}
+    time.sleep(random.uniform(0.5, 2.0))
+    return "RS" + hashlib.sha256(f"order-{order.id}".encode()).hexdigest()[:10].upper()
 
 
 def _report_month(payload: dict[str, Any]) -> date | None:

@@ -53,6 +53,8 @@ class Order(Base):
     country: Mapped[str] = mapped_column(String(2))
     total_cents: Mapped[int] = mapped_column(BigInteger)
     currency: Mapped[str] = mapped_column(String(3), default="EUR")
+    #: ``placed`` or ``cancelled`` (the customer changed their mind).
+    status: Mapped[str] = mapped_column(Text, default="placed", server_default="placed")
     created_at: Mapped[datetime] = mapped_column(server_default=func.now())
     lines: Mapped[list[OrderLine]] = relationship(back_populates="order", cascade="all, delete-orphan")
 

@@ -16,6 +16,8 @@ from datetime import UTC, datetime, timedelta
 
 from sqlalchemy.orm import Session
 
+from relay_core import IllegalTransition
+
 from .jobs import relay
 from .models import Order, OrderLine
 from .settings import ShopSettings
@@ -41,13 +43,21 @@ class Customer:
     country: str
 
 
+@dataclass(frozen=True)
+class PlacedOrder:
+    """An order that committed, and the ids of the jobs that committed with it."""
+
+    order: Order
+    jobs: dict[str, int]
+
+
 def place_order(
     session: Session,
     customer: Customer,
     items: list[tuple[Product, int]],
     *,
     settings: ShopSettings | None = None,
-) -> Order:
+) -> PlacedOrder:
     """Save an order and enqueue everything it sets off; commit once.
 
     If anything raises before ``commit`` (a bad item, a refused job, the
@@ -70,9 +80,14 @@ def place_order(
 
     key = f"order-{order.id}"
     ids = {"order_id": order.id}
-    relay.enqueue("send_confirmation_email", ids, conn=session, idempotency_key=f"{key}:confirmation")
-    relay.enqueue("print_shipping_label", ids, conn=session, idempotency_key=f"{key}:label")
-    relay.enqueue(
+    jobs: dict[str, int] = {}
+    jobs["send_confirmation_email"] = relay.enqueue(
+        "send_confirmation_email", ids, conn=session, idempotency_key=f"{key}:confirmation"
+    )
+    jobs["print_shipping_label"] = relay.enqueue(
+        "print_shipping_label", ids, conn=session, idempotency_key=f"{key}:label"
+    )
+    jobs["request_review"] = relay.enqueue(
         "request_review",
         ids,
         conn=session,
@@ -87,11 +102,31 @@ def place_order(
             "currency": order.currency,
             "items": [{"sku": p.sku, "quantity": q} for p, q in items],
         }
-        relay.enqueue(
+        jobs["deliver_webhook"] = relay.enqueue(
             "deliver_webhook",
             {"event": event, "idempotency_key": f"{key}:order.placed"},
             conn=session,
             idempotency_key=f"{key}:webhook",
         )
     session.commit()
-    return order
+    return PlacedOrder(order, jobs)
+
+
+def cancel_order(session: Session, placed: PlacedOrder) -> bool:
+    """The customer changed their mind: mark the order cancelled and cancel its review request.
+
+    The order commits first; cancelling the job is a second step, because a
+    job that already started cannot be un-run. ``request_review`` checks the
+    order's status too, so a review request never goes out for a cancelled
+    order whichever step wins the race. Returns whether the job was cancelled.
+    """
+    order = session.get(Order, placed.order.id, with_for_update=True)
+    if order is None:
+        return False
+    order.status = "cancelled"
+    session.commit()
+    try:
+        relay.cancel(placed.jobs["request_review"])
+    except IllegalTransition:  # it ran already (or was cancelled by someone else)
+        return False
+    return True

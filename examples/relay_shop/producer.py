@@ -3,7 +3,8 @@
 It stands in for the shop's web front end: every order goes through
 :func:`relay_shop.orders.place_order`, one SQLAlchemy transaction each. One
 customer in six typed a postcode the carrier rejects, so the demo always has
-dead jobs to inspect and requeue. SIGTERM or Ctrl-C stops it between orders,
+dead jobs to inspect and requeue; one order in eight is cancelled a moment
+later, which cancels its scheduled review request. SIGTERM or Ctrl-C stops it between orders,
 so no order is ever half placed.
 """
 
@@ -18,7 +19,10 @@ import threading
 from sqlalchemy.orm import Session
 
 from .models import create_schema, make_engine
-from .orders import Customer, Product, place_order
+from .orders import Customer, PlacedOrder, Product, cancel_order, place_order
+
+#: One order in this many is cancelled by its customer a moment later.
+CANCEL_EVERY = 8
 
 CATALOGUE = [
     Product("MUG-BLK", "Black enamel mug", 1400),
@@ -55,16 +59,25 @@ def run(per_minute: float, limit: int | None = None) -> int:
     rng = random.Random()
     interval = 60.0 / per_minute
     placed = 0
+    regretted: PlacedOrder | None = None
     try:
         while not stop.is_set() and (limit is None or placed < limit):
             customer = CUSTOMERS[placed % len(CUSTOMERS)]
             with Session(engine) as session:
-                order = place_order(session, customer, random_items(rng))
+                new = place_order(session, customer, random_items(rng))
+                order = new.order
                 print(
                     f"order {order.id} placed for {customer.email}: {len(order.lines)} item(s), "
                     f"{order.total_cents / 100:.2f} {order.currency}",
                     flush=True,
                 )
+            if regretted is not None:  # the previous order's customer changed their mind
+                with Session(engine) as session:
+                    cancelled = cancel_order(session, regretted)
+                print(f"order {regretted.order.id} cancelled; review request cancelled: {cancelled}", flush=True)
+                regretted = None
+            if placed % CANCEL_EVERY == CANCEL_EVERY - 1:
+                regretted = new
             placed += 1
             # Poisson-like arrivals look like real traffic; the mean stays at `interval`.
             stop.wait(rng.expovariate(1.0 / interval))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import json
 import time
+from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 
 import jwt
@@ -240,3 +241,16 @@ def test_throttle_window_ends(make_app, auth: AuthActions) -> None:
     assert client.post("/api/auth/login", json={"username": "mallory", "password": PASSWORD}).status_code == 429
     time.sleep(1.1)
     assert client.post("/api/auth/login", json={"username": "mallory", "password": PASSWORD}).status_code == 200
+
+
+def test_parallel_guesses_cannot_slip_past_the_limit(make_app, auth: AuthActions) -> None:
+    auth.create_user("oscar", "admin")
+    app = make_app(RELAY_LOGIN_MAX_FAILURES=5, RELAY_WEB_POOL_SIZE=8)
+
+    def guess(i: int) -> int:
+        body = {"username": "oscar", "password": f"guess number {i}"}
+        return app.test_client().post("/api/auth/login", json=body).status_code
+
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        statuses = sorted(pool.map(guess, range(24)))
+    assert statuses == [401] * 5 + [429] * 19

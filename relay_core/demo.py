@@ -19,6 +19,7 @@ This module never imports Flask or ``relay_web``: the web app is a subprocess.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import secrets
@@ -89,9 +90,9 @@ def _safe_dsn(dsn: str) -> str:
 
 
 def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
-    """Linux: SIGTERM this child if the demo itself dies without stopping it."""
-    libc = ctypes.CDLL("libc.so.6", use_errno=True)
-    libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    """Linux: SIGTERM this child if the demo itself dies without stopping it (best effort)."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 @dataclass

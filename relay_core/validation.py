@@ -71,12 +71,16 @@ def check_queue(queue: Any) -> str:
 def check_payload(payload: Any, max_bytes: int) -> str:
     """Serialise the payload to JSON, refusing what JSON cannot carry or what is too big."""
     try:
-        text = json.dumps(payload, allow_nan=False, separators=(",", ":"))
+        text = json.dumps(payload, allow_nan=False, ensure_ascii=False, separators=(",", ":"))
     except (TypeError, ValueError) as exc:
         raise InvalidJobError("payload", f"is not JSON-serializable: {exc}") from None
     if "\\u0000" in text:
         raise InvalidJobError("payload", "must not contain NUL characters (PostgreSQL jsonb cannot store them)")
-    size = len(text.encode("utf-8"))
+    try:
+        encoded = text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise InvalidJobError("payload", "contains a lone surrogate, which is not valid Unicode text") from None
+    size = len(encoded)
     if size > max_bytes:
         raise InvalidJobError("payload", f"is {size} bytes as JSON, over the limit of {max_bytes}")
     return text

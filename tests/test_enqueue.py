@@ -136,6 +136,8 @@ def test_idempotency_key_returns_the_existing_job(relay: Relay, db: psycopg.Conn
         ({"job_type": "x", "payload": {"when": datetime.now(UTC)}}, "payload"),
         ({"job_type": "x", "payload": {"f": float("nan")}}, "payload"),
         ({"job_type": "x", "payload": {"s": "a\x00b"}}, "payload"),
+        ({"job_type": "x", "payload": {"s": "\ud800"}}, "payload"),
+        ({"job_type": "x", "payload": {"\ud800": 1}}, "payload"),
         ({"job_type": "x", "payload": {"blob": "x" * 300_000}}, "payload"),
         ({"job_type": "x", "run_at": datetime(2030, 1, 1)}, "run_at"),
         ({"job_type": "x", "run_at": "2030-01-01T00:00:00Z"}, "run_at"),

@@ -218,3 +218,14 @@ def test_requeue_of_a_queued_job_is_refused_naming_its_state(relay: Relay) -> No
     job_id = relay.enqueue("x", run_at=datetime.now(UTC) + timedelta(hours=1))
     with pytest.raises(IllegalTransition, match="it is queued"):
         relay.requeue(job_id)
+
+
+def test_workers_fold_the_admin_counters_so_they_stay_small(relay: Relay, db: psycopg.Connection) -> None:
+    for _ in range(40):
+        relay.enqueue("fold_me", queue="folding")
+    assert db.execute("SELECT count(*) FROM relay.job_counts").fetchone()[0] >= 40
+    with running_worker(relay, queues=("other",)) as worker:
+        assert worker.maintenance.fold()
+    rows = db.execute("SELECT queue, state::text, n FROM relay.job_counts WHERE n <> 0").fetchall()
+    assert rows == [("folding", "queued", 40)]
+    assert db.execute("SELECT count(*) FROM relay.job_counts").fetchone()[0] == 1

@@ -17,9 +17,12 @@ import psycopg
 from psycopg_pool import ConnectionPool, PoolTimeout
 
 from ..logs import event
+from ..monitor import fold_counters
 from ..queries import sql
 
 SWEEP_BATCH = 1000
+#: Seconds between folds of the admin counters' change rows.
+FOLD_INTERVAL = 30.0
 
 
 def sweep_once(conn: psycopg.Connection, limit: int = SWEEP_BATCH) -> dict[str, int]:
@@ -150,6 +153,11 @@ class Maintenance:
             event(logging.INFO, "pruned finished jobs", **deleted)
         return deleted
 
+    def fold(self) -> bool:
+        """Fold the admin counters' change rows so they never pile up while nobody reads them."""
+        with self._pool.connection() as conn:
+            return fold_counters(conn)
+
     def _loop(self) -> None:
         now = time.monotonic()
         next_heartbeat = now + self._heartbeat_interval
@@ -158,6 +166,7 @@ class Maintenance:
         next_sweep = now + self._sweep_interval * spread
         next_prune = now + min(self._prune_interval * spread, 10.0)
         next_periodic = now
+        next_fold = now + FOLD_INTERVAL * spread
         while not self._stop.wait(0.2):
             self._check_timeouts()
             now = time.monotonic()
@@ -174,6 +183,9 @@ class Maintenance:
                 if now >= next_prune:
                     next_prune = now + self._prune_interval
                     self.prune()
+                if now >= next_fold:
+                    next_fold = now + FOLD_INTERVAL
+                    self.fold()
             except (psycopg.OperationalError, psycopg.InterfaceError, PoolTimeout) as exc:
                 event(logging.WARNING, "maintenance could not reach the database; will retry", error=str(exc))
                 next_heartbeat = min(next_heartbeat, now + 1.0)

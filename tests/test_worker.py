@@ -320,3 +320,60 @@ def test_worker_refuses_to_start_on_an_unmigrated_database(database_url: str, py
     finally:
         with psycopg.connect(database_url, autocommit=True) as admin:
             admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+def test_scheduled_job_starts_on_time_while_workers_are_busy(relay: Relay, db: psycopg.Connection) -> None:
+    @relay.handler("busy")
+    def busy(job: Job) -> None:
+        time.sleep(0.05)
+
+    @relay.handler("on_time")
+    def on_time(job: Job) -> None:
+        return None
+
+    stop = threading.Event()
+
+    def feed() -> None:
+        while not stop.is_set():
+            relay.enqueue_many([{"type": "busy"} for _ in range(4)])
+            time.sleep(0.1)
+
+    with running_worker(relay, concurrency=2, poll_interval=0.2):
+        feeder = threading.Thread(target=feed, daemon=True)
+        feeder.start()
+        try:
+            run_at = db.execute("SELECT now() + interval '1.5 seconds'").fetchone()[0]
+            job_id = relay.enqueue("on_time", run_at=run_at)
+            wait_for(lambda: job_status(db, job_id) == "succeeded", timeout=15)
+        finally:
+            stop.set()
+            feeder.join(5)
+    lag, busy_done = db.execute(
+        "SELECT extract(epoch FROM started_at - run_at), "
+        "(SELECT count(*) FROM relay.jobs WHERE type = 'busy' AND status = 'succeeded') "
+        "FROM relay.jobs WHERE id = %s",
+        (job_id,),
+    ).fetchone()
+    assert busy_done > 10, "the workers were busy meanwhile"
+    assert 0 <= lag < 1.0, f"started {lag}s after its run_at"
+
+
+def test_json_log_lines_carry_job_fields(relay: Relay, python: str, worker_env: dict, tmp_path) -> None:
+    import json as jsonlib
+
+    from .helpers import start_worker_process, stop_process
+
+    log = tmp_path / "worker.log"
+    env = dict(worker_env, RELAY_LOG_FORMAT="json")
+    proc = start_worker_process(python, env, log=log)
+    try:
+        job_id = relay.enqueue("record")
+        wait_for(lambda: relay.get_job(job_id).status == "succeeded", timeout=30)
+    finally:
+        stop_process(proc)
+    lines = [jsonlib.loads(line) for line in log.read_text().splitlines() if line.startswith("{")]
+    by_message = {line["message"]: line for line in lines if line.get("job_id") == job_id}
+    assert {"job claimed", "job succeeded"} <= set(by_message)
+    done = by_message["job succeeded"]
+    assert done["type"] == "record" and done["attempt"] == 1 and done["duration_ms"] >= 0
+    assert done["level"] == "info" and done["logger"] == "relay"

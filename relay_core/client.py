@@ -16,6 +16,7 @@ from .backoff import Backoff
 from .connections import fetch_all
 from .errors import InvalidJobError, RelayError
 from .handlers import DEFAULT_MAX_ATTEMPTS, HandlerSpec, make_spec
+from .pools import make_pool
 from .queries import sql
 from .settings import database_url, env_int
 from .validation import DEFAULT_MAX_PAYLOAD_BYTES, NewJob, new_job
@@ -58,14 +59,8 @@ class Relay:
         """A small connection pool for enqueues without ``conn`` and admin reads."""
         with self._pool_lock:
             if self._pool is None:
-                self._pool = ConnectionPool(
-                    self.dsn,
-                    min_size=1,
-                    max_size=self._pool_size,
-                    open=True,
-                    name="relay-client",
-                    check=ConnectionPool.check_connection,
-                )
+                self._pool = make_pool(self.dsn, name="relay-client", min_size=1, max_size=self._pool_size)
+                self._pool.open()
             return self._pool
 
     def close(self) -> None:
@@ -176,7 +171,12 @@ class Relay:
         if conn is not None:
             return self._insert(conn, job)
         with self.pool.connection() as own:
-            return self._insert(own, job)
+            # One statement is its own transaction: autocommit saves the BEGIN and COMMIT round trips.
+            own.autocommit = True
+            try:
+                return self._insert(own, job)
+            finally:
+                own.autocommit = False
 
     def _insert(self, conn: Any, job: NewJob) -> int:
         rows = fetch_all(conn, sql("job_insert"), job.params())
@@ -225,7 +225,11 @@ class Relay:
         if conn is not None:
             return self._insert_many(conn, validated)
         with self.pool.connection() as own:
-            return self._insert_many(own, validated)
+            own.autocommit = True
+            try:
+                return self._insert_many(own, validated)
+            finally:
+                own.autocommit = False
 
     def _insert_many(self, conn: Any, jobs: list[NewJob]) -> list[int]:
         params = {

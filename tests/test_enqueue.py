@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import select
+import time
 from datetime import UTC, datetime, timedelta
 from typing import ClassVar
 
@@ -191,3 +192,15 @@ def test_run_at_is_stored_as_given_and_now_comes_from_the_database(relay: Relay,
     assert rows[scheduled] == later
     db_now = db.execute("SELECT now()").fetchone()[0]
     assert abs((rows[immediate] - db_now).total_seconds()) < 5
+
+
+def test_a_pooled_connection_that_died_while_idle_is_replaced(relay: Relay, db: psycopg.Connection) -> None:
+    relay.enqueue("warm_up")
+    killed = db.execute(
+        "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+        "WHERE datname = current_database() AND pid <> pg_backend_pid() AND backend_type = 'client backend'"
+    ).fetchall()
+    assert killed
+    time.sleep(1.2)  # idle past IDLE_CHECK_SECONDS: the pool checks it and reconnects
+    relay.enqueue("after_restart")
+    assert job_count(db) == 2

@@ -277,7 +277,12 @@ def test_worker_survives_its_connections_being_killed(relay: Relay, db: psycopg.
             "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
             "WHERE datname = current_database() AND pid <> pg_backend_pid()"
         )
-        second = relay.enqueue_many([{"type": "n"} for _ in range(50)])
+        # The client's pooled connections died too; a fresh client stands in for the application.
+        producer = Relay(relay.dsn)
+        try:
+            second = producer.enqueue_many([{"type": "n"} for _ in range(50)])
+        finally:
+            producer.close()
         wait_for(lambda: all(job_status(db, j) == "succeeded" for j in second), timeout=30)
     assert done == set(first) | set(second)
 

@@ -109,7 +109,8 @@ class Completer:
         if not statements:
             return ours
         with self._pool.connection() as conn:
-            with conn.pipeline():
+            # BEGIN, the statements and COMMIT travel together: one round trip per batch.
+            with conn.pipeline(), conn.transaction():
                 cursors = [conn.execute(sql(name), params, prepare=True) for name, params in statements]
             for cur in cursors:
                 ours.update(row[0] for row in cur.fetchall())

@@ -19,13 +19,14 @@ from dataclasses import dataclass, field
 
 import psycopg
 from psycopg.rows import dict_row
-from psycopg_pool import ConnectionPool, PoolTimeout
+from psycopg_pool import PoolTimeout
 
 from .. import migrate as migrator
 from ..errors import ConfigurationError, JobTimeout
 from ..handlers import HandlerSpec
 from ..job import Job
 from ..logs import event
+from ..pools import make_pool
 from ..queries import sql
 from . import executor, limits, periodic
 from .completer import Completer
@@ -37,6 +38,8 @@ from .retention import prune_once
 
 #: How long the producer lets freed slots gather before claiming for them.
 CLAIM_COALESCE_SECONDS = 0.002
+#: Jobs that typically finish faster than this are prefetched (one per slot).
+PREFETCH_BELOW_SECONDS = 0.05
 
 
 @dataclass
@@ -86,14 +89,10 @@ class Worker:
         self._awaiting_write: dict[int, int] = {}  # id -> token: finished, not yet recorded
         self._inbox: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
         self._slots: list[Slot] = []
-        self.pool = ConnectionPool(
-            dsn,
-            min_size=2,
-            max_size=self.config.concurrency + 4,
-            open=False,
-            name=f"relay-worker-{self.id}",
-            check=ConnectionPool.check_connection,
-            timeout=10.0,
+        # Moving average of handler run time; starts "long" so nothing is prefetched until jobs prove short.
+        self._typical_run = PREFETCH_BELOW_SECONDS * 2
+        self.pool = make_pool(
+            dsn, name=f"relay-worker-{self.id}", min_size=2, max_size=self.config.concurrency + 4, timeout=10.0
         )
         self.completer = Completer(self.pool, self._on_written)
         self.maintenance = Maintenance(
@@ -226,6 +225,7 @@ class Worker:
             del self._running[job.id]
             if outcome.kind is not Kind.COMMITTED:
                 self._awaiting_write[job.id] = job.lease_token
+            self._typical_run = 0.9 * self._typical_run + 0.1 * outcome.duration
         self.completer.put(outcome)
         self._wake.set()
 
@@ -364,18 +364,30 @@ class Worker:
                 self.stopping.wait(delay)
                 delay = min(delay * 2, 5.0)
 
+    def prefetch(self) -> int:
+        """How many jobs to hold beyond the slots: a slot's next job, while jobs are short.
+
+        Short jobs would otherwise leave slots idle for every claim's round
+        trip. Long jobs get no prefetch: a job held behind a long one while
+        another worker sits idle would only wait longer.
+        """
+        if self._typical_run < PREFETCH_BELOW_SECONDS:
+            return self.config.concurrency
+        return 0
+
     def _produce(self) -> None:
         delay = 0.1
         while not self.stopping.is_set():
-            free = self.config.concurrency - self.in_flight()
+            capacity = self.config.concurrency + self.prefetch()
+            free = capacity - self.in_flight()
             if free <= 0:
                 self._wake.wait(self.config.poll_interval)
                 self._wake.clear()
                 continue
-            if free < self.config.concurrency:
+            if free < capacity and free < self.config.concurrency:
                 # Let a few more slots free up so one statement claims for all of them.
                 self.stopping.wait(CLAIM_COALESCE_SECONDS)
-                free = self.config.concurrency - self.in_flight()
+                free = capacity - self.in_flight()
             self._wake.clear()
             try:
                 jobs = self.claim(free)

@@ -8,6 +8,8 @@ start with ``relay_bench_`` are ever created or dropped.
 
 from __future__ import annotations
 
+from urllib.parse import urlsplit, urlunsplit
+
 import psycopg
 from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
@@ -16,7 +18,10 @@ PREFIX = "relay_bench_"
 
 
 def dsn_for(admin_dsn: str, database: str) -> str:
-    """The admin DSN pointed at another database."""
+    """The admin DSN pointed at another database, kept a URL when it is one (asyncpg needs URLs)."""
+    parts = urlsplit(admin_dsn)
+    if parts.scheme in ("postgres", "postgresql"):
+        return urlunsplit(parts._replace(path="/" + database))
     return make_conninfo(admin_dsn, dbname=database)
 
 

@@ -1,0 +1,84 @@
+"""Errors on dashboard routes become readable pages (or partials), not JSON.
+
+The API's handlers answer problem+json; a person on a phone needs a sentence
+and a way back. The same rule holds: no stack trace, no SQL, no class name
+reaches the page. Handlers registered on the blueprint win over the app's
+for requests routed to it.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import psycopg
+from flask import Response
+from psycopg_pool import PoolTimeout
+from werkzeug.exceptions import HTTPException
+
+from relay_core import IllegalTransition, JobNotFound, RelayError
+
+from ..problems import Problem
+from .blueprint import bp
+from .render import page
+
+log = logging.getLogger("relay.web")
+
+
+def error_page(status: int, title: str, detail: str, headers: dict[str, str] | None = None) -> Response:
+    """An error page with ``status``; an htmx request gets its partial."""
+    response = page("error", status=status, title=title, detail=detail, status_code=status)
+    for name, value in (headers or {}).items():
+        if name != "WWW-Authenticate":
+            response.headers[name] = value
+    return response
+
+
+@bp.errorhandler(Problem)
+def _problem(exc: Problem) -> Response:
+    return error_page(exc.status, exc.title, exc.detail, exc.headers)
+
+
+@bp.errorhandler(JobNotFound)
+def _not_found(exc: JobNotFound) -> Response:
+    return error_page(404, "Job not found", f"There is no job {exc.job_id}; it may have been pruned.")
+
+
+@bp.errorhandler(IllegalTransition)
+def _illegal(exc: IllegalTransition) -> Response:
+    allowed = " or ".join(exc.allowed_from)
+    detail = f"Job {exc.job_id} is {exc.current}; only {allowed} jobs can be {exc.action}d."
+    return error_page(409, "Not possible now", detail)
+
+
+@bp.errorhandler(RelayError)
+def _relay(exc: RelayError) -> Response:
+    # relay_core's messages name the bad filter or value, never internals.
+    return error_page(400, "Bad request", str(exc))
+
+
+@bp.errorhandler(HTTPException)
+def _http(exc: HTTPException) -> Response:
+    status = exc.code or 500
+    return error_page(status, exc.name, "Nothing here accepts this request." if status != 404 else "No such page.")
+
+
+@bp.errorhandler(psycopg.errors.QueryCanceled)
+def _too_slow(exc: psycopg.errors.QueryCanceled) -> Response:
+    log.warning("dashboard query cancelled by statement_timeout: %s", exc)
+    return error_page(
+        503, "Query took too long", "Narrow the filters (state, queue, type) and try again.", {"Retry-After": "1"}
+    )
+
+
+@bp.errorhandler(psycopg.OperationalError)
+@bp.errorhandler(psycopg.InterfaceError)
+@bp.errorhandler(PoolTimeout)
+def _unavailable(exc: Exception) -> Response:
+    log.warning("database unavailable: %s", exc)
+    return error_page(503, "Database unreachable", "The database cannot be reached right now; this page will retry.")
+
+
+@bp.errorhandler(Exception)
+def _internal(exc: Exception) -> Response:
+    log.error("unhandled dashboard error", exc_info=exc)
+    return error_page(500, "Something went wrong", "It has been logged. Reload the page to try again.")

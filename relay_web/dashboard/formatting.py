@@ -1,0 +1,124 @@
+"""Template filters: ages, durations, first lines, pretty JSON.
+
+Pure functions of their arguments (the current time is passed in or read
+once per call) so they are tested without an app. Display only: no decision
+about what runs is made with the app's clock.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import UTC, datetime
+from typing import Any
+
+#: Characters of a first line shown in a listing row (CSS clips it further on phones).
+FIRST_LINE_CHARS = 160
+
+
+def now() -> datetime:
+    """The time pages are rendered at."""
+    return datetime.now(UTC)
+
+
+def span(seconds: float | None) -> str:
+    """A short human duration: ``42s``, ``3m 5s``, ``2h 10m``, ``4d 3h``."""
+    if seconds is None:
+        return "—"
+    seconds = max(0.0, float(seconds))
+    if seconds < 1:
+        return f"{seconds * 1000:.0f}ms"
+    if seconds < 60:
+        return f"{seconds:.0f}s"
+    minutes, secs = divmod(int(seconds), 60)
+    if minutes < 60:
+        return f"{minutes}m {secs}s" if secs else f"{minutes}m"
+    hours, minutes = divmod(minutes, 60)
+    if hours < 24:
+        return f"{hours}h {minutes}m" if minutes else f"{hours}h"
+    days, hours = divmod(hours, 24)
+    return f"{days}d {hours}h" if hours else f"{days}d"
+
+
+def ago(moment: datetime | None, at: datetime | None = None) -> str:
+    """``3m ago``, or ``in 3m`` for a moment still to come."""
+    if moment is None:
+        return "—"
+    delta = ((at or now()) - moment).total_seconds()
+    if -1 < delta < 1:
+        return "now"
+    return f"{span(delta)} ago" if delta > 0 else f"in {span(-delta)}"
+
+
+def between(start: datetime | None, end: datetime | None) -> str:
+    """The duration from ``start`` to ``end``, when both are known."""
+    if start is None or end is None:
+        return "—"
+    return span((end - start).total_seconds())
+
+
+def stamp(moment: datetime | None) -> str:
+    """A full UTC timestamp, for the title of an age."""
+    if moment is None:
+        return ""
+    return moment.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+def iso(moment: datetime | None) -> str:
+    """The ISO 8601 form, for <time datetime>."""
+    return moment.isoformat() if moment else ""
+
+
+def first_line(text: str | None, limit: int = FIRST_LINE_CHARS) -> str:
+    """The first non-empty line of an error, cut to ``limit`` characters."""
+    if not text:
+        return ""
+    for line in text.splitlines():
+        if line.strip():
+            line = line.strip()
+            return line if len(line) <= limit else line[: limit - 1] + "…"
+    return ""
+
+
+def pretty_json(value: Any) -> str:
+    """Indented JSON, non-ASCII kept readable; escaping is the template's job."""
+    return json.dumps(value, indent=2, ensure_ascii=False, default=str)
+
+
+def number(value: int | float | None) -> str:
+    """``12,345``."""
+    if value is None:
+        return "—"
+    return f"{value:,}"
+
+
+def percent(value: float | None) -> str:
+    """A rate as ``2.5%``; ``—`` when undefined."""
+    if value is None:
+        return "—"
+    return f"{value * 100:.1f}%"
+
+
+def parse_moment(value: Any) -> datetime | None:
+    """A timestamp from a job's stored error history (ISO text), or None."""
+    if isinstance(value, datetime):
+        return value
+    if not isinstance(value, str):
+        return None
+    try:
+        moment = datetime.fromisoformat(value)
+    except ValueError:
+        return None
+    return moment if moment.tzinfo else moment.replace(tzinfo=UTC)
+
+
+FILTERS = {
+    "span": span,
+    "ago": ago,
+    "between": between,
+    "stamp": stamp,
+    "iso": iso,
+    "first_line": first_line,
+    "pretty_json": pretty_json,
+    "number": number,
+    "percent": percent,
+}

@@ -1,0 +1,213 @@
+"""Dashboard sessions: the same users and roles as the API, the JWT in a cookie.
+
+The token lives in an HttpOnly cookie (Secure over HTTPS or in production,
+SameSite=Lax) that page scripts cannot read. Every state-changing request must
+also carry the token's CSRF value, which the page holds in a meta tag and
+sends as the ``X-CSRF-TOKEN`` header (htmx) or a hidden ``csrf_token`` field
+(plain forms); a cross-site form has the cookie withheld and cannot know the
+value.
+
+Lax rather than Strict: an on-call engineer opens links pasted into chat,
+and Strict would drop the cookie on that first navigation and show the login
+page to someone already logged in. Lax still withholds it from cross-site
+POSTs, and nothing here changes state over GET.
+
+Tokens are short-lived like the API's access tokens, and slide: a request
+made after half a token's life gets a fresh cookie with the same CSRF value,
+until the refresh-token lifetime since login runs out. Each request also
+reads the user from the database, so a deleted user, a changed password or
+a changed role takes effect at once.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, TypeVar
+from urllib.parse import urlsplit
+
+import jwt
+from flask import Response, after_this_request, current_app, g, redirect, request, url_for
+from flask_jwt_extended import create_access_token, get_jwt, verify_jwt_in_request
+from flask_jwt_extended.exceptions import CSRFError, JWTExtendedException
+
+from relay_core import users
+
+from .. import auth
+from ..db import connection
+from ..problems import Problem
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+#: Claims only a dashboard session carries (an API token in the cookie is refused).
+SESSION_CLAIMS = ("pwd", "auth_time")
+
+
+@dataclass(frozen=True)
+class Session:
+    """Who is looking at the dashboard, with their current role and the page's CSRF value."""
+
+    user: users.User
+    csrf: str
+
+    @property
+    def is_admin(self) -> bool:
+        """Admins see and may use the action buttons."""
+        return self.user.is_admin
+
+
+def _lifetimes() -> tuple[int, int]:
+    config = current_app.config
+    return int(config["RELAY_ACCESS_TOKEN_SECONDS"]), int(config["RELAY_REFRESH_TOKEN_SECONDS"])
+
+
+def _token(user: users.User, *, csrf: str | None = None, auth_time: int | None = None) -> str:
+    access, _ = _lifetimes()
+    claims: dict[str, Any] = {
+        "role": user.role,
+        "username": user.username,
+        "pwd": auth.session_mark(user),
+        "auth_time": auth_time or int(time.time()),
+    }
+    if csrf:
+        claims["csrf"] = csrf
+    return create_access_token(identity=str(user.id), additional_claims=claims, expires_delta=timedelta(seconds=access))
+
+
+def _set_cookie(response: Response, token: str) -> None:
+    config = current_app.config
+    access, _ = _lifetimes()
+    response.set_cookie(
+        config.get("JWT_ACCESS_COOKIE_NAME", "access_token_cookie"),
+        token,
+        max_age=access,
+        path=config.get("JWT_ACCESS_COOKIE_PATH", "/"),
+        secure=bool(config.get("JWT_COOKIE_SECURE")) or request.is_secure,
+        httponly=True,
+        samesite="Lax",
+    )
+
+
+def start(response: Response, user: users.User) -> None:
+    """Log ``user`` in on ``response``."""
+    _set_cookie(response, _token(user))
+
+
+def end(response: Response) -> None:
+    """Log out on ``response``: the cookie is removed (and not renewed by this request)."""
+    g.relay_dashboard_ended = True
+    config = current_app.config
+    response.delete_cookie(
+        config.get("JWT_ACCESS_COOKIE_NAME", "access_token_cookie"),
+        path=config.get("JWT_ACCESS_COOKIE_PATH", "/"),
+        secure=bool(config.get("JWT_COOKIE_SECURE")) or request.is_secure,
+        httponly=True,
+        samesite="Lax",
+    )
+
+
+def same_origin() -> bool:
+    """Whether a POST came from a page of this host (browsers send Origin on every POST).
+
+    Only the host is compared: behind a TLS-terminating proxy the scheme seen
+    here may be http while the browser's is https.
+    """
+    origin = request.headers.get("Origin")
+    if origin is None or origin == "null":
+        return origin is None
+    return urlsplit(origin).netloc == request.host
+
+
+def _load() -> Session | None:
+    """The request's session, None when there is none; raises a 403 problem for a CSRF failure."""
+    if request.method == "POST" and not same_origin():
+        raise Problem(403, "Forbidden", "This request did not come from a page of this dashboard.", slug="csrf")
+    try:
+        verify_jwt_in_request(locations=["cookies"])
+    except CSRFError:
+        raise Problem(
+            403,
+            "Forbidden",
+            "The request lacked this page's security token; reload the page and try again.",
+            slug="csrf",
+        ) from None
+    except (JWTExtendedException, jwt.PyJWTError):
+        return None
+    claims = get_jwt()
+    if any(name not in claims for name in SESSION_CLAIMS) or claims.get("type") != "access":
+        return None
+    _, longest = _lifetimes()
+    if time.time() - float(claims["auth_time"]) > longest:
+        return None
+    try:
+        user_id = int(claims["sub"])
+    except (TypeError, ValueError):
+        return None
+    with connection() as conn:
+        user = users.get_user(conn, user_id)
+    if user is None or claims["pwd"] != auth.session_mark(user):
+        return None
+    return Session(user=user, csrf=str(claims["csrf"]))
+
+
+def _slide(session: Session, claims: dict[str, Any]) -> None:
+    access, _ = _lifetimes()
+    if time.time() - float(claims.get("iat", 0)) < access / 2:
+        return
+    token = _token(session.user, csrf=session.csrf, auth_time=int(claims["auth_time"]))
+
+    @after_this_request
+    def renew(response: Response) -> Response:
+        if not g.get("relay_dashboard_ended"):
+            _set_cookie(response, token)
+        return response
+
+
+def _to_login() -> Response:
+    target = url_for("dashboard.login", next=request.full_path.rstrip("?") if request.method == "GET" else None)
+    if request.headers.get("HX-Request"):
+        response = Response("", status=401)
+        response.headers["HX-Redirect"] = target
+        return response
+    return redirect(target, code=303)
+
+
+def current() -> Session | None:
+    """The session of the request being served, if a view required one."""
+    return g.get("relay_dashboard_session")
+
+
+def require(role: str) -> Callable[[F], F]:
+    """Let only users holding ``role`` (or more) through; others go to login or get 403."""
+
+    def decorate(view: F) -> F:
+        @functools.wraps(view)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            session = _load()
+            if session is None:
+                return _to_login()
+            g.relay_dashboard_session = session
+            _slide(session, get_jwt())
+            held = session.user.role
+            if auth.ROLES.index(held) < auth.ROLES.index(role):
+                raise Problem(
+                    403,
+                    "Forbidden",
+                    f"This needs the {role} role; you are a {held}. Ask an admin to act, or to change your role.",
+                    slug="forbidden",
+                )
+            return view(*args, **kwargs)
+
+        return wrapper  # type: ignore[return-value]
+
+    return decorate
+
+
+def safe_next(target: str | None) -> str | None:
+    """A post-login destination on this site, or None (never another host)."""
+    if not target or not target.startswith("/") or target.startswith("//") or "\\" in target:
+        return None
+    return target

@@ -1,0 +1,79 @@
+"""Log in and out of the dashboard, with the API's users, throttle and password hashing."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from flask import Response, current_app, redirect, request, url_for
+
+from relay_core import users
+
+from ..db import connection
+from ..problems import Problem
+from . import session
+from .blueprint import bp
+from .render import page
+
+
+def _policy() -> users.ThrottlePolicy:
+    config = current_app.config
+    return users.ThrottlePolicy(
+        window_seconds=config["RELAY_LOGIN_WINDOW_SECONDS"],
+        max_per_user=config["RELAY_LOGIN_MAX_FAILURES"],
+        max_per_address=config["RELAY_LOGIN_MAX_FAILURES_PER_ADDRESS"],
+    )
+
+
+def _hasher() -> Any:
+    config = current_app.config
+    return users.make_hasher(
+        config["RELAY_ARGON2_TIME_COST"] or None,
+        config["RELAY_ARGON2_MEMORY_COST"] or None,
+        config["RELAY_ARGON2_PARALLELISM"] or None,
+    )
+
+
+def _form(error: str | None = None, status: int = 200, username: str = "") -> Response:
+    next_url = session.safe_next(request.values.get("next"))
+    return page("login", status=status, error=error, username=username, next_url=next_url)
+
+
+@bp.get("/login")
+def login() -> Response:
+    """The login form."""
+    return _form()
+
+
+@bp.post("/login")
+def login_submit() -> Response:
+    """Check the password (throttled like the API's login) and set the session cookie."""
+    if not session.same_origin():
+        raise Problem(403, "Forbidden", "This login form was not sent from this dashboard.", slug="csrf")
+    username = request.form.get("username", "")[:200]
+    password = request.form.get("password", "")
+    with connection() as conn:
+        wait = users.throttle_hit(conn, _policy(), username, request.remote_addr)
+        if wait is not None:
+            response = _form(f"Too many attempts; try again in {wait} seconds.", 429, username)
+            response.headers["Retry-After"] = str(wait)
+            return response
+        user = users.authenticate(conn, username, password, hasher=_hasher())
+        if user is None:
+            return _form("Wrong username or password.", 401, username)
+        users.throttle_forgive(conn, username, request.remote_addr)
+    response = redirect(session.safe_next(request.form.get("next")) or url_for("dashboard.overview"), code=303)
+    session.start(response, user)
+    return response
+
+
+@bp.post("/logout")
+@session.require("viewer")
+def logout() -> Response:
+    """End the session (a POST with the CSRF token, so no other site can log you out)."""
+    target = url_for("dashboard.login")
+    response = redirect(target, code=303)
+    if request.headers.get("HX-Request"):
+        response = Response("", status=204)
+        response.headers["HX-Redirect"] = target
+    session.end(response)
+    return response

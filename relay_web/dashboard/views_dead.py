@@ -1,0 +1,97 @@
+"""The dead-letter view: dead jobs grouped by type, each type requeued in one action.
+
+Per-type counts come from walking the dead jobs through the status index
+(``monitor.list_jobs``), at most :data:`SCAN_LIMIT` of them: dead jobs are
+few when things are healthy, and past the limit the page says "at least"
+rather than counting a million rows on a phone's request. The requeue itself
+is ``monitor.requeue_matching``, which changes every matching job however
+many there are and reports the real number.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+import psycopg
+from flask import Response, redirect, request, url_for
+
+from relay_core import RelayError, monitor
+
+from ..db import connection
+from . import formatting
+from .blueprint import bp
+from .render import is_htmx, page
+from .session import require
+
+#: Dead jobs read to count them by type.
+SCAN_LIMIT = 1000
+#: Dead jobs listed below the groups (the jobs list pages through the rest).
+LISTED = 20
+
+
+@dataclass(frozen=True)
+class DeadType:
+    """A job type with dead jobs, and its newest dead job's error."""
+
+    type: str
+    count: int
+    newest_id: int
+    newest_error: str | None
+
+
+@dataclass(frozen=True)
+class DeadSummary:
+    """Dead jobs by type; ``complete`` is False when there were more than could be counted."""
+
+    groups: list[DeadType]
+    total: int
+    complete: bool
+    newest: list[monitor.JobSummary]
+
+
+def summarize(conn: psycopg.Connection, limit: int = SCAN_LIMIT) -> DeadSummary:
+    """Count dead jobs by type, newest first, reading at most ``limit`` of them."""
+    seen: list[monitor.JobSummary] = []
+    before = None
+    where = monitor.JobFilter(status="dead")
+    while len(seen) < limit:
+        batch = monitor.list_jobs(conn, where, limit=min(monitor.MAX_PAGE, limit - len(seen)), before=before)
+        seen.extend(batch.jobs)
+        before = batch.next_before
+        if before is None:
+            break
+    counts = Counter(job.type for job in seen)
+    newest = {}
+    for job in seen:
+        newest.setdefault(job.type, job)
+    groups = [DeadType(t, n, newest[t].id, newest[t].last_error) for t, n in counts.most_common()]
+    return DeadSummary(groups=groups, total=len(seen), complete=before is None, newest=seen[:LISTED])
+
+
+def _render(notice: str | None = None, status: int = 200) -> Response:
+    with connection() as conn:
+        summary = summarize(conn)
+    return page("dead", status=status, summary=summary, notice=notice, now=formatting.now())
+
+
+@bp.get("/dead")
+@require("viewer")
+def dead() -> Response:
+    """Dead jobs by type, with their newest error and a requeue-all button per type."""
+    return _render()
+
+
+@bp.post("/dead/requeue")
+@require("admin")
+def requeue_dead() -> Response:
+    """Requeue every dead job of one type; answers the refreshed dead-letter view."""
+    job_type = request.form.get("type", "")
+    if not job_type:
+        raise RelayError("say which type of dead jobs to requeue")
+    with connection() as conn:
+        changed = monitor.requeue_matching(conn, monitor.JobFilter(status="dead", type=job_type))
+    if not is_htmx():
+        return redirect(url_for("dashboard.dead"), code=303)
+    noun = "job" if changed == 1 else "jobs"
+    return _render(f"Requeued {formatting.number(changed)} dead {job_type} {noun}; they run again now.")

@@ -1,0 +1,202 @@
+"""The jobs list (filters in the URL, keyset pages) and one job's page with its actions.
+
+Filters live in the query string, so "dead send_email jobs" is a link that
+can be pasted into a chat. A job's page offers only the actions its state
+allows, confirms each, and swaps the answer into place; while the job is
+queued or running its status card polls itself, so a requeued job is seen
+running and then succeeding without a reload.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from flask import Response, abort, redirect, request, url_for
+
+from relay_core import IllegalTransition, JobDetail, JobStatus, RelayError, admin, monitor
+
+from ..db import connection
+from . import formatting
+from .blueprint import bp
+from .render import is_htmx, page
+from .session import require
+
+#: Jobs per page of the list.
+PAGE_SIZE = 50
+#: Seconds between refreshes of a queued or running job's status card.
+JOB_REFRESH_SECONDS = 2
+#: Job ids are PostgreSQL bigints.
+BIGINT_MAX = 2**63 - 1
+#: The filters a jobs URL may carry, in the order the form shows them.
+FILTERS = ("state", "queue", "type", "q")
+#: Statuses in the order a person triages them.
+STATES = ("dead", "queued", "claimed", "cancelled", "succeeded")
+#: The event a status card raises when the job's state changed, so the rest of the page reloads its part.
+CHANGED_EVENT = "relay-job-changed"
+
+
+@dataclass(frozen=True)
+class Attempt:
+    """One failed attempt from a job's error history, whatever shape the stored entry has."""
+
+    attempt: int | None
+    at: datetime | None
+    worker: str | None
+    type: str | None
+    message: str
+    traceback: str | None
+
+    @classmethod
+    def of(cls, entry: Any) -> Attempt:
+        """Read a stored history entry; odd values are shown as text, never trusted as markup."""
+        if not isinstance(entry, dict):
+            return cls(None, None, None, None, str(entry), None)
+        number = entry.get("attempt")
+
+        def text(key: str) -> str | None:
+            value = entry.get(key)
+            return None if value is None else str(value)
+
+        return cls(
+            attempt=number if isinstance(number, int) and not isinstance(number, bool) else None,
+            at=formatting.parse_moment(entry.get("at")),
+            worker=text("worker"),
+            type=text("type"),
+            message=text("message") or "",
+            traceback=text("traceback"),
+        )
+
+
+def actions(job: JobDetail) -> list[str]:
+    """The actions the state machine allows on ``job`` now."""
+    if job.status in (JobStatus.DEAD, JobStatus.CANCELLED):
+        return ["requeue"]
+    if job.status == JobStatus.QUEUED:
+        return ["cancel"]
+    if job.status == JobStatus.CLAIMED and job.cancel_requested_at is None:
+        return ["stop"]
+    return []
+
+
+def _filters() -> dict[str, str]:
+    """The non-empty filters of the request, trimmed."""
+    found = {}
+    for name in FILTERS:
+        value = request.args.get(name, "").strip()
+        if value:
+            found[name] = value
+    return found
+
+
+def _job_filter(filters: dict[str, str]) -> monitor.JobFilter:
+    return monitor.JobFilter(
+        status=filters.get("state"), queue=filters.get("queue"), type=filters.get("type"), q=filters.get("q")
+    )
+
+
+def _before() -> int | None:
+    raw = request.args.get("before", "").strip()
+    if not raw:
+        return None
+    if not raw.isdigit() or not 1 <= int(raw) <= BIGINT_MAX:
+        raise RelayError("the page cursor must be a job id")
+    return int(raw)
+
+
+@bp.get("/jobs")
+@require("viewer")
+def jobs() -> Response:
+    """Jobs newest first, filtered by state, queue, type and a search in type and error text."""
+    filters = _filters()
+    error = None
+    listing = monitor.JobPage(jobs=[], next_before=None)
+    try:
+        where = _job_filter(filters)
+        before = _before()
+    except RelayError as exc:
+        error = str(exc)
+    else:
+        with connection() as conn:
+            listing = monitor.list_jobs(conn, where, limit=PAGE_SIZE, before=before)
+    return page(
+        "jobs",
+        status=400 if error else 200,
+        filters=filters,
+        listing=listing,
+        error=error,
+        states=STATES,
+        paged=bool(request.args.get("before")),
+        now=formatting.now(),
+    )
+
+
+def _job_or_404(job_id: int) -> JobDetail:
+    if not 1 <= job_id <= BIGINT_MAX:
+        abort(404)
+    with connection() as conn:
+        return admin.get_job(conn, job_id)
+
+
+def _job_context(job: JobDetail, notice: str | None = None) -> dict[str, Any]:
+    return {
+        "job": job,
+        "actions": actions(job),
+        "attempts": [Attempt.of(entry) for entry in reversed(job.errors or [])],
+        "notice": notice,
+        "polling": job.status in (JobStatus.QUEUED, JobStatus.CLAIMED),
+        "refresh_seconds": JOB_REFRESH_SECONDS,
+        "now": formatting.now(),
+    }
+
+
+@bp.get("/jobs/<int:job_id>")
+@require("viewer")
+def job(job_id: int) -> Response:
+    """One job: state and actions, progress, timings, lease, payload and every attempt's error."""
+    found = _job_or_404(job_id)
+    part = request.args.get("part", "status") if is_htmx() else None
+    response = page("job", partial=f"job_{part}" if part in ("status", "history") else "job", **_job_context(found))
+    seen = request.args.get("seen")
+    if part == "status" and seen and seen != found.status:
+        response.headers["HX-Trigger"] = CHANGED_EVENT
+    return response
+
+
+def _act(job_id: int, action: str) -> Response:
+    if not 1 <= job_id <= BIGINT_MAX:
+        abort(404)
+    status = 200
+    with connection() as conn:
+        try:
+            changed = admin.requeue(conn, job_id) if action == "requeue" else admin.cancel(conn, job_id)
+        except IllegalTransition as exc:
+            changed, status = admin.get_job(conn, job_id), 409
+            notice = f"Nothing done: the job is {exc.current} now."
+        else:
+            notice = {
+                "requeue": "Requeued: it runs again now, with fresh attempts.",
+                "cancel": "Cancelled: it will not run.",
+            }[action]
+            if action == "cancel" and changed.status == JobStatus.CLAIMED:
+                notice = "Stop requested: the worker stops the job at its next heartbeat."
+    if not is_htmx():
+        return redirect(url_for("dashboard.job", job_id=job_id), code=303)
+    response = page("job", partial="job_status", status=status, **_job_context(changed, notice))
+    response.headers["HX-Trigger"] = CHANGED_EVENT
+    return response
+
+
+@bp.post("/jobs/<int:job_id>/requeue")
+@require("admin")
+def requeue(job_id: int) -> Response:
+    """Run a dead or cancelled job again now; answers the job's new status card."""
+    return _act(job_id, "requeue")
+
+
+@bp.post("/jobs/<int:job_id>/cancel")
+@require("admin")
+def cancel(job_id: int) -> Response:
+    """Cancel a queued job, or ask a running one to stop; answers the job's new status card."""
+    return _act(job_id, "cancel")

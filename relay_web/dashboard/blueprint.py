@@ -34,7 +34,9 @@ CONTENT_SECURITY_POLICY = "; ".join(
 def _accept_form_csrf(state: BlueprintSetupState) -> None:
     # Forms carry the CSRF token as a hidden field, so they work before htmx
     # loads (and without it); htmx requests send the X-CSRF-TOKEN header too.
-    state.app.config.setdefault("JWT_CSRF_CHECK_FORM", True)
+    # flask-jwt-extended has already set its default (False) by now. The API
+    # reads tokens from headers only, so this changes nothing there.
+    state.app.config["JWT_CSRF_CHECK_FORM"] = True
 
 
 @bp.after_request

@@ -50,8 +50,9 @@ class DeadSummary:
     newest: list[monitor.JobSummary]
 
 
-def summarize(conn: psycopg.Connection, limit: int = SCAN_LIMIT) -> DeadSummary:
-    """Count dead jobs by type, newest first, reading at most ``limit`` of them."""
+def summarize(conn: psycopg.Connection, limit: int | None = None) -> DeadSummary:
+    """Count dead jobs by type, newest first, reading at most ``limit`` (:data:`SCAN_LIMIT`) of them."""
+    limit = limit or SCAN_LIMIT
     seen: list[monitor.JobSummary] = []
     before = None
     where = monitor.JobFilter(status="dead")

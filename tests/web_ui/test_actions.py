@@ -1,0 +1,163 @@
+"""Dashboard actions: requeue, cancel, request stop, bulk requeue by type, pause and resume."""
+
+from __future__ import annotations
+
+import re
+
+import psycopg
+import pytest
+
+from relay_core import Relay
+
+from .conftest import DashboardClient, Jobs
+
+
+def _text(response) -> str:
+    return response.get_data(as_text=True)
+
+
+def _buttons(html: str) -> list[str]:
+    return [b for b in re.findall(r'<button class="btn[^"]*" type="submit">([^<]*)</button>', html) if b != "Log out"]
+
+
+@pytest.mark.parametrize(
+    ("state", "offered"),
+    [
+        ("dead", ["Requeue"]),
+        ("cancelled", ["Requeue"]),
+        ("queued", ["Cancel"]),
+        ("claimed", ["Request stop"]),
+        ("succeeded", []),
+    ],
+)
+def test_only_legal_actions_are_offered(
+    admin: DashboardClient, jobs: Jobs, admin_cancel, state: str, offered: list[str]
+) -> None:
+    job_id = jobs.add()
+    if state == "dead":
+        jobs.dead(job_id)
+    elif state == "cancelled":
+        admin_cancel(job_id)
+    elif state == "claimed":
+        jobs.claimed(job_id)
+    elif state == "succeeded":
+        jobs.succeeded(job_id)
+    assert _buttons(_text(admin.get(f"/jobs/{job_id}"))) == offered
+
+
+@pytest.fixture
+def admin_cancel(relay: Relay):
+    """Cancel a job the way an admin does (relay_core.admin.cancel)."""
+    return relay.cancel
+
+
+def test_requeue_answers_the_new_status_card_in_place(admin: DashboardClient, jobs: Jobs) -> None:
+    job_id = jobs.dead(jobs.add())
+    response = admin.post(f"/jobs/{job_id}/requeue")
+    assert response.status_code == 200
+    html = _text(response)
+    assert "<html" not in html
+    assert '<span class="badge big s-queued">queued</span>' in html
+    assert "Requeued: it runs again now, with fresh attempts." in html
+    assert f'hx-get="/jobs/{job_id}?part=status&amp;seen=queued" hx-trigger="every 2s"' in html
+    assert _buttons(html) == ["Cancel"]
+    assert response.headers["HX-Trigger"] == "relay-job-changed"
+    assert jobs.status(job_id) == "queued"
+
+
+def test_requeue_of_a_job_no_longer_dead_shows_its_state_and_changes_nothing(
+    admin: DashboardClient, jobs: Jobs
+) -> None:
+    job_id = jobs.succeeded(jobs.add())
+    response = admin.post(f"/jobs/{job_id}/requeue")
+    assert response.status_code == 409
+    html = _text(response)
+    assert "Nothing done: the job is succeeded now." in html
+    assert '<span class="badge big s-succeeded">succeeded</span>' in html
+    assert _buttons(html) == []
+    assert jobs.status(job_id) == "succeeded"
+
+
+def test_cancel_of_a_queued_job(admin: DashboardClient, jobs: Jobs) -> None:
+    job_id = jobs.add()
+    html = _text(admin.post(f"/jobs/{job_id}/cancel"))
+    assert '<span class="badge big s-cancelled">cancelled</span>' in html
+    assert "Cancelled: it will not run." in html
+    assert _buttons(html) == ["Requeue"]
+    assert jobs.status(job_id) == "cancelled"
+
+
+def test_cancel_of_a_running_job_requests_a_stop(admin: DashboardClient, jobs: Jobs, db: psycopg.Connection) -> None:
+    job_id = jobs.claimed(jobs.add())
+    html = _text(admin.post(f"/jobs/{job_id}/cancel"))
+    assert "Stop requested: the worker stops the job at its next heartbeat." in html
+    assert '<span class="badge big s-claimed">claimed</span>' in html
+    assert _buttons(html) == []  # asked once; nothing more to offer
+    assert jobs.status(job_id) == "claimed"
+    row = db.execute("SELECT cancel_requested_at FROM relay.jobs WHERE id = %s", (job_id,)).fetchone()
+    assert row is not None and row[0] is not None
+    again = admin.get(f"/jobs/{job_id}")
+    assert "Stop requested" in _text(again)
+
+
+def test_actions_on_missing_jobs_are_404(admin: DashboardClient) -> None:
+    assert admin.post("/jobs/424242/requeue").status_code == 404
+    assert admin.post("/jobs/424242/cancel").status_code == 404
+
+
+def test_actions_are_never_gets(admin: DashboardClient, jobs: Jobs) -> None:
+    job_id = jobs.dead(jobs.add())
+    for path in (f"/jobs/{job_id}/requeue", f"/jobs/{job_id}/cancel", "/dead/requeue", "/queues/default/pause"):
+        assert admin.client.get(path).status_code == 405, path
+    assert jobs.status(job_id) == "dead"
+
+
+def test_dead_view_offers_requeue_all_of_a_type_and_does_it(admin: DashboardClient, jobs: Jobs) -> None:
+    mails = [jobs.dead(jobs.add("send_email")) for _ in range(3)]
+    image = jobs.dead(jobs.add("resize_image"))
+    page = _text(admin.get("/dead"))
+    assert "Requeue all 3 dead send_email jobs" in page
+    assert "Requeue all 1 dead resize_image job<" in page
+    assert 'hx-confirm="Requeue all 3 dead send_email jobs? They run again now, with fresh attempts."' in page
+    response = admin.post("/dead/requeue", {"type": "send_email"})
+    assert response.status_code == 200
+    html = _text(response)
+    assert "Requeued 3 dead send_email jobs; they run again now." in html
+    assert "<html" not in html
+    assert "Requeue all 1 dead resize_image job<" in html
+    assert "send_email</span><span" not in html
+    assert [jobs.status(i) for i in mails] == ["queued"] * 3
+    assert jobs.status(image) == "dead"
+
+
+def test_bulk_requeue_needs_a_type(admin: DashboardClient) -> None:
+    response = admin.post("/dead/requeue", {})
+    assert response.status_code == 400
+    assert "which type" in _text(response)
+
+
+def test_pause_and_resume_a_queue(admin: DashboardClient, jobs: Jobs, relay: Relay) -> None:
+    jobs.add(queue="mail")
+    assert "Pause mail</button>" in _text(admin.get("/queues"))
+    paused = _text(admin.post("/queues/mail/pause"))
+    assert "Paused mail: workers claim nothing from it until it is resumed." in paused
+    assert "Resume mail</button>" in paused
+    assert relay.paused_queues() == ["mail"]
+    resumed = _text(admin.post("/queues/mail/resume"))
+    assert "Resumed mail." in resumed and "Pause mail</button>" in resumed
+    assert relay.paused_queues() == []
+
+
+def test_pausing_a_badly_named_queue_is_refused(admin: DashboardClient, relay: Relay) -> None:
+    response = admin.post("/queues/Bad%20Name/pause")
+    assert response.status_code == 400
+    assert relay.paused_queues() == []
+
+
+def test_plain_form_actions_redirect_back(admin: DashboardClient, jobs: Jobs, relay: Relay) -> None:
+    jobs.dead(jobs.add())
+    response = admin.post("/dead/requeue", {"type": "send_email"}, htmx=False)
+    assert (response.status_code, response.headers["Location"]) == (303, "/dead")
+    response = admin.post("/queues/default/pause", htmx=False)
+    assert (response.status_code, response.headers["Location"]) == (303, "/queues")
+    assert relay.paused_queues() == ["default"]

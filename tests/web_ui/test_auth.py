@@ -1,0 +1,239 @@
+"""Dashboard login, logout, sessions, roles and CSRF."""
+
+from __future__ import annotations
+
+import time
+from datetime import timedelta
+
+import psycopg
+import pytest
+from flask import Flask
+from flask_jwt_extended import create_access_token
+
+from relay_core import users
+
+from .conftest import DashboardClient, Jobs, make_user, page_csrf
+
+PAGES = ["/", "/jobs", "/jobs?state=dead", "/dead", "/queues", "/workers", "/schedules"]
+
+
+def _cookie(response, name: str = "access_token_cookie") -> str:
+    for header in response.headers.getlist("Set-Cookie"):
+        if header.startswith(name + "="):
+            return header
+    raise AssertionError(f"no {name} cookie set: {response.headers.getlist('Set-Cookie')}")
+
+
+@pytest.mark.parametrize("path", PAGES)
+def test_pages_send_strangers_to_login(anonymous: DashboardClient, path: str) -> None:
+    response = anonymous.get(path)
+    assert response.status_code == 303
+    assert response.headers["Location"].startswith("/login?next=")
+
+
+def test_htmx_request_without_session_redirects_the_whole_page(anonymous: DashboardClient) -> None:
+    response = anonymous.get("/", htmx=True)
+    assert response.status_code == 401
+    assert response.headers["HX-Redirect"].startswith("/login")
+
+
+def test_login_sets_an_httponly_samesite_cookie_and_goes_to_next(anonymous: DashboardClient, dsn: str) -> None:
+    make_user(dsn, "ops", "admin")
+    response = anonymous.login("ops", next="/dead")
+    assert response.status_code == 303
+    assert response.headers["Location"] == "/dead"
+    cookie = _cookie(response)
+    assert "HttpOnly" in cookie
+    assert "SameSite=Lax" in cookie
+    assert "Secure" not in cookie  # plain http in tests
+    assert anonymous.get("/dead").status_code == 200
+
+
+def test_cookie_is_secure_over_https(app: Flask, dsn: str) -> None:
+    make_user(dsn, "ops", "admin")
+    client = app.test_client()
+    response = client.post(
+        "/login", data={"username": "ops", "password": "correct horse battery"}, base_url="https://relay.example.com"
+    )
+    assert response.status_code == 303
+    assert "; Secure" in _cookie(response)
+
+
+def test_login_never_redirects_off_site(anonymous: DashboardClient, dsn: str) -> None:
+    make_user(dsn, "ops", "admin")
+    for target in ("//evil.example.com/", "https://evil.example.com/", "/\\evil.example.com"):
+        response = anonymous.login("ops", next=target)
+        assert response.headers["Location"] == "/", target
+
+
+def test_wrong_password_is_refused_without_a_cookie(anonymous: DashboardClient, dsn: str) -> None:
+    make_user(dsn, "ops", "admin")
+    response = anonymous.login("ops", "wrong password!")
+    assert response.status_code == 401
+    assert "Wrong username or password." in response.get_data(as_text=True)
+    assert "access_token_cookie" not in " ".join(response.headers.getlist("Set-Cookie"))
+    assert anonymous.get("/").status_code == 303
+
+
+def test_login_is_throttled_like_the_api(make_app, dsn: str) -> None:
+    app = make_app(RELAY_LOGIN_MAX_FAILURES=2)
+    make_user(dsn, "ops", "admin")
+    client = DashboardClient(app.test_client(), dsn)
+    assert client.login("ops", "wrong password 1").status_code == 401
+    assert client.login("ops", "wrong password 2").status_code == 401
+    response = client.login("ops")
+    assert response.status_code == 429
+    assert int(response.headers["Retry-After"]) > 0
+    assert "Too many attempts" in response.get_data(as_text=True)
+
+
+def test_login_form_from_another_site_is_refused(anonymous: DashboardClient, dsn: str) -> None:
+    make_user(dsn, "ops", "admin")
+    response = anonymous.client.post(
+        "/login",
+        data={"username": "ops", "password": "correct horse battery"},
+        headers={"Origin": "https://evil.example.com"},
+    )
+    assert response.status_code == 403
+    assert "access_token_cookie" not in " ".join(response.headers.getlist("Set-Cookie"))
+
+
+def test_logout_needs_the_csrf_token_and_ends_the_session(admin: DashboardClient) -> None:
+    assert admin.client.get("/logout").status_code == 405  # never over GET
+    refused = admin.post("/logout", htmx=False, csrf=False)
+    assert refused.status_code == 403
+    assert admin.get("/").status_code == 200
+    response = admin.post("/logout", htmx=False)
+    assert response.status_code == 303
+    assert response.headers["Location"] == "/login"
+    assert "access_token_cookie=;" in _cookie(response)
+    assert admin.get("/").status_code == 303
+
+
+def test_an_api_token_in_the_cookie_is_not_a_dashboard_session(app: Flask, dsn: str) -> None:
+    make_user(dsn, "ops", "admin")
+    client = app.test_client()
+    token = client.post("/api/auth/login", json={"username": "ops", "password": "correct horse battery"}).get_json()
+    client.set_cookie("access_token_cookie", token["access_token"])
+    assert client.get("/").status_code == 303
+
+
+def test_a_deleted_user_is_logged_out_at_once(admin: DashboardClient, dsn: str) -> None:
+    assert admin.get("/").status_code == 200
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        users.delete_user(conn, "admin")
+    assert admin.get("/").status_code == 303
+
+
+def test_a_changed_password_ends_the_session(admin: DashboardClient, dsn: str) -> None:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        users.set_password(conn, "admin", "a brand new password", hasher=users.make_hasher(1, 1024, 1))
+    assert admin.get("/").status_code == 303
+
+
+def test_a_demoted_admin_loses_the_buttons_and_the_actions_at_once(
+    admin: DashboardClient, jobs: Jobs, dsn: str
+) -> None:
+    job_id = jobs.dead(jobs.add())
+    assert "Requeue</button>" in admin.get(f"/jobs/{job_id}").get_data(as_text=True)
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        users.set_role(conn, "admin", "viewer")
+    assert "Requeue</button>" not in admin.get(f"/jobs/{job_id}").get_data(as_text=True)
+    assert admin.post(f"/jobs/{job_id}/requeue").status_code == 403
+    assert jobs.status(job_id) == "dead"
+
+
+def _session_token(app: Flask, user: users.User, csrf: str, *, age: float, logged_in_ago: float) -> str:
+    with app.app_context():
+        now = time.time()
+        return create_access_token(
+            identity=str(user.id),
+            expires_delta=timedelta(seconds=app.config["RELAY_ACCESS_TOKEN_SECONDS"]),
+            additional_claims={
+                "role": user.role,
+                "username": user.username,
+                "pwd": user.password_changed_at.isoformat(),
+                "auth_time": int(now - logged_in_ago),
+                "iat": int(now - age),
+                "nbf": int(now - age),
+                "csrf": csrf,
+            },
+        )
+
+
+def test_an_active_session_slides_keeping_its_csrf_token(app: Flask, dsn: str) -> None:
+    user = make_user(dsn, "ops", "admin")
+    client = app.test_client()
+    client.set_cookie("access_token_cookie", _session_token(app, user, "csrf-1", age=600, logged_in_ago=600))
+    response = client.get("/")
+    assert response.status_code == 200
+    renewed = _cookie(response)
+    client.set_cookie("access_token_cookie", renewed.split(";")[0].split("=", 1)[1])
+    page = client.get("/jobs")
+    assert page_csrf(page.get_data(as_text=True)) == "csrf-1"
+    assert "Set-Cookie" not in page.headers  # fresh again: no renewal needed
+
+
+def test_a_session_ends_after_the_refresh_lifetime_however_active(app: Flask, dsn: str) -> None:
+    user = make_user(dsn, "ops", "admin")
+    client = app.test_client()
+    longest = app.config["RELAY_REFRESH_TOKEN_SECONDS"]
+    client.set_cookie("access_token_cookie", _session_token(app, user, "c", age=10, logged_in_ago=longest + 5))
+    assert client.get("/").status_code == 303
+
+
+def test_state_changing_posts_need_the_csrf_token(admin: DashboardClient, jobs: Jobs) -> None:
+    job_id = jobs.dead(jobs.add())
+    missing = admin.post(f"/jobs/{job_id}/requeue", csrf=False)
+    assert missing.status_code == 403
+    assert "security token" in missing.get_data(as_text=True)
+    admin_csrf = admin.csrf
+    admin.csrf = "not-the-token"
+    assert admin.post(f"/jobs/{job_id}/requeue").status_code == 403
+    admin.csrf = admin_csrf
+    assert jobs.status(job_id) == "dead"
+
+
+def test_a_form_field_csrf_token_works_without_htmx(admin: DashboardClient, jobs: Jobs) -> None:
+    job_id = jobs.dead(jobs.add())
+    response = admin.post(f"/jobs/{job_id}/requeue", htmx=False)
+    assert response.status_code == 303
+    assert response.headers["Location"] == f"/jobs/{job_id}"
+    assert jobs.status(job_id) == "queued"
+
+
+def test_a_post_from_another_origin_is_refused_even_with_the_token(admin: DashboardClient, jobs: Jobs) -> None:
+    job_id = jobs.dead(jobs.add())
+    response = admin.client.post(
+        f"/jobs/{job_id}/requeue",
+        headers={"X-CSRF-TOKEN": admin.csrf, "HX-Request": "true", "Origin": "https://evil.example.com"},
+    )
+    assert response.status_code == 403
+    assert jobs.status(job_id) == "dead"
+
+
+def test_viewers_forged_posts_are_refused_and_change_nothing(viewer: DashboardClient, jobs: Jobs, relay) -> None:
+    dead = jobs.dead(jobs.add())
+    queued = jobs.add(queue="mail")
+    for url, data in [
+        (f"/jobs/{dead}/requeue", None),
+        (f"/jobs/{queued}/cancel", None),
+        ("/dead/requeue", {"type": "send_email"}),
+        ("/queues/mail/pause", None),
+    ]:
+        response = viewer.post(url, data)
+        assert response.status_code == 403, url
+        assert "you are a viewer" in response.get_data(as_text=True)
+    assert jobs.status(dead) == "dead"
+    assert jobs.status(queued) == "queued"
+    assert relay.paused_queues() == []
+
+
+def test_viewers_see_no_action_buttons(viewer: DashboardClient, jobs: Jobs) -> None:
+    dead = jobs.dead(jobs.add())
+    queued = jobs.add()
+    for url in (f"/jobs/{dead}", f"/jobs/{queued}", "/dead", "/queues"):
+        html = viewer.get(url).get_data(as_text=True)
+        assert "<button" in html  # the logout button only
+        assert html.count("<button") == 1, url
+        assert "hx-post" not in html, url

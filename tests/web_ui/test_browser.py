@@ -1,0 +1,218 @@
+"""The dashboard in a real browser at a phone's viewport, against the app and a real worker.
+
+The on-call path: log in, open the dead jobs, open one, read its error,
+requeue it, watch it become queued and then succeed once the worker runs it.
+Also: a job whose error is markup renders as text and runs nothing, every
+page fits 390 px without sideways scrolling, and tap targets are 44 px.
+Each page is saved to test-artifacts/screenshots/.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from relay_core import Relay, Worker
+from tests.helpers import running_worker, wait_for
+
+from .browser import LiveServer, screenshot
+from .conftest import PASSWORD, make_user
+
+pytestmark = pytest.mark.timeout(120)
+
+SMTP_ERROR = "ConnectionError: SMTP server mail.example.com:587 refused the connection"
+XSS_SCRIPT = "<script>alert(1)</script>"
+XSS_IMG = "<img src=x onerror=alert(1)>"
+
+#: Interactive elements smaller than 44x44 px (inline links inside text excepted).
+SMALL_TARGETS = """
+() => [...document.querySelectorAll('a, button, summary, input:not([type=hidden]), select')]
+  .filter(e => e.offsetParent !== null)
+  .map(e => [e, e.getBoundingClientRect()])
+  .filter(([e, r]) => r.height < 44 || r.width < 44)
+  .map(([e, r]) => `${e.tagName} "${e.textContent.trim().slice(0, 30)}" ${Math.round(r.width)}x${Math.round(r.height)}`)
+"""
+
+
+class Shop:
+    """A worker app whose mail server is down until the test fixes it."""
+
+    def __init__(self, dsn: str) -> None:
+        self.relay = Relay(dsn)
+        self.smtp_down = threading.Event()
+        self.smtp_down.set()
+
+        @self.relay.handler("send_email", max_attempts=1)
+        def send_email(job: Any) -> dict[str, Any]:
+            if self.smtp_down.is_set():
+                raise ConnectionError("SMTP server mail.example.com:587 refused the connection")
+            return {"sent_to": job.payload["to"]}
+
+        @self.relay.handler("render_invoice", max_attempts=1)
+        def render_invoice(job: Any) -> None:
+            raise ValueError(f"{XSS_SCRIPT} {XSS_IMG}")
+
+        @self.relay.handler("nightly_report", cron="0 3 * * *")
+        def nightly_report(job: Any) -> None:
+            return None
+
+
+@pytest.fixture
+def shop(dsn: str) -> Iterator[Shop]:
+    """The worker app, with a worker running it in a thread (stopped after the test)."""
+    app = Shop(dsn)
+    with running_worker(app.relay, poll_interval=0.1, queues=("default", "mail")):
+        yield app
+    app.relay.close()
+
+
+def _dead(shop: Shop, job_id: int) -> None:
+    wait_for(lambda: shop.relay.get_job(job_id).status == "dead", 20, what=f"job {job_id} to die")
+
+
+def _log_in(page: Any, server: LiveServer, username: str = "ops") -> None:
+    page.goto(server.at("/"))
+    page.fill("#username", username)
+    page.fill("#password", PASSWORD)
+    screenshot(page, "login")
+    page.click("button[type=submit]")
+    page.wait_for_url(server.at("/"))
+
+
+def _fits_the_phone(page: Any) -> None:
+    width = page.evaluate("document.scrollingElement.scrollWidth")
+    assert width <= 390, f"{page.url} scrolls sideways: {width}px wide"
+    small = page.evaluate(SMALL_TARGETS)
+    assert not small, f"{page.url} has tap targets under 44px: {small}"
+
+
+def test_on_call_requeues_a_dead_job_and_watches_it_succeed(phone: Any, live_server: LiveServer, shop: Shop) -> None:
+    make_user(shop.relay.dsn, "ops", "admin")
+    job_id = shop.relay.enqueue("send_email", {"to": "customer@example.com"})
+    _dead(shop, job_id)
+
+    _log_in(phone, live_server)
+    dead_card = phone.locator("a.card", has_text="dead")
+    assert dead_card.locator(".card-n").inner_text() == "1"
+    screenshot(phone, "overview")
+
+    dead_card.click()  # tap 1
+    phone.wait_for_url(live_server.at("/dead"))
+    assert SMTP_ERROR in phone.locator(".group .row-error").inner_text()
+    screenshot(phone, "dead")
+
+    phone.locator(f'.rows a.row[href="/jobs/{job_id}"]').click()  # tap 2
+    phone.wait_for_url(live_server.at(f"/jobs/{job_id}"))
+    card = phone.locator(".status-card")
+    assert card.locator(".badge").inner_text() == "dead"
+    assert SMTP_ERROR in card.locator(".error-line").inner_text()
+    requeue = card.get_by_role("button", name="Requeue")
+    assert requeue.is_visible()
+    trace = phone.locator("details").first
+    assert trace.get_attribute("open") is None  # folded
+    assert not phone.locator("pre.trace").first.is_visible()
+    screenshot(phone, "job-dead")
+
+    shop.smtp_down.clear()  # the mail server is back
+    requeue.click()
+    assert phone.dialogs == [("confirm", f"Requeue job {job_id} (send_email)? It runs again now, with fresh attempts.")]
+    phone.locator(".status-card .flash", has_text="Requeued").wait_for()
+    badge = phone.locator(".status-card .badge")
+    assert badge.inner_text() in ("queued", "claimed", "succeeded")
+    phone.locator(".status-card .badge", has_text="succeeded").wait_for(timeout=20_000)
+    assert shop.relay.get_job(job_id).status == "succeeded"
+    phone.get_by_text('"sent_to": "customer@example.com"').wait_for()
+    screenshot(phone, "job-succeeded")
+    assert not [e for e in phone.console_errors if "Content Security Policy" in e], phone.console_errors
+
+
+def test_a_job_carrying_markup_renders_inert(phone: Any, live_server: LiveServer, shop: Shop) -> None:
+    make_user(shop.relay.dsn, "ops", "admin")
+    job_id = shop.relay.enqueue("render_invoice", {"note": XSS_IMG, "html": XSS_SCRIPT})
+    _dead(shop, job_id)
+    _log_in(phone, live_server)
+    for path in ("/", "/dead", "/jobs?state=dead", f"/jobs/{job_id}"):
+        phone.goto(live_server.at(path))
+        assert phone.get_by_text(XSS_SCRIPT).first.is_visible(), path
+        assert phone.locator("img").count() == 0, path
+    phone.locator("summary", has_text="Traceback").first.click()
+    assert phone.locator("pre.trace").first.is_visible()
+    assert XSS_IMG in phone.locator("pre.trace").first.inner_text()
+    assert phone.get_by_text(f'"note": "{XSS_IMG}"').is_visible()
+    screenshot(phone, "job-xss")
+    phone.wait_for_timeout(300)  # give anything that would fire a moment to do so
+    assert phone.dialogs == []
+
+
+def test_every_page_fits_a_phone(phone: Any, live_server: LiveServer, shop: Shop) -> None:
+    make_user(shop.relay.dsn, "ops", "admin")
+    long_type = "sync_customer_records_from_the_billing_provider_" + "x" * 60
+    dead = shop.relay.enqueue("send_email", {"to": "a@example.com", "body": "y" * 400})
+    shop.relay.enqueue(long_type, {"word": "z" * 300}, queue="a-rather-long-queue-name-for-billing-exports")
+    shop.relay.enqueue("send_email", {"to": "b@example.com"}, queue="mail")
+    _dead(shop, dead)
+    shop.relay.pause_queue("mail")
+    _log_in(phone, live_server)
+    for name, path in [
+        ("overview", "/"),
+        ("jobs", "/jobs"),
+        ("jobs-filtered", "/jobs?state=dead&type=send_email"),
+        ("dead", "/dead"),
+        ("job", f"/jobs/{dead}"),
+        ("queues", "/queues"),
+        ("workers", "/workers"),
+        ("schedules", "/schedules"),
+    ]:
+        phone.goto(live_server.at(path))
+        if name == "job":
+            phone.locator("summary", has_text="Traceback").first.click()
+        if name == "jobs":
+            phone.locator("summary", has_text="Filter").click()
+        _fits_the_phone(phone)
+        screenshot(phone, f"phone-{name}")
+    phone.goto(live_server.at("/schedules"))
+    assert phone.get_by_text("nightly_report").is_visible()
+    phone.goto(live_server.at("/workers"))
+    assert phone.locator(".badge", has_text="alive").count() == 1
+    assert not [e for e in phone.console_errors if "Content Security Policy" in e], phone.console_errors
+
+
+def test_a_queue_is_paused_and_resumed_from_the_phone(phone: Any, live_server: LiveServer, shop: Shop) -> None:
+    make_user(shop.relay.dsn, "ops", "admin")
+    _dead(shop, shop.relay.enqueue("send_email", {"to": "d@example.com"}, queue="mail"))
+    _log_in(phone, live_server)
+    phone.goto(live_server.at("/queues"))
+    phone.get_by_role("button", name="Pause mail").click()
+    phone.get_by_text("Paused mail: workers claim nothing").wait_for()
+    assert shop.relay.paused_queues() == ["mail"]
+    phone.get_by_role("button", name="Resume mail").click()
+    phone.get_by_text("Resumed mail.").wait_for()
+    assert shop.relay.paused_queues() == []
+
+
+def test_a_viewer_sees_no_buttons_and_desktop_width_works(browser: Any, live_server: LiveServer, shop: Shop) -> None:
+    make_user(shop.relay.dsn, "watcher", "viewer")
+    job_id = shop.relay.enqueue("send_email", {"to": "c@example.com"})
+    _dead(shop, job_id)
+    context = browser.new_context(viewport={"width": 1280, "height": 800})
+    context.set_default_timeout(15_000)
+    try:
+        page = context.new_page()
+        _log_in(page, live_server, "watcher")
+        screenshot(page, "desktop-overview")
+        page.goto(live_server.at(f"/jobs/{job_id}"))
+        assert page.locator(".status-card .badge").inner_text() == "dead"
+        assert page.locator("main button").count() == 0
+        assert page.evaluate("document.scrollingElement.scrollWidth") <= 1280
+        screenshot(page, "desktop-job-viewer")
+        page.goto(live_server.at("/dead"))
+        assert page.locator("main button").count() == 0
+    finally:
+        context.close()
+
+
+def test_worker_type_is_the_public_one() -> None:
+    assert Worker.__module__.startswith("relay_core")

@@ -1,0 +1,312 @@
+"""Every dashboard page: content, filters, pages of jobs, partials for htmx, escaping and headers."""
+
+from __future__ import annotations
+
+import re
+
+import psycopg
+import pytest
+
+from relay_core import Relay
+from relay_core.worker import periodic
+
+from .conftest import TRACEBACK, DashboardClient, Jobs
+
+PAGES = ["/", "/jobs", "/jobs?state=dead", "/dead", "/queues", "/workers", "/schedules"]
+SCRIPT = "<script>alert(1)</script>"
+IMG = "<img src=x onerror=alert(1)>"
+
+
+def _text(response) -> str:
+    return response.get_data(as_text=True)
+
+
+def _rows(html: str) -> list[int]:
+    return [int(n) for n in re.findall(r'<a class="row" href="/jobs/(\d+)">', html)]
+
+
+@pytest.fixture
+def busy(jobs: Jobs) -> dict[str, int]:
+    """A few jobs in every state, two queues."""
+    return {
+        "queued": jobs.add("send_email", queue="mail"),
+        "claimed": jobs.claimed(jobs.add("resize_image", queue="media")),
+        "dead": jobs.dead(jobs.add("send_email", queue="mail"), "ConnectionError: SMTP refused\nsecond line"),
+        "succeeded": jobs.succeeded(jobs.add("resize_image", queue="media"), {"thumbnails": 3}),
+    }
+
+
+@pytest.mark.parametrize("path", PAGES)
+def test_every_page_renders_with_csp_and_no_caching(viewer: DashboardClient, busy: dict[str, int], path: str) -> None:
+    response = viewer.get(path)
+    assert response.status_code == 200
+    assert response.mimetype == "text/html"
+    csp = response.headers["Content-Security-Policy"]
+    assert "script-src 'self'" in csp
+    assert "unsafe-inline" not in csp and "unsafe-eval" not in csp
+    assert "frame-ancestors 'none'" in csp
+    assert response.headers["Cache-Control"] == "no-store"
+    assert "HX-Request" in response.headers["Vary"]
+    html = _text(response)
+    assert "<!doctype html>" in html
+    # No inline script, no inline style, no inline handler, nothing from another origin.
+    assert not re.search(r"<script(?![^>]*\bsrc=)", html)
+    assert " style=" not in html and "<style" not in html
+    assert not re.search(r"\son[a-z]+=", html)
+    assert not re.search(r'(src|href)="(https?:)?//', html)
+
+
+@pytest.mark.parametrize("path", PAGES)
+def test_htmx_requests_get_the_partial_alone(viewer: DashboardClient, busy: dict[str, int], path: str) -> None:
+    response = viewer.get(path, htmx=True)
+    assert response.status_code == 200
+    html = _text(response)
+    assert "<html" not in html and '<nav class="tabs"' not in html
+    assert html.strip()
+
+
+def test_history_restore_gets_the_whole_page(viewer: DashboardClient) -> None:
+    response = viewer.client.get("/jobs", headers={"HX-Request": "true", "HX-History-Restore-Request": "true"})
+    assert "<html" in _text(response)
+
+
+def test_overview_counts_states_and_queues_and_lists_the_newest_dead(
+    viewer: DashboardClient, busy: dict[str, int]
+) -> None:
+    html = _text(viewer.get("/"))
+    assert re.search(r'<span class="card-n">1</span><span class="card-l">dead</span>', html)
+    assert re.search(r'<span class="card-n">1</span><span class="card-l">queued</span>', html)
+    assert re.search(r'<span class="card-n">1</span><span class="card-l">running</span>', html)
+    assert re.search(r'<span class="card-n">0</span><span class="card-l">workers alive</span>', html)
+    assert '<a class="cell-link" href="/jobs?queue=mail">mail</a>' in html
+    assert '<a class="cell-link" href="/jobs?queue=media">media</a>' in html
+    assert _rows(html) == [busy["dead"]]  # newest dead jobs, one tap from landing
+    assert "ConnectionError: SMTP refused" in html and "second line" not in html
+    assert '<svg class="chart"' in html
+    assert 'hx-trigger="every 5s"' in html
+
+
+def test_overview_chart_draws_the_last_hours_outcomes(viewer: DashboardClient, relay: Relay) -> None:
+    @relay.handler("flaky", max_attempts=1)
+    def flaky(job) -> None:
+        if job.payload["fail"]:
+            raise RuntimeError("nope")
+
+    from tests.helpers import running_worker, wait_for
+
+    ids = [relay.enqueue("flaky", {"fail": n % 3 == 0}) for n in range(6)]
+    with running_worker(relay, poll_interval=0.05):
+        wait_for(lambda: all(relay.get_job(i).status in ("succeeded", "dead") for i in ids), 20, what="jobs to finish")
+    html = _text(viewer.get("/"))
+    assert "4 succeeded" in html and "2 failed ·" in html and "2 died" in html
+    assert 'class="bar-ok"' in html and 'class="bar-fail"' in html
+    assert "4 succeeded, 2 failed</title>" in html
+
+
+def test_jobs_list_rows_show_type_state_attempts_age_and_error(viewer: DashboardClient, busy: dict[str, int]) -> None:
+    html = _text(viewer.get("/jobs"))
+    assert _rows(html) == sorted(busy.values(), reverse=True)
+    assert '<span class="badge s-dead">dead</span>' in html
+    assert "attempt 1/20" in html
+    assert '<span class="row-error">ConnectionError: SMTP refused</span>' in html
+    assert "<time datetime=" in html
+
+
+@pytest.mark.parametrize(
+    ("query", "expected"),
+    [
+        ("state=dead", ["dead"]),
+        ("state=queued", ["queued"]),
+        ("queue=media", ["succeeded", "claimed"]),
+        ("type=send_email", ["dead", "queued"]),
+        ("state=dead&type=send_email", ["dead"]),
+        ("q=smtp", ["dead"]),
+        ("q=RESIZE", ["succeeded", "claimed"]),
+        ("state=succeeded&queue=mail", []),
+    ],
+)
+def test_jobs_filters_live_in_the_url(
+    viewer: DashboardClient, busy: dict[str, int], query: str, expected: list[str]
+) -> None:
+    html = _text(viewer.get(f"/jobs?{query}"))
+    assert _rows(html) == [busy[name] for name in expected]
+
+
+@pytest.mark.parametrize(
+    ("query", "message"),
+    [
+        ("state=exploded", "unknown status"),
+        ("queue=Not%20A%20Queue", "queue"),
+        ("before=abc", "cursor"),
+        ("before=99999999999999999999", "cursor"),
+    ],
+)
+def test_bad_filters_say_what_is_wrong(viewer: DashboardClient, query: str, message: str) -> None:
+    response = viewer.get(f"/jobs?{query}")
+    assert response.status_code == 400
+    assert message in _text(response)
+
+
+def test_jobs_pages_by_keyset_and_keeps_the_filters(viewer: DashboardClient, relay: Relay) -> None:
+    ids = relay.enqueue_many([{"type": "send_email", "queue": "mail"} for _ in range(57)])
+    relay.enqueue("other")
+    first = _text(viewer.get("/jobs?type=send_email"))
+    assert _rows(first) == sorted(ids, reverse=True)[:50]
+    older = re.search(r'href="(/jobs\?[^"]*before=\d+[^"]*)">Older jobs', first)
+    assert older
+    link = older.group(1).replace("&amp;", "&")
+    assert "type=send_email" in link
+    second = _text(viewer.get(link))
+    assert _rows(second) == sorted(ids, reverse=True)[50:]
+    assert "Older jobs" not in second
+    assert "← Newest" in second
+
+
+def test_job_page_shows_payload_errors_timings_lease_and_folded_tracebacks(viewer: DashboardClient, jobs: Jobs) -> None:
+    job_id = jobs.dead(jobs.add("send_email", {"to": "ops@example.com", "tries": [1, 2]}), "ConnectionError: refused")
+    html = _text(viewer.get(f"/jobs/{job_id}"))
+    assert '<span class="badge big s-dead">dead</span>' in html
+    assert "attempt 1 of 20" in html
+    assert "{\n  &#34;to&#34;: &#34;ops@example.com&#34;,\n  &#34;tries&#34;: [\n    1,\n    2\n  ]\n}" in html
+    assert "<details>\n      <summary>Traceback</summary>" in html  # folded: no "open"
+    assert "<details open" not in html
+    assert "smtp.connect(host, port)" in html
+    assert "web-1:4242:abc123" in html
+    for label in ("Created", "Runs at", "Started", "Finished", "Ran for", "Worker", "Lease until", "Lease token"):
+        assert f"<dt>{label}</dt>" in html
+    assert "hx-trigger" not in html.split("status-card")[1].split(">")[0]  # finished: no polling
+
+
+def test_a_running_jobs_page_polls_and_shows_progress(
+    viewer: DashboardClient, jobs: Jobs, db: psycopg.Connection
+) -> None:
+    job_id = jobs.claimed(jobs.add())
+    progress = '{"percent": 40, "message": "page 4 of 10"}'
+    db.execute("UPDATE relay.jobs SET progress = %s::jsonb WHERE id = %s", (progress, job_id))
+    html = _text(viewer.get(f"/jobs/{job_id}"))
+    assert f'hx-get="/jobs/{job_id}?part=status&amp;seen=claimed" hx-trigger="every 2s"' in html
+    assert '<progress max="100" value="40">' in html and "page 4 of 10" in html
+    assert "<dd>—</dd>" in html  # not finished yet
+
+
+def test_a_succeeded_jobs_page_shows_its_result(viewer: DashboardClient, jobs: Jobs) -> None:
+    job_id = jobs.succeeded(jobs.add(), {"sent": True})
+    html = _text(viewer.get(f"/jobs/{job_id}"))
+    assert "<h2>Result</h2>" in html and "&#34;sent&#34;: true" in html
+
+
+def test_status_card_polls_announce_a_change_of_state(viewer: DashboardClient, jobs: Jobs) -> None:
+    job_id = jobs.add()
+    same = viewer.get(f"/jobs/{job_id}?part=status&seen=queued", htmx=True)
+    assert "HX-Trigger" not in same.headers
+    assert 'class="panel status-card"' in _text(same)
+    jobs.claimed(job_id)
+    changed = viewer.get(f"/jobs/{job_id}?part=status&seen=queued", htmx=True)
+    assert changed.headers["HX-Trigger"] == "relay-job-changed"
+    history = _text(viewer.get(f"/jobs/{job_id}?part=history", htmx=True))
+    assert "<h2>Payload</h2>" in history and "status-card" not in history
+
+
+def test_missing_jobs_are_a_404_page(viewer: DashboardClient) -> None:
+    for path in ("/jobs/424242", "/jobs/99999999999999999999"):
+        response = viewer.get(path)
+        assert response.status_code == 404
+        assert response.mimetype == "text/html"
+        assert "No such page" in _text(response) or "There is no job" in _text(response)
+
+
+def test_everything_a_job_carries_is_escaped(viewer: DashboardClient, jobs: Jobs) -> None:
+    nasty = f"{SCRIPT}\n{IMG}"
+    job_id = jobs.dead(
+        jobs.add(IMG, {"html": SCRIPT, IMG: [IMG]}, idempotency_key=SCRIPT),
+        message=f"ValueError: {SCRIPT} {IMG}",
+        traceback=f"Traceback (most recent call last):\n{nasty}",
+    )
+    for path in ("/", "/jobs", "/jobs?state=dead", f"/jobs/{job_id}", "/dead"):
+        html = _text(viewer.get(path))
+        assert "<script>alert" not in html, path
+        assert "<img src=x" not in html, path
+        assert "&lt;script&gt;alert(1)&lt;/script&gt;" in html, path
+        assert "&lt;img src=x onerror=alert(1)&gt;" in html, path
+
+
+def test_dead_view_groups_by_type_with_counts(viewer: DashboardClient, jobs: Jobs) -> None:
+    for _ in range(3):
+        jobs.dead(jobs.add("send_email"), "ConnectionError: refused")
+    jobs.dead(jobs.add("resize_image"), "MemoryError")
+    html = _text(viewer.get("/dead"))
+    assert "4 dead jobs, by type" in html
+    assert '<span class="type">send_email</span><span class="count">3 dead</span>' in html
+    assert '<span class="type">resize_image</span><span class="count">1 dead</span>' in html
+    assert html.index("send_email</span><span") < html.index("resize_image</span><span")
+    assert 'href="/jobs?state=dead&amp;type=send_email"' in html
+
+
+def test_dead_view_says_at_least_when_there_are_too_many_to_count(
+    viewer: DashboardClient, jobs: Jobs, monkeypatch
+) -> None:
+    from relay_web.dashboard import views_dead
+
+    monkeypatch.setattr(views_dead, "SCAN_LIMIT", 2)
+    for _ in range(3):
+        jobs.dead(jobs.add("send_email"))
+    html = _text(viewer.get("/dead"))
+    assert "More than 2 dead jobs" in html
+    assert "2+ dead" in html
+
+
+def test_queues_page_shows_depth_wait_and_paused(viewer: DashboardClient, busy: dict[str, int], relay: Relay) -> None:
+    relay.pause_queue("media")
+    relay.pause_queue("idle")
+    html = _text(viewer.get("/queues"))
+    for queue in ("idle", "mail", "media"):
+        assert f'href="/jobs?queue={queue}">{queue}</a>' in html
+    assert html.count('<span class="badge s-paused">paused</span>') == 2
+    assert re.search(
+        r'<a class="tile hot" href="/jobs\?queue=mail&amp;state=dead">\s*<span class="tile-n">1</span>', html
+    )
+    assert "oldest waits" in html
+
+
+def test_workers_page_lists_the_registry(viewer: DashboardClient, relay: Relay) -> None:
+    from tests.helpers import running_worker
+
+    with running_worker(relay, queues=("mail", "media"), concurrency=3) as worker:
+        from tests.helpers import wait_for
+
+        wait_for(lambda: worker.id in _text(viewer.get("/workers")), 10, what="worker registered")
+        html = _text(viewer.get("/workers"))
+    assert "1 alive" in html
+    assert '<span class="badge s-alive">alive</span>' in html
+    assert "mail, media" in html and "of 3 slots" in html
+
+
+def test_schedules_page_shows_the_next_run(viewer: DashboardClient, relay: Relay, db: psycopg.Connection) -> None:
+    @relay.handler("nightly_report", cron="0 3 * * *", queue="reports")
+    def nightly(job) -> None:
+        pass
+
+    periodic.publish(db, relay.handlers.values())
+    html = _text(viewer.get("/schedules"))
+    assert 'href="/jobs?type=nightly_report">nightly_report</a>' in html
+    assert "0 3 * * *" in html and "<dt>Next run</dt>" in html and "03:00:00 UTC" in html
+
+
+def test_static_files_are_vendored(viewer: DashboardClient) -> None:
+    htmx = viewer.client.get("/static/htmx.min.js")
+    assert htmx.status_code == 200
+    assert htmx.get_data(as_text=True).startswith("/* htmx 2.0.11 ")
+    css = viewer.client.get("/static/dashboard.css")
+    assert css.status_code == 200 and "min-height: 44px" in css.get_data(as_text=True)
+    htmx.close()
+    css.close()
+
+
+def test_the_api_still_answers_problems(anonymous: DashboardClient) -> None:
+    response = anonymous.client.get("/api/admin/jobs")
+    assert response.status_code == 401
+    assert response.mimetype == "application/problem+json"
+
+
+def test_traceback_constant_is_a_real_one() -> None:
+    assert TRACEBACK.startswith("Traceback (most recent call last):")

@@ -73,11 +73,12 @@ def _dead(shop: Shop, job_id: int) -> None:
     wait_for(lambda: shop.relay.get_job(job_id).status == "dead", 20, what=f"job {job_id} to die")
 
 
-def _log_in(page: Any, server: LiveServer, username: str = "ops") -> None:
+def _log_in(page: Any, server: LiveServer, username: str = "ops", shot: str | None = None) -> None:
     page.goto(server.at("/"))
     page.fill("#username", username)
     page.fill("#password", PASSWORD)
-    screenshot(page, "login")
+    if shot:
+        screenshot(page, shot)
     page.click("button[type=submit]")
     page.wait_for_url(server.at("/"))
 
@@ -94,7 +95,7 @@ def test_on_call_requeues_a_dead_job_and_watches_it_succeed(phone: Any, live_ser
     job_id = shop.relay.enqueue("send_email", {"to": "customer@example.com"})
     _dead(shop, job_id)
 
-    _log_in(phone, live_server)
+    _log_in(phone, live_server, shot="login")
     dead_card = phone.locator("a.card", has_text="dead")
     assert dead_card.locator(".card-n").inner_text() == "1"
     screenshot(phone, "overview")

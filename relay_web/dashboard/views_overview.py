@@ -12,7 +12,7 @@ from flask import Response, current_app
 from relay_core import JobStatus, monitor
 
 from ..db import connection
-from . import chart
+from . import chart, formatting
 from .blueprint import bp
 from .render import page
 from .session import require
@@ -59,4 +59,5 @@ def overview() -> Response:
         workers=workers,
         latest_dead=latest_dead,
         refresh_seconds=REFRESH_SECONDS,
+        now=formatting.now(),
     )

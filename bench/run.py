@@ -44,8 +44,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, help="rounds of W1-W4 (default 3, 1 with --quick)")
     parser.add_argument(
         "--dsn",
-        default=os.environ.get("BENCH_DATABASE_URL", DEFAULT_DSN),
-        help="a database on the server to use for CREATE/DROP DATABASE (env BENCH_DATABASE_URL)",
+        default=os.environ.get("BENCH_DATABASE_URL") or os.environ.get("DATABASE_URL") or DEFAULT_DSN,
+        help="any database on the server, for CREATE/DROP DATABASE (env BENCH_DATABASE_URL, else DATABASE_URL)",
     )
     parser.add_argument(
         "--out", help="where latest.json and latest.png go (default bench/results, bench/results/quick with --quick)"
@@ -109,7 +109,7 @@ def run_once(
     dsn = databases.create(admin, name, template=template)
     started = time.monotonic()
     try:
-        result = runner.invoke(contestant, python, dsn, workload.id, workload.args, workload.timeout, log)
+        result = runner.invoke(contestant, python, dsn, workload.id, workload.args, workload.timeout, log, workload.env)
     finally:
         databases.drop(admin, name)
     run = {"contestant": contestant.name, "workload": workload.id, "round": round_no}
@@ -141,6 +141,7 @@ def main() -> int:
     log = out / "latest.log"
     log.write_text("")
     started = time.strftime("%Y-%m-%d %H:%M")
+    commit = git_commit()  # taken first: the checkout may move while the bench runs
 
     pythons, templates, unavailable = prepare(contestants, args.dsn, log)
     runs: list[dict[str, Any]] = []
@@ -176,7 +177,7 @@ def main() -> int:
             "python": platform.python_version(),
             "postgres": databases.server_version(args.dsn),
             "server": databases.describe(args.dsn),
-            "relay_commit": git_commit(),
+            "relay_commit": commit,
             "workloads": {w.id: {"title": w.title, "args": w.args} for w in plan},
         },
         "order": order,

@@ -51,7 +51,6 @@ def draw(results: dict, out: str) -> None:
     ax.set_xticklabels(["W1 drain", "W2 single enqueue", "W3 bulk enqueue"][: len(workloads)])
     ax.set_ylabel("throughput ÷ ceiling (higher is better)")
     ax.axhline(1.0, color="#7f7f7f", linewidth=0.8, linestyle="--")
-    ax.legend(fontsize=8)
     ax.set_title("Throughput relative to the raw-SQL ceiling")
 
     ax = axes[1]
@@ -79,7 +78,9 @@ def draw(results: dict, out: str) -> None:
 
     meta = results.get("meta", {})
     fig.suptitle(f"Relay bench, {meta.get('started', '')} ({meta.get('mode', '')}, {meta.get('machine', '')})")
-    fig.tight_layout()
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=len(labels), frameon=False)
+    fig.tight_layout(rect=(0, 0.06, 1, 1))
     fig.savefig(out, dpi=110)
 
 

@@ -13,6 +13,11 @@ class Workload:
     title: str
     args: dict[str, object] = field(default_factory=dict)
     timeout: float = 600.0
+    env: dict[str, str] = field(default_factory=dict)
+
+
+#: A soak shows bloat only if finished jobs are pruned within it: keep succeeded jobs one minute.
+SOAK_ENV = {"RELAY_RETENTION_SUCCEEDED": "60"}
 
 
 def workloads(quick: bool, soak: bool) -> list[Workload]:
@@ -26,7 +31,7 @@ def workloads(quick: bool, soak: bool) -> list[Workload]:
             Workload("W5", "time per job vs table size", {"jobs": 200, "sizes": "2000,10000", "reps": 1}, 120),
         ]
         if soak:
-            plan.append(Workload("W6", "soak", {"duration": 20, "window": 5, "rate": 100}, 120))
+            plan.append(Workload("W6", "soak", {"duration": 20, "window": 5, "rate": 100}, 120, SOAK_ENV))
         return plan
     plan = [
         Workload("W1", "drain 20,000 no-op jobs, concurrency 8", {"jobs": 20000}),
@@ -41,7 +46,8 @@ def workloads(quick: bool, soak: bool) -> list[Workload]:
         ),
     ]
     if soak:
-        plan.append(Workload("W6", "10-minute soak at 200 jobs/s", {"duration": 600, "window": 30, "rate": 200}, 900))
+        soak_args = {"duration": 600, "window": 30, "rate": 200}
+        plan.append(Workload("W6", "10-minute soak at 200 jobs/s", soak_args, 900, SOAK_ENV))
     return plan
 
 

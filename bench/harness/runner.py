@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import time
 from pathlib import Path
@@ -19,6 +20,7 @@ def invoke(
     args: dict[str, object],
     timeout: float,
     log: Path,
+    env: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     """Run ``workload`` and return its result; on failure a dict with ``error``.
 
@@ -33,7 +35,15 @@ def invoke(
         err.write(f"\n== {contestant.name} {workload} {args}\n")
         err.flush()
         try:
-            done = subprocess.run(command, stdout=subprocess.PIPE, stderr=err, text=True, timeout=timeout, check=False)
+            done = subprocess.run(
+                command,
+                stdout=subprocess.PIPE,
+                stderr=err,
+                text=True,
+                timeout=timeout,
+                check=False,
+                env={**os.environ, **(env or {})},
+            )
         except subprocess.TimeoutExpired:
             return {"error": f"timed out after {timeout:.0f}s"}
     if done.returncode != 0:

@@ -32,6 +32,8 @@ from harness.contestants import BENCH, Contestant, select
 from harness.plan import ROUNDED, workloads
 
 DEFAULT_DSN = "postgresql://postgres@127.0.0.1:5432/postgres"
+#: Part of every database name, so two harness runs on one server never drop each other's databases.
+RUN_ID = str(os.getpid())
 
 
 def parse_args() -> argparse.Namespace:
@@ -83,7 +85,7 @@ def prepare(
             unavailable[contestant.name] = str(exc)
             print(f"  {contestant.name}: {exc}", flush=True)
             continue
-        template = f"{databases.PREFIX}{contestant.name}_tpl"
+        template = f"{databases.PREFIX}{RUN_ID}_{contestant.name}_tpl"
         dsn = databases.create(admin, template)
         result = runner.invoke(contestant, python, dsn, "setup", {}, 300, log)
         if "error" in result:
@@ -105,7 +107,7 @@ def run_once(
     log: Path,
 ) -> dict[str, Any]:
     """One workload in a fresh clone of the contestant's template database."""
-    name = f"{databases.PREFIX}{contestant.name}"
+    name = f"{databases.PREFIX}{RUN_ID}_{contestant.name}"
     dsn = databases.create(admin, name, template=template)
     started = time.monotonic()
     try:

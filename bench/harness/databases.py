@@ -1,9 +1,11 @@
 """Fresh databases for every run, cloned from a per-contestant template.
 
-Each contestant's schema is installed once into ``relay_bench_<name>_tpl``;
-every run gets ``relay_bench_<name>``, dropped and re-created from that
-template, so no run sees another's rows or bloat. Only databases whose names
-start with ``relay_bench_`` are ever created or dropped.
+Each contestant's schema is installed once into ``relay_bench_<pid>_<name>_tpl``;
+every run gets ``relay_bench_<pid>_<name>``, dropped and re-created from that
+template, so no run sees another's rows or bloat, and two harnesses on one
+server (the pid of the harness is in every name) never touch each other's
+databases. Only databases whose names start with ``relay_bench_`` are ever
+created or dropped.
 """
 
 from __future__ import annotations

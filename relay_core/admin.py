@@ -101,3 +101,9 @@ def schedules(conn: psycopg.Connection) -> list[dict[str, Any]]:
     """Periodic schedules with their last and next ticks."""
     with conn.cursor(row_factory=dict_row) as cur:
         return cur.execute(sql("schedule_list")).fetchall()
+
+
+def type_limits(conn: psycopg.Connection) -> list[dict[str, Any]]:
+    """Per-type concurrency and rate limits, with the jobs of each type running now."""
+    with conn.cursor(row_factory=dict_row) as cur:
+        return cur.execute(sql("type_limit_list")).fetchall()

@@ -15,11 +15,15 @@ from relay_core import admin, monitor
 from ..db import connection
 from ..endpoint import endpoint
 from ..records.ops import (
+    LimitRecord,
+    LimitsRecord,
     MinuteRecord,
     QueuePath,
     QueueRecord,
     QueuesRecord,
     QueueStateRecord,
+    ScheduleRecord,
+    SchedulesRecord,
     StatsRecord,
     StatusCountsRecord,
     WorkerCountsRecord,
@@ -58,6 +62,24 @@ def pause_queue(path: QueuePath, claims: dict[str, Any]) -> QueueStateRecord:
 def resume_queue(path: QueuePath, claims: dict[str, Any]) -> QueueStateRecord:
     """Resume a paused queue."""
     return _set_paused(path.queue, False)
+
+
+@bp.get("/schedules")
+@endpoint(tag="monitor", role="viewer", responses={200: SchedulesRecord})
+def schedules(claims: dict[str, Any]) -> SchedulesRecord:
+    """Periodic schedules with the last tick enqueued and the next one."""
+    with connection() as conn:
+        found = admin.schedules(conn)
+    return SchedulesRecord(schedules=[ScheduleRecord(**row) for row in found])
+
+
+@bp.get("/limits")
+@endpoint(tag="monitor", role="viewer", responses={200: LimitsRecord})
+def limits(claims: dict[str, Any]) -> LimitsRecord:
+    """Per-type concurrency and rate limits, with how many of each type run now."""
+    with connection() as conn:
+        found = admin.type_limits(conn)
+    return LimitsRecord(limits=[LimitRecord(**row) for row in found])
 
 
 @bp.get("/workers")

@@ -73,4 +73,5 @@ def schedules() -> Response:
     """Periodic jobs (cron handlers) with their last and next run."""
     with connection() as conn:
         found = admin.schedules(conn)
-    return page("schedules", schedules=found, now=formatting.now())
+        limits = admin.type_limits(conn)
+    return page("schedules", schedules=found, limits=limits, now=formatting.now())

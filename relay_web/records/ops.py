@@ -80,6 +80,39 @@ class QueueStateRecord(Record):
     paused: bool
 
 
+class ScheduleRecord(Record):
+    """A periodic handler's schedule."""
+
+    type: str
+    cron: str
+    timezone: str
+    queue: str
+    last_tick: datetime | None = Field(description="The newest tick already enqueued.")
+    next_tick: datetime | None
+
+
+class SchedulesRecord(Record):
+    """Every periodic schedule, next run first."""
+
+    schedules: list[ScheduleRecord]
+
+
+class LimitRecord(Record):
+    """A job type's limits across all workers, as its handler declares them."""
+
+    type: str
+    max_running: int | None = Field(description="At most this many of the type run at once; null: no cap.")
+    rate_limit: int | None = Field(description="At most this many starts per rate_period_seconds; null: no rate.")
+    rate_period_seconds: float | None
+    running: int = Field(description="Jobs of the type running now.")
+
+
+class LimitsRecord(Record):
+    """Every declared per-type limit."""
+
+    limits: list[LimitRecord]
+
+
 class QueuesRecord(Record):
     """Every queue that holds jobs."""
 

@@ -185,3 +185,28 @@ def test_api_answers_are_not_cached_or_sniffed(client, admin) -> None:
     assert response.headers["X-Content-Type-Options"] == "nosniff"
     login = client.post("/api/auth/login", json={"username": "x", "password": "y"})
     assert login.headers["Cache-Control"] == "no-store"
+
+
+def test_schedules_and_limits_are_listed(client, viewer, relay: Relay, db) -> None:
+    from relay_core.worker import limits, periodic
+
+    @relay.handler("settlement_report", cron="0 0 1 * *", timezone="Europe/Berlin")
+    def settle(job) -> None:
+        pass
+
+    @relay.handler("send_email", concurrency=3, rate_limit=(100, 60))
+    def send(job) -> None:
+        pass
+
+    periodic.publish(db, relay.handlers.values())
+    limits.publish(db, relay.handlers.values())
+    schedules = client.get("/api/admin/schedules", headers=viewer).get_json()["schedules"]
+    assert [(s["type"], s["cron"], s["timezone"]) for s in schedules] == [
+        ("settlement_report", "0 0 1 * *", "Europe/Berlin")
+    ]
+    assert schedules[0]["next_tick"] > schedules[0]["last_tick"]
+    found = client.get("/api/admin/limits", headers=viewer).get_json()["limits"]
+    assert found == [
+        {"type": "send_email", "max_running": 3, "rate_limit": 100, "rate_period_seconds": 60.0, "running": 0}
+    ]
+    assert_problem(client.get("/api/admin/limits"), 401)

@@ -292,6 +292,19 @@ def test_schedules_page_shows_the_next_run(viewer: DashboardClient, relay: Relay
     assert "0 3 * * *" in html and "<dt>Next run</dt>" in html and "03:00:00 UTC" in html
 
 
+def test_schedules_page_shows_type_limits(viewer: DashboardClient, relay: Relay, db: psycopg.Connection) -> None:
+    from relay_core.worker import limits
+
+    @relay.handler("send_email", concurrency=3, rate_limit=(100, 60))
+    def send(job) -> None:
+        pass
+
+    limits.publish(db, relay.handlers.values())
+    html = _text(viewer.get("/schedules"))
+    assert 'href="/jobs?type=send_email">send_email</a>' in html
+    assert "at most 3" in html and "at most 100 per 60 s" in html and "0 running" in html
+
+
 def test_static_files_are_vendored(viewer: DashboardClient) -> None:
     htmx = viewer.client.get("/static/htmx.min.js")
     assert htmx.status_code == 200

@@ -229,3 +229,14 @@ def test_workers_fold_the_admin_counters_so_they_stay_small(relay: Relay, db: ps
     rows = db.execute("SELECT queue, state::text, n FROM relay.job_counts WHERE n <> 0").fetchall()
     assert rows == [("folding", "queued", 40)]
     assert db.execute("SELECT count(*) FROM relay.job_counts").fetchone()[0] == 1
+
+
+def test_the_unlocked_claim_takes_nothing_once_any_type_has_a_limit(relay: Relay, db: psycopg.Connection) -> None:
+    from relay_core.queries import sql
+
+    relay.enqueue_many([{"type": "free"} for _ in range(3)])
+    params = {"queues": ["default"], "limit": 1, "worker_id": "w", "lease_seconds": 30}
+    assert len(db.execute(sql("job_claim"), {**params, "locked": False}).fetchall()) == 1
+    db.execute("INSERT INTO relay.type_limits (type, max_running) VALUES ('other', 1)")
+    assert db.execute(sql("job_claim"), {**params, "locked": False}).fetchall() == []
+    assert len(db.execute(sql("job_claim"), {**params, "locked": True}).fetchall()) == 1

@@ -148,10 +148,12 @@ def test_every_transition_seen_under_real_work_is_legal(relay: Relay, audited: p
         wait_for(lambda: relay.get_job(ids["hopeless"]).status == "dead", what="requeued job dead again")
     # Lease expiry and hand-back, driven through the same statements the worker uses.
     expiring = relay.enqueue("ok", queue="sweep")
-    audited.execute(sql("job_claim"), {"queues": ["sweep"], "limit": 5, "worker_id": "gone", "lease_seconds": 0})
+    audited.execute(
+        sql("job_claim"), {"queues": ["sweep"], "limit": 5, "worker_id": "gone", "lease_seconds": 0, "locked": False}
+    )
     assert sweep_once(audited)["queued"] == 1
     token = audited.execute(
-        sql("job_claim"), {"queues": ["sweep"], "limit": 5, "worker_id": "w", "lease_seconds": 30}
+        sql("job_claim"), {"queues": ["sweep"], "limit": 5, "worker_id": "w", "lease_seconds": 30, "locked": False}
     ).fetchone()[7]
     handed = audited.execute(sql("job_hand_back_many"), {"ids": [expiring], "tokens": [token]}).fetchall()
     assert handed == [(expiring,)]

@@ -7,6 +7,10 @@
 -- sees every earlier claim. Without limits no lock is taken.
 SELECT pg_advisory_xact_lock(7265108723) FROM relay.type_limits LIMIT 1;
 
+-- name: type_limits_exist
+-- Whether any job type has a limit (workers check each second to pick the claim's path).
+SELECT EXISTS (SELECT 1 FROM relay.type_limits);
+
 -- name: queue_set_paused
 -- Pause or resume a queue; workers skip paused queues at their next claim.
 INSERT INTO relay.queues (name, paused, paused_at, updated_at)

@@ -56,7 +56,8 @@ SELECT idempotency_key, id FROM relay.jobs WHERE idempotency_key = ANY(%(idempot
 -- (priority, run_at, id) order, skip rows another worker has locked and types
 -- with no room under their limits, keep the best %(limit)s overall, and mark
 -- them claimed with a fresh lease and fencing token. When type limits exist the
--- worker runs claim_limits_lock first, in the same transaction.
+-- worker runs claim_limits_lock first, in the same transaction, and passes
+-- locked = true; unlocked, the statement claims nothing while any limit exists.
 -- transition: queued -> claimed
 WITH room AS (
     -- How many more jobs of each limited type may start now (no row: unlimited).
@@ -73,7 +74,9 @@ WITH room AS (
 ), candidates AS (
     SELECT c.id, c.type, c.priority, c.run_at
     FROM (SELECT name FROM unnest(%(queues)s::text[]) AS u(name)
-          WHERE name NOT IN (SELECT name FROM relay.queues WHERE paused)) AS q
+          WHERE name NOT IN (SELECT name FROM relay.queues WHERE paused)
+            -- Without the limits lock, claim nothing once any type has a limit.
+            AND (%(locked)s OR NOT EXISTS (SELECT 1 FROM relay.type_limits))) AS q
     CROSS JOIN LATERAL (
         SELECT id, type, priority, run_at FROM relay.jobs
         WHERE queue = q.name AND status = 'queued' AND run_at <= now()

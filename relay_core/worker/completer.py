@@ -109,6 +109,15 @@ class Completer:
         if not statements:
             return ours
         with self._pool.connection() as conn:
+            if len(statements) == 1:
+                # The usual batch (all successes) is one statement: autocommit, one round trip.
+                name, params = statements[0]
+                conn.autocommit = True
+                try:
+                    ours.update(row[0] for row in conn.execute(sql(name), params, prepare=True).fetchall())
+                finally:
+                    conn.autocommit = False
+                return ours
             # BEGIN, the statements and COMMIT travel together: one round trip per batch.
             with conn.pipeline(), conn.transaction():
                 cursors = [conn.execute(sql(name), params, prepare=True) for name, params in statements]

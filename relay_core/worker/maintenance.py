@@ -86,6 +86,7 @@ class Maintenance:
         held_leases: Callable[[], dict[int, int]],
         on_lost: Callable[[set[int]], None],
         on_cancel: Callable[[set[int]], None],
+        on_limits: Callable[[bool], None] | None = None,
         in_flight: Callable[[], int],
         check_timeouts: Callable[[], None],
         periodic: Callable[[psycopg.Connection], object] | None = None,
@@ -100,6 +101,7 @@ class Maintenance:
         self._held_leases = held_leases
         self._on_lost = on_lost
         self._on_cancel = on_cancel
+        self._on_limits = on_limits
         self._periodic = periodic
         self._prune = prune
         self._prune_interval = prune_interval
@@ -138,10 +140,12 @@ class Maintenance:
         return counts
 
     def run_periodic(self) -> None:
-        """Enqueue due periodic ticks once."""
-        if self._periodic is not None:
-            with self._pool.connection() as conn:
+        """Enqueue due periodic ticks once, and learn whether any job type has a limit."""
+        with self._pool.connection() as conn:
+            if self._periodic is not None:
                 self._periodic(conn)
+            if self._on_limits is not None:
+                self._on_limits(bool(conn.execute(sql("type_limits_exist")).fetchone()[0]))
 
     def prune(self) -> dict[str, int]:
         """Run retention once."""

@@ -38,8 +38,9 @@ from .retention import prune_once
 
 #: How long the producer lets freed slots gather before claiming for them.
 CLAIM_COALESCE_SECONDS = 0.002
-#: Jobs that typically finish faster than this are prefetched (one per slot).
+#: Jobs that typically finish faster than this are prefetched (PREFETCH_PER_SLOT per slot).
 PREFETCH_BELOW_SECONDS = 0.05
+PREFETCH_PER_SLOT = 2
 
 
 @dataclass
@@ -89,6 +90,8 @@ class Worker:
         self._awaiting_write: dict[int, int] = {}  # id -> token: finished, not yet recorded
         self._inbox: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
         self._slots: list[Slot] = []
+        # Whether any job type has a limit: decides how the claim runs (see claim()).
+        self.limits_exist = True
         # Moving average of handler run time; starts "long" so nothing is prefetched until jobs prove short.
         self._typical_run = PREFETCH_BELOW_SECONDS * 2
         self.pool = make_pool(
@@ -104,6 +107,7 @@ class Worker:
             held_leases=self.held_leases,
             on_lost=self._on_lost,
             on_cancel=self._on_cancel,
+            on_limits=self._set_limits_exist,
             in_flight=self.in_flight,
             check_timeouts=self._check_timeouts,
             periodic=self._enqueue_periodic if any(s.cron for s in self.handlers.values()) else None,
@@ -194,6 +198,9 @@ class Worker:
                     running.job._lease_lost.set()
                 self._awaiting_write.pop(jid, None)
         event(logging.WARNING, "leases taken over by another worker", job_ids=sorted(lost))
+
+    def _set_limits_exist(self, exist: bool) -> None:
+        self.limits_exist = exist
 
     def _on_cancel(self, ids: set[int]) -> None:
         with self._lock:
@@ -287,22 +294,33 @@ class Worker:
     def claim(self, limit: int) -> list[Job]:
         """Claim up to ``limit`` jobs in one statement (THE CLAIM in queries.sql).
 
-        The lock statement and the claim travel in one pipeline, so the claim
-        still costs a single round trip; the lock is only taken while some job
-        type has a limit.
+        While no job type has a limit the claim is one autocommit statement
+        that itself refuses to claim once a limit exists. When limits exist
+        (``limits_exist``, refreshed each second), the limits lock and the
+        claim travel together in one pipelined transaction, still one round
+        trip.
         """
         params = {
             "queues": list(self.config.queues),
             "limit": limit,
             "worker_id": self.id,
             "lease_seconds": self.config.lease_seconds,
+            "locked": self.limits_exist,
         }
         with self.pool.connection() as conn:
-            with conn.pipeline(), conn.transaction():
-                conn.execute(sql("claim_limits_lock"), prepare=True)
-                cur = conn.cursor(row_factory=dict_row)
-                cur.execute(sql("job_claim"), params, prepare=True)
-            rows = cur.fetchall()
+            if self.limits_exist:
+                with conn.pipeline(), conn.transaction():
+                    conn.execute(sql("claim_limits_lock"), prepare=True)
+                    cur = conn.cursor(row_factory=dict_row)
+                    cur.execute(sql("job_claim"), params, prepare=True)
+                rows = cur.fetchall()
+            else:
+                conn.autocommit = True
+                try:
+                    with conn.cursor(row_factory=dict_row) as cur:
+                        rows = cur.execute(sql("job_claim"), params, prepare=True).fetchall()
+                finally:
+                    conn.autocommit = False
         jobs = [Job.from_row(row) for row in rows]
         for job in jobs:
             job._report = self._report_progress
@@ -351,6 +369,7 @@ class Worker:
                 raise ConfigurationError("the database schema is not up to date: run `relay migrate` first")
             register(conn, self.id, self.config.queues, self.config.concurrency)
             limits.publish(conn, self.handlers.values())
+            self.limits_exist = bool(conn.execute(sql("type_limits_exist")).fetchone()[0])
             periodic.publish(conn, self.handlers.values())
 
     def _with_retry(self, action) -> None:  # type: ignore[no-untyped-def]
@@ -372,7 +391,7 @@ class Worker:
         another worker sits idle would only wait longer.
         """
         if self._typical_run < PREFETCH_BELOW_SECONDS:
-            return self.config.concurrency
+            return PREFETCH_PER_SLOT * self.config.concurrency
         return 0
 
     def _produce(self) -> None:

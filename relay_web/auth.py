@@ -20,6 +20,7 @@ from flask_jwt_extended import (
     verify_jwt_in_request,
 )
 
+from relay_core import users
 from relay_core.users import User
 
 from .problems import Problem, unauthorized
@@ -103,3 +104,23 @@ def refresh_token(user: User) -> tuple[str, int]:
     """A new refresh token for ``user`` and its lifetime in seconds."""
     token = create_refresh_token(identity=str(user.id), additional_claims={"pwd": session_mark(user)})
     return token, int(current_app.config["JWT_REFRESH_TOKEN_EXPIRES"].total_seconds())
+
+
+def login_policy() -> users.ThrottlePolicy:
+    """The failed-login throttle the API and the dashboard share, from the app's settings."""
+    config = current_app.config
+    return users.ThrottlePolicy(
+        window_seconds=config["RELAY_LOGIN_WINDOW_SECONDS"],
+        max_per_user=config["RELAY_LOGIN_MAX_FAILURES"],
+        max_per_address=config["RELAY_LOGIN_MAX_FAILURES_PER_ADDRESS"],
+    )
+
+
+def password_hasher() -> Any:
+    """The Argon2id hasher the API and the dashboard share (None settings use Relay's defaults)."""
+    config = current_app.config
+    return users.make_hasher(
+        config["RELAY_ARGON2_TIME_COST"] or None,
+        config["RELAY_ARGON2_MEMORY_COST"] or None,
+        config["RELAY_ARGON2_PARALLELISM"] or None,
+    )

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from flask import Blueprint, current_app, request
+from flask import Blueprint, request
 
 from relay_core import users
 
@@ -21,24 +21,6 @@ from ..problems import Problem, unauthorized
 from ..records.ops import LoginBody, TokenRecord
 
 bp = Blueprint("auth", __name__, url_prefix="/auth")
-
-
-def _policy() -> users.ThrottlePolicy:
-    config = current_app.config
-    return users.ThrottlePolicy(
-        window_seconds=config["RELAY_LOGIN_WINDOW_SECONDS"],
-        max_per_user=config["RELAY_LOGIN_MAX_FAILURES"],
-        max_per_address=config["RELAY_LOGIN_MAX_FAILURES_PER_ADDRESS"],
-    )
-
-
-def _hasher() -> Any:
-    config = current_app.config
-    return users.make_hasher(
-        config["RELAY_ARGON2_TIME_COST"] or None,
-        config["RELAY_ARGON2_MEMORY_COST"] or None,
-        config["RELAY_ARGON2_PARALLELISM"] or None,
-    )
 
 
 @bp.post("/login")
@@ -53,7 +35,7 @@ def login(body: LoginBody) -> TokenRecord:
     """Trade a username and password for an access token and a refresh token."""
     address = request.remote_addr
     with connection() as conn:
-        wait = users.throttle_hit(conn, _policy(), body.username, address)
+        wait = users.throttle_hit(conn, auth.login_policy(), body.username, address)
         if wait is not None:
             raise Problem(
                 429,
@@ -63,7 +45,7 @@ def login(body: LoginBody) -> TokenRecord:
                 headers={"Retry-After": str(wait)},
                 retry_after=wait,
             )
-        user = users.authenticate(conn, body.username, body.password, hasher=_hasher())
+        user = users.authenticate(conn, body.username, body.password, hasher=auth.password_hasher())
         if user is None:
             raise unauthorized("Wrong username or password.", slug="login-failed")
         users.throttle_forgive(conn, body.username, address)

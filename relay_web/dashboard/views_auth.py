@@ -2,35 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Any
-
-from flask import Response, current_app, redirect, request, url_for
+from flask import Response, redirect, request, url_for
 
 from relay_core import users
 
+from .. import auth
 from ..db import connection
 from ..problems import Problem
 from . import session
 from .blueprint import bp
 from .render import page
-
-
-def _policy() -> users.ThrottlePolicy:
-    config = current_app.config
-    return users.ThrottlePolicy(
-        window_seconds=config["RELAY_LOGIN_WINDOW_SECONDS"],
-        max_per_user=config["RELAY_LOGIN_MAX_FAILURES"],
-        max_per_address=config["RELAY_LOGIN_MAX_FAILURES_PER_ADDRESS"],
-    )
-
-
-def _hasher() -> Any:
-    config = current_app.config
-    return users.make_hasher(
-        config["RELAY_ARGON2_TIME_COST"] or None,
-        config["RELAY_ARGON2_MEMORY_COST"] or None,
-        config["RELAY_ARGON2_PARALLELISM"] or None,
-    )
 
 
 def _form(error: str | None = None, status: int = 200, username: str = "") -> Response:
@@ -52,12 +33,12 @@ def login_submit() -> Response:
     username = request.form.get("username", "")[:200]
     password = request.form.get("password", "")
     with connection() as conn:
-        wait = users.throttle_hit(conn, _policy(), username, request.remote_addr)
+        wait = users.throttle_hit(conn, auth.login_policy(), username, request.remote_addr)
         if wait is not None:
             response = _form(f"Too many attempts; try again in {wait} seconds.", 429, username)
             response.headers["Retry-After"] = str(wait)
             return response
-        user = users.authenticate(conn, username, password, hasher=_hasher())
+        user = users.authenticate(conn, username, password, hasher=auth.password_hasher())
         if user is None:
             return _form("Wrong username or password.", 401, username)
         users.throttle_forgive(conn, username, request.remote_addr)

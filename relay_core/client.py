@@ -16,7 +16,7 @@ from .backoff import Backoff
 from .connections import fetch_all
 from .errors import InvalidJobError, RelayError
 from .handlers import DEFAULT_MAX_ATTEMPTS, HandlerSpec, make_spec
-from .pools import make_pool
+from .pools import make_pool, restore_transactions
 from .queries import sql
 from .settings import database_url, env_int
 from .validation import DEFAULT_MAX_PAYLOAD_BYTES, NewJob, new_job
@@ -176,7 +176,7 @@ class Relay:
             try:
                 return self._insert(own, job)
             finally:
-                own.autocommit = False
+                restore_transactions(own)
 
     def _insert(self, conn: Any, job: NewJob) -> int:
         rows = fetch_all(conn, sql("job_insert"), job.params())
@@ -229,7 +229,7 @@ class Relay:
             try:
                 return self._insert_many(own, validated)
             finally:
-                own.autocommit = False
+                restore_transactions(own)
 
     def _insert_many(self, conn: Any, jobs: list[NewJob]) -> list[int]:
         params = {

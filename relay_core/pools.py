@@ -3,13 +3,16 @@
 Checking every checkout costs a round trip, doubling the cost of a one-statement
 enqueue; never checking hands out connections that died while idle (a database
 restart, a proxy's idle timeout). A connection returned less than a second ago
-was working then, so only connections idle for longer are checked.
+was working then, so only connections idle for longer are checked. The return
+time is stamped in ``putconn`` itself: a pool ``reset`` callback would send
+every returned connection through the pool's worker thread.
 """
 
 from __future__ import annotations
 
 import time
 import weakref
+from typing import Any
 
 import psycopg
 from psycopg_pool import ConnectionPool
@@ -18,19 +21,29 @@ from psycopg_pool import ConnectionPool
 IDLE_CHECK_SECONDS = 1.0
 
 
-def make_pool(dsn: str, *, name: str, min_size: int, max_size: int, timeout: float = 30.0) -> ConnectionPool:
-    """An opened pool whose connections are checked when idle for over a second."""
-    returned_at: weakref.WeakKeyDictionary[psycopg.Connection, float] = weakref.WeakKeyDictionary()
+class RelayPool(ConnectionPool):
+    """A pool that remembers when each connection came back."""
 
-    def remember_return(conn: psycopg.Connection) -> None:
-        returned_at[conn] = time.monotonic()
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.returned_at: weakref.WeakKeyDictionary[psycopg.Connection, float] = weakref.WeakKeyDictionary()
+        super().__init__(*args, **kwargs)
+
+    def putconn(self, conn: psycopg.Connection) -> None:
+        """Stamp the return time, then return the connection."""
+        self.returned_at[conn] = time.monotonic()
+        super().putconn(conn)
+
+
+def make_pool(dsn: str, *, name: str, min_size: int, max_size: int, timeout: float = 30.0) -> RelayPool:
+    """An unopened pool whose connections are checked when idle for over a second."""
+    pool: RelayPool | None = None
 
     def check_if_idle(conn: psycopg.Connection) -> None:
-        last = returned_at.get(conn)
+        last = pool.returned_at.get(conn) if pool is not None else None
         if last is None or time.monotonic() - last > IDLE_CHECK_SECONDS:
             ConnectionPool.check_connection(conn)
 
-    return ConnectionPool(
+    pool = RelayPool(
         dsn,
         min_size=min_size,
         max_size=max_size,
@@ -39,8 +52,8 @@ def make_pool(dsn: str, *, name: str, min_size: int, max_size: int, timeout: flo
         timeout=timeout,
         configure=configure_session,
         check=check_if_idle,
-        reset=remember_return,
     )
+    return pool
 
 
 def configure_session(conn: psycopg.Connection) -> None:
@@ -53,3 +66,13 @@ def configure_session(conn: psycopg.Connection) -> None:
     """
     conn.execute("SET jit = off")
     conn.commit()
+
+
+def restore_transactions(conn: psycopg.Connection) -> None:
+    """Leave autocommit after a one-statement shortcut, unless the connection broke.
+
+    On a broken connection setting the attribute would raise and hide the
+    error that broke it; the pool discards broken connections anyway.
+    """
+    if not conn.broken:
+        conn.autocommit = False

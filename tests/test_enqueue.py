@@ -204,3 +204,10 @@ def test_a_pooled_connection_that_died_while_idle_is_replaced(relay: Relay, db: 
     time.sleep(1.2)  # idle past IDLE_CHECK_SECONDS: the pool checks it and reconnects
     relay.enqueue("after_restart")
     assert job_count(db) == 2
+
+
+def test_the_pool_stamps_returns_so_only_idle_connections_are_checked(relay: Relay) -> None:
+    relay.enqueue("stamp")
+    pool = relay.pool
+    assert pool.returned_at, "a returned connection carries its return time"
+    assert all(time.monotonic() - t < 5 for t in pool.returned_at.values())

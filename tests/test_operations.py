@@ -240,3 +240,10 @@ def test_the_unlocked_claim_takes_nothing_once_any_type_has_a_limit(relay: Relay
     db.execute("INSERT INTO relay.type_limits (type, max_running) VALUES ('other', 1)")
     assert db.execute(sql("job_claim"), {**params, "locked": False}).fetchall() == []
     assert len(db.execute(sql("job_claim"), {**params, "locked": True}).fetchall()) == 1
+
+
+def test_a_retention_pass_that_hits_its_cap_asks_for_another_soon() -> None:
+    from relay_core.worker.retention import PASS_CAP, hit_cap
+
+    assert hit_cap({"succeeded": PASS_CAP, "cancelled": 0, "dead": 0})
+    assert not hit_cap({"succeeded": PASS_CAP - 1, "cancelled": 3, "dead": 0})

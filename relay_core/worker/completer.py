@@ -18,6 +18,7 @@ import psycopg
 from psycopg_pool import ConnectionPool, PoolTimeout
 
 from ..logs import event
+from ..pools import restore_transactions
 from ..queries import sql
 from .outcome import Kind, Outcome
 
@@ -116,7 +117,7 @@ class Completer:
                 try:
                     ours.update(row[0] for row in conn.execute(sql(name), params, prepare=True).fetchall())
                 finally:
-                    conn.autocommit = False
+                    restore_transactions(conn)
                 return ours
             # BEGIN, the statements and COMMIT travel together: one round trip per batch.
             with conn.pipeline(), conn.transaction():

@@ -19,10 +19,13 @@ from psycopg_pool import ConnectionPool, PoolTimeout
 from ..logs import event
 from ..monitor import fold_counters
 from ..queries import sql
+from .retention import hit_cap
 
 SWEEP_BATCH = 1000
 #: Seconds between folds of the admin counters' change rows.
 FOLD_INTERVAL = 30.0
+#: Seconds to the next retention pass while expired jobs are still piled up.
+PRUNE_CATCH_UP_SECONDS = 1.0
 
 
 def sweep_once(conn: psycopg.Connection, limit: int = SWEEP_BATCH) -> dict[str, int]:
@@ -186,7 +189,9 @@ class Maintenance:
                     self.run_periodic()
                 if now >= next_prune:
                     next_prune = now + self._prune_interval
-                    self.prune()
+                    if hit_cap(self.prune()):
+                        # A backlog of expired jobs: keep pruning in short passes until it is gone.
+                        next_prune = now + PRUNE_CATCH_UP_SECONDS
                 if now >= next_fold:
                     next_fold = now + FOLD_INTERVAL
                     self.fold()

@@ -17,6 +17,13 @@ from ..settings import env_float
 PRUNE_BATCH = 500
 #: Batches per run, so one worker's pass stays short; the next pass continues.
 MAX_BATCHES = 20
+#: Deletions of one state per pass; a pass that reaches it left work behind.
+PASS_CAP = PRUNE_BATCH * MAX_BATCHES
+
+
+def hit_cap(deleted: dict[str, int]) -> bool:
+    """Whether a pass stopped at its cap (more expired jobs wait): prune again soon."""
+    return any(count >= PASS_CAP for count in deleted.values())
 
 
 @dataclass(frozen=True)

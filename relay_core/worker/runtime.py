@@ -26,7 +26,7 @@ from ..errors import ConfigurationError, JobTimeout
 from ..handlers import HandlerSpec
 from ..job import Job
 from ..logs import event
-from ..pools import make_pool
+from ..pools import make_pool, restore_transactions
 from ..queries import sql
 from . import executor, limits, periodic
 from .completer import Completer
@@ -320,7 +320,7 @@ class Worker:
                     with conn.cursor(row_factory=dict_row) as cur:
                         rows = cur.execute(sql("job_claim"), params, prepare=True).fetchall()
                 finally:
-                    conn.autocommit = False
+                    restore_transactions(conn)
         jobs = [Job.from_row(row) for row in rows]
         for job in jobs:
             job._report = self._report_progress

@@ -191,13 +191,18 @@ class Worker:
                 )
 
     def _on_lost(self, lost: set[int]) -> None:
+        taken: list[int] = []
         with self._lock:
             for jid in lost:
                 running = self._running.get(jid)
                 if running is not None:
                     running.job._lease_lost.set()
-                self._awaiting_write.pop(jid, None)
-        event(logging.WARNING, "leases taken over by another worker", job_ids=sorted(lost))
+                    taken.append(jid)
+                elif self._awaiting_write.pop(jid, None) is not None:
+                    taken.append(jid)
+        # A job whose completion was written while the heartbeat ran is not lost: say nothing of it.
+        if taken:
+            event(logging.WARNING, "leases taken over by another worker", job_ids=sorted(taken))
 
     def _set_limits_exist(self, exist: bool) -> None:
         self.limits_exist = exist

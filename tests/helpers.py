@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import json
+import socket
 import subprocess
 import threading
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import psycopg
 
@@ -80,3 +85,28 @@ def stop_process(proc: subprocess.Popen, timeout: float = 30.0) -> int:
     except subprocess.TimeoutExpired:
         proc.kill()
         return proc.wait(5)
+
+
+def free_port() -> int:
+    """A port nobody listens on right now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def call(method: str, url: str, body: Any = None, token: str | None = None) -> tuple[int, Any]:
+    """One JSON request; returns (status, decoded body) for any status; (0, None) when nothing answers."""
+    headers = {"Content-Type": "application/json"}
+    if token:
+        headers["Authorization"] = f"Bearer {token}"
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(url, data=data, method=method, headers=headers)
+    try:
+        with urllib.request.urlopen(request, timeout=5) as response:
+            raw = response.read()
+            return response.status, json.loads(raw) if raw else None
+    except urllib.error.HTTPError as exc:
+        raw = exc.read()
+        return exc.code, json.loads(raw) if raw else None
+    except OSError:
+        return 0, None

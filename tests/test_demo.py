@@ -10,7 +10,6 @@ SIGINT the demo exits 0 and no job is left claimed.
 
 from __future__ import annotations
 
-import json
 import os
 import queue
 import re
@@ -33,32 +32,9 @@ from relay_shop.orders import place_order
 from relay_shop.producer import CATALOGUE, CUSTOMERS
 from sqlalchemy.orm import Session
 
-from .helpers import ROOT, running_worker, wait_for
+from .helpers import ROOT, call, free_port, running_worker, wait_for
 
 pytestmark = pytest.mark.slow
-
-
-def free_port() -> int:
-    """A port nobody listens on right now."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def call(method: str, url: str, body: Any = None, token: str | None = None) -> tuple[int, Any]:
-    """One JSON request; returns (status, decoded body) for any status."""
-    headers = {"Content-Type": "application/json"}
-    if token:
-        headers["Authorization"] = f"Bearer {token}"
-    data = None if body is None else json.dumps(body).encode()
-    request = urllib.request.Request(url, data=data, method=method, headers=headers)
-    try:
-        with urllib.request.urlopen(request, timeout=5) as response:
-            raw = response.read()
-            return response.status, json.loads(raw) if raw else None
-    except urllib.error.HTTPError as exc:
-        raw = exc.read()
-        return exc.code, json.loads(raw) if raw else None
 
 
 class Output:

@@ -9,16 +9,12 @@ from the environment), except that the web app binds 127.0.0.1 here.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import re
 import secrets
 import signal
-import socket
 import subprocess
 import sys
-import urllib.error
-import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -27,36 +23,11 @@ import pytest
 
 from relay_core import users
 
-from .helpers import ROOT, wait_for
+from .helpers import ROOT, call, free_port, wait_for
 
 pytestmark = pytest.mark.slow
 
 PROCFILE = ROOT / "Procfile"
-
-
-def free_port() -> int:
-    """A port nobody listens on right now."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def call(method: str, url: str, body: Any = None, token: str | None = None) -> tuple[int, Any]:
-    """One JSON request; returns (status, decoded body) for any status."""
-    headers = {"Content-Type": "application/json"}
-    if token:
-        headers["Authorization"] = f"Bearer {token}"
-    data = None if body is None else json.dumps(body).encode()
-    request = urllib.request.Request(url, data=data, method=method, headers=headers)
-    try:
-        with urllib.request.urlopen(request, timeout=5) as response:
-            raw = response.read()
-            return response.status, json.loads(raw) if raw else None
-    except urllib.error.HTTPError as exc:
-        raw = exc.read()
-        return exc.code, json.loads(raw) if raw else None
-    except OSError:
-        return 0, None
 
 
 def platform_env(dsn: str, port: int, tmp_path: Path) -> dict[str, str]:

@@ -113,3 +113,17 @@ RETURNING j.id;
 UPDATE relay.jobs SET progress = %(progress)s::jsonb
 WHERE id = %(id)s AND lease_token = %(token)s AND status = 'claimed'
 RETURNING id;
+
+-- name: tables_needing_vacuum
+-- Relay's tables autovacuum would vacuum now but will not: it is off for the
+-- whole server, or for that table. The trigger is autovacuum's own rule
+-- (dead rows over a threshold plus a fraction of the live rows).
+SELECT s.relname
+FROM pg_stat_user_tables AS s
+JOIN pg_class AS c ON c.oid = s.relid
+WHERE s.schemaname = 'relay'
+  AND (NOT current_setting('autovacuum')::boolean
+       OR 'autovacuum_enabled=false' = ANY (coalesce(c.reloptions, '{}'))
+       OR 'autovacuum_enabled=off' = ANY (coalesce(c.reloptions, '{}')))
+  AND s.n_dead_tup > %(threshold)s + %(scale_factor)s * s.n_live_tup
+ORDER BY s.n_dead_tup DESC;

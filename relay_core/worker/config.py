@@ -39,6 +39,8 @@ class WorkerConfig:
     worker_id: str = field(default_factory=_worker_id)
     #: How long finished jobs are kept; None turns pruning off in this worker.
     retention: Retention | None = field(default_factory=Retention)
+    #: Vacuum Relay's tables when the server's autovacuum is off (a no-op where it runs).
+    self_vacuum: bool = True
 
     def __post_init__(self) -> None:
         if not self.queues:
@@ -71,6 +73,7 @@ class WorkerConfig:
             "shutdown_timeout": env_float("RELAY_SHUTDOWN_TIMEOUT", 25.0),
             "listen": env_bool("RELAY_LISTEN", True),
             "retention": Retention.from_env() if env_bool("RELAY_PRUNE", True) else None,
+            "self_vacuum": env_bool("RELAY_SELF_VACUUM", True),
         }
         queues = os.environ.get("RELAY_QUEUES")
         if queues:

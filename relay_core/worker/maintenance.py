@@ -26,6 +26,8 @@ SWEEP_BATCH = 1000
 FOLD_INTERVAL = 30.0
 #: Seconds to the next retention pass while expired jobs are still piled up.
 PRUNE_CATCH_UP_SECONDS = 1.0
+#: Seconds between checks whether Relay's tables need a vacuum autovacuum will not run.
+VACUUM_CHECK_INTERVAL = 15.0
 
 
 def sweep_once(conn: psycopg.Connection, limit: int = SWEEP_BATCH) -> dict[str, int]:
@@ -95,6 +97,7 @@ class Maintenance:
         periodic: Callable[[psycopg.Connection], object] | None = None,
         prune: Callable[[psycopg.Connection], dict[str, int]] | None = None,
         prune_interval: float = 60.0,
+        vacuum: Callable[[psycopg.Connection], list[str]] | None = None,
     ) -> None:
         self._pool = pool
         self._worker_id = worker_id
@@ -108,6 +111,7 @@ class Maintenance:
         self._periodic = periodic
         self._prune = prune
         self._prune_interval = prune_interval
+        self._vacuum = vacuum
         self._in_flight = in_flight
         self._check_timeouts = check_timeouts
         self._stop = threading.Event()
@@ -160,6 +164,13 @@ class Maintenance:
             event(logging.INFO, "pruned finished jobs", **deleted)
         return deleted
 
+    def vacuum(self) -> list[str]:
+        """Vacuum Relay's tables where autovacuum is off (see worker/vacuum.py)."""
+        if self._vacuum is None:
+            return []
+        with self._pool.connection() as conn:
+            return self._vacuum(conn)
+
     def fold(self) -> bool:
         """Fold the admin counters' change rows so they never pile up while nobody reads them."""
         with self._pool.connection() as conn:
@@ -174,6 +185,7 @@ class Maintenance:
         next_prune = now + min(self._prune_interval * spread, 10.0)
         next_periodic = now
         next_fold = now + FOLD_INTERVAL * spread
+        next_vacuum = now + VACUUM_CHECK_INTERVAL * spread
         while not self._stop.wait(0.2):
             self._check_timeouts()
             now = time.monotonic()
@@ -195,6 +207,9 @@ class Maintenance:
                 if now >= next_fold:
                     next_fold = now + FOLD_INTERVAL
                     self.fold()
+                if now >= next_vacuum:
+                    next_vacuum = now + VACUUM_CHECK_INTERVAL
+                    self.vacuum()
             except (psycopg.OperationalError, psycopg.InterfaceError, PoolTimeout) as exc:
                 event(logging.WARNING, "maintenance could not reach the database; will retry", error=str(exc))
                 next_heartbeat = min(next_heartbeat, now + 1.0)

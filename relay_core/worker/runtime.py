@@ -35,6 +35,7 @@ from .listener import Listener
 from .maintenance import Maintenance, register
 from .outcome import Kind, Outcome, describe
 from .retention import prune_once
+from .vacuum import vacuum_if_needed
 
 #: How long the producer lets freed slots gather before claiming for them.
 CLAIM_COALESCE_SECONDS = 0.002
@@ -112,6 +113,7 @@ class Worker:
             check_timeouts=self._check_timeouts,
             periodic=self._enqueue_periodic if any(s.cron for s in self.handlers.values()) else None,
             prune=(lambda conn: prune_once(conn, self.config.retention)) if self.config.retention else None,
+            vacuum=vacuum_if_needed if self.config.self_vacuum else None,
         )
         self.listener = Listener(dsn, self.config.queues, self._wake.set) if self.config.listen else None
 

@@ -1,0 +1,50 @@
+"""Vacuum Relay's own tables where the server's autovacuum will not.
+
+A queue table is rewritten all day: every claim and every completion leaves a
+dead row version behind, every pruned job another. Autovacuum makes that space
+reusable; on a server where it is switched off (for the whole server, or for
+one table) retention can delete all it likes and the table and its indexes
+still grow without bound. There the worker does autovacuum's job for Relay's
+tables, with autovacuum's own trigger rule. Where autovacuum runs, this does
+nothing but one cheap catalog read.
+
+``VACUUM (SKIP_LOCKED)`` lets two workers that decide at once skip each other
+instead of queueing; VACUUM takes no lock that blocks claims or completions.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import psycopg
+from psycopg import sql as pgsql
+
+from ..logs import event
+from ..pools import restore_transactions
+from ..queries import sql
+
+#: Dead row versions a table may hold before it is vacuumed ...
+VACUUM_THRESHOLD = 1000
+#: ... plus this fraction of its live rows (the jobs table's own autovacuum settings).
+VACUUM_SCALE_FACTOR = 0.05
+
+
+def vacuum_if_needed(conn: psycopg.Connection) -> list[str]:
+    """Vacuum every Relay table autovacuum should vacuum but will not; name them."""
+    tables = [
+        row[0]
+        for row in conn.execute(
+            sql("tables_needing_vacuum"), {"threshold": VACUUM_THRESHOLD, "scale_factor": VACUUM_SCALE_FACTOR}
+        ).fetchall()
+    ]
+    conn.commit()
+    if not tables:
+        return []
+    conn.autocommit = True  # VACUUM cannot run inside a transaction
+    try:
+        for table in tables:
+            conn.execute(pgsql.SQL("VACUUM (SKIP_LOCKED) {}").format(pgsql.Identifier("relay", table)))
+    finally:
+        restore_transactions(conn)
+    event(logging.INFO, "vacuumed tables autovacuum does not reach", tables=",".join(tables))
+    return tables

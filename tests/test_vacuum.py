@@ -1,0 +1,100 @@
+"""Relay vacuums its own tables where autovacuum is off, and only there."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import psycopg
+import pytest
+
+from relay_core import Relay
+from relay_core.worker import maintenance
+from relay_core.worker.vacuum import VACUUM_THRESHOLD, vacuum_if_needed
+
+from .helpers import running_worker, wait_for
+
+
+@pytest.fixture
+def jobs_without_autovacuum(db: psycopg.Connection) -> Iterator[None]:
+    """relay.jobs with autovacuum switched off for the table (the server's setting may be either)."""
+    db.execute("ALTER TABLE relay.jobs SET (autovacuum_enabled = false)")
+    try:
+        yield
+    finally:
+        db.execute("ALTER TABLE relay.jobs RESET (autovacuum_enabled)")
+
+
+def _jobs_stats(db: psycopg.Connection) -> tuple[int, int]:
+    """(dead row versions, vacuums so far) of relay.jobs, as the statistics system sees them now."""
+    db.execute("SELECT pg_stat_clear_snapshot()")
+    row = db.execute(
+        "SELECT n_dead_tup, vacuum_count FROM pg_stat_user_tables WHERE relid = 'relay.jobs'::regclass"
+    ).fetchone()
+    assert row is not None
+    return row[0], row[1]
+
+
+def _leave_dead_rows(relay: Relay, dsn: str, count: int) -> None:
+    """Insert ``count`` jobs and delete them, from a session whose statistics are flushed on close."""
+    relay.enqueue_many([{"type": "t", "payload": {"i": i}} for i in range(count)])
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute("DELETE FROM relay.jobs")
+
+
+@pytest.mark.usefixtures("jobs_without_autovacuum")
+def test_a_table_autovacuum_skips_is_vacuumed_once_dead_rows_pass_the_threshold(
+    relay: Relay, dsn: str, db: psycopg.Connection
+) -> None:
+    _leave_dead_rows(relay, dsn, VACUUM_THRESHOLD * 3)
+    wait_for(lambda: _jobs_stats(db)[0] >= VACUUM_THRESHOLD * 3, timeout=10, what="dead rows counted")
+    vacuums_before = _jobs_stats(db)[1]
+
+    with psycopg.connect(dsn) as conn:
+        vacuumed = vacuum_if_needed(conn)
+        assert not conn.autocommit, "the connection goes back to transactions after VACUUM"
+
+    assert "jobs" in vacuumed
+    wait_for(lambda: _jobs_stats(db) == (0, vacuums_before + 1), timeout=10, what="the vacuum counted")
+
+
+@pytest.mark.usefixtures("jobs_without_autovacuum")
+def test_a_few_dead_rows_are_left_for_later(relay: Relay, dsn: str, db: psycopg.Connection) -> None:
+    _leave_dead_rows(relay, dsn, 50)
+    wait_for(lambda: _jobs_stats(db)[0] >= 50, timeout=10, what="dead rows counted")
+
+    with psycopg.connect(dsn) as conn:
+        assert "jobs" not in vacuum_if_needed(conn)
+    assert _jobs_stats(db)[0] >= 50
+
+
+def test_tables_autovacuum_looks_after_are_left_to_it(db: psycopg.Connection, dsn: str, relay: Relay) -> None:
+    db.execute("ALTER TABLE relay.jobs SET (autovacuum_enabled = true)")
+    try:
+        _leave_dead_rows(relay, dsn, VACUUM_THRESHOLD * 3)
+        wait_for(lambda: _jobs_stats(db)[0] >= VACUUM_THRESHOLD * 3, timeout=10, what="dead rows counted")
+        server_autovacuum = db.execute("SELECT current_setting('autovacuum')::boolean").fetchone()[0]
+        with psycopg.connect(dsn) as conn:
+            vacuumed = vacuum_if_needed(conn)
+        # With the server's autovacuum on, the table is its business; with it off, nothing else will vacuum.
+        assert ("jobs" in vacuumed) is (not server_autovacuum)
+    finally:
+        db.execute("ALTER TABLE relay.jobs RESET (autovacuum_enabled)")
+
+
+@pytest.mark.usefixtures("jobs_without_autovacuum")
+def test_a_running_worker_vacuums_and_one_told_not_to_does_not(
+    relay: Relay, dsn: str, db: psycopg.Connection, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(maintenance, "VACUUM_CHECK_INTERVAL", 0.2)
+    _leave_dead_rows(relay, dsn, VACUUM_THRESHOLD * 3)
+    wait_for(lambda: _jobs_stats(db)[0] >= VACUUM_THRESHOLD * 3, timeout=10, what="dead rows counted")
+    vacuums_before = _jobs_stats(db)[1]
+
+    with running_worker(relay, queues=("elsewhere",), self_vacuum=False):
+        time.sleep(2.0)  # ten check intervals
+        assert _jobs_stats(db)[1] == vacuums_before
+
+    with running_worker(relay, queues=("elsewhere",)):
+        wait_for(lambda: _jobs_stats(db)[1] > vacuums_before, timeout=15, what="the worker's vacuum")
+    assert _jobs_stats(db)[0] == 0

@@ -14,13 +14,17 @@ from . import admin
 from . import migrate as migrator
 from .backoff import Backoff
 from .connections import fetch_all
-from .errors import InvalidJobError, RelayError
+from .errors import RelayError
 from .handlers import DEFAULT_MAX_ATTEMPTS, HandlerSpec, make_spec
 from .pools import make_pool, restore_transactions
 from .queries import sql
 from .settings import database_url, env_int
-from .validation import DEFAULT_MAX_PAYLOAD_BYTES, NewJob, new_job
+from .validation import DEFAULT_MAX_PAYLOAD_BYTES, NewJob, new_job, new_jobs
 from .worker import Worker, WorkerConfig
+
+#: Bulk payloads up to this many characters in all travel as one JSON document
+#: (jsonb tops out at 256 MiB); larger bulk enqueues use the array form.
+ALIKE_MAX_PAYLOAD_CHARS = 64 * 1024 * 1024
 
 
 class Relay:
@@ -121,6 +125,11 @@ class Relay:
 
     # -- enqueue -----------------------------------------------------------
 
+    def _default_max_attempts(self, job_type: str) -> int:
+        """A job type's attempts when the enqueue names none: its handler's, else the app's."""
+        spec = self.handlers.get(job_type)
+        return spec.max_attempts if spec else self.default_max_attempts
+
     def _validated(
         self,
         job_type: Any,
@@ -131,9 +140,8 @@ class Relay:
         max_attempts: int | None,
         idempotency_key: str | None,
     ) -> NewJob:
-        if max_attempts is None:
-            spec = self.handlers.get(job_type) if isinstance(job_type, str) else None
-            max_attempts = spec.max_attempts if spec else self.default_max_attempts
+        if max_attempts is None and isinstance(job_type, str):
+            max_attempts = self._default_max_attempts(job_type)
         return new_job(
             job_type,
             payload,
@@ -200,26 +208,9 @@ class Relay:
         ``idempotency_key``. Every item is validated first: one bad item
         means nothing is written. ``conn`` works as in :meth:`enqueue`.
         """
-        allowed = {"type", "payload", "queue", "priority", "run_at", "max_attempts", "idempotency_key"}
-        validated: list[NewJob] = []
-        for index, item in enumerate(jobs):
-            unknown = set(item) - allowed
-            if unknown:
-                raise InvalidJobError(f"jobs[{index}]", f"unknown fields {sorted(unknown)}")
-            try:
-                validated.append(
-                    self._validated(
-                        item.get("type"),
-                        item.get("payload", {}),
-                        item.get("queue", "default"),
-                        item.get("priority", 0),
-                        item.get("run_at"),
-                        item.get("max_attempts"),
-                        item.get("idempotency_key"),
-                    )
-                )
-            except InvalidJobError as exc:
-                raise InvalidJobError(f"jobs[{index}].{exc.field}", exc.message) from None
+        validated = new_jobs(
+            jobs, default_max_attempts=self._default_max_attempts, max_payload_bytes=self.max_payload_bytes
+        )
         if not validated:
             return []
         if conn is not None:
@@ -232,6 +223,26 @@ class Relay:
                 restore_transactions(own)
 
     def _insert_many(self, conn: Any, jobs: list[NewJob]) -> list[int]:
+        first = jobs[0]
+        payload_chars = sum(len(j.payload_json) for j in jobs)
+        if payload_chars < ALIKE_MAX_PAYLOAD_CHARS and all(
+            j.type == first.type
+            and j.queue == first.queue
+            and j.priority == first.priority
+            and j.run_at == first.run_at
+            and j.max_attempts == first.max_attempts
+            and j.idempotency_key is None
+            for j in jobs
+        ):
+            alike = {
+                "type": first.type,
+                "queue": first.queue,
+                "priority": first.priority,
+                "run_at": first.run_at,
+                "max_attempts": first.max_attempts,
+                "payloads": "[" + ",".join(j.payload_json for j in jobs) + "]",
+            }
+            return list(fetch_all(conn, sql("job_insert_many_alike"), alike)[0]["ids"])
         params = {
             "types": [j.type for j in jobs],
             "payloads": [j.payload_json for j in jobs],

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -20,6 +21,10 @@ MAX_TYPE_LENGTH = 200
 MAX_IDEMPOTENCY_KEY_LENGTH = 200
 PRIORITY_RANGE = (-32768, 32767)
 DEFAULT_MAX_PAYLOAD_BYTES = 256 * 1024
+#: One encoder for every payload (json.dumps with options builds a new one per call).
+PAYLOAD_ENCODER = json.JSONEncoder(allow_nan=False, ensure_ascii=False, separators=(",", ":"))
+#: The fields one item of a bulk enqueue may hold.
+BULK_FIELDS = frozenset({"type", "payload", "queue", "priority", "run_at", "max_attempts", "idempotency_key"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,7 +76,7 @@ def check_queue(queue: Any) -> str:
 def check_payload(payload: Any, max_bytes: int) -> str:
     """Serialise the payload to JSON, refusing what JSON cannot carry or what is too big."""
     try:
-        text = json.dumps(payload, allow_nan=False, ensure_ascii=False, separators=(",", ":"))
+        text = PAYLOAD_ENCODER.encode(payload)
     except (TypeError, ValueError) as exc:
         raise InvalidJobError("payload", f"is not JSON-serializable: {exc}") from None
     if "\\u0000" in text:
@@ -153,3 +158,49 @@ def new_job(
         max_attempts=check_max_attempts(max_attempts),
         idempotency_key=check_idempotency_key(idempotency_key),
     )
+
+
+def new_jobs(
+    items: Iterable[Mapping[str, Any]],
+    *,
+    default_max_attempts: Callable[[str], int],
+    max_payload_bytes: int,
+) -> list[NewJob]:
+    """Validate a bulk enqueue item by item, as :func:`new_job` does; raise on the first bad one.
+
+    A bulk enqueue usually repeats a few types and queues thousands of times:
+    each distinct one is checked once (its handler's max_attempts looked up
+    once), which leaves the payload's JSON encoding as the main per-item cost.
+    Errors name the item: ``jobs[3].payload``.
+    """
+    types: dict[str, int] = {}  # checked type -> its default max_attempts
+    queues: set[str] = set()
+    jobs: list[NewJob] = []
+    for index, item in enumerate(items):
+        unknown = item.keys() - BULK_FIELDS
+        if unknown:
+            raise InvalidJobError(f"jobs[{index}]", f"unknown fields {sorted(unknown)}")
+        try:
+            job_type = item.get("type")
+            default_attempts = types.get(job_type) if type(job_type) is str else None
+            if default_attempts is None:
+                check_type(job_type)
+                default_attempts = types[job_type] = default_max_attempts(job_type)
+            queue = item.get("queue", "default")
+            if type(queue) is not str or queue not in queues:
+                queues.add(check_queue(queue))
+            max_attempts = item.get("max_attempts")
+            jobs.append(
+                NewJob(
+                    type=job_type,
+                    payload_json=check_payload(item.get("payload", {}), max_payload_bytes),
+                    queue=queue,
+                    priority=check_priority(item.get("priority", 0)),
+                    run_at=check_run_at(item.get("run_at")),
+                    max_attempts=default_attempts if max_attempts is None else check_max_attempts(max_attempts),
+                    idempotency_key=check_idempotency_key(item.get("idempotency_key")),
+                )
+            )
+        except InvalidJobError as exc:
+            raise InvalidJobError(f"jobs[{index}].{exc.field}", exc.message) from None
+    return jobs

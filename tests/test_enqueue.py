@@ -131,38 +131,91 @@ def test_idempotency_key_returns_the_existing_job(relay: Relay, db: psycopg.Conn
     assert job_count(db) == 3
 
 
-@pytest.mark.parametrize(
-    ("kwargs", "field"),
-    [
-        ({"job_type": "x", "payload": {"when": datetime.now(UTC)}}, "payload"),
-        ({"job_type": "x", "payload": {"f": float("nan")}}, "payload"),
-        ({"job_type": "x", "payload": {"s": "a\x00b"}}, "payload"),
-        ({"job_type": "x", "payload": {"s": "\ud800"}}, "payload"),
-        ({"job_type": "x", "payload": {"\ud800": 1}}, "payload"),
-        ({"job_type": "x", "payload": {"blob": "x" * 300_000}}, "payload"),
-        ({"job_type": "x", "run_at": datetime(2030, 1, 1)}, "run_at"),
-        ({"job_type": "x", "run_at": "2030-01-01T00:00:00Z"}, "run_at"),
-        ({"job_type": ""}, "type"),
-        ({"job_type": "   "}, "type"),
-        ({"job_type": "t" * 201}, "type"),
-        ({"job_type": None}, "type"),
-        ({"job_type": "x", "queue": "Has Spaces"}, "queue"),
-        ({"job_type": "x", "queue": "'; DROP TABLE relay.jobs; --"}, "queue"),
-        ({"job_type": "x", "queue": ""}, "queue"),
-        ({"job_type": "x", "priority": 10**6}, "priority"),
-        ({"job_type": "x", "priority": "high"}, "priority"),
-        ({"job_type": "x", "max_attempts": 0}, "max_attempts"),
-        ({"job_type": "x", "idempotency_key": ""}, "idempotency_key"),
-    ],
-)
+BAD_INPUTS = [
+    ({"job_type": "x", "payload": {"when": datetime.now(UTC)}}, "payload"),
+    ({"job_type": "x", "payload": {"f": float("nan")}}, "payload"),
+    ({"job_type": "x", "payload": {"s": "a\x00b"}}, "payload"),
+    ({"job_type": "x", "payload": {"s": "\ud800"}}, "payload"),
+    ({"job_type": "x", "payload": {"\ud800": 1}}, "payload"),
+    ({"job_type": "x", "payload": {"blob": "x" * 300_000}}, "payload"),
+    ({"job_type": "x", "run_at": datetime(2030, 1, 1)}, "run_at"),
+    ({"job_type": "x", "run_at": "2030-01-01T00:00:00Z"}, "run_at"),
+    ({"job_type": ""}, "type"),
+    ({"job_type": "   "}, "type"),
+    ({"job_type": "t" * 201}, "type"),
+    ({"job_type": None}, "type"),
+    ({"job_type": "x", "queue": "Has Spaces"}, "queue"),
+    ({"job_type": "x", "queue": "'; DROP TABLE relay.jobs; --"}, "queue"),
+    ({"job_type": "x", "queue": ""}, "queue"),
+    ({"job_type": "x", "priority": 10**6}, "priority"),
+    ({"job_type": "x", "priority": "high"}, "priority"),
+    ({"job_type": "x", "max_attempts": 0}, "max_attempts"),
+    ({"job_type": "x", "idempotency_key": ""}, "idempotency_key"),
+]
+
+
+@pytest.mark.parametrize(("kwargs", "field"), BAD_INPUTS)
 def test_bad_input_is_refused_and_writes_nothing(
     relay: Relay, db: psycopg.Connection, kwargs: dict, field: str
 ) -> None:
+    kwargs = dict(kwargs)  # the parameters are shared with the batch test
     job_type = kwargs.pop("job_type")
     with pytest.raises(InvalidJobError) as caught:
         relay.enqueue(job_type, kwargs.pop("payload", {}), **kwargs)
     assert caught.value.field == field
     assert job_count(db) == 0
+
+
+@pytest.mark.parametrize(("kwargs", "field"), BAD_INPUTS)
+def test_bad_input_in_a_batch_is_refused_by_position_and_writes_nothing(
+    relay: Relay, db: psycopg.Connection, kwargs: dict, field: str
+) -> None:
+    item = {("type" if key == "job_type" else key): value for key, value in kwargs.items()}
+    # Good items of the same type and queue first: a check done once per distinct value must still see the bad one.
+    batch = [{"type": "x", "payload": {"n": n}} for n in range(3)] + [item]
+    with pytest.raises(InvalidJobError) as caught:
+        relay.enqueue_many(batch)
+    assert caught.value.field == f"jobs[3].{field}"
+    assert job_count(db) == 0
+
+
+def test_a_mixed_batch_keeps_every_field_and_the_input_order(relay: Relay, db: psycopg.Connection) -> None:
+    later = datetime(2030, 1, 1, tzinfo=UTC)
+    batch = [
+        {"type": "a", "payload": {"n": 0}},
+        {"type": "b", "payload": {"n": 1}, "queue": "emails", "priority": -5},
+        {"type": "a", "payload": {"n": 2}, "run_at": later, "max_attempts": 3},
+        {"type": "a", "payload": {"n": 3}, "idempotency_key": "k3"},
+    ]
+    ids = relay.enqueue_many(batch)
+    rows = {
+        row[0]: row[1:]
+        for row in db.execute(
+            "SELECT id, type, (payload->>'n')::int, queue, priority, run_at = %s, max_attempts, idempotency_key "
+            "FROM relay.jobs",
+            (later,),
+        )
+    }
+    assert [rows[i] for i in ids] == [
+        ("a", 0, "default", 0, False, 20, None),
+        ("b", 1, "emails", -5, False, 20, None),
+        ("a", 2, "default", 0, True, 3, None),
+        ("a", 3, "default", 0, False, 20, "k3"),
+    ]
+
+
+def test_a_batch_of_alike_jobs_keeps_run_at_priority_and_queue(relay: Relay, db: psycopg.Connection) -> None:
+    later = datetime(2030, 1, 1, tzinfo=UTC)
+    ids = relay.enqueue_many(
+        [{"type": "a", "payload": {"n": n}, "queue": "q1", "priority": 7, "run_at": later} for n in range(50)]
+    )
+    rows = db.execute(
+        "SELECT id, (payload->>'n')::int, queue, priority, run_at, max_attempts, status::text "
+        "FROM relay.jobs ORDER BY id"
+    ).fetchall()
+    assert [r[0] for r in rows] == ids
+    assert [r[1] for r in rows] == list(range(50))
+    assert {r[2:] for r in rows} == {("q1", 7, later, 20, "queued")}
 
 
 def test_one_bad_item_refuses_the_whole_batch(relay: Relay, db: psycopg.Connection) -> None:

@@ -46,6 +46,25 @@ SELECT coalesce(array_agg(id ORDER BY id), '{}') AS ids,
        (SELECT n FROM notified) AS notified
 FROM inserted;
 
+-- name: job_insert_many_alike
+-- job_insert_many for the usual bulk enqueue: every job has the same type,
+-- queue, priority, run_at and max_attempts and none has an idempotency key.
+-- Only the payloads travel, as one JSON array (one document for the server's
+-- JSON parser instead of an array literal whose every element the client must
+-- escape); the rest are single parameters.
+-- transition: (new) -> queued
+WITH inserted AS (
+    INSERT INTO relay.jobs (status, type, payload, queue, priority, run_at, max_attempts)
+    SELECT 'queued', %(type)s, p.payload, %(queue)s, %(priority)s,
+           coalesce(%(run_at)s::timestamptz, now()), %(max_attempts)s
+    FROM jsonb_array_elements(%(payloads)s::jsonb) WITH ORDINALITY AS p(payload, ord)
+    ORDER BY p.ord
+    RETURNING id, run_at <= now() AS due
+)
+SELECT coalesce(array_agg(id ORDER BY id), '{}') AS ids,
+       CASE WHEN bool_or(due) THEN pg_notify('relay_jobs', %(queue)s) END AS notified
+FROM inserted;
+
 -- name: job_ids_by_idempotency_keys
 -- Resolve many idempotency keys to the jobs that hold them.
 SELECT idempotency_key, id FROM relay.jobs WHERE idempotency_key = ANY(%(idempotency_keys)s::text[]);

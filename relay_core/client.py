@@ -13,7 +13,7 @@ from psycopg_pool import ConnectionPool
 from . import admin
 from . import migrate as migrator
 from .backoff import Backoff
-from .connections import fetch_all
+from .connections import fetch_all, fetch_first_value
 from .errors import RelayError
 from .handlers import DEFAULT_MAX_ATTEMPTS, HandlerSpec, make_spec
 from .pools import make_pool, restore_transactions
@@ -187,13 +187,13 @@ class Relay:
                 restore_transactions(own)
 
     def _insert(self, conn: Any, job: NewJob) -> int:
-        rows = fetch_all(conn, sql("job_insert"), job.params())
-        if rows:
-            return rows[0]["id"]
-        existing = fetch_all(conn, sql("job_id_by_idempotency_key"), {"idempotency_key": job.idempotency_key})
-        if not existing:  # the holder was deleted between the two statements
+        job_id = fetch_first_value(conn, sql("job_insert"), job.params())
+        if job_id is not None:
+            return job_id
+        existing = fetch_first_value(conn, sql("job_id_by_idempotency_key"), {"idempotency_key": job.idempotency_key})
+        if existing is None:  # the holder was deleted between the two statements
             raise RelayError(f"idempotency key {job.idempotency_key!r} conflicted but its job vanished; retry")
-        return existing[0]["id"]
+        return existing
 
     def enqueue_many(
         self,

@@ -42,3 +42,15 @@ def fetch_all(conn: Any, sql: str, params: dict[str, Any]) -> list[dict[str, Any
     raise TypeError(
         f"conn must be a psycopg Connection or a SQLAlchemy Connection or Session, not {type(conn).__name__}"
     )
+
+
+def fetch_first_value(conn: Any, sql: str, params: dict[str, Any]) -> Any:
+    """The first column of the first row ``sql`` returns, or None when it returns no row.
+
+    The one-job enqueue's path: on psycopg it skips building a dict per row.
+    """
+    if isinstance(conn, psycopg.Connection):
+        row = conn.execute(sql, params, prepare=True).fetchone()
+        return None if row is None else row[0]
+    rows = fetch_all(conn, sql, params)
+    return next(iter(rows[0].values())) if rows else None

@@ -382,3 +382,13 @@ def test_json_log_lines_carry_job_fields(relay: Relay, python: str, worker_env: 
     done = by_message["job succeeded"]
     assert done["type"] == "record" and done["attempt"] == 1 and done["duration_ms"] >= 0
     assert done["level"] == "info" and done["logger"] == "relay"
+
+
+def test_prefetch_holds_about_ten_milliseconds_of_short_work_per_slot_and_none_of_long() -> None:
+    from relay_core.worker.runtime import MAX_PREFETCH_PER_SLOT, prefetch_per_slot
+
+    assert prefetch_per_slot(0.00005) == MAX_PREFETCH_PER_SLOT  # no-op jobs: capped
+    assert prefetch_per_slot(0.002) == 5  # 5 x 2 ms = 10 ms of waiting at most
+    assert prefetch_per_slot(0.02) == 1  # at least the next job
+    assert prefetch_per_slot(0.05) == 0  # long jobs are left for idle workers
+    assert prefetch_per_slot(3.0) == 0

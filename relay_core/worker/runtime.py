@@ -39,9 +39,19 @@ from .vacuum import vacuum_if_needed
 
 #: How long the producer lets freed slots gather before claiming for them.
 CLAIM_COALESCE_SECONDS = 0.002
-#: Jobs that typically finish faster than this are prefetched (PREFETCH_PER_SLOT per slot).
+#: Jobs that typically finish faster than this are prefetched; longer ones are not.
 PREFETCH_BELOW_SECONDS = 0.05
-PREFETCH_PER_SLOT = 2
+#: A slot holds about this much prefetched work: how long a prefetched job may wait in it.
+PREFETCH_WORK_SECONDS = 0.01
+#: ... and never more than this many jobs beyond the one it runs.
+MAX_PREFETCH_PER_SLOT = 16
+
+
+def prefetch_per_slot(typical_run: float) -> int:
+    """Jobs a slot holds beyond the one it runs, for handlers that typically take ``typical_run`` s."""
+    if typical_run >= PREFETCH_BELOW_SECONDS:
+        return 0
+    return max(1, min(MAX_PREFETCH_PER_SLOT, int(PREFETCH_WORK_SECONDS / max(typical_run, 1e-6))))
 
 
 @dataclass
@@ -391,15 +401,16 @@ class Worker:
                 delay = min(delay * 2, 5.0)
 
     def prefetch(self) -> int:
-        """How many jobs to hold beyond the slots: a slot's next job, while jobs are short.
+        """How many jobs to hold beyond the slots: the next few, while jobs are short.
 
         Short jobs would otherwise leave slots idle for every claim's round
-        trip. Long jobs get no prefetch: a job held behind a long one while
+        trip, and larger claims cost less per job. Each slot holds about
+        PREFETCH_WORK_SECONDS of typical work (at least one job, at most
+        MAX_PREFETCH_PER_SLOT), so a prefetched job waits about that long at
+        most. Long jobs get no prefetch: a job held behind a long one while
         another worker sits idle would only wait longer.
         """
-        if self._typical_run < PREFETCH_BELOW_SECONDS:
-            return PREFETCH_PER_SLOT * self.config.concurrency
-        return 0
+        return prefetch_per_slot(self._typical_run) * self.config.concurrency
 
     def _produce(self) -> None:
         delay = 0.1

@@ -264,3 +264,16 @@ def test_the_pool_stamps_returns_so_only_idle_connections_are_checked(relay: Rel
     pool = relay.pool
     assert pool.returned_at, "a returned connection carries its return time"
     assert all(time.monotonic() - t < 5 for t in pool.returned_at.values())
+
+
+@pytest.mark.parametrize("queue", ["Has Spaces", "", ".hidden", "-dash", "q" * 64, "Default"])
+def test_the_table_itself_refuses_a_bad_queue_name_written_by_hand(db: psycopg.Connection, queue: str) -> None:
+    with pytest.raises(psycopg.errors.CheckViolation):
+        db.execute("INSERT INTO relay.jobs (type, queue) VALUES ('x', %s)", (queue,))
+    assert job_count(db) == 0
+
+
+def test_the_table_accepts_the_default_queue_and_named_ones_written_by_hand(db: psycopg.Connection) -> None:
+    for queue in ("default", "emails", "a.b-c_9", "q" * 63):
+        db.execute("INSERT INTO relay.jobs (type, queue) VALUES ('x', %s)", (queue,))
+    assert job_count(db) == 4

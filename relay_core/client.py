@@ -16,7 +16,7 @@ from .backoff import Backoff
 from .connections import fetch_all, fetch_first_value
 from .errors import RelayError
 from .handlers import DEFAULT_MAX_ATTEMPTS, HandlerSpec, make_spec
-from .pools import make_pool, restore_transactions
+from .pools import make_pool
 from .queries import sql
 from .settings import database_url, env_int
 from .validation import DEFAULT_MAX_PAYLOAD_BYTES, NewJob, new_job, new_jobs
@@ -60,10 +60,20 @@ class Relay:
 
     @property
     def pool(self) -> ConnectionPool:
-        """A small connection pool for enqueues without ``conn`` and admin reads."""
+        """A small pool of autocommit connections for enqueues without ``conn`` and admin actions.
+
+        An enqueue is one statement, so autocommit makes it its own transaction
+        with no BEGIN/COMMIT round trips; admin actions that need several
+        statements open ``conn.transaction()`` themselves.
+        """
+        pool = self._pool
+        if pool is not None:
+            return pool
         with self._pool_lock:
             if self._pool is None:
-                self._pool = make_pool(self.dsn, name="relay-client", min_size=1, max_size=self._pool_size)
+                self._pool = make_pool(
+                    self.dsn, name="relay-client", min_size=1, max_size=self._pool_size, autocommit=True
+                )
                 self._pool.open()
             return self._pool
 
@@ -178,13 +188,8 @@ class Relay:
         )
         if conn is not None:
             return self._insert(conn, job)
-        with self.pool.connection() as own:
-            # One statement is its own transaction: autocommit saves the BEGIN and COMMIT round trips.
-            own.autocommit = True
-            try:
-                return self._insert(own, job)
-            finally:
-                restore_transactions(own)
+        with self.pool.connection() as own:  # autocommit: the insert is its own transaction
+            return self._insert(own, job)
 
     def _insert(self, conn: Any, job: NewJob) -> int:
         job_id = fetch_first_value(conn, sql("job_insert"), job.params())
@@ -215,12 +220,8 @@ class Relay:
             return []
         if conn is not None:
             return self._insert_many(conn, validated)
-        with self.pool.connection() as own:
-            own.autocommit = True
-            try:
-                return self._insert_many(own, validated)
-            finally:
-                restore_transactions(own)
+        with self.pool.connection() as own:  # autocommit: one statement, its own transaction
+            return self._insert_many(own, validated)
 
     def _insert_many(self, conn: Any, jobs: list[NewJob]) -> list[int]:
         first = jobs[0]

@@ -34,8 +34,15 @@ class RelayPool(ConnectionPool):
         super().putconn(conn)
 
 
-def make_pool(dsn: str, *, name: str, min_size: int, max_size: int, timeout: float = 30.0) -> RelayPool:
-    """An unopened pool whose connections are checked when idle for over a second."""
+def make_pool(
+    dsn: str, *, name: str, min_size: int, max_size: int, timeout: float = 30.0, autocommit: bool = False
+) -> RelayPool:
+    """An unopened pool whose connections are checked when idle for over a second.
+
+    ``autocommit`` pools suit one-statement work (an enqueue is its own
+    transaction): no BEGIN/COMMIT round trips and no switching per checkout;
+    multi-statement work on them opens ``conn.transaction()`` explicitly.
+    """
     pool: RelayPool | None = None
 
     def check_if_idle(conn: psycopg.Connection) -> None:
@@ -52,6 +59,7 @@ def make_pool(dsn: str, *, name: str, min_size: int, max_size: int, timeout: flo
         timeout=timeout,
         configure=configure_session,
         check=check_if_idle,
+        kwargs={"autocommit": autocommit},
     )
     return pool
 

@@ -12,7 +12,9 @@ import pytest
 import sqlalchemy
 from sqlalchemy.orm import Session
 
-from relay_core import InvalidJobError, Relay
+from relay_core import IllegalTransition, InvalidJobError, Relay
+
+from .helpers import job_status
 
 
 def job_count(db: psycopg.Connection) -> int:
@@ -277,3 +279,15 @@ def test_the_table_accepts_the_default_queue_and_named_ones_written_by_hand(db: 
     for queue in ("default", "emails", "a.b-c_9", "q" * 63):
         db.execute("INSERT INTO relay.jobs (type, queue) VALUES ('x', %s)", (queue,))
     assert job_count(db) == 4
+
+
+def test_the_client_pool_hands_out_autocommit_connections_and_admin_actions_still_work(
+    relay: Relay, db: psycopg.Connection
+) -> None:
+    with relay.pool.connection() as conn:
+        assert conn.autocommit, "an enqueue without conn is one statement: its own transaction"
+    job_id = relay.enqueue("t")
+    relay.cancel(job_id)
+    with pytest.raises(IllegalTransition):
+        relay.cancel(job_id)  # refused, and the refusal changes nothing
+    assert job_status(db, job_id) == "cancelled"

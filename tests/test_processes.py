@@ -96,6 +96,13 @@ def run_crash_drill(
     workers = [start_worker_process(python, env, *args) for _ in range(3)]
     graceful, crashed, _survivor = workers
     try:
+        # Both workers about to be signalled must be running jobs first: a worker whose
+        # interpreter started late would otherwise be signalled before its first claim.
+        wait_for(
+            lambda: {graceful.pid, crashed.pid} <= {row[1] for row in executions(db)},
+            timeout=60,
+            what="both signalled workers to start jobs",
+        )
         wait_for(lambda: status_counts(db).get("succeeded", 0) >= total // 5, timeout=60, what="progress")
         graceful.send_signal(signal.SIGTERM)
         crashed.send_signal(signal.SIGKILL)

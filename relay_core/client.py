@@ -14,12 +14,12 @@ from . import admin
 from . import migrate as migrator
 from .backoff import Backoff
 from .connections import fetch_all, fetch_first_value
-from .errors import RelayError
+from .errors import InvalidJobError, RelayError
 from .handlers import DEFAULT_MAX_ATTEMPTS, HandlerSpec, make_spec
 from .pools import make_pool
 from .queries import sql
 from .settings import database_url, env_int
-from .validation import DEFAULT_MAX_PAYLOAD_BYTES, NewJob, new_job, new_jobs
+from .validation import DEFAULT_MAX_PAYLOAD_BYTES, NewJob, new_job
 from .worker import Worker, WorkerConfig
 
 #: Bulk payloads up to this many characters in all travel as one JSON document
@@ -135,11 +135,6 @@ class Relay:
 
     # -- enqueue -----------------------------------------------------------
 
-    def _default_max_attempts(self, job_type: str) -> int:
-        """A job type's attempts when the enqueue names none: its handler's, else the app's."""
-        spec = self.handlers.get(job_type)
-        return spec.max_attempts if spec else self.default_max_attempts
-
     def _validated(
         self,
         job_type: Any,
@@ -150,8 +145,9 @@ class Relay:
         max_attempts: int | None,
         idempotency_key: str | None,
     ) -> NewJob:
-        if max_attempts is None and isinstance(job_type, str):
-            max_attempts = self._default_max_attempts(job_type)
+        if max_attempts is None:
+            spec = self.handlers.get(job_type) if isinstance(job_type, str) else None
+            max_attempts = spec.max_attempts if spec else self.default_max_attempts
         return new_job(
             job_type,
             payload,
@@ -213,9 +209,26 @@ class Relay:
         ``idempotency_key``. Every item is validated first: one bad item
         means nothing is written. ``conn`` works as in :meth:`enqueue`.
         """
-        validated = new_jobs(
-            jobs, default_max_attempts=self._default_max_attempts, max_payload_bytes=self.max_payload_bytes
-        )
+        allowed = {"type", "payload", "queue", "priority", "run_at", "max_attempts", "idempotency_key"}
+        validated: list[NewJob] = []
+        for index, item in enumerate(jobs):
+            unknown = set(item) - allowed
+            if unknown:
+                raise InvalidJobError(f"jobs[{index}]", f"unknown fields {sorted(unknown)}")
+            try:
+                validated.append(
+                    self._validated(
+                        item.get("type"),
+                        item.get("payload", {}),
+                        item.get("queue", "default"),
+                        item.get("priority", 0),
+                        item.get("run_at"),
+                        item.get("max_attempts"),
+                        item.get("idempotency_key"),
+                    )
+                )
+            except InvalidJobError as exc:
+                raise InvalidJobError(f"jobs[{index}].{exc.field}", exc.message) from None
         if not validated:
             return []
         if conn is not None:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -23,8 +22,6 @@ PRIORITY_RANGE = (-32768, 32767)
 DEFAULT_MAX_PAYLOAD_BYTES = 256 * 1024
 #: One encoder for every payload (json.dumps with options builds a new one per call).
 PAYLOAD_ENCODER = json.JSONEncoder(allow_nan=False, ensure_ascii=False, separators=(",", ":"))
-#: The fields one item of a bulk enqueue may hold.
-BULK_FIELDS = frozenset({"type", "payload", "queue", "priority", "run_at", "max_attempts", "idempotency_key"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,41 +155,3 @@ def new_job(
         max_attempts=check_max_attempts(max_attempts),
         idempotency_key=check_idempotency_key(idempotency_key),
     )
-
-
-def new_jobs(
-    items: Iterable[Mapping[str, Any]],
-    *,
-    default_max_attempts: Callable[[str], int],
-    max_payload_bytes: int,
-) -> list[NewJob]:
-    """Validate a bulk enqueue item by item with :func:`new_job`; raise on the first bad one.
-
-    Errors name the item: ``jobs[3].payload``. ``default_max_attempts`` gives
-    a type's attempts when an item names none.
-    """
-    jobs: list[NewJob] = []
-    for index, item in enumerate(items):
-        unknown = item.keys() - BULK_FIELDS
-        if unknown:
-            raise InvalidJobError(f"jobs[{index}]", f"unknown fields {sorted(unknown)}")
-        job_type = item.get("type")
-        max_attempts = item.get("max_attempts")
-        if max_attempts is None and isinstance(job_type, str):
-            max_attempts = default_max_attempts(job_type)
-        try:
-            jobs.append(
-                new_job(
-                    job_type,
-                    item.get("payload", {}),
-                    queue=item.get("queue", "default"),
-                    priority=item.get("priority", 0),
-                    run_at=item.get("run_at"),
-                    max_attempts=max_attempts,
-                    idempotency_key=item.get("idempotency_key"),
-                    max_payload_bytes=max_payload_bytes,
-                )
-            )
-        except InvalidJobError as exc:
-            raise InvalidJobError(f"jobs[{index}].{exc.field}", exc.message) from None
-    return jobs

@@ -184,11 +184,17 @@ class Relay:
         )
         if conn is not None:
             return self._insert(conn, job)
-        with self.pool.connection() as own:  # autocommit: the insert is its own transaction
+        pool = self.pool
+        own = pool.getconn()  # autocommit: the insert is its own transaction
+        try:
             return self._insert(own, job)
+        finally:
+            pool.putconn(own)
 
     def _insert(self, conn: Any, job: NewJob) -> int:
-        job_id = fetch_first_value(conn, sql("job_insert"), job.params())
+        if job.idempotency_key is None:
+            return fetch_first_value(conn, sql("job_insert"), job.params())
+        job_id = fetch_first_value(conn, sql("job_insert_keyed"), job.params())
         if job_id is not None:
             return job_id
         existing = fetch_first_value(conn, sql("job_id_by_idempotency_key"), {"idempotency_key": job.idempotency_key})

@@ -291,3 +291,18 @@ def test_the_client_pool_hands_out_autocommit_connections_and_admin_actions_stil
     with pytest.raises(IllegalTransition):
         relay.cancel(job_id)  # refused, and the refusal changes nothing
     assert job_status(db, job_id) == "cancelled"
+
+
+def test_an_enqueue_the_database_refuses_hands_its_connection_back(relay: Relay, db: psycopg.Connection) -> None:
+    relay.enqueue("warm_up")
+    db.execute("ALTER TABLE relay.jobs ADD CONSTRAINT test_refuses_forbidden CHECK (type <> 'forbidden')")
+    try:
+        for _ in range(relay._pool_size + 1):  # more refusals than the pool holds connections
+            with pytest.raises(psycopg.errors.CheckViolation):
+                relay.enqueue("forbidden")
+        stats = relay.pool.get_stats()
+        assert stats["pool_available"] == stats["pool_size"], stats
+        relay.enqueue("allowed")
+    finally:
+        db.execute("ALTER TABLE relay.jobs DROP CONSTRAINT test_refuses_forbidden")
+    assert job_count(db) == 2

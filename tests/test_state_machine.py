@@ -42,6 +42,7 @@ def test_every_status_writer_declares_legal_guarded_transitions() -> None:
     writers = {name: q for name, q in QUERIES.items() if writes_status(q.sql)}
     assert {
         "job_insert",
+        "job_insert_keyed",
         "job_insert_many",
         "job_claim",
         "job_succeed_many",

@@ -69,7 +69,7 @@ def enqueue_due(conn: psycopg.Connection, specs: Iterable[HandlerSpec]) -> list[
                 continue
             key = f"cron:{spec.type}:{tick.isoformat()}"
             conn.execute(
-                sql("job_insert"),
+                sql("job_insert_keyed"),
                 {
                     "type": spec.type,
                     "payload": json.dumps({"scheduled_for": tick.isoformat()}),

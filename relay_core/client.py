@@ -18,7 +18,7 @@ from .errors import InvalidJobError, RelayError
 from .handlers import DEFAULT_MAX_ATTEMPTS, HandlerSpec, make_spec
 from .pools import make_pool
 from .queries import sql
-from .settings import database_url, env_int
+from .settings import database_url, env_bool, env_int
 from .validation import DEFAULT_MAX_PAYLOAD_BYTES, NewJob, new_job
 from .worker import Worker, WorkerConfig
 
@@ -42,10 +42,15 @@ class Relay:
         max_payload_bytes: int | None = None,
         default_max_attempts: int = DEFAULT_MAX_ATTEMPTS,
         pool_size: int = 4,
+        notify: bool | None = None,
     ) -> None:
         self._dsn = dsn
         self.max_payload_bytes = max_payload_bytes or env_int("RELAY_MAX_PAYLOAD_BYTES", DEFAULT_MAX_PAYLOAD_BYTES)
         self.default_max_attempts = default_max_attempts
+        #: Whether an enqueue NOTIFYs idle workers (``RELAY_NOTIFY``, default true).
+        #: PostgreSQL serialises the commits of all notifying transactions, so
+        #: many concurrent producers may prefer to let workers poll instead.
+        self.notify = env_bool("RELAY_NOTIFY", True) if notify is None else notify
         self.handlers: dict[str, HandlerSpec] = {}
         self._pool: ConnectionPool | None = None
         self._pool_size = pool_size
@@ -192,9 +197,11 @@ class Relay:
             pool.putconn(own)
 
     def _insert(self, conn: Any, job: NewJob) -> int:
+        params = job.params()
+        params["notify"] = self.notify
         if job.idempotency_key is None:
-            return fetch_first_value(conn, sql("job_insert"), job.params())
-        job_id = fetch_first_value(conn, sql("job_insert_keyed"), job.params())
+            return fetch_first_value(conn, sql("job_insert"), params)
+        job_id = fetch_first_value(conn, sql("job_insert_keyed"), params)
         if job_id is not None:
             return job_id
         existing = fetch_first_value(conn, sql("job_id_by_idempotency_key"), {"idempotency_key": job.idempotency_key})
@@ -261,6 +268,7 @@ class Relay:
                 "run_at": first.run_at,
                 "max_attempts": first.max_attempts,
                 "payloads": "[" + ",".join(j.payload_json for j in jobs) + "]",
+                "notify": self.notify,
             }
             return list(fetch_all(conn, sql("job_insert_many_alike"), alike)[0]["ids"])
         params = {
@@ -271,6 +279,7 @@ class Relay:
             "run_ats": [j.run_at for j in jobs],
             "max_attempts": [j.max_attempts for j in jobs],
             "idempotency_keys": [j.idempotency_key for j in jobs],
+            "notify": self.notify,
         }
         row = fetch_all(conn, sql("job_insert_many"), params)[0]
         inserted_ids: list[int] = list(row["ids"])

@@ -12,7 +12,7 @@ import pytest
 import sqlalchemy
 from sqlalchemy.orm import Session
 
-from relay_core import IllegalTransition, InvalidJobError, Relay
+from relay_core import ConfigurationError, IllegalTransition, InvalidJobError, Relay
 
 from .helpers import job_status
 
@@ -306,3 +306,42 @@ def test_an_enqueue_the_database_refuses_hands_its_connection_back(relay: Relay,
     finally:
         db.execute("ALTER TABLE relay.jobs DROP CONSTRAINT test_refuses_forbidden")
     assert job_count(db) == 2
+
+
+def notes_within(listener: psycopg.Connection, seconds: float) -> list[str]:
+    """The payloads of the notifications ``listener`` receives within ``seconds``."""
+    return [n.payload for n in listener.notifies(timeout=seconds)]
+
+
+def test_a_relay_with_notify_off_enqueues_without_waking_anyone(dsn: str, db: psycopg.Connection) -> None:
+    quiet = Relay(dsn, notify=False)
+    loud = Relay(dsn)
+    try:
+        with psycopg.connect(dsn, autocommit=True) as listener:
+            listener.execute("LISTEN relay_jobs")
+            quiet.enqueue("a")
+            quiet.enqueue("b", idempotency_key="b-1")
+            quiet.enqueue_many([{"type": "c"}, {"type": "c"}])  # alike
+            quiet.enqueue_many([{"type": "d"}, {"type": "e", "queue": "other"}])  # mixed
+            assert notes_within(listener, 0.5) == []
+            assert job_count(db) == 6, "every job was written"
+            loud.enqueue("f")
+            assert notes_within(listener, 2.0) == ["default"], "the default still notifies"
+    finally:
+        quiet.close()
+        loud.close()
+
+
+@pytest.mark.parametrize(
+    ("raw", "expected"), [("false", False), ("0", False), ("off", False), ("true", True), ("", True)]
+)
+def test_relay_notify_comes_from_the_environment(monkeypatch: pytest.MonkeyPatch, raw: str, expected: bool) -> None:
+    monkeypatch.setenv("RELAY_NOTIFY", raw)
+    assert Relay("postgresql://unused").notify is expected
+    assert Relay("postgresql://unused", notify=not expected).notify is (not expected), "the argument wins"
+
+
+def test_a_malformed_relay_notify_is_refused_clearly(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RELAY_NOTIFY", "sometimes")
+    with pytest.raises(ConfigurationError, match="RELAY_NOTIFY must be true or false, got 'sometimes'"):
+        Relay("postgresql://unused")

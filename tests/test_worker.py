@@ -392,3 +392,18 @@ def test_prefetch_holds_about_ten_milliseconds_of_short_work_per_slot_and_none_o
     assert prefetch_per_slot(0.02) == 1  # at least the next job
     assert prefetch_per_slot(0.05) == 0  # long jobs are left for idle workers
     assert prefetch_per_slot(3.0) == 0
+
+
+def test_jobs_enqueued_with_notify_off_are_found_by_polling(relay: Relay, dsn: str, db: psycopg.Connection) -> None:
+    @relay.handler("ping")
+    def ping(job: Job) -> None:
+        return None
+
+    quiet = Relay(dsn, notify=False)
+    try:
+        with running_worker(relay, poll_interval=0.2) as worker:
+            wait_for(lambda: worker.listener.connected.is_set())
+            ids = [quiet.enqueue("ping") for _ in range(5)] + quiet.enqueue_many([{"type": "ping"}] * 5)
+            wait_for(lambda: all(job_status(db, j) == "succeeded" for j in ids), timeout=10, what="found by polling")
+    finally:
+        quiet.close()

@@ -9,12 +9,13 @@
 -- Insert one job without an idempotency key. Nothing can conflict, so this is a
 -- plain INSERT: ON CONFLICT would make it a speculative insertion, which costs
 -- an extra WAL record and index probe on every enqueue.
--- The NOTIFY is sent in the caller's transaction, so it fires only on commit.
+-- The NOTIFY is sent in the caller's transaction, so it fires only on commit;
+-- %(notify)s is false for producers configured not to wake workers (RELAY_NOTIFY).
 -- transition: (new) -> queued
 INSERT INTO relay.jobs (status, type, payload, queue, priority, run_at, max_attempts, idempotency_key)
 VALUES ('queued', %(type)s, %(payload)s::jsonb, %(queue)s, %(priority)s,
         coalesce(%(run_at)s::timestamptz, now()), %(max_attempts)s, %(idempotency_key)s)
-RETURNING id, CASE WHEN run_at <= now() THEN pg_notify('relay_jobs', queue) END AS notified;
+RETURNING id, CASE WHEN %(notify)s AND run_at <= now() THEN pg_notify('relay_jobs', queue) END AS notified;
 
 -- name: job_insert_keyed
 -- Insert one job with an idempotency key; on a conflict insert nothing and return no row.
@@ -26,7 +27,7 @@ WITH inserted AS (
     ON CONFLICT (idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING
     RETURNING id, queue, run_at <= now() AS due
 )
-SELECT id, CASE WHEN due THEN pg_notify('relay_jobs', queue) END AS notified FROM inserted;
+SELECT id, CASE WHEN due AND %(notify)s THEN pg_notify('relay_jobs', queue) END AS notified FROM inserted;
 
 -- name: job_id_by_idempotency_key
 -- The job that already holds an idempotency key.
@@ -49,7 +50,7 @@ WITH input AS (
     RETURNING id, queue, run_at <= now() AS due, idempotency_key
 ), notified AS (
     SELECT count(pg_notify('relay_jobs', queue)) AS n
-    FROM (SELECT DISTINCT queue FROM inserted WHERE due) AS due_queues
+    FROM (SELECT DISTINCT queue FROM inserted WHERE due AND %(notify)s) AS due_queues
 )
 SELECT coalesce(array_agg(id ORDER BY id), '{}') AS ids,
        coalesce(array_agg(idempotency_key ORDER BY id), '{}') AS keys,
@@ -72,7 +73,7 @@ WITH inserted AS (
     RETURNING id, run_at <= now() AS due
 )
 SELECT coalesce(array_agg(id ORDER BY id), '{}') AS ids,
-       CASE WHEN bool_or(due) THEN pg_notify('relay_jobs', %(queue)s) END AS notified
+       CASE WHEN bool_or(due) AND %(notify)s THEN pg_notify('relay_jobs', %(queue)s) END AS notified
 FROM inserted;
 
 -- name: job_ids_by_idempotency_keys

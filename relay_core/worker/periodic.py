@@ -78,6 +78,7 @@ def enqueue_due(conn: psycopg.Connection, specs: Iterable[HandlerSpec]) -> list[
                     "run_at": None,
                     "max_attempts": spec.max_attempts,
                     "idempotency_key": key,
+                    "notify": True,
                 },
             )
             enqueued.append((spec.type, tick.isoformat()))

@@ -190,7 +190,9 @@ class Relay:
         if conn is not None:
             return self._insert(conn, job)
         pool = self.pool
-        own = pool.getconn()  # autocommit: the insert is its own transaction
+        # The pool's connections are autocommit (see ``pool``), so the insert is
+        # its own transaction and there is nothing to commit before returning it.
+        own = pool.getconn()
         try:
             return self._insert(own, job)
         finally:

@@ -37,7 +37,7 @@ class NewJob:
     idempotency_key: str | None
 
     def params(self) -> dict[str, Any]:
-        """Parameters of the ``job_insert`` statement."""
+        """Parameters of the ``job_insert`` / ``job_insert_keyed`` statements, but ``notify``, which the client adds."""
         return {
             "type": self.type,
             "payload": self.payload_json,

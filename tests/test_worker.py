@@ -401,9 +401,11 @@ def test_jobs_enqueued_with_notify_off_are_found_by_polling(relay: Relay, dsn: s
 
     quiet = Relay(dsn, notify=False)
     try:
-        with running_worker(relay, poll_interval=0.2) as worker:
+        with psycopg.connect(dsn, autocommit=True) as listener, running_worker(relay, poll_interval=0.2) as worker:
+            listener.execute("LISTEN relay_jobs")
             wait_for(lambda: worker.listener.connected.is_set())
             ids = [quiet.enqueue("ping") for _ in range(5)] + quiet.enqueue_many([{"type": "ping"}] * 5)
             wait_for(lambda: all(job_status(db, j) == "succeeded" for j in ids), timeout=10, what="found by polling")
+            assert list(listener.notifies(timeout=0.2)) == [], "no wake-up was sent: polling found them"
     finally:
         quiet.close()

@@ -173,7 +173,7 @@ def test_bad_input_in_a_batch_is_refused_by_position_and_writes_nothing(
     relay: Relay, db: psycopg.Connection, kwargs: dict, field: str
 ) -> None:
     item = {("type" if key == "job_type" else key): value for key, value in kwargs.items()}
-    # Good items of the same type and queue first: a check done once per distinct value must still see the bad one.
+    # Good items of the same type and queue first: the bad one is found wherever it stands.
     batch = [{"type": "x", "payload": {"n": n}} for n in range(3)] + [item]
     with pytest.raises(InvalidJobError) as caught:
         relay.enqueue_many(batch)

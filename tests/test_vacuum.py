@@ -68,6 +68,22 @@ def test_a_few_dead_rows_are_left_for_later(relay: Relay, dsn: str, db: psycopg.
     assert _jobs_stats(db)[0] >= 50
 
 
+@pytest.mark.parametrize("spelling", ["off", "0", "no"])
+def test_autovacuum_switched_off_in_any_spelling_is_noticed(
+    relay: Relay, dsn: str, db: psycopg.Connection, spelling: str
+) -> None:
+    if not db.execute("SELECT current_setting('autovacuum')::boolean").fetchone()[0]:
+        pytest.skip("the server's autovacuum is off, so every table qualifies whatever its own setting says")
+    db.execute(f"ALTER TABLE relay.jobs SET (autovacuum_enabled = {spelling})")
+    try:
+        _leave_dead_rows(relay, dsn, VACUUM_THRESHOLD * 3)
+        wait_for(lambda: _jobs_stats(db)[0] >= VACUUM_THRESHOLD * 3, timeout=10, what="dead rows counted")
+        with psycopg.connect(dsn) as conn:
+            assert "jobs" in vacuum_if_needed(conn)
+    finally:
+        db.execute("ALTER TABLE relay.jobs RESET (autovacuum_enabled)")
+
+
 def test_tables_autovacuum_looks_after_are_left_to_it(db: psycopg.Connection, dsn: str, relay: Relay) -> None:
     db.execute("ALTER TABLE relay.jobs SET (autovacuum_enabled = true)")
     try:

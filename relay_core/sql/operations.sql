@@ -123,7 +123,7 @@ FROM pg_stat_user_tables AS s
 JOIN pg_class AS c ON c.oid = s.relid
 WHERE s.schemaname = 'relay'
   AND (NOT current_setting('autovacuum')::boolean
-       OR 'autovacuum_enabled=false' = ANY (coalesce(c.reloptions, '{}'))
-       OR 'autovacuum_enabled=off' = ANY (coalesce(c.reloptions, '{}')))
+       OR EXISTS (SELECT 1 FROM pg_options_to_table(c.reloptions) AS o  -- any spelling: off, false, no, 0
+                  WHERE o.option_name = 'autovacuum_enabled' AND NOT o.option_value::boolean))
   AND s.n_dead_tup > %(threshold)s + %(scale_factor)s * s.n_live_tup
 ORDER BY s.n_dead_tup DESC;

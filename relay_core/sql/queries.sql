@@ -12,9 +12,9 @@
 -- The NOTIFY is sent in the caller's transaction, so it fires only on commit;
 -- %(notify)s is false for producers configured not to wake workers (RELAY_NOTIFY).
 -- transition: (new) -> queued
-INSERT INTO relay.jobs (status, type, payload, queue, priority, run_at, max_attempts, idempotency_key)
+INSERT INTO relay.jobs (status, type, payload, queue, priority, run_at, max_attempts)
 VALUES ('queued', %(type)s, %(payload)s::jsonb, %(queue)s, %(priority)s,
-        coalesce(%(run_at)s::timestamptz, now()), %(max_attempts)s, %(idempotency_key)s)
+        coalesce(%(run_at)s::timestamptz, now()), %(max_attempts)s)
 RETURNING id, CASE WHEN %(notify)s AND run_at <= now() THEN pg_notify('relay_jobs', queue) END AS notified;
 
 -- name: job_insert_keyed

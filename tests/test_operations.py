@@ -11,7 +11,7 @@ from datetime import UTC, datetime, timedelta
 import psycopg
 import pytest
 
-from relay_core import IllegalTransition, Job, Relay
+from relay_core import Backoff, IllegalTransition, Job, Relay, Snooze
 from relay_core.worker.periodic import enqueue_due, publish
 from relay_core.worker.retention import Retention, prune_once
 
@@ -186,6 +186,40 @@ def test_running_job_is_cancelled_cooperatively(relay: Relay, db: psycopg.Connec
     with pytest.raises(IllegalTransition, match="it is cancelled"):
         relay.cancel(job_id)
     assert relay.requeue(job_id).status == "queued"
+
+
+@pytest.mark.parametrize("ending", ["raises", "snoozes", "is handed back"])
+def test_cancel_requested_while_running_is_not_carried_to_another_attempt(
+    relay: Relay, db: psycopg.Connection, ending: str
+) -> None:
+    """The attempt ends before any heartbeat told the worker of the request: the job still ends cancelled."""
+    asked = threading.Event()
+    runs: list[int] = []
+
+    @relay.handler("report", max_attempts=3, backoff=Backoff(base=0.05, factor=1, jitter=0))
+    def report(job: Job) -> None:
+        runs.append(job.attempt)
+        asked.wait(10)
+        if ending == "raises":
+            raise ConnectionError("upstream closed the connection")
+        if ending == "snoozes":
+            raise Snooze(0.05)
+        time.sleep(10)  # still running when the worker's shutdown timeout ends
+
+    job_id = relay.enqueue("report")
+    # Heartbeats far apart: the worker has not heard of the request when the attempt ends.
+    with running_worker(relay, heartbeat_interval=8.0, lease_seconds=30.0, shutdown_timeout=0.2, poll_interval=0.05):
+        wait_for(lambda: job_status(db, job_id) == "claimed")
+        relay.cancel(job_id)
+        asked.set()
+        if ending != "is handed back":
+            wait_for(lambda: job_status(db, job_id) != "claimed", what="the attempt to end")
+            time.sleep(0.5)  # room for a wrongly requeued job to be claimed again
+    job = relay.get_job(job_id)
+    assert job.status == "cancelled" and job.finished_at is not None
+    assert runs == [1]
+    if ending == "raises":
+        assert [e["type"] for e in job.errors] == ["ConnectionError"]
 
 
 def test_progress_is_visible_while_running_and_the_result_is_kept(relay: Relay, db: psycopg.Connection) -> None:

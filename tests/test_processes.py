@@ -86,6 +86,36 @@ def test_sigterm_hands_back_unfinished_jobs_at_once(
         stop_process(worker)
 
 
+def test_job_handed_back_with_its_handler_running_starts_elsewhere_only_after_the_process_exits(
+    relay: Relay, db: psycopg.Connection, python: str, worker_env: dict
+) -> None:
+    env = dict(worker_env, RELAY_POLL_INTERVAL="0.05")
+    worker_a = start_worker_process(python, env, "--lease", "60", "--shutdown-timeout", "0.3", "--concurrency", "1")
+    worker_b = None
+    try:
+        job_id = relay.enqueue("record", {"sleep": 30})
+        wait_for(lambda: executions(db, job_id), what="worker A to start the job")
+        worker_b = start_worker_process(python, env, "--lease", "60", "--shutdown-timeout", "0.3")
+        worker_a.send_signal(signal.SIGTERM)
+        assert worker_a.wait(15) == 0
+        (a_gone,) = db.execute("SELECT clock_timestamp()").fetchone()
+        wait_for(
+            lambda: any(row[1] == worker_b.pid for row in executions(db, job_id)),
+            timeout=20,
+            what="worker B to start the handed-back job",
+        )
+        (b_started,) = db.execute(
+            "SELECT min(at) FROM relay_test.executions WHERE job_id = %s AND pid = %s", (job_id, worker_b.pid)
+        ).fetchone()
+        # A's handler thread ran until A's process exited; B started only after that.
+        assert b_started > a_gone
+        assert [row[1] for row in executions(db, job_id)] == [worker_a.pid, worker_b.pid]
+    finally:
+        stop_process(worker_a)
+        if worker_b is not None:
+            stop_process(worker_b)
+
+
 def run_crash_drill(
     relay: Relay, db: psycopg.Connection, python: str, env: dict, job_type: str, total: int
 ) -> tuple[int, int]:

@@ -156,7 +156,9 @@ def test_every_transition_seen_under_real_work_is_legal(relay: Relay, audited: p
     token = audited.execute(
         sql("job_claim"), {"queues": ["sweep"], "limit": 5, "worker_id": "w", "lease_seconds": 30, "locked": False}
     ).fetchone()[7]
-    handed = audited.execute(sql("job_hand_back_many"), {"ids": [expiring], "tokens": [token]}).fetchall()
+    handed = audited.execute(
+        sql("job_hand_back_many"), {"ids": [expiring], "tokens": [token], "delays": [0.0]}
+    ).fetchall()
     assert handed == [(expiring,)]
 
     seen = set(audited.execute("SELECT from_status, to_status FROM relay_test.transitions").fetchall())

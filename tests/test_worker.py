@@ -9,7 +9,9 @@ from datetime import timedelta
 
 import psycopg
 
-from relay_core import Backoff, Job, PermanentFailure, Relay, Snooze
+from relay_core import Backoff, Job, PermanentFailure, Relay, Snooze, Worker
+from relay_core.worker.config import WorkerConfig
+from relay_core.worker.runtime import Slot
 
 from .helpers import job_status, running_worker, wait_for
 
@@ -102,12 +104,54 @@ def test_handler_past_its_timeout_is_a_failed_attempt(relay: Relay, db: psycopg.
         return None
 
     job_id = relay.enqueue("hang")
-    with running_worker(relay, concurrency=1):
-        wait_for(lambda: job_status(db, job_id) == "dead", timeout=15)
+    with running_worker(relay, concurrency=1, lease_seconds=1.5, heartbeat_interval=0.3) as worker:
+        wait_for(lambda: job_id in worker._overdue, timeout=15, what="the timeout to pass")
         # The stuck thread does not eat the only slot: the next job still runs.
         next_id = relay.enqueue("after")
         wait_for(lambda: job_status(db, next_id) == "succeeded", timeout=15)
+        # Its thread still runs, so the job keeps its lease, renewed past the 1.5 s lease.
+        time.sleep(2.0)
+        assert job_status(db, job_id) == "claimed"
         release.set()
+        wait_for(lambda: job_status(db, job_id) == "dead", timeout=15)
+    job = relay.get_job(job_id)
+    assert job.last_error.startswith("JobTimeout") and job.attempts == 1
+    assert [e["type"] for e in job.errors] == ["JobTimeout"]
+
+
+def test_retry_after_a_timeout_waits_for_the_stuck_run_to_end(relay: Relay, db: psycopg.Connection) -> None:
+    """Python cannot stop a thread: the retry of a timed-out job starts only once its first run returned."""
+    runs: list[tuple[int, float, float]] = []
+
+    @relay.handler("slow_once", timeout=0.3, max_attempts=2, backoff=FAST)
+    def slow_once(job: Job) -> str:
+        started = time.monotonic()
+        if job.attempt == 1:
+            time.sleep(2.0)  # ignores job.lease_lost, as a blocking library call would
+        runs.append((job.attempt, started, time.monotonic()))
+        return "done"
+
+    job_id = relay.enqueue("slow_once")
+    with running_worker(relay, concurrency=2, poll_interval=0.05, lease_seconds=1.0, heartbeat_interval=0.2):
+        wait_for(lambda: job_status(db, job_id) == "succeeded", timeout=20)
+    assert [attempt for attempt, _, _ in runs] == [1, 2]
+    (_, _, first_end), (_, second_start, _) = runs
+    assert second_start >= first_end, "the retry overlapped the run that timed out"
+    job = relay.get_job(job_id)
+    assert [e["type"] for e in job.errors] == ["JobTimeout"] and job.attempts == 2
+
+
+def test_timed_out_handler_that_returns_is_still_a_timeout(relay: Relay, db: psycopg.Connection) -> None:
+    """A cooperative handler told to stop returns early; that return is not a success."""
+
+    @relay.handler("cooperative", timeout=0.3, max_attempts=1)
+    def cooperative(job: Job) -> None:
+        while not job.lease_lost:
+            time.sleep(0.02)
+
+    job_id = relay.enqueue("cooperative")
+    with running_worker(relay, concurrency=1):
+        wait_for(lambda: job_status(db, job_id) == "dead", timeout=15)
     assert relay.get_job(job_id).last_error.startswith("JobTimeout")
 
 
@@ -409,3 +453,26 @@ def test_jobs_enqueued_with_notify_off_are_found_by_polling(relay: Relay, dsn: s
             assert list(listener.notifies(timeout=0.2)) == [], "no wake-up was sent: polling found them"
     finally:
         quiet.close()
+
+
+def test_a_stale_heartbeat_answer_does_not_flag_the_next_run_of_the_same_job(relay: Relay) -> None:
+    """A heartbeat that renewed (job, token 1) may answer after the job was claimed again (token 2)."""
+
+    @relay.handler("twice")
+    def twice(job: Job) -> None:
+        return None
+
+    job_id = relay.enqueue("twice")
+    worker = Worker(relay.dsn, relay.handlers, WorkerConfig())
+    worker.pool.open(wait=True)
+    try:
+        (job,) = worker.claim(1)
+        worker._dispatch([job])
+        worker._on_lost({job_id: job.lease_token - 1})  # the lease of an earlier run
+        assert not job.lease_lost and worker.held_leases() == {job_id: job.lease_token}
+        worker._on_lost({job_id: job.lease_token})
+        assert job.lease_lost
+        # Prefetched and never started: a slot drops it instead of running it.
+        assert not worker._bind(Slot(0), job) and worker.in_flight() == 0
+    finally:
+        worker.pool.close()

@@ -165,13 +165,16 @@ RETURNING j.id;
 
 -- name: job_fail_many
 -- Record failed attempts, fenced: each job goes back to queued after its backoff
--- delay, or to dead, with the error appended to its history.
--- transition: claimed -> queued, dead
+-- delay, or to dead, with the error appended to its history. A job an admin
+-- asked to cancel while it ran ends cancelled instead: a failure must not
+-- carry the request over to another attempt.
+-- transition: claimed -> queued, dead, cancelled
 UPDATE relay.jobs AS j
-SET status = f.next_status::relay.job_status,
-    run_at = CASE WHEN f.next_status = 'queued'
+SET status = CASE WHEN j.cancel_requested_at IS NOT NULL THEN 'cancelled'
+                  ELSE f.next_status END::relay.job_status,
+    run_at = CASE WHEN f.next_status = 'queued' AND j.cancel_requested_at IS NULL
                   THEN now() + make_interval(secs => f.delay_seconds) ELSE j.run_at END,
-    finished_at = CASE WHEN f.next_status = 'dead' THEN now() END,
+    finished_at = CASE WHEN f.next_status = 'dead' OR j.cancel_requested_at IS NOT NULL THEN now() END,
     claimed_until = NULL,
     last_error = f.message,
     -- The history keeps the newest 100 attempts, so a job with a huge max_attempts stays small.
@@ -185,22 +188,32 @@ WHERE j.id = f.id AND j.lease_token = f.token AND j.status = 'claimed'
 RETURNING j.id, j.status::text AS status;
 
 -- name: job_snooze_many
--- Put jobs back to run later without spending an attempt, fenced.
--- transition: claimed -> queued
+-- Put jobs back to run later without spending an attempt, fenced; a job an
+-- admin asked to cancel while it ran ends cancelled instead.
+-- transition: claimed -> queued, cancelled
 UPDATE relay.jobs AS j
-SET status = 'queued', attempts = j.attempts - 1, claimed_until = NULL,
-    run_at = now() + make_interval(secs => s.delay_seconds)
+SET status = CASE WHEN j.cancel_requested_at IS NOT NULL THEN 'cancelled' ELSE 'queued' END::relay.job_status,
+    finished_at = CASE WHEN j.cancel_requested_at IS NOT NULL THEN now() END,
+    attempts = j.attempts - 1, claimed_until = NULL,
+    run_at = CASE WHEN j.cancel_requested_at IS NULL
+                  THEN now() + make_interval(secs => s.delay_seconds) ELSE j.run_at END
 FROM unnest(%(ids)s::bigint[], %(tokens)s::integer[], %(delays)s::float8[]) AS s(id, token, delay_seconds)
 WHERE j.id = s.id AND j.lease_token = s.token AND j.status = 'claimed'
 RETURNING j.id;
 
 -- name: job_hand_back_many
--- Graceful shutdown: return unfinished jobs to the queue at once, fenced, and
--- give back the attempt the interrupted run used.
--- transition: claimed -> queued
+-- Graceful shutdown: return unfinished jobs to the queue, fenced, and give back
+-- the attempt the interrupted run used. Each job runs again after its delay:
+-- none for a job that never started, a short grace for one whose handler
+-- thread was still running (it stops when the worker process exits). A job an
+-- admin asked to cancel ends cancelled instead.
+-- transition: claimed -> queued, cancelled
 UPDATE relay.jobs AS j
-SET status = 'queued', attempts = greatest(j.attempts - 1, 0), claimed_until = NULL, run_at = now()
-FROM unnest(%(ids)s::bigint[], %(tokens)s::integer[]) AS h(id, token)
+SET status = CASE WHEN j.cancel_requested_at IS NOT NULL THEN 'cancelled' ELSE 'queued' END::relay.job_status,
+    finished_at = CASE WHEN j.cancel_requested_at IS NOT NULL THEN now() END,
+    attempts = greatest(j.attempts - 1, 0), claimed_until = NULL,
+    run_at = now() + make_interval(secs => h.delay_seconds)
+FROM unnest(%(ids)s::bigint[], %(tokens)s::integer[], %(delays)s::float8[]) AS h(id, token, delay_seconds)
 WHERE j.id = h.id AND j.lease_token = h.token AND j.status = 'claimed'
 RETURNING j.id;
 

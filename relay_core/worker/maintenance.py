@@ -1,7 +1,9 @@
 """Periodic duties of a worker: heartbeats, the sweeper, timeouts, the registry.
 
 Each duty is a plain function or method that tests call directly
-(``run_once``); the thread only decides when to call them.
+(``run_once``); the threads only decide when to call them. Heartbeats and
+timeouts have a thread of their own: a long prune, fold or vacuum must never
+delay the lease renewals that keep other workers from taking running jobs.
 """
 
 from __future__ import annotations
@@ -46,20 +48,24 @@ def sweep_once(conn: psycopg.Connection, limit: int = SWEEP_BATCH) -> dict[str, 
             return counts
 
 
-def heartbeat_once(conn: psycopg.Connection, held: dict[int, int], lease_seconds: float) -> tuple[set[int], set[int]]:
+def heartbeat_once(
+    conn: psycopg.Connection, held: dict[int, int], lease_seconds: float
+) -> tuple[dict[int, int], set[int]]:
     """Extend the leases in ``held`` (id -> token).
 
-    Returns the ids no longer ours and the ids an admin asked to cancel.
+    Returns the leases (id -> token) no longer ours and the ids an admin asked
+    to cancel.
     """
     if not held:
-        return set(), set()
+        return {}, set()
     ids = list(held)
     rows = conn.execute(
         sql("job_heartbeat_many"),
         {"ids": ids, "tokens": [held[i] for i in ids], "lease_seconds": lease_seconds},
     ).fetchall()
     conn.commit()
-    return set(ids) - {row[0] for row in rows}, {row[0] for row in rows if row[1]}
+    renewed = {row[0] for row in rows}
+    return {jid: token for jid, token in held.items() if jid not in renewed}, {row[0] for row in rows if row[1]}
 
 
 def register(conn: psycopg.Connection, worker_id: str, queues: tuple[str, ...], concurrency: int) -> None:
@@ -89,7 +95,7 @@ class Maintenance:
         heartbeat_interval: float,
         sweep_interval: float,
         held_leases: Callable[[], dict[int, int]],
-        on_lost: Callable[[set[int]], None],
+        on_lost: Callable[[dict[int, int]], None],
         on_cancel: Callable[[set[int]], None],
         on_limits: Callable[[bool], None] | None = None,
         in_flight: Callable[[], int],
@@ -115,17 +121,22 @@ class Maintenance:
         self._in_flight = in_flight
         self._check_timeouts = check_timeouts
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name="relay-maintenance", daemon=True)
+        self._threads = [
+            threading.Thread(target=self._heartbeat_loop, name="relay-heartbeat", daemon=True),
+            threading.Thread(target=self._loop, name="relay-maintenance", daemon=True),
+        ]
         self.sweeps = 0
 
     def start(self) -> None:
         """Start the duties."""
-        self._thread.start()
+        for thread in self._threads:
+            thread.start()
 
     def stop(self) -> None:
         """Stop after the current duty."""
         self._stop.set()
-        self._thread.join(5.0)
+        for thread in self._threads:
+            thread.join(5.0)
 
     def heartbeat(self) -> None:
         """Renew leases and the registry entry; report leases that were taken over."""
@@ -176,9 +187,24 @@ class Maintenance:
         with self._pool.connection() as conn:
             return fold_counters(conn)
 
+    def _heartbeat_loop(self) -> None:
+        next_heartbeat = time.monotonic() + self._heartbeat_interval
+        while not self._stop.wait(0.2):
+            self._check_timeouts()
+            now = time.monotonic()
+            if now < next_heartbeat:
+                continue
+            next_heartbeat = now + self._heartbeat_interval
+            try:
+                self.heartbeat()
+            except (psycopg.OperationalError, psycopg.InterfaceError, PoolTimeout) as exc:
+                event(logging.WARNING, "heartbeat could not reach the database; will retry", error=str(exc))
+                next_heartbeat = now + 1.0
+            except psycopg.Error as exc:  # a bug, not an outage: keep the worker alive and say so
+                event(logging.ERROR, "heartbeat statement failed", error=str(exc))
+
     def _loop(self) -> None:
         now = time.monotonic()
-        next_heartbeat = now + self._heartbeat_interval
         # Spread sweepers (and pruners) of workers started together.
         spread = 0.5 + (os.getpid() % 100) / 200
         next_sweep = now + self._sweep_interval * spread
@@ -187,12 +213,8 @@ class Maintenance:
         next_fold = now + FOLD_INTERVAL * spread
         next_vacuum = now + VACUUM_CHECK_INTERVAL * spread
         while not self._stop.wait(0.2):
-            self._check_timeouts()
             now = time.monotonic()
             try:
-                if now >= next_heartbeat:
-                    next_heartbeat = now + self._heartbeat_interval
-                    self.heartbeat()
                 if now >= next_sweep:
                     next_sweep = now + self._sweep_interval
                     self.sweep()
@@ -212,6 +234,5 @@ class Maintenance:
                     self.vacuum()
             except (psycopg.OperationalError, psycopg.InterfaceError, PoolTimeout) as exc:
                 event(logging.WARNING, "maintenance could not reach the database; will retry", error=str(exc))
-                next_heartbeat = min(next_heartbeat, now + 1.0)
             except psycopg.Error as exc:  # a bug, not an outage: keep the worker alive and say so
                 event(logging.ERROR, "maintenance statement failed", error=str(exc))

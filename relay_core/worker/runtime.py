@@ -2,8 +2,9 @@
 
 Threads: the producer (the caller's thread) claims as many jobs as there are
 free slots in one statement; ``concurrency`` slot threads run handlers; the
-completer writes outcomes in batches; the maintenance thread heartbeats,
-sweeps and enforces timeouts; the listener turns NOTIFY into wake-ups.
+completer writes outcomes in batches; the heartbeat thread renews leases and
+enforces timeouts; the maintenance thread sweeps, prunes and runs cron; the
+listener turns NOTIFY into wake-ups.
 """
 
 from __future__ import annotations
@@ -45,6 +46,10 @@ PREFETCH_BELOW_SECONDS = 0.05
 PREFETCH_WORK_SECONDS = 0.01
 #: ... and never more than this many jobs beyond the one it runs.
 MAX_PREFETCH_PER_SLOT = 16
+#: A job handed back at shutdown while its handler thread still ran waits this
+#: long before another worker may start it: the thread stops only when the
+#: worker process exits, a moment after the hand-back.
+HAND_BACK_GRACE_SECONDS = 2.0
 
 
 def prefetch_per_slot(typical_run: float) -> int:
@@ -99,6 +104,8 @@ class Worker:
         self._lock = threading.Lock()
         self._running: dict[int, Running] = {}
         self._awaiting_write: dict[int, int] = {}  # id -> token: finished, not yet recorded
+        # id -> (run, decided outcome): past their timeout, handler thread still running.
+        self._overdue: dict[int, tuple[Running, Outcome]] = {}
         self._inbox: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
         self._slots: list[Slot] = []
         # Whether any job type has a limit: decides how the claim runs (see claim()).
@@ -135,16 +142,18 @@ class Worker:
             return len(self._running)
 
     def held_leases(self) -> dict[int, int]:
-        """Every lease this worker must keep alive: running or awaiting its write."""
+        """Every lease this worker must keep alive: running, overdue or awaiting its write."""
         with self._lock:
             held = {jid: r.job.lease_token for jid, r in self._running.items()}
+            held.update((jid, r.job.lease_token) for jid, (r, _) in self._overdue.items())
             held.update(self._awaiting_write)
             return held
 
     def _on_written(self, batch: list[Outcome], still_ours: set[int]) -> None:
         with self._lock:
             for outcome in batch:
-                self._awaiting_write.pop(outcome.job.id, None)
+                if self._awaiting_write.get(outcome.job.id) == outcome.job.lease_token:
+                    del self._awaiting_write[outcome.job.id]
         for outcome in batch:
             job = outcome.job
             if job.id not in still_ours:
@@ -202,15 +211,26 @@ class Worker:
                     snooze_s=outcome.delay,
                 )
 
-    def _on_lost(self, lost: set[int]) -> None:
+    def _on_lost(self, lost: Mapping[int, int]) -> None:
+        """Flag the runs whose leases (id -> token) a heartbeat found taken over.
+
+        Matched by token, not id alone: between the heartbeat's snapshot and its
+        answer a job may have finished and been claimed again by this worker,
+        and that new run's lease is valid.
+        """
         taken: list[int] = []
         with self._lock:
-            for jid in lost:
+            for jid, token in lost.items():
                 running = self._running.get(jid)
-                if running is not None:
+                overdue = self._overdue.get(jid)
+                if running is not None and running.job.lease_token == token:
                     running.job._lease_lost.set()
                     taken.append(jid)
-                elif self._awaiting_write.pop(jid, None) is not None:
+                elif overdue is not None and overdue[0].job.lease_token == token:
+                    del self._overdue[jid]  # the sweeper decided it; the thread's end changes nothing
+                    taken.append(jid)
+                elif self._awaiting_write.get(jid) == token:
+                    del self._awaiting_write[jid]
                     taken.append(jid)
         # A job whose completion was written while the heartbeat ran is not lost: say nothing of it.
         if taken:
@@ -243,9 +263,13 @@ class Worker:
 
     def _finish(self, slot: Slot, job: Job, outcome: Outcome) -> None:
         with self._lock:
+            overdue = self._overdue.get(job.id)
+            if overdue is not None and overdue[0].slot is slot:
+                self._finish_overdue(job, outcome, overdue[1])
+                return
             running = self._running.get(job.id)
             if slot.abandoned.is_set() or running is None or running.slot is not slot:
-                return  # timed out or handed back: its outcome was already decided
+                return  # handed back or taken over: there is nothing left to record
             del self._running[job.id]
             if outcome.kind is not Kind.COMMITTED:
                 self._awaiting_write[job.id] = job.lease_token
@@ -253,7 +277,32 @@ class Worker:
         self.completer.put(outcome)
         self._wake.set()
 
+    def _finish_overdue(self, job: Job, outcome: Outcome, decided: Outcome) -> None:
+        """A handler past its timeout has returned: record the timeout, now that it cannot run on.
+
+        Called with the lock held. What the handler returned does not count:
+        it was told to stop (``lease_lost``), and a cooperative handler that
+        stops early returns as if it had finished. A transactional handler
+        that committed its success anyway has already recorded it.
+        """
+        del self._overdue[job.id]
+        if outcome.kind is Kind.COMMITTED:
+            event(logging.INFO, "job past its timeout committed its success", job_id=job.id, type=job.type)
+            return
+        self._awaiting_write[job.id] = job.lease_token
+        self.completer.put(decided)
+        event(logging.INFO, "job past its timeout returned; its timeout is recorded", job_id=job.id, type=job.type)
+
     def _check_timeouts(self) -> None:
+        """Give jobs past their timeout up, but keep their leases until their threads return.
+
+        Python cannot stop a thread. Recording the timeout at once would let
+        the retry start while the first run goes on, so the outcome is decided
+        now and written when the handler returns; meanwhile the lease is
+        heartbeated like any running job's and a fresh slot takes the stuck
+        one's place. A handler that never returns holds its job until the
+        worker stops.
+        """
         now = time.monotonic()
         expired: list[Running] = []
         with self._lock:
@@ -261,20 +310,28 @@ class Worker:
                 if running.slot is not None and running.deadline is not None and now > running.deadline:
                     expired.append(running)
                     del self._running[jid]
-                    self._awaiting_write[jid] = running.job.lease_token
                     running.slot.abandoned.set()
+            for running in expired:
+                job = running.job
+                spec = self.handlers.get(job.type)
+                exc = JobTimeout(f"handler ran past its timeout of {spec.timeout if spec else '?'}s")
+                message, entry = describe(exc, job, self.id)
+                entry["traceback"] = None
+                kind = Kind.DEAD if job.attempt >= job.max_attempts else Kind.RETRY
+                delay = spec.backoff.delay(job.attempt) if spec else 0.0
+                decided = Outcome(job, kind, now - running.started, delay=delay, message=message, error=entry)
+                self._overdue[job.id] = (running, decided)
+                job._lease_lost.set()  # tells a cooperative handler to stop
         for running in expired:
             job = running.job
-            spec = self.handlers.get(job.type)
-            exc = JobTimeout(f"handler ran past its timeout of {spec.timeout if spec else '?'}s")
-            message, entry = describe(exc, job, self.id)
-            entry["traceback"] = None
-            job._lease_lost.set()  # tells a cooperative handler to stop
-            kind = Kind.DEAD if job.attempt >= job.max_attempts else Kind.RETRY
-            delay = spec.backoff.delay(job.attempt) if spec else 0.0
-            self.completer.put(Outcome(job, kind, now - running.started, delay=delay, message=message, error=entry))
             self._start_slot()  # the stuck thread keeps its slot object; the worker gets a fresh one
-            event(logging.WARNING, "job timed out", job_id=job.id, type=job.type, attempt=job.attempt)
+            event(
+                logging.WARNING,
+                "job timed out; its lease is kept until the handler returns",
+                job_id=job.id,
+                type=job.type,
+                attempt=job.attempt,
+            )
 
     # -- slots -------------------------------------------------------------
 
@@ -300,6 +357,10 @@ class Worker:
         with self._lock:
             running = self._running.get(job.id)
             if running is None:
+                return False
+            if job.lease_lost:
+                # Prefetched, and taken over by another worker before it started.
+                del self._running[job.id]
                 return False
             running.slot = slot
             running.started = now
@@ -458,23 +519,32 @@ class Worker:
         signal.signal(signal.SIGINT, handle)
 
     def _shutdown(self) -> None:
+        """Finish in-flight jobs within the timeout, then hand back the rest as the last write.
+
+        The order matters: a handler still running when the timeout ends keeps
+        running until the process exits, so its job goes back to the queue only
+        after everything else is done (finished outcomes written, threads
+        stopped), and with a short grace before another worker may start it.
+        """
         deadline = time.monotonic() + self.config.shutdown_timeout
         while self.in_flight() and time.monotonic() < deadline and self.config.shutdown_timeout > 0:
             time.sleep(0.02)
         with self._lock:
-            unfinished = list(self._running.values())
+            unfinished = list(self._running.values()) + [run for run, _ in self._overdue.values()]
             self._running.clear()
+            self._overdue.clear()
             for running in unfinished:
                 if running.slot is not None:
                     running.slot.abandoned.set()
+                running.job._lease_lost.set()
         for _ in self._slots:
             self._inbox.put(None)
-        if unfinished:
-            self._hand_back([r.job for r in unfinished])
         self.completer.stop()
         self.maintenance.stop()
         if self.listener:
             self.listener.stop()
+        if unfinished:
+            self._hand_back(unfinished)
         try:
             with self.pool.connection(timeout=5.0) as conn:
                 conn.execute(sql("worker_stop"), {"id": self.id})
@@ -490,13 +560,15 @@ class Worker:
         )
         self.stopped.set()
 
-    def _hand_back(self, jobs: list[Job]) -> None:
-        for job in jobs:
-            job._lease_lost.set()
+    def _hand_back(self, unfinished: list[Running]) -> None:
+        jobs = [r.job for r in unfinished]
+        # A job that never left the prefetch can run elsewhere at once; one whose thread still runs waits.
+        delays = [0.0 if r.slot is None else HAND_BACK_GRACE_SECONDS for r in unfinished]
         try:
             with self.pool.connection(timeout=5.0) as conn:
                 rows = conn.execute(
-                    sql("job_hand_back_many"), {"ids": [j.id for j in jobs], "tokens": [j.lease_token for j in jobs]}
+                    sql("job_hand_back_many"),
+                    {"ids": [j.id for j in jobs], "tokens": [j.lease_token for j in jobs], "delays": delays},
                 ).fetchall()
             event(logging.WARNING, "handed back unfinished jobs", job_ids=sorted(r[0] for r in rows))
         except (psycopg.Error, PoolTimeout) as exc:

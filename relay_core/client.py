@@ -25,6 +25,8 @@ from .worker import Worker, WorkerConfig
 #: Bulk payloads up to this many characters in all travel as one JSON document
 #: (jsonb tops out at 256 MiB); larger bulk enqueues use the array form.
 ALIKE_MAX_PAYLOAD_CHARS = 64 * 1024 * 1024
+#: Tries of a keyed insert whose conflicting holder keeps vanishing before it is read.
+KEY_RACE_ATTEMPTS = 3
 
 
 class Relay:
@@ -203,13 +205,16 @@ class Relay:
         params["notify"] = self.notify
         if job.idempotency_key is None:
             return fetch_first_value(conn, sql("job_insert"), params)
-        job_id = fetch_first_value(conn, sql("job_insert_keyed"), params)
-        if job_id is not None:
-            return job_id
-        existing = fetch_first_value(conn, sql("job_id_by_idempotency_key"), {"idempotency_key": job.idempotency_key})
-        if existing is None:  # the holder was deleted between the two statements
-            raise RelayError(f"idempotency key {job.idempotency_key!r} conflicted but its job vanished; retry")
-        return existing
+        for _ in range(KEY_RACE_ATTEMPTS):
+            job_id = fetch_first_value(conn, sql("job_insert_keyed"), params)
+            if job_id is not None:
+                return job_id
+            lookup = {"idempotency_key": job.idempotency_key}
+            existing = fetch_first_value(conn, sql("job_id_by_idempotency_key"), lookup)
+            if existing is not None:
+                return existing
+            # The holder was deleted (pruned) between the two statements: the key is free again.
+        raise RelayError(f"idempotency key {job.idempotency_key!r} conflicted but its job vanished; retry")
 
     def enqueue_many(
         self,
@@ -293,6 +298,9 @@ class Relay:
         if conflicted:
             for found in fetch_all(conn, sql("job_ids_by_idempotency_keys"), {"idempotency_keys": conflicted}):
                 existing[found["idempotency_key"]] = found["id"]
+        for key in conflicted:
+            if key not in existing:  # its holder was deleted between the two statements: insert it now
+                existing[key] = self._insert(conn, next(j for j in jobs if j.idempotency_key == key))
         # Rows were inserted in input order, so fresh ids ascend with input position;
         # a key repeated within one call resolves to the job its first use created.
         fresh = iter(inserted_ids)

@@ -6,10 +6,10 @@ this module only answers which tick is due and which comes next.
 
 from __future__ import annotations
 
-from datetime import datetime
+from datetime import UTC, datetime
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
-from croniter import croniter
+from croniter import CroniterBadDateError, croniter
 
 from .validation import InvalidJobError
 
@@ -25,6 +25,12 @@ def check_cron(expression: str, timezone: str) -> None:
         ZoneInfo(timezone)
     except (ZoneInfoNotFoundError, ValueError):
         raise InvalidJobError("timezone", f"{timezone!r} is not a known time zone") from None
+    # Well-formed is not enough: "0 0 30 2 *" (February 30th) parses but never
+    # fires, and would fail every worker at start instead of here.
+    try:
+        next_tick(expression, timezone, datetime.now(UTC))
+    except CroniterBadDateError:
+        raise InvalidJobError("cron", f"{expression!r} never fires: no date matches it") from None
 
 
 def previous_tick(expression: str, timezone: str, now: datetime) -> datetime:

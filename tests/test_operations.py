@@ -142,6 +142,10 @@ def test_invalid_cron_or_timezone_is_refused(relay: Relay) -> None:
         relay.handler("bad", cron="every tuesday")(lambda job: None)
     with pytest.raises(InvalidJobError, match="timezone"):
         relay.handler("bad2", cron="@daily", timezone="Mars/Olympus")(lambda job: None)
+    with pytest.raises(InvalidJobError, match="never fires"):
+        relay.handler("bad3", cron="0 0 30 2 *")(lambda job: None)  # February 30th
+    assert "bad" not in relay.handlers and "bad3" not in relay.handlers
+    relay.handler("leap_day", cron="0 0 29 2 *")(lambda job: None)  # rare, but it fires
 
 
 def test_retention_prunes_old_finished_jobs_and_keeps_history(relay: Relay, db: psycopg.Connection) -> None:

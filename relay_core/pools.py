@@ -71,8 +71,16 @@ def configure_session(conn: psycopg.Connection) -> None:
     settings table never analyzed is assumed to hold hundreds of rows), and
     compiling it costs ~25 ms for a statement that runs in ~1 ms. Queue
     statements are short OLTP work that JIT never speeds up.
+
+    READ COMMITTED whatever the database's default: the claim's ``FOR UPDATE
+    SKIP LOCKED`` and the fenced updates fail with serialization errors under
+    REPEATABLE READ whenever another worker got to a row first, and the
+    limits lock must be followed by a fresh snapshot, not one taken before
+    the wait. A transactional handler that needs more can begin with
+    ``SET TRANSACTION ISOLATION LEVEL ...``.
     """
     conn.execute("SET jit = off")
+    conn.execute("SET default_transaction_isolation = 'read committed'")
     conn.commit()
 
 

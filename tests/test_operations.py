@@ -7,6 +7,7 @@ import itertools
 import threading
 import time
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 
 import psycopg
 import pytest
@@ -53,12 +54,17 @@ def max_overlap(db: psycopg.Connection, job_type_filter: str = "") -> int:
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("isolation", [None, "repeatable read"])
 def test_type_concurrency_limit_holds_across_worker_processes(
-    relay: Relay, db: psycopg.Connection, python: str, worker_env: dict
+    relay: Relay, db: psycopg.Connection, python: str, worker_env: dict, isolation: str | None, tmp_path: Path
 ) -> None:
     # Four processes with two slots each: eight slots, so only the claim can hold them to three,
     # and reaching three takes at least two processes.
-    workers = [start_worker_process(python, worker_env, "--concurrency", "2") for _ in range(4)]
+    env = dict(worker_env)
+    if isolation:  # a database whose default is stricter: Relay's connections still read committed
+        env["PGOPTIONS"] = f"-c default_transaction_isolation={isolation.replace(' ', chr(92) + ' ')}"
+    logs = [tmp_path / f"worker-{i}.log" for i in range(4)]
+    workers = [start_worker_process(python, env, "--concurrency", "2", log=log) for log in logs]
     wait_for(lambda: db.execute("SELECT count(*) FROM relay.workers").fetchone()[0] == 4, what="workers up")
     relay.enqueue_many([{"type": "limited", "payload": {"sleep": 0.3}} for _ in range(30)])
     try:
@@ -68,6 +74,9 @@ def test_type_concurrency_limit_holds_across_worker_processes(
             stop_process(proc)
     assert max_overlap(db) == 3
     assert len({row[0] for row in db.execute("SELECT pid FROM relay_test.executions")}) >= 2
+    # No attempt was spent twice, and no claim or completion failed on a serialization error.
+    assert db.execute("SELECT max(attempts), max(jsonb_array_length(errors)) FROM relay.jobs").fetchone() == (1, 0)
+    assert not [log for log in logs if "could not serialize" in log.read_text()]
 
 
 def job_counts(db: psycopg.Connection) -> dict[str, int]:

@@ -11,6 +11,7 @@ import psycopg
 
 from relay_core import Backoff, Job, PermanentFailure, Relay, Snooze, Worker
 from relay_core.worker.config import WorkerConfig
+from relay_core.worker.maintenance import sweep_once
 from relay_core.worker.runtime import Slot
 
 from .helpers import job_status, running_worker, wait_for
@@ -476,3 +477,28 @@ def test_a_stale_heartbeat_answer_does_not_flag_the_next_run_of_the_same_job(rel
         assert not worker._bind(Slot(0), job) and worker.in_flight() == 0
     finally:
         worker.pool.close()
+
+
+def test_leases_are_renewed_while_handlers_hold_every_pooled_connection(relay: Relay, db: psycopg.Connection) -> None:
+    """Transactional handlers hold pooled connections; the heartbeat must not wait for one."""
+    started = threading.Event()
+
+    @relay.handler("long_report")
+    def long_report(job: Job) -> None:
+        started.set()
+        time.sleep(4.0)
+
+    job_id = relay.enqueue("long_report")
+    with running_worker(relay, concurrency=1, lease_seconds=1.5, heartbeat_interval=0.3, sweep_interval=60) as worker:
+        assert started.wait(15)
+        held = [worker.pool.getconn() for _ in range(worker.pool.max_size)]
+        try:
+            time.sleep(2.5)  # past the 1.5 s lease: only heartbeats keep it
+            rescued = sweep_once(db)
+            assert rescued == {"queued": 0, "dead": 0}, "the lease expired while the pool was exhausted"
+        finally:
+            for conn in held:
+                worker.pool.putconn(conn)
+        wait_for(lambda: job_status(db, job_id) == "succeeded", timeout=15)
+    job = relay.get_job(job_id)
+    assert job.attempts == 1 and job.errors == []

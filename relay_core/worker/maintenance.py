@@ -2,8 +2,9 @@
 
 Each duty is a plain function or method that tests call directly
 (``run_once``); the threads only decide when to call them. Heartbeats and
-timeouts have a thread of their own: a long prune, fold or vacuum must never
-delay the lease renewals that keep other workers from taking running jobs.
+timeouts have a thread and a connection of their own: a long prune, fold or
+vacuum, or handlers holding every pooled connection, must never delay the
+lease renewals that keep other workers from taking running jobs.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from psycopg_pool import ConnectionPool, PoolTimeout
 
 from ..logs import event
 from ..monitor import fold_counters
+from ..pools import configure_session
 from ..queries import sql
 from .retention import hit_cap
 
@@ -90,6 +92,7 @@ class Maintenance:
         self,
         pool: ConnectionPool,
         *,
+        dsn: str,
         worker_id: str,
         lease_seconds: float,
         heartbeat_interval: float,
@@ -106,6 +109,8 @@ class Maintenance:
         vacuum: Callable[[psycopg.Connection], list[str]] | None = None,
     ) -> None:
         self._pool = pool
+        self._dsn = dsn
+        self._heartbeat_conn: psycopg.Connection | None = None
         self._worker_id = worker_id
         self._lease_seconds = lease_seconds
         self._heartbeat_interval = heartbeat_interval
@@ -137,12 +142,27 @@ class Maintenance:
         self._stop.set()
         for thread in self._threads:
             thread.join(5.0)
+        if self._heartbeat_conn is not None and not self._threads[0].is_alive():
+            self._heartbeat_conn.close()
 
     def heartbeat(self) -> None:
-        """Renew leases and the registry entry; report leases that were taken over."""
-        with self._pool.connection() as conn:
+        """Renew leases and the registry entry; report leases that were taken over.
+
+        On its own connection, never the pool's: transactional handlers hold
+        pooled connections for as long as they run (past their timeout too),
+        and a heartbeat waiting for one would let the leases expire.
+        """
+        if self._heartbeat_conn is None or self._heartbeat_conn.closed:
+            self._heartbeat_conn = psycopg.connect(self._dsn, connect_timeout=10)
+            configure_session(self._heartbeat_conn)
+        conn = self._heartbeat_conn
+        try:
             lost, cancel = heartbeat_once(conn, self._held_leases(), self._lease_seconds)
             conn.execute(sql("worker_heartbeat"), {"id": self._worker_id, "in_flight": self._in_flight()})
+            conn.commit()
+        except psycopg.Error:
+            conn.close()  # reconnect next time rather than reuse a connection in an unknown state
+            raise
         if lost:
             self._on_lost(lost)
         if cancel:

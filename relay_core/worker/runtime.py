@@ -118,6 +118,7 @@ class Worker:
         self.completer = Completer(self.pool, self._on_written)
         self.maintenance = Maintenance(
             self.pool,
+            dsn=dsn,
             worker_id=self.id,
             lease_seconds=self.config.lease_seconds,
             heartbeat_interval=self.config.heartbeat_interval,

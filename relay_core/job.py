@@ -33,10 +33,11 @@ class Job:
 
     @property
     def lease_lost(self) -> bool:
-        """True once this worker learned it no longer owns the job.
+        """True once the handler should stop: the lease was taken over, or it ran past its timeout.
 
-        Long handlers can check it and stop early: whatever they do next will
-        not be recorded, because another run now owns the job.
+        Long handlers can check it and stop early: however they return, the
+        run is not recorded as a success (a transactional handler's work is
+        rolled back); another run owns the job, or the timeout is recorded.
         """
         return self._lease_lost.is_set()
 

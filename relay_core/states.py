@@ -30,7 +30,7 @@ TRANSITIONS: dict[tuple[str, str], str] = {
     ("claimed", "succeeded"): "handler returned",
     ("claimed", "queued"): "handler raised with attempts left, snoozed, handed back, or lease expired",
     ("claimed", "dead"): "attempts exhausted or permanent failure",
-    ("claimed", "cancelled"): "handler stopped after an admin asked it to (cooperative cancel)",
+    ("claimed", "cancelled"): "an admin asked the running job to stop, and the attempt ended (any way but success)",
     ("dead", "queued"): "requeue (admin)",
     ("cancelled", "queued"): "requeue (admin)",
 }

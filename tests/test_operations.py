@@ -221,7 +221,9 @@ def test_cancel_requested_while_running_is_not_carried_to_another_attempt(
 
     job_id = relay.enqueue("report")
     # Heartbeats far apart: the worker has not heard of the request when the attempt ends.
-    with running_worker(relay, heartbeat_interval=8.0, lease_seconds=30.0, shutdown_timeout=0.2, poll_interval=0.05):
+    with running_worker(
+        relay, heartbeat_interval=8.0, lease_seconds=30.0, shutdown_timeout=0.2, poll_interval=0.05
+    ) as worker:
         wait_for(lambda: job_status(db, job_id) == "claimed")
         relay.cancel(job_id)
         asked.set()
@@ -231,6 +233,8 @@ def test_cancel_requested_while_running_is_not_carried_to_another_attempt(
     job = relay.get_job(job_id)
     assert job.status == "cancelled" and job.finished_at is not None
     assert runs == [1]
+    if ending != "is handed back":
+        assert worker.counters.cancelled == 1, "the worker logged and counted what was written"
     if ending == "raises":
         assert [e["type"] for e in job.errors] == ["ConnectionError"]
 

@@ -8,6 +8,7 @@ import time
 from datetime import timedelta
 
 import psycopg
+import pytest
 
 from relay_core import Backoff, Job, PermanentFailure, Relay, Snooze, Worker
 from relay_core.worker.config import WorkerConfig
@@ -133,7 +134,7 @@ def test_retry_after_a_timeout_waits_for_the_stuck_run_to_end(relay: Relay, db: 
         return "done"
 
     job_id = relay.enqueue("slow_once")
-    with running_worker(relay, concurrency=2, poll_interval=0.05, lease_seconds=1.0, heartbeat_interval=0.2):
+    with running_worker(relay, concurrency=2, poll_interval=0.05, lease_seconds=3.0, heartbeat_interval=0.5):
         wait_for(lambda: job_status(db, job_id) == "succeeded", timeout=20)
     assert [attempt for attempt, _, _ in runs] == [1, 2]
     (_, _, first_end), (_, second_start, _) = runs
@@ -454,6 +455,57 @@ def test_jobs_enqueued_with_notify_off_are_found_by_polling(relay: Relay, dsn: s
             assert list(listener.notifies(timeout=0.2)) == [], "no wake-up was sent: polling found them"
     finally:
         quiet.close()
+
+
+@pytest.mark.parametrize("max_attempts", [1, 3])
+def test_a_handler_hung_past_its_timeout_at_shutdown_spends_its_attempt(
+    relay: Relay, db: psycopg.Connection, max_attempts: int
+) -> None:
+    """Handing it back would refund the attempt: a handler that hangs every time would never reach dead."""
+    release = threading.Event()
+
+    @relay.handler("hangs", timeout=0.3, max_attempts=max_attempts)
+    def hangs(job: Job) -> None:
+        release.wait(30)
+
+    job_id = relay.enqueue("hangs")
+    try:
+        with running_worker(relay, concurrency=1) as worker:
+            wait_for(lambda: job_id in worker._overdue, timeout=15, what="the timeout to pass")
+        row = db.execute(
+            "SELECT status::text, attempts, jsonb_array_length(errors), run_at > now() + interval '1 second' "
+            "FROM relay.jobs WHERE id = %s",
+            (job_id,),
+        ).fetchone()
+    finally:
+        release.set()
+    if max_attempts == 1:
+        assert row[:3] == ("dead", 1, 1)
+    else:
+        # Its retry waits out the grace in which the stuck thread may still run.
+        assert row == ("queued", 1, 1, True)
+    assert relay.get_job(job_id).last_error.startswith("JobTimeout")
+
+
+def test_transactional_handler_stopping_after_its_timeout_commits_nothing(relay: Relay, db: psycopg.Connection) -> None:
+    db.execute("CREATE TABLE relay_test.report_rows (job_id bigint, n integer)")
+    try:
+
+        @relay.handler("batch_insert", timeout=0.3, max_attempts=1)
+        def batch_insert(job: Job, conn: psycopg.Connection) -> None:
+            for n in range(100):
+                if job.lease_lost:
+                    return  # told to stop: the half-done batch must not commit as a success
+                conn.execute("INSERT INTO relay_test.report_rows VALUES (%s, %s)", (job.id, n))
+                time.sleep(0.02)
+
+        job_id = relay.enqueue("batch_insert")
+        with running_worker(relay, concurrency=1):
+            wait_for(lambda: job_status(db, job_id) == "dead", timeout=15)
+        assert db.execute("SELECT count(*) FROM relay_test.report_rows").fetchone()[0] == 0
+        assert relay.get_job(job_id).last_error.startswith("JobTimeout")
+    finally:
+        db.execute("DROP TABLE relay_test.report_rows")
 
 
 def test_a_stale_heartbeat_answer_does_not_flag_the_next_run_of_the_same_job(relay: Relay) -> None:

@@ -106,7 +106,7 @@ UPDATE relay.jobs AS j
 SET status = 'cancelled', finished_at = now(), claimed_until = NULL
 FROM unnest(%(ids)s::bigint[], %(tokens)s::integer[]) AS c(id, token)
 WHERE j.id = c.id AND j.lease_token = c.token AND j.status = 'claimed'
-RETURNING j.id;
+RETURNING j.id, j.status::text AS status;
 
 -- name: job_set_progress
 -- A running handler reports progress, fenced by its lease.

@@ -155,13 +155,13 @@ RETURNING j.id, j.cancel_requested_at IS NOT NULL AS cancel_requested;
 
 -- name: job_succeed_many
 -- Record successes in one statement, fenced by status and lease token; returns
--- the ids that were still this worker's.
+-- the ids that were still this worker's, with the status written.
 -- transition: claimed -> succeeded
 UPDATE relay.jobs AS j
 SET status = 'succeeded', finished_at = now(), claimed_until = NULL, result = done.result::jsonb
 FROM unnest(%(ids)s::bigint[], %(tokens)s::integer[], %(results)s::text[]) AS done(id, token, result)
 WHERE j.id = done.id AND j.lease_token = done.token AND j.status = 'claimed'
-RETURNING j.id;
+RETURNING j.id, j.status::text AS status;
 
 -- name: job_fail_many
 -- Record failed attempts, fenced: each job goes back to queued after its backoff
@@ -199,7 +199,7 @@ SET status = CASE WHEN j.cancel_requested_at IS NOT NULL THEN 'cancelled' ELSE '
                   THEN now() + make_interval(secs => s.delay_seconds) ELSE j.run_at END
 FROM unnest(%(ids)s::bigint[], %(tokens)s::integer[], %(delays)s::float8[]) AS s(id, token, delay_seconds)
 WHERE j.id = s.id AND j.lease_token = s.token AND j.status = 'claimed'
-RETURNING j.id;
+RETURNING j.id, j.status::text AS status;
 
 -- name: job_hand_back_many
 -- Graceful shutdown: return unfinished jobs to the queue, fenced, and give back

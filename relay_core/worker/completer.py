@@ -28,7 +28,7 @@ MAX_BATCH = 1000
 class Completer:
     """A thread that turns outcomes into fenced UPDATEs."""
 
-    def __init__(self, pool: ConnectionPool, on_written: Callable[[list[Outcome], set[int]], None]) -> None:
+    def __init__(self, pool: ConnectionPool, on_written: Callable[[list[Outcome], dict[int, str]], None]) -> None:
         self._pool = pool
         self._on_written = on_written
         self._inbox: queue.SimpleQueue[Outcome | None] = queue.SimpleQueue()
@@ -98,33 +98,38 @@ class Completer:
                     type=job.type,
                     error=str(exc),
                 )
-                self._on_written(batch, set())
+                self._on_written(batch, {})
                 return
             self._on_written(batch, still_ours)
             return
 
-    def write(self, batch: list[Outcome]) -> set[int]:
-        """Record a batch in one statement per outcome kind; return ids still this worker's."""
-        ours: set[int] = {o.job.id for o in batch if o.kind is Kind.COMMITTED}
+    def write(self, batch: list[Outcome]) -> dict[int, str]:
+        """Record a batch in one statement per outcome kind.
+
+        Returns the status written for each job that was still this worker's:
+        not always the outcome's own (a failure of a job an admin asked to
+        cancel ends it cancelled).
+        """
+        written: dict[int, str] = {o.job.id: "succeeded" for o in batch if o.kind is Kind.COMMITTED}
         statements = [(name, params) for name, params in _statements(batch) if params["ids"]]
         if not statements:
-            return ours
+            return written
         with self._pool.connection() as conn:
             if len(statements) == 1:
                 # The usual batch (all successes) is one statement: autocommit, one round trip.
                 name, params = statements[0]
                 conn.autocommit = True
                 try:
-                    ours.update(row[0] for row in conn.execute(sql(name), params, prepare=True).fetchall())
+                    written.update(conn.execute(sql(name), params, prepare=True).fetchall())
                 finally:
                     restore_transactions(conn)
-                return ours
+                return written
             # BEGIN, the statements and COMMIT travel together: one round trip per batch.
             with conn.pipeline(), conn.transaction():
                 cursors = [conn.execute(sql(name), params, prepare=True) for name, params in statements]
             for cur in cursors:
-                ours.update(row[0] for row in cur.fetchall())
-        return ours
+                written.update(cur.fetchall())
+        return written
 
 
 def _fenced(outcomes: list[Outcome], **columns: list[object]) -> dict[str, list[object]]:

@@ -49,9 +49,16 @@ def run(job: Job, handlers: Mapping[str, HandlerSpec], pool: ConnectionPool, wor
 
 
 def _run_transactional(job: Job, spec: HandlerSpec, pool: ConnectionPool) -> None:
-    """Handler and fenced success in one transaction; LeaseLost rolls both back."""
+    """Handler and fenced success in one transaction; LeaseLost rolls both back.
+
+    A handler that returns once ``job.lease_lost`` is true stopped because it
+    was told to (its lease was taken over, or it ran past its timeout), so its
+    work is rolled back rather than committed as a success.
+    """
     with pool.connection() as conn, conn.transaction():
         value = spec.func(job, conn)
+        if job.lease_lost:
+            raise LeaseLost(f"job {job.id} was told to stop; its work was rolled back")
         done = conn.execute(
             sql("job_succeed_many"),
             {"ids": [job.id], "tokens": [job.lease_token], "results": [result_json(value)]},

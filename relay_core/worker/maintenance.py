@@ -126,6 +126,7 @@ class Maintenance:
         self._in_flight = in_flight
         self._check_timeouts = check_timeouts
         self._stop = threading.Event()
+        self._stop_duties = threading.Event()
         self._threads = [
             threading.Thread(target=self._heartbeat_loop, name="relay-heartbeat", daemon=True),
             threading.Thread(target=self._loop, name="relay-maintenance", daemon=True),
@@ -139,11 +140,18 @@ class Maintenance:
 
     def stop(self) -> None:
         """Stop after the current duty."""
+        self.stop_duties()
+        self.stop_heartbeats()
+
+    def stop_duties(self) -> None:
+        """Stop sweeping, pruning and the rest; heartbeats go on (a shutdown still holds leases)."""
+        self._stop_duties.set()
+        self._threads[1].join(5.0)
+
+    def stop_heartbeats(self) -> None:
+        """Stop renewing leases: the worker has nothing left to hold."""
         self._stop.set()
-        for thread in self._threads:
-            thread.join(5.0)
-        if self._heartbeat_conn is not None and not self._threads[0].is_alive():
-            self._heartbeat_conn.close()
+        self._threads[0].join(5.0)
 
     def heartbeat(self) -> None:
         """Renew leases and the registry entry; report leases that were taken over.
@@ -208,6 +216,13 @@ class Maintenance:
             return fold_counters(conn)
 
     def _heartbeat_loop(self) -> None:
+        try:
+            self._heartbeat_until_stopped()
+        finally:
+            if self._heartbeat_conn is not None:
+                self._heartbeat_conn.close()
+
+    def _heartbeat_until_stopped(self) -> None:
         next_heartbeat = time.monotonic() + self._heartbeat_interval
         while not self._stop.wait(0.2):
             self._check_timeouts()
@@ -232,7 +247,7 @@ class Maintenance:
         next_periodic = now
         next_fold = now + FOLD_INTERVAL * spread
         next_vacuum = now + VACUUM_CHECK_INTERVAL * spread
-        while not self._stop.wait(0.2):
+        while not self._stop_duties.wait(0.2) and not self._stop.is_set():
             now = time.monotonic()
             try:
                 if now >= next_sweep:

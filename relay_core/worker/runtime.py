@@ -86,6 +86,7 @@ class Counters:
     retried: int = 0
     dead: int = 0
     snoozed: int = 0
+    cancelled: int = 0
     lost: int = 0
 
 
@@ -106,6 +107,7 @@ class Worker:
         self._awaiting_write: dict[int, int] = {}  # id -> token: finished, not yet recorded
         # id -> (run, decided outcome): past their timeout, handler thread still running.
         self._overdue: dict[int, tuple[Running, Outcome]] = {}
+        self._closing: dict[int, int] = {}  # id -> token: shutting down, not yet handed back
         self._inbox: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
         self._slots: list[Slot] = []
         # Whether any job type has a limit: decides how the claim runs (see claim()).
@@ -148,16 +150,18 @@ class Worker:
             held = {jid: r.job.lease_token for jid, r in self._running.items()}
             held.update((jid, r.job.lease_token) for jid, (r, _) in self._overdue.items())
             held.update(self._awaiting_write)
+            held.update(self._closing)
             return held
 
-    def _on_written(self, batch: list[Outcome], still_ours: set[int]) -> None:
+    def _on_written(self, batch: list[Outcome], written: dict[int, str]) -> None:
         with self._lock:
             for outcome in batch:
                 if self._awaiting_write.get(outcome.job.id) == outcome.job.lease_token:
                     del self._awaiting_write[outcome.job.id]
         for outcome in batch:
             job = outcome.job
-            if job.id not in still_ours:
+            status = written.get(job.id)
+            if status is None:
                 self.counters.lost += 1
                 event(
                     logging.WARNING,
@@ -168,7 +172,18 @@ class Worker:
                     outcome=outcome.kind.value,
                 )
                 continue
-            if outcome.kind in (Kind.SUCCEEDED, Kind.COMMITTED):
+            if status == "cancelled":
+                self.counters.cancelled += 1
+                event(
+                    logging.INFO,
+                    "job cancelled",
+                    job_id=job.id,
+                    type=job.type,
+                    attempt=job.attempt,
+                    ended=outcome.kind.value,
+                    error=outcome.message,
+                )
+            elif outcome.kind in (Kind.SUCCEEDED, Kind.COMMITTED):
                 self.counters.succeeded += 1
                 event(
                     logging.INFO,
@@ -233,6 +248,9 @@ class Worker:
                 elif self._awaiting_write.get(jid) == token:
                     del self._awaiting_write[jid]
                     taken.append(jid)
+                elif self._closing.get(jid) == token:
+                    del self._closing[jid]
+                    taken.append(jid)
         # A job whose completion was written while the heartbeat ran is not lost: say nothing of it.
         if taken:
             event(logging.WARNING, "leases taken over by another worker", job_ids=sorted(taken))
@@ -243,7 +261,7 @@ class Worker:
     def _on_cancel(self, ids: set[int]) -> None:
         with self._lock:
             for jid in ids:
-                running = self._running.get(jid)
+                running = self._running.get(jid) or (self._overdue[jid][0] if jid in self._overdue else None)
                 if running is not None and not running.job.cancel_requested:
                     running.job._cancel_requested.set()
                     event(logging.INFO, "cancellation requested", job_id=jid, type=running.job.type)
@@ -520,32 +538,42 @@ class Worker:
         signal.signal(signal.SIGINT, handle)
 
     def _shutdown(self) -> None:
-        """Finish in-flight jobs within the timeout, then hand back the rest as the last write.
+        """Finish in-flight jobs within the timeout, then return the rest with leases held to the end.
 
-        The order matters: a handler still running when the timeout ends keeps
-        running until the process exits, so its job goes back to the queue only
-        after everything else is done (finished outcomes written, threads
-        stopped), and with a short grace before another worker may start it.
+        A handler still running when the timeout ends keeps running until the
+        process exits, so its job goes back only once nothing but the
+        heartbeat thread is left to stop, with a short grace before another
+        worker may start it. Until then heartbeats keep every lease alive.
         """
         deadline = time.monotonic() + self.config.shutdown_timeout
+        # Nothing but heartbeats is needed from here on; these stop while in-flight jobs run on.
+        if self.listener:
+            self.listener.stop()
+        self.maintenance.stop_duties()
         while self.in_flight() and time.monotonic() < deadline and self.config.shutdown_timeout > 0:
             time.sleep(0.02)
         with self._lock:
-            unfinished = list(self._running.values()) + [run for run, _ in self._overdue.values()]
+            unfinished = list(self._running.values())
+            overdue = list(self._overdue.values())
             self._running.clear()
             self._overdue.clear()
-            for running in unfinished:
+            for running in unfinished + [run for run, _ in overdue]:
                 if running.slot is not None:
                     running.slot.abandoned.set()
                 running.job._lease_lost.set()
+                self._closing[running.job.id] = running.job.lease_token
         for _ in self._slots:
             self._inbox.put(None)
-        self.completer.stop()
-        self.maintenance.stop()
-        if self.listener:
-            self.listener.stop()
-        if unfinished:
-            self._hand_back(unfinished)
+        never_started = [r for r in unfinished if r.slot is None]
+        if never_started:
+            self._hand_back(never_started)
+        self.completer.stop()  # writes the outcomes of the jobs that finished
+        still_running = [r for r in unfinished if r.slot is not None]
+        if still_running:
+            self._hand_back(still_running)
+        if overdue:
+            self._record_overdue([decided for _, decided in overdue])
+        self.maintenance.stop_heartbeats()
         try:
             with self.pool.connection(timeout=5.0) as conn:
                 conn.execute(sql("worker_stop"), {"id": self.id})
@@ -558,10 +586,38 @@ class Worker:
             worker_id=self.id,
             succeeded=self.counters.succeeded,
             handed_back=len(unfinished),
+            timed_out_still_running=len(overdue),
         )
         self.stopped.set()
 
+    def _record_overdue(self, decided: list[Outcome]) -> None:
+        """Write the timeouts of handlers that never returned: the attempt counts.
+
+        Handing them back would give the attempt back, and a handler that
+        hangs every time would then never reach dead. Their retry waits at
+        least the hand-back grace, like a handed-back job's.
+        """
+        for outcome in decided:
+            outcome.delay = max(outcome.delay, HAND_BACK_GRACE_SECONDS)
+        try:
+            written = self.completer.write(decided)
+        except (psycopg.Error, PoolTimeout) as exc:
+            event(
+                logging.ERROR,
+                "timeouts not written; the sweeper will return these jobs when their leases expire",
+                error=str(exc),
+                job_ids=[o.job.id for o in decided],
+            )
+            return
+        finally:
+            self._release([o.job for o in decided])
+        self._on_written(decided, written)
+
     def _hand_back(self, unfinished: list[Running]) -> None:
+        """Return unfinished jobs to the queue, fenced, with their attempt given back.
+
+        Until then their leases are in ``_closing``, which heartbeats renew.
+        """
         jobs = [r.job for r in unfinished]
         # A job that never left the prefetch can run elsewhere at once; one whose thread still runs waits.
         delays = [0.0 if r.slot is None else HAND_BACK_GRACE_SECONDS for r in unfinished]
@@ -579,3 +635,12 @@ class Worker:
                 error=str(exc),
                 job_ids=[j.id for j in jobs],
             )
+        finally:
+            self._release(jobs)
+
+    def _release(self, jobs: list[Job]) -> None:
+        """Stop renewing the leases of jobs whose shutdown write is done (or failed)."""
+        with self._lock:
+            for job in jobs:
+                if self._closing.get(job.id) == job.lease_token:
+                    del self._closing[job.id]

@@ -119,6 +119,21 @@ def worker(
         raise click.ClickException(str(exc)) from None
 
 
+def _parse_payload(text: str) -> object:
+    """PAYLOAD as JSON; anything Python's reader refuses is a usage error, never a traceback."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise click.BadParameter(f"not valid JSON: {exc}", param_hint="PAYLOAD") from None
+    except ValueError:
+        # Python refuses to read integers longer than its digit limit (a guard
+        # against quadratic-time conversion), so such a payload cannot be sent.
+        limit = sys.get_int_max_str_digits()
+        raise click.BadParameter(f"has an integer longer than {limit} digits", param_hint="PAYLOAD") from None
+    except RecursionError:
+        raise click.BadParameter("is nested too deeply to read", param_hint="PAYLOAD") from None
+
+
 @main.command()
 @click.argument("job_type")
 @click.argument("payload", default="{}")
@@ -137,10 +152,7 @@ def enqueue(
     idempotency_key: str | None,
 ) -> None:
     """Enqueue one job; PAYLOAD is JSON. Prints the job id."""
-    try:
-        data = json.loads(payload)
-    except json.JSONDecodeError as exc:
-        raise click.BadParameter(f"not valid JSON: {exc}", param_hint="PAYLOAD") from None
+    data = _parse_payload(payload)
     when = None
     if run_at is not None:
         try:

@@ -10,7 +10,7 @@ import json
 import math
 import re
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any
 
 from .errors import InvalidJobError
@@ -89,13 +89,19 @@ def check_payload(payload: Any, max_bytes: int) -> str:
 
 
 def check_run_at(run_at: Any) -> datetime | None:
-    """``run_at`` is None (now) or a timezone-aware datetime."""
+    """``run_at`` is None (now) or a timezone-aware datetime whose UTC instant a datetime can hold."""
     if run_at is None:
         return None
     if not isinstance(run_at, datetime):
         raise InvalidJobError("run_at", f"must be a datetime, got {type(run_at).__name__}")
     if run_at.tzinfo is None or run_at.tzinfo.utcoffset(run_at) is None:
         raise InvalidJobError("run_at", "must be timezone-aware (a naive datetime's time zone is a guess)")
+    try:
+        run_at.astimezone(UTC)
+    except OverflowError:
+        # PostgreSQL would store such an instant (year 0 or 10000 in UTC), but
+        # no Python datetime can hold it, so every later read of the job fails.
+        raise InvalidJobError("run_at", "must fall between the years 1 and 9999 in UTC") from None
     return run_at
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import select
 import time
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime, timedelta, timezone
 from typing import ClassVar
 
 import psycopg
@@ -142,6 +142,9 @@ BAD_INPUTS = [
     ({"job_type": "x", "payload": {"blob": "x" * 300_000}}, "payload"),
     ({"job_type": "x", "run_at": datetime(2030, 1, 1)}, "run_at"),
     ({"job_type": "x", "run_at": "2030-01-01T00:00:00Z"}, "run_at"),
+    # Year 0 and year 10000 in UTC: PostgreSQL stores them, but no datetime can read them back.
+    ({"job_type": "x", "run_at": datetime(1, 1, 1, tzinfo=timezone(timedelta(hours=14)))}, "run_at"),
+    ({"job_type": "x", "run_at": datetime(9999, 12, 31, 23, 59, 59, tzinfo=timezone(timedelta(hours=-14)))}, "run_at"),
     ({"job_type": ""}, "type"),
     ({"job_type": "   "}, "type"),
     ({"job_type": "t" * 201}, "type"),
@@ -237,6 +240,13 @@ def test_payload_limit_is_configurable(dsn: str, db: psycopg.Connection) -> None
         assert job_count(db) == 0
     finally:
         small.close()
+
+
+def test_run_at_at_the_very_edges_of_the_utc_calendar_is_kept(relay: Relay) -> None:
+    first = datetime(1, 1, 1, 14, tzinfo=timezone(timedelta(hours=14)))
+    last = datetime(9999, 12, 31, 23, 59, 59, 999999, tzinfo=UTC)
+    for run_at in (first, last):
+        assert relay.get_job(relay.enqueue("x", {}, run_at=run_at)).run_at == run_at
 
 
 def test_run_at_is_stored_as_given_and_now_comes_from_the_database(relay: Relay, db: psycopg.Connection) -> None:

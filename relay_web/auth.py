@@ -24,6 +24,7 @@ from relay_core import users
 from relay_core.users import User
 
 from .problems import Problem, unauthorized
+from .records.common import positive_number
 
 ROLES = ("viewer", "admin")
 
@@ -35,12 +36,17 @@ def _missing(reason: str) -> Response:
     ).response()
 
 
-def _invalid(reason: str) -> Response:
+def invalid_token() -> Problem:
+    """The 401 of a token that is malformed, of the wrong kind, or not signed by this server."""
     return unauthorized(
         "The token is malformed, of the wrong kind, or not signed by this server; log in again.",
         slug="token-invalid",
         invalid_token=True,
-    ).response()
+    )
+
+
+def _invalid(reason: str) -> Response:
+    return invalid_token().response()
 
 
 def _expired(header: dict[str, Any], payload: dict[str, Any]) -> Response:
@@ -87,6 +93,12 @@ def refresh_claims() -> dict[str, Any]:
     """The claims of the request's refresh token (401 problem without a valid one)."""
     verify_jwt_in_request(refresh=True, locations=["headers"])
     return get_jwt()
+
+
+def user_id(claims: dict[str, Any]) -> int | None:
+    """The user id a verified token names, or None when its subject is not an id Relay writes."""
+    subject = claims.get("sub")
+    return positive_number(subject) if isinstance(subject, str) else None
 
 
 def session_mark(user: User) -> str:

@@ -31,6 +31,9 @@ HTTP_DETAILS = {
     415: "Send the body as application/json.",
 }
 
+#: The past participle of each admin action, for "only dead jobs can be requeued".
+DONE = {"requeue": "requeued", "cancel": "cancelled"}
+
 
 def _http(exc: HTTPException) -> Response:
     status = exc.code or 500
@@ -49,12 +52,19 @@ def _not_found(exc: JobNotFound) -> Response:
     return Problem(404, "Job not found", f"There is no job {exc.job_id}.", slug="job-not-found").response()
 
 
-def _illegal(exc: IllegalTransition) -> Response:
+def transition_detail(exc: IllegalTransition) -> str:
+    """The sentence the API and the dashboard give for an action the job's state does not allow."""
     allowed = " or ".join(exc.allowed_from)
+    done = DONE.get(exc.action)
+    rule = f"only {allowed} jobs can be {done}" if done else f"{exc.action} is allowed only for {allowed} jobs"
+    return f"Job {exc.job_id} is {exc.current}; {rule}."
+
+
+def _illegal(exc: IllegalTransition) -> Response:
     return Problem(
         409,
         "Illegal transition",
-        f"Job {exc.job_id} is {exc.current}; only {allowed} jobs can be {exc.action}d.",
+        transition_detail(exc),
         slug="illegal-transition",
         job_id=exc.job_id,
         current_status=exc.current,

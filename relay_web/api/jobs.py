@@ -6,6 +6,8 @@ Every read and write goes through relay_core (``admin`` for one job,
 
 from __future__ import annotations
 
+import json
+from decimal import Decimal
 from typing import Any
 
 from flask import Blueprint, url_for
@@ -44,6 +46,36 @@ class JobIdSegment(BaseConverter):
 
 
 bp.record_once(lambda state: state.app.url_map.converters.setdefault("job_id", JobIdSegment))
+
+
+def _jsonb_number(value: float) -> float | int:
+    # jsonb keeps a number's decimal digits, not its Python type: 1.5e+25 is
+    # stored as 15000000000000000000000000 and read back as an int, and
+    # numeric has no negative zero.
+    digits = Decimal(repr(value))
+    exponent = digits.as_tuple().exponent
+    if isinstance(exponent, int) and exponent >= 0:
+        return int(digits)
+    return value if value != 0 else 0.0
+
+
+def _as_stored(payload: Any) -> str:
+    """A payload as jsonb keeps it, written canonically, so equal JSON documents compare equal.
+
+    Comparing the Python values instead would call ``true`` and ``1``, or
+    ``1.0`` and ``1``, the same payload, though a handler receives each differently.
+    """
+
+    def stored(value: Any) -> Any:
+        if isinstance(value, float):
+            return _jsonb_number(value)
+        if isinstance(value, list):
+            return [stored(item) for item in value]
+        if isinstance(value, dict):
+            return {key: stored(item) for key, item in value.items()}
+        return value
+
+    return json.dumps(stored(payload), sort_keys=True, ensure_ascii=False, separators=(",", ":"))
 
 
 @bp.get("/jobs")
@@ -127,11 +159,11 @@ def enqueue(headers: IdempotencyHeaders, body: EnqueueBody, claims: dict[str, An
         )
         created = monitor.created_in_this_transaction(conn, job_id)
         job = admin.get_job(conn, job_id)
-    if not created and (job.type, job.queue, job.priority, job.payload) != (
+    if not created and (job.type, job.queue, job.priority, _as_stored(job.payload)) != (
         body.type,
         body.queue,
         body.priority,
-        body.payload,
+        _as_stored(body.payload),
     ):
         raise Problem(
             409,

@@ -9,10 +9,36 @@ needs none of those once its indicator styles are turned off (see the
 
 from __future__ import annotations
 
+from typing import Any
+
 from flask import Blueprint, Response
 from flask.blueprints import BlueprintSetupState
+from werkzeug.routing import BaseConverter
+
+from ..records.common import BIGINT_MAX
 
 bp = Blueprint("dashboard", __name__)
+
+
+class JobNumber(BaseConverter):
+    """A job id in a dashboard URL, spelled as the dashboard writes it; no other URL names a job.
+
+    werkzeug's ``int`` converter also reads "022" and non-ASCII digits such as
+    "٢٢", so a mistyped link would show, or act on, a real job.
+    """
+
+    regex = r"[1-9][0-9]*"
+
+    def to_python(self, value: str) -> int:
+        """The job id; one too long for a bigint reads as 0, which names no job, so the view answers 404."""
+        return int(value) if len(value) <= len(str(BIGINT_MAX)) else 0
+
+    def to_url(self, value: Any) -> str:
+        """The id as digits."""
+        return str(int(value))
+
+
+bp.record_once(lambda state: state.app.url_map.converters.setdefault("job_number", JobNumber))
 
 #: script-src 'self' forbids inline scripts and eval; style-src 'self' forbids
 #: inline styles too, so markup injected into a page could not even restyle it.

@@ -17,6 +17,7 @@ from werkzeug.exceptions import HTTPException
 
 from relay_core import IllegalTransition, JobNotFound, RelayError
 
+from ..errors import transition_detail
 from ..problems import Problem
 from .blueprint import bp
 from .render import page
@@ -45,9 +46,7 @@ def _not_found(exc: JobNotFound) -> Response:
 
 @bp.errorhandler(IllegalTransition)
 def _illegal(exc: IllegalTransition) -> Response:
-    allowed = " or ".join(exc.allowed_from)
-    detail = f"Job {exc.job_id} is {exc.current}; only {allowed} jobs can be {exc.action}d."
-    return error_page(409, "Not possible now", detail)
+    return error_page(409, "Not possible now", transition_detail(exc))
 
 
 @bp.errorhandler(RelayError)

@@ -142,9 +142,8 @@ def _load() -> Session | None:
     _, longest = _lifetimes()
     if time.time() - float(claims["auth_time"]) > longest:
         return None
-    try:
-        user_id = int(claims["sub"])
-    except (TypeError, ValueError):
+    user_id = auth.user_id(claims)
+    if user_id is None:
         return None
     with connection() as conn:
         user = users.get_user(conn, user_id)

@@ -18,6 +18,7 @@ from flask import Response, abort, redirect, request, url_for
 from relay_core import IllegalTransition, JobDetail, JobStatus, RelayError, admin, monitor
 
 from ..db import connection
+from ..records.common import BIGINT_MAX, positive_number
 from . import formatting
 from .blueprint import bp
 from .render import is_htmx, page
@@ -27,8 +28,6 @@ from .session import require
 PAGE_SIZE = 50
 #: Seconds between refreshes of a queued or running job's status card.
 JOB_REFRESH_SECONDS = 2
-#: Job ids are PostgreSQL bigints.
-BIGINT_MAX = 2**63 - 1
 #: The filters a jobs URL may carry, in the order the form shows them.
 FILTERS = ("state", "queue", "type", "q")
 #: Statuses in the order a person triages them.
@@ -100,9 +99,10 @@ def _before() -> int | None:
     raw = request.args.get("before", "").strip()
     if not raw:
         return None
-    if not raw.isdigit() or not 1 <= int(raw) <= BIGINT_MAX:
+    before = positive_number(raw)
+    if before is None:
         raise RelayError("the page cursor must be a job id")
-    return int(raw)
+    return before
 
 
 @bp.get("/jobs")
@@ -151,7 +151,7 @@ def _job_context(job: JobDetail, notice: str | None = None) -> dict[str, Any]:
     }
 
 
-@bp.get("/jobs/<int:job_id>")
+@bp.get("/jobs/<job_number:job_id>")
 @require("viewer")
 def job(job_id: int) -> Response:
     """One job: state and actions, progress, timings, lease, payload and every attempt's error."""
@@ -188,14 +188,14 @@ def _act(job_id: int, action: str) -> Response:
     return response
 
 
-@bp.post("/jobs/<int:job_id>/requeue")
+@bp.post("/jobs/<job_number:job_id>/requeue")
 @require("admin")
 def requeue(job_id: int) -> Response:
     """Run a dead or cancelled job again now; answers the job's new status card."""
     return _act(job_id, "requeue")
 
 
-@bp.post("/jobs/<int:job_id>/cancel")
+@bp.post("/jobs/<job_number:job_id>/cancel")
 @require("admin")
 def cancel(job_id: int) -> Response:
     """Cancel a queued job, or ask a running one to stop; answers the job's new status card."""

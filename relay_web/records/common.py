@@ -7,6 +7,7 @@ generated from these same classes, so the spec cannot drift from the code.
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, StringConstraints
@@ -76,6 +77,39 @@ NewJobType = Annotated[
 ]
 
 JobId = Annotated[int, Field(ge=1, le=BIGINT_MAX, examples=[42])]
+
+#: A whole number as Relay writes one: ASCII digits, no sign, space,
+#: underscore, decimal point or leading zero.
+CANONICAL_NUMBER = re.compile(r"0|[1-9][0-9]*")
+
+
+def positive_number(text: str) -> int | None:
+    """``text`` as an id (1 up to PostgreSQL's bigint) when it is written canonically, else None.
+
+    Python's int() also reads "2_2", " 5", "+5" and "٥", so a mistyped id
+    would name a real job; only the spelling Relay itself writes is a number.
+    """
+    if len(text) > len(str(BIGINT_MAX)) or not CANONICAL_NUMBER.fullmatch(text):
+        return None
+    number = int(text)
+    return number if 1 <= number <= BIGINT_MAX else None
+
+
+def _canonical_digits(value: Any) -> Any:
+    # pydantic's lax mode reads "2_2", " 5", "22.0" and "+5" as integers; a
+    # parameter must be spelled as Relay writes numbers, or it is refused.
+    if isinstance(value, str) and not CANONICAL_NUMBER.fullmatch(value):
+        raise ValueError("must be a whole number in plain digits 0-9 (no sign, space, point or leading zero)")
+    return value
+
+
+def parameter_integer(ge: int, le: int) -> Any:
+    """An integer in ``[ge, le]`` read from a URL path or query string, spelled canonically."""
+    return Annotated[int, Field(ge=ge, le=le), BeforeValidator(_canonical_digits)]
+
+
+#: A job id in a URL.
+JobIdParameter = Annotated[parameter_integer(1, BIGINT_MAX), Field(examples=[42])]
 
 
 class Record(BaseModel):

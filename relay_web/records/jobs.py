@@ -3,19 +3,18 @@
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Literal
 
-from pydantic import AwareDatetime, Field, JsonValue, StringConstraints, field_validator
-from typing_extensions import TypeAliasType
+from pydantic import AwareDatetime, Field, JsonValue, field_validator
 
 from relay_core import JobDetail
 from relay_core.monitor import MAX_PAGE, JobSummary
 
 from .common import (
     BIGINT_MAX,
-    NO_NUL,
     BodyRecord,
     JobId,
+    JobIdParameter,
     JobType,
     NewJobType,
     QueryRecord,
@@ -24,28 +23,15 @@ from .common import (
     StatusName,
     Text,
     integer,
+    parameter_integer,
 )
+from .payload import Payload
 
 DEFAULT_PAGE = 50
 
 Priority = integer(-32768, 32767)
 MaxAttempts = integer(1, 1000)
-
-_Key = Annotated[str, StringConstraints(pattern=NO_NUL)]
-
-#: Any JSON value PostgreSQL's jsonb can store: no NUL in any string or key.
-PayloadValue = TypeAliasType(
-    "PayloadValue",
-    Union[  # noqa: UP007 - a recursive alias needs the Union spelling
-        _Key,
-        int,
-        Annotated[float, Field(allow_inf_nan=False)],
-        bool,
-        list["PayloadValue"],
-        Annotated[dict[_Key, "PayloadValue"], Field(json_schema_extra={"additionalProperties": False})],
-        None,
-    ],
-)
+PageSize = parameter_integer(1, MAX_PAGE)
 
 Search = Annotated[
     Text, Field(min_length=1, max_length=200, description="Case-insensitive substring of the type or the last error.")
@@ -64,7 +50,7 @@ class JobListQuery(JobFilterFields):
     """``GET /api/admin/jobs`` parameters."""
 
     status: StatusName | None = None
-    limit: int = Field(default=DEFAULT_PAGE, ge=1, le=MAX_PAGE, description=f"Page size, at most {MAX_PAGE}.")
+    limit: PageSize = Field(default=DEFAULT_PAGE, description=f"Page size, at most {MAX_PAGE}.")
     cursor: str | None = Field(
         default=None,
         pattern=r"^[1-9][0-9]{0,18}$",
@@ -83,7 +69,7 @@ class JobListQuery(JobFilterFields):
 class JobPath(QueryRecord):
     """A job id in the URL."""
 
-    job_id: JobId
+    job_id: JobIdParameter
 
 
 class JobSummaryRecord(Record):
@@ -180,7 +166,7 @@ class EnqueueBody(BodyRecord):
     """``POST /api/admin/jobs``: a job to add."""
 
     type: NewJobType
-    payload: PayloadValue = Field(default_factory=dict, description="Any JSON value; the handler's input.")
+    payload: Payload = Field(default_factory=dict, description="Any JSON value; the handler's input.")
     run_at: AwareDatetime | None = Field(default=None, description="Earliest run time, with a UTC offset; now if null.")
     queue: QueueName = "default"
     priority: Priority = Field(default=0, description="Lower runs first.")

@@ -10,8 +10,9 @@ from datetime import timedelta
 
 import jwt
 import psycopg
+import pytest
 from flask import Flask
-from flask_jwt_extended import create_access_token
+from flask_jwt_extended import create_access_token, create_refresh_token
 
 from relay_core import users
 
@@ -139,6 +140,17 @@ def test_access_and_refresh_tokens_are_not_interchangeable(client, auth: AuthAct
     tokens = auth.tokens("admin")
     assert_problem(client.post("/api/auth/refresh", headers={"Authorization": f"Bearer {tokens['access_token']}"}), 401)
     assert_problem(client.get("/api/admin/jobs", headers={"Authorization": f"Bearer {tokens['refresh_token']}"}), 401)
+
+
+@pytest.mark.parametrize("subject", ["admin", "", "1_0", " 1", "+1", "01", "1.0", "١", "9" * 30, "9" * 5000])
+def test_refresh_token_naming_no_user_id_is_401(app: Flask, client, auth: AuthActions, subject: str) -> None:
+    # User 1's real session mark: read laxly, "01" or "١" would name user 1 and be trusted.
+    real = jwt.decode(auth.tokens("admin")["refresh_token"], SECRET, algorithms=["HS256"], issuer="relay")
+    with app.app_context():
+        token = create_refresh_token(identity=subject, additional_claims={"pwd": real["pwd"]})
+    response = client.post("/api/auth/refresh", headers={"Authorization": f"Bearer {token}"})
+    assert_problem(response, 401, "token-invalid")
+    assert 'error="invalid_token"' in response.headers["WWW-Authenticate"]
 
 
 def test_password_change_or_removal_ends_refresh_sessions(client, auth: AuthActions, dsn: str) -> None:

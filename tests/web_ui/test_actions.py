@@ -6,8 +6,9 @@ import re
 
 import psycopg
 import pytest
+from flask import Flask
 
-from relay_core import Relay
+from relay_core import IllegalTransition, Relay
 
 from .conftest import DashboardClient, Jobs
 
@@ -103,6 +104,34 @@ def test_cancel_of_a_running_job_requests_a_stop(admin: DashboardClient, jobs: J
 def test_actions_on_missing_jobs_are_404(admin: DashboardClient) -> None:
     assert admin.post("/jobs/424242/requeue").status_code == 404
     assert admin.post("/jobs/424242/cancel").status_code == 404
+
+
+def test_actions_on_non_canonical_job_ids_are_404_and_change_nothing(admin: DashboardClient, jobs: Jobs) -> None:
+    ids = [jobs.add() for _ in range(22)]
+    jobs.dead(ids[-1])
+    for spelling in ("022", "%D9%A2%D9%A2", "%EF%BC%92%EF%BC%92"):
+        assert admin.post(f"/jobs/{spelling}/requeue").status_code == 404, spelling
+        assert admin.post(f"/jobs/{spelling}/cancel").status_code == 404, spelling
+    assert jobs.status(22) == "dead"
+
+
+@pytest.mark.parametrize(
+    ("action", "allowed", "sentence"),
+    [
+        ("requeue", ("dead", "cancelled"), "only dead or cancelled jobs can be requeued."),
+        ("cancel", ("queued", "claimed"), "only queued or claimed jobs can be cancelled."),
+    ],
+)
+def test_an_illegal_transition_page_names_the_action_right(
+    app: Flask, action: str, allowed: tuple[str, ...], sentence: str
+) -> None:
+    # The dashboard's own actions answer a 409 status card; this page is the
+    # blueprint's safety net for any other view the state machine refuses.
+    handler = app.error_handler_spec["dashboard"][None][IllegalTransition]
+    with app.test_request_context("/jobs/7"):
+        response = handler(IllegalTransition(7, "succeeded", action, allowed))
+    assert response.status_code == 409
+    assert f"Job 7 is succeeded; {sentence}" in response.get_data(as_text=True)
 
 
 def test_actions_are_never_gets(admin: DashboardClient, jobs: Jobs) -> None:

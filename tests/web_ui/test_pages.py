@@ -139,6 +139,13 @@ def test_jobs_filters_live_in_the_url(
         ("queue=Not%20A%20Queue", "queue"),
         ("before=abc", "cursor"),
         ("before=99999999999999999999", "cursor"),
+        # Digits only to str.isdigit(): superscript two, circled one, Arabic-Indic five.
+        ("before=%C2%B2", "cursor"),
+        ("before=%E2%91%A0", "cursor"),
+        ("before=%D9%A5", "cursor"),
+        ("before=1_0", "cursor"),
+        ("before=010", "cursor"),
+        ("before=" + "9" * 5000, "cursor"),
     ],
 )
 def test_bad_filters_say_what_is_wrong(viewer: DashboardClient, query: str, message: str) -> None:
@@ -213,6 +220,13 @@ def test_missing_jobs_are_a_404_page(viewer: DashboardClient) -> None:
         assert response.status_code == 404
         assert response.mimetype == "text/html"
         assert "No such page" in _text(response) or "There is no job" in _text(response)
+
+
+def test_job_ids_in_urls_are_read_only_as_relay_writes_them(viewer: DashboardClient, relay: Relay) -> None:
+    assert relay.enqueue_many([{"type": "t"} for _ in range(22)])[-1] == 22
+    assert viewer.get("/jobs/22").status_code == 200
+    for spelling in ("022", "%D9%A2%D9%A2", "%EF%BC%92%EF%BC%92", "+22", "22.0", "9" * 5000):
+        assert viewer.get(f"/jobs/{spelling}").status_code == 404, spelling[:30]
 
 
 def test_everything_a_job_carries_is_escaped(viewer: DashboardClient, jobs: Jobs) -> None:

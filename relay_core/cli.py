@@ -13,6 +13,7 @@ from . import logs
 from .client import Relay
 from .errors import ConfigurationError, InvalidJobError, MigrationError, RelayError
 from .settings import database_url
+from .validation import positive_number
 
 
 def load_app(spec: str) -> Relay:
@@ -193,8 +194,26 @@ def prove(workers: int, jobs: int, concurrency: int) -> None:
         sys.exit(1)
 
 
+class JobIdType(click.ParamType):
+    """A job id as Relay writes it: plain ASCII digits within bigint.
+
+    ``int()`` would also read "2_2", " 22" or Arabic-Indic digits as a real
+    job's id, and the command would act on a job nobody named.
+    """
+
+    name = "job_id"
+
+    def convert(self, value: object, param: click.Parameter | None, ctx: click.Context | None) -> int:
+        if isinstance(value, int):
+            return value
+        job_id = positive_number(str(value))
+        if job_id is None:
+            self.fail(f"{value!r} is not a job id (a positive whole number, digits only)", param, ctx)
+        return job_id
+
+
 @main.command()
-@click.argument("job_id", type=int)
+@click.argument("job_id", type=JobIdType())
 def requeue(job_id: int) -> None:
     """Requeue a dead or cancelled job."""
     relay = Relay(_dsn())

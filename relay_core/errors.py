@@ -39,16 +39,26 @@ class JobNotFound(RelayError, LookupError):
         self.job_id = job_id
 
 
+#: The admin actions that change a job's state, in the past tense.
+ACTIONS_DONE = {"requeue": "requeued", "cancel": "cancelled"}
+
+
 class IllegalTransition(RelayError):
     """The state machine does not allow this change for the job's current state."""
 
     def __init__(self, job_id: int, current: str, action: str, allowed_from: tuple[str, ...]) -> None:
-        allowed = " or ".join(allowed_from)
-        super().__init__(f"cannot {action} job {job_id}: it is {current}, and only {allowed} jobs can be {action}d")
         self.job_id = job_id
         self.current = current
         self.action = action
         self.allowed_from = allowed_from
+        super().__init__(f"cannot {action} job {job_id}: it is {current}, and {self.rule}")
+
+    @property
+    def rule(self) -> str:
+        """Which states allow the action, as a sentence's end: "only dead or cancelled jobs can be requeued"."""
+        allowed = " or ".join(self.allowed_from)
+        done = ACTIONS_DONE.get(self.action)
+        return f"only {allowed} jobs can be {done}" if done else f"{self.action} is allowed only for {allowed} jobs"
 
 
 class HandlerNotFound(RelayError):

@@ -19,7 +19,7 @@ from . import admin, migrate
 from .errors import RelayError
 from .queries import sql
 from .states import JobStatus
-from .validation import QUEUE_NAME, check_queue
+from .validation import BIGINT_MAX, QUEUE_NAME, check_queue
 
 #: Largest page a listing returns, whatever the caller asks.
 MAX_PAGE = 200
@@ -34,7 +34,6 @@ OUTCOME_MINUTES_KEPT = 60
 #: Advisory-lock key of the counter fold ("relay" + "fold" as digits, arbitrary but fixed).
 FOLD_LOCK_KEY = 7_265_108_722
 
-_BIGINT_MAX = 2**63 - 1
 
 #: What a queue name may look like (for clients that validate filters up front).
 QUEUE_NAME_PATTERN = QUEUE_NAME.pattern
@@ -198,7 +197,7 @@ def list_jobs(
     """A page of jobs matching ``where``, newest first, older than id ``before``."""
     if not 1 <= limit <= MAX_PAGE:
         raise RelayError(f"limit must be between 1 and {MAX_PAGE}")
-    if before is not None and not 1 <= before <= _BIGINT_MAX:
+    if before is not None and not 1 <= before <= BIGINT_MAX:
         raise RelayError("before must be a positive job id")
     params = (where or JobFilter()).params()
     params.update(limit=limit + 1, before=before, error_chars=LIST_ERROR_CHARS)

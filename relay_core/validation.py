@@ -21,6 +21,9 @@ MAX_IDEMPOTENCY_KEY_LENGTH = 200
 PRIORITY_RANGE = (-32768, 32767)
 DEFAULT_MAX_PAYLOAD_BYTES = 256 * 1024
 #: One encoder for every payload (json.dumps with options builds a new one per call).
+#: Job ids are PostgreSQL bigints.
+BIGINT_MAX = 2**63 - 1
+CANONICAL_NUMBER = re.compile(r"0|[1-9][0-9]*")
 PAYLOAD_ENCODER = json.JSONEncoder(allow_nan=False, ensure_ascii=False, separators=(",", ":"))
 
 
@@ -76,6 +79,8 @@ def check_payload(payload: Any, max_bytes: int) -> str:
         text = PAYLOAD_ENCODER.encode(payload)
     except (TypeError, ValueError) as exc:
         raise InvalidJobError("payload", f"is not JSON-serializable: {exc}") from None
+    except RecursionError:
+        raise InvalidJobError("payload", "is nested too deeply to serialise") from None
     if "\\u0000" in text:
         raise InvalidJobError("payload", "must not contain NUL characters (PostgreSQL jsonb cannot store them)")
     try:
@@ -161,3 +166,15 @@ def new_job(
         max_attempts=check_max_attempts(max_attempts),
         idempotency_key=check_idempotency_key(idempotency_key),
     )
+
+
+def positive_number(text: str) -> int | None:
+    """``text`` as an id (1 up to PostgreSQL's bigint) when it is written canonically, else None.
+
+    Python's int() also reads "2_2", " 5", "+5" and "٥", so a mistyped id
+    would name a real job; only the spelling Relay itself writes is a number.
+    """
+    if len(text) > len(str(BIGINT_MAX)) or not CANONICAL_NUMBER.fullmatch(text):
+        return None
+    number = int(text)
+    return number if 1 <= number <= BIGINT_MAX else None

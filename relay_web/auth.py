@@ -22,9 +22,9 @@ from flask_jwt_extended import (
 
 from relay_core import users
 from relay_core.users import User
+from relay_core.validation import positive_number
 
 from .problems import Problem, unauthorized
-from .records.common import positive_number
 
 ROLES = ("viewer", "admin")
 

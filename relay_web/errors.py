@@ -31,10 +31,8 @@ HTTP_DETAILS = {
     415: "Send the body as application/json.",
 }
 
+
 #: The past participle of each admin action, for "only dead jobs can be requeued".
-DONE = {"requeue": "requeued", "cancel": "cancelled"}
-
-
 def _http(exc: HTTPException) -> Response:
     status = exc.code or 500
     detail = HTTP_DETAILS.get(status, exc.description or "")
@@ -54,10 +52,7 @@ def _not_found(exc: JobNotFound) -> Response:
 
 def transition_detail(exc: IllegalTransition) -> str:
     """The sentence the API and the dashboard give for an action the job's state does not allow."""
-    allowed = " or ".join(exc.allowed_from)
-    done = DONE.get(exc.action)
-    rule = f"only {allowed} jobs can be {done}" if done else f"{exc.action} is allowed only for {allowed} jobs"
-    return f"Job {exc.job_id} is {exc.current}; {rule}."
+    return f"Job {exc.job_id} is {exc.current}; {exc.rule}."
 
 
 def _illegal(exc: IllegalTransition) -> Response:

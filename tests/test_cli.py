@@ -54,3 +54,22 @@ def test_a_run_at_outside_the_utc_calendar_is_refused(enqueue, db, run_at: str) 
     assert result.exit_code == 1, result.output
     assert "refused: run_at:" in result.output and "9999" in result.output
     assert job_count(db) == 0
+
+
+@pytest.mark.parametrize("spelling", ["2_2", " 22", "+22", "022", "٢٢", "22.0", "9" * 20, "0"])
+def test_requeue_reads_a_job_id_only_as_relay_writes_it(relay, dsn: str, db: psycopg.Connection, spelling: str) -> None:
+    """int() reads all of these as some job's id; the command refuses them and touches nothing."""
+    ids = relay.enqueue_many([{"type": "t", "max_attempts": 1} for _ in range(25)])
+    db.execute("UPDATE relay.jobs SET status = 'dead', finished_at = now() WHERE id = ANY(%s)", (ids,))
+    result = CliRunner().invoke(main, ["requeue", spelling], env={"RELAY_DATABASE_URL": dsn}, catch_exceptions=False)
+    assert result.exit_code == 2 and "is not a job id" in result.output, result.output
+    assert db.execute("SELECT count(*) FROM relay.jobs WHERE status = 'dead'").fetchone()[0] == 25
+
+
+def test_requeue_of_a_job_in_the_wrong_state_names_the_rule(relay, dsn: str) -> None:
+    job_id = relay.enqueue("t")
+    result = CliRunner().invoke(main, ["requeue", str(job_id)], env={"RELAY_DATABASE_URL": dsn})
+    assert result.exit_code == 1
+    assert (
+        f"cannot requeue job {job_id}: it is queued, and only dead or cancelled jobs can be requeued" in result.output
+    )

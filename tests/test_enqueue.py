@@ -133,6 +133,14 @@ def test_idempotency_key_returns_the_existing_job(relay: Relay, db: psycopg.Conn
     assert job_count(db) == 3
 
 
+def nested(depth: int) -> list:
+    """A list inside a list, ``depth`` deep: deeper than the JSON encoder can recurse."""
+    value: list = []
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
 BAD_INPUTS = [
     ({"job_type": "x", "payload": {"when": datetime.now(UTC)}}, "payload"),
     ({"job_type": "x", "payload": {"f": float("nan")}}, "payload"),
@@ -140,6 +148,7 @@ BAD_INPUTS = [
     ({"job_type": "x", "payload": {"s": "\ud800"}}, "payload"),
     ({"job_type": "x", "payload": {"\ud800": 1}}, "payload"),
     ({"job_type": "x", "payload": {"blob": "x" * 300_000}}, "payload"),
+    ({"job_type": "x", "payload": nested(100_000)}, "payload"),
     ({"job_type": "x", "run_at": datetime(2030, 1, 1)}, "run_at"),
     ({"job_type": "x", "run_at": "2030-01-01T00:00:00Z"}, "run_at"),
     # Year 0 and year 10000 in UTC: PostgreSQL stores them, but no datetime can read them back.

@@ -196,7 +196,7 @@ def test_running_job_is_cancelled_cooperatively(relay: Relay, db: psycopg.Connec
         assert detail.status == "claimed" and detail.cancel_requested_at is not None
         wait_for(lambda: job_status(db, job_id) == "cancelled", timeout=10)
     assert saw_request.is_set()
-    with pytest.raises(IllegalTransition, match="it is cancelled"):
+    with pytest.raises(IllegalTransition, match=r"it is cancelled, and only queued or claimed jobs can be cancelled$"):
         relay.cancel(job_id)
     assert relay.requeue(job_id).status == "queued"
 

@@ -16,9 +16,9 @@ from typing import Any
 from flask import Response, abort, redirect, request, url_for
 
 from relay_core import IllegalTransition, JobDetail, JobStatus, RelayError, admin, monitor
+from relay_core.validation import BIGINT_MAX, positive_number
 
 from ..db import connection
-from ..records.common import BIGINT_MAX, positive_number
 from . import formatting
 from .blueprint import bp
 from .render import is_htmx, page

@@ -7,15 +7,12 @@ generated from these same classes, so the spec cannot drift from the code.
 
 from __future__ import annotations
 
-import re
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, StringConstraints
 
 from relay_core.monitor import QUEUE_NAME_PATTERN
-
-#: Job ids are PostgreSQL bigints.
-BIGINT_MAX = 2**63 - 1
+from relay_core.validation import BIGINT_MAX, CANONICAL_NUMBER
 
 StatusName = Literal["queued", "claimed", "succeeded", "dead", "cancelled"]
 
@@ -80,19 +77,6 @@ JobId = Annotated[int, Field(ge=1, le=BIGINT_MAX, examples=[42])]
 
 #: A whole number as Relay writes one: ASCII digits, no sign, space,
 #: underscore, decimal point or leading zero.
-CANONICAL_NUMBER = re.compile(r"0|[1-9][0-9]*")
-
-
-def positive_number(text: str) -> int | None:
-    """``text`` as an id (1 up to PostgreSQL's bigint) when it is written canonically, else None.
-
-    Python's int() also reads "2_2", " 5", "+5" and "٥", so a mistyped id
-    would name a real job; only the spelling Relay itself writes is a number.
-    """
-    if len(text) > len(str(BIGINT_MAX)) or not CANONICAL_NUMBER.fullmatch(text):
-        return None
-    number = int(text)
-    return number if 1 <= number <= BIGINT_MAX else None
 
 
 def _canonical_digits(value: Any) -> Any:

@@ -159,73 +159,44 @@ class Worker:
                 if self._awaiting_write.get(outcome.job.id) == outcome.job.lease_token:
                     del self._awaiting_write[outcome.job.id]
         for outcome in batch:
-            job = outcome.job
-            status = written.get(job.id)
-            if status is None:
-                self.counters.lost += 1
-                event(
-                    logging.WARNING,
-                    "job outcome discarded: lease was taken over",
-                    job_id=job.id,
-                    type=job.type,
-                    attempt=job.attempt,
-                    outcome=outcome.kind.value,
-                )
-                continue
-            if status == "cancelled":
-                self.counters.cancelled += 1
-                event(
-                    logging.INFO,
-                    "job cancelled",
-                    job_id=job.id,
-                    type=job.type,
-                    attempt=job.attempt,
-                    ended=outcome.kind.value,
-                    error=outcome.message,
-                )
-            elif outcome.kind in (Kind.SUCCEEDED, Kind.COMMITTED):
-                self.counters.succeeded += 1
-                event(
-                    logging.INFO,
-                    "job succeeded",
-                    job_id=job.id,
-                    type=job.type,
-                    attempt=job.attempt,
-                    duration_ms=round(outcome.duration * 1000, 3),
-                )
-            elif outcome.kind is Kind.RETRY:
-                self.counters.retried += 1
-                event(
-                    logging.WARNING,
-                    "job failed; will retry",
-                    job_id=job.id,
-                    type=job.type,
-                    attempt=job.attempt,
-                    duration_ms=round(outcome.duration * 1000, 3),
-                    retry_in_s=round(outcome.delay, 3),
-                    error=outcome.message,
-                )
-            elif outcome.kind is Kind.DEAD:
-                self.counters.dead += 1
-                event(
-                    logging.ERROR,
-                    "job dead",
-                    job_id=job.id,
-                    type=job.type,
-                    attempt=job.attempt,
-                    duration_ms=round(outcome.duration * 1000, 3),
-                    error=outcome.message,
-                )
-            else:
-                self.counters.snoozed += 1
-                event(
-                    logging.INFO,
-                    "job snoozed",
-                    job_id=job.id,
-                    type=job.type,
-                    attempt=job.attempt,
-                    snooze_s=outcome.delay,
-                )
+            self._tell(outcome, written.get(outcome.job.id))
+
+    def _tell(self, outcome: Outcome, status: str | None) -> None:
+        """Count and log what was written for one run (``status`` None: the lease was taken over)."""
+        duration_ms = round(outcome.duration * 1000, 3)
+        if status is None:
+            self._count(
+                "lost",
+                logging.WARNING,
+                "job outcome discarded: lease was taken over",
+                outcome,
+                outcome=outcome.kind.value,
+            )
+        elif status == "cancelled":
+            self._count(
+                "cancelled", logging.INFO, "job cancelled", outcome, ended=outcome.kind.value, error=outcome.message
+            )
+        elif outcome.kind in (Kind.SUCCEEDED, Kind.COMMITTED):
+            self._count("succeeded", logging.INFO, "job succeeded", outcome, duration_ms=duration_ms)
+        elif outcome.kind is Kind.RETRY:
+            self._count(
+                "retried",
+                logging.WARNING,
+                "job failed; will retry",
+                outcome,
+                duration_ms=duration_ms,
+                retry_in_s=round(outcome.delay, 3),
+                error=outcome.message,
+            )
+        elif outcome.kind is Kind.DEAD:
+            self._count("dead", logging.ERROR, "job dead", outcome, duration_ms=duration_ms, error=outcome.message)
+        else:
+            self._count("snoozed", logging.INFO, "job snoozed", outcome, snooze_s=outcome.delay)
+
+    def _count(self, counter: str, level: int, message: str, outcome: Outcome, **fields: object) -> None:
+        setattr(self.counters, counter, getattr(self.counters, counter) + 1)
+        job = outcome.job
+        event(level, message, job_id=job.id, type=job.type, attempt=job.attempt, **fields)
 
     def _on_lost(self, lost: Mapping[int, int]) -> None:
         """Flag the runs whose leases (id -> token) a heartbeat found taken over.

@@ -554,3 +554,26 @@ def test_leases_are_renewed_while_handlers_hold_every_pooled_connection(relay: R
         wait_for(lambda: job_status(db, job_id) == "succeeded", timeout=15)
     job = relay.get_job(job_id)
     assert job.attempts == 1 and job.errors == []
+
+
+def test_a_bookkeeping_failure_after_a_write_does_not_stop_the_completer(relay: Relay, db: psycopg.Connection) -> None:
+    @relay.handler("plain")
+    def plain(job: Job) -> None:
+        return None
+
+    with running_worker(relay, concurrency=1) as worker:
+        tell = worker._tell
+        failures: list[int] = []
+
+        def tell_failing_once(outcome, status):  # type: ignore[no-untyped-def]
+            if not failures:
+                failures.append(outcome.job.id)
+                raise RuntimeError("a log handler broke")
+            tell(outcome, status)
+
+        worker._tell = tell_failing_once  # type: ignore[method-assign]
+        first = relay.enqueue("plain")
+        wait_for(lambda: failures == [first], what="the failing bookkeeping")
+        second = relay.enqueue("plain")
+        wait_for(lambda: job_status(db, second) == "succeeded", timeout=10, what="a write after the failure")
+    assert job_status(db, first) == "succeeded"

@@ -75,7 +75,7 @@ class Completer:
         deadline = None if give_up_after is None else time.monotonic() + give_up_after
         while True:
             try:
-                still_ours = self.write(batch)
+                written = self.write(batch)
             except (psycopg.OperationalError, psycopg.InterfaceError, PoolTimeout) as exc:
                 if deadline is not None and time.monotonic() > deadline:
                     event(logging.ERROR, "completion not written; leases will expire", error=str(exc), jobs=len(batch))
@@ -98,10 +98,17 @@ class Completer:
                     type=job.type,
                     error=str(exc),
                 )
-                self._on_written(batch, {})
+                self._tell(batch, {})
                 return
-            self._on_written(batch, still_ours)
+            self._tell(batch, written)
             return
+
+    def _tell(self, batch: list[Outcome], written: dict[int, str]) -> None:
+        """Hand the result to the worker; a failure there must not stop this thread's writes."""
+        try:
+            self._on_written(batch, written)
+        except Exception as exc:  # the thread outlives any bookkeeping bug
+            event(logging.ERROR, "bookkeeping after a completion write failed", error=repr(exc), jobs=len(batch))
 
     def write(self, batch: list[Outcome]) -> dict[int, str]:
         """Record a batch in one statement per outcome kind.

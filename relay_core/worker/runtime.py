@@ -193,10 +193,9 @@ class Worker:
         else:
             self._count("snoozed", logging.INFO, "job snoozed", outcome, snooze_s=outcome.delay)
 
-    def _count(self, counter: str, level: int, message: str, outcome: Outcome, **fields: object) -> None:
+    def _count(self, counter: str, level: int, message: str, run: Outcome, **fields: object) -> None:
         setattr(self.counters, counter, getattr(self.counters, counter) + 1)
-        job = outcome.job
-        event(level, message, job_id=job.id, type=job.type, attempt=job.attempt, **fields)
+        event(level, message, job_id=run.job.id, type=run.job.type, attempt=run.job.attempt, **fields)
 
     def _on_lost(self, lost: Mapping[int, int]) -> None:
         """Flag the runs whose leases (id -> token) a heartbeat found taken over.

@@ -78,9 +78,15 @@ def configure_session(conn: psycopg.Connection) -> None:
     limits lock must be followed by a fresh snapshot, not one taken before
     the wait. A transactional handler that needs more can begin with
     ``SET TRANSACTION ISOLATION LEVEL ...``.
+
+    TimeZone UTC: psycopg reads a timestamptz in the session's time zone, and
+    an instant Relay accepts (years 1 to 9999 in UTC) may fall outside what a
+    datetime can hold in another zone (9999-12-31 20:00 UTC is year 10000 in
+    Tokyo), which would break every listing that shows the job.
     """
     conn.execute("SET jit = off")
     conn.execute("SET default_transaction_isolation = 'read committed'")
+    conn.execute("SET TimeZone = 'UTC'")
     conn.commit()
 
 

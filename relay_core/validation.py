@@ -20,6 +20,10 @@ MAX_TYPE_LENGTH = 200
 MAX_IDEMPOTENCY_KEY_LENGTH = 200
 PRIORITY_RANGE = (-32768, 32767)
 DEFAULT_MAX_PAYLOAD_BYTES = 256 * 1024
+#: Arrays and objects nested deeper than this are refused. Python reads JSON
+#: recursively, so a payload near the interpreter's recursion limit could be
+#: written but would fail every worker that claims it and every page that shows it.
+MAX_PAYLOAD_DEPTH = 100
 #: One encoder for every payload (json.dumps with options builds a new one per call).
 #: Job ids are PostgreSQL bigints.
 BIGINT_MAX = 2**63 - 1
@@ -80,7 +84,10 @@ def check_payload(payload: Any, max_bytes: int) -> str:
     except (TypeError, ValueError) as exc:
         raise InvalidJobError("payload", f"is not JSON-serializable: {exc}") from None
     except RecursionError:
-        raise InvalidJobError("payload", "is nested too deeply to serialise") from None
+        raise InvalidJobError("payload", f"is nested deeper than {MAX_PAYLOAD_DEPTH} levels") from None
+    # Depth can only exceed the limit if there are more containers than the limit (a C-speed count).
+    if text.count("[") + text.count("{") > MAX_PAYLOAD_DEPTH and nesting_depth(payload) > MAX_PAYLOAD_DEPTH:
+        raise InvalidJobError("payload", f"is nested deeper than {MAX_PAYLOAD_DEPTH} levels")
     if "\\u0000" in text:
         raise InvalidJobError("payload", "must not contain NUL characters (PostgreSQL jsonb cannot store them)")
     try:
@@ -91,6 +98,23 @@ def check_payload(payload: Any, max_bytes: int) -> str:
     if size > max_bytes:
         raise InvalidJobError("payload", f"is {size} bytes as JSON, over the limit of {max_bytes}")
     return text
+
+
+def nesting_depth(value: Any) -> int:
+    """How deep arrays and objects nest in ``value`` (0 for a scalar), without recursion."""
+    deepest = 0
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict):
+            children = item.values()
+        elif isinstance(item, (list, tuple)):
+            children = item
+        else:
+            continue
+        deepest = max(deepest, depth)
+        stack.extend((child, depth + 1) for child in children)
+    return deepest
 
 
 def check_run_at(run_at: Any) -> datetime | None:

@@ -40,6 +40,8 @@ class Database:
         conn.autocommit = True
         conn.execute("SELECT set_config('statement_timeout', %s, false)", (str(self._statement_timeout_ms),))
         conn.execute("SELECT set_config('application_name', 'relay-web', false)")
+        # Times come back in UTC whatever the server's zone: see relay_core.pools.configure_session.
+        conn.execute("SELECT set_config('TimeZone', 'UTC', false)")
         conn.autocommit = False
 
     def pool(self) -> ConnectionPool:

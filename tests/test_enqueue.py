@@ -149,6 +149,8 @@ BAD_INPUTS = [
     ({"job_type": "x", "payload": {"\ud800": 1}}, "payload"),
     ({"job_type": "x", "payload": {"blob": "x" * 300_000}}, "payload"),
     ({"job_type": "x", "payload": nested(100_000)}, "payload"),
+    # 101 levels: the encoder manages it, but every worker that claimed it could fail to read it.
+    ({"job_type": "x", "payload": nested(100)}, "payload"),
     ({"job_type": "x", "run_at": datetime(2030, 1, 1)}, "run_at"),
     ({"job_type": "x", "run_at": "2030-01-01T00:00:00Z"}, "run_at"),
     # Year 0 and year 10000 in UTC: PostgreSQL stores them, but no datetime can read them back.
@@ -364,3 +366,22 @@ def test_a_malformed_relay_notify_is_refused_clearly(monkeypatch: pytest.MonkeyP
     monkeypatch.setenv("RELAY_NOTIFY", "sometimes")
     with pytest.raises(ConfigurationError, match="RELAY_NOTIFY must be true or false, got 'sometimes'"):
         Relay("postgresql://unused")
+
+
+def test_a_payload_nested_to_the_limit_is_kept(relay: Relay, db: psycopg.Connection) -> None:
+    job_id = relay.enqueue("deep", nested(99))  # 100 levels
+    assert relay.get_job(job_id).payload == nested(99)
+
+
+def test_times_read_back_whatever_the_servers_time_zone(
+    dsn: str, db: psycopg.Connection, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """9999-12-31 20:00 UTC is year 10000 in Tokyo: a session in that zone could not read the job back."""
+    monkeypatch.setenv("PGOPTIONS", "-c TimeZone=Asia/Tokyo")
+    tokyo = Relay(dsn)
+    try:
+        late = datetime(9999, 12, 31, 20, 0, tzinfo=UTC)
+        job_id = tokyo.enqueue("far_future", run_at=late)
+        assert tokyo.get_job(job_id).run_at == late
+    finally:
+        tokyo.close()

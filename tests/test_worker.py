@@ -577,3 +577,27 @@ def test_a_bookkeeping_failure_after_a_write_does_not_stop_the_completer(relay: 
         second = relay.enqueue("plain")
         wait_for(lambda: job_status(db, second) == "succeeded", timeout=10, what="a write after the failure")
     assert job_status(db, first) == "succeeded"
+
+
+def test_undecodable_text_in_an_error_or_a_result_is_kept_escaped(relay: Relay, db: psycopg.Connection) -> None:
+    """Python spells undecodable bytes (file names) as lone surrogates, which UTF-8 and jsonb cannot hold."""
+    name = b"caf\xe9.txt".decode("utf-8", "surrogateescape")
+
+    @relay.handler("open_file", max_attempts=1)
+    def open_file(job: Job) -> None:
+        raise ValueError(f"cannot open {name}")
+
+    @relay.handler("list_files")
+    def list_files(job: Job) -> list[str]:
+        return [name]
+
+    failing, listing = relay.enqueue("open_file"), relay.enqueue("list_files")
+    with running_worker(relay, concurrency=1) as worker:
+        wait_for(lambda: job_status(db, failing) == "dead", timeout=15)
+        wait_for(lambda: job_status(db, listing) == "succeeded", timeout=15)
+        # The completer is still writing: a job after them is recorded too.
+        after = relay.enqueue("list_files")
+        wait_for(lambda: job_status(db, after) == "succeeded", timeout=15)
+        assert worker.completer._thread.is_alive()
+    assert relay.get_job(failing).last_error == "ValueError: cannot open caf\\udce9.txt"
+    assert relay.get_job(listing).result == {"unstored_result": "contains text that is not valid Unicode"}

@@ -84,8 +84,9 @@ class Completer:
                 time.sleep(delay)
                 delay = min(delay * 2, 5.0)
                 continue
-            except psycopg.Error as exc:
-                # Not an outage: one outcome the database refuses must not block the others.
+            except Exception as exc:
+                # Not an outage (a refusal by the database, or a value that cannot be
+                # sent): one bad outcome must not block the others or stop this thread.
                 if len(batch) > 1:
                     for outcome in batch:
                         self._write_until_done([outcome], give_up_after)

@@ -48,13 +48,29 @@ def result_json(value: Any, limit: int = MAX_RESULT_BYTES) -> str | None:
     if value is None:
         return None
     try:
-        text = json.dumps(value, allow_nan=False, separators=(",", ":"))
+        text = json.dumps(value, allow_nan=False, ensure_ascii=False, separators=(",", ":"))
     except (TypeError, ValueError):
         return json.dumps({"unstored_result": f"not JSON-serializable: {type(value).__name__}"})
+    except RecursionError:
+        return json.dumps({"unstored_result": "nested too deeply"})
     if "\\u0000" in text:
         return json.dumps({"unstored_result": "contains NUL characters"})
-    if len(text.encode("utf-8")) > limit:
+    try:
+        size = len(text.encode("utf-8"))
+    except UnicodeEncodeError:  # a lone surrogate: jsonb would refuse the whole completion
+        return json.dumps({"unstored_result": "contains text that is not valid Unicode"})
+    if size > limit:
         return json.dumps({"unstored_result": f"over {limit} bytes"})
+    return text
+
+
+def storable_text(text: str) -> str:
+    """``text`` with what PostgreSQL text cannot hold escaped: NUL, and lone surrogates."""
+    text = text.replace("\x00", "\\x00")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        text = text.encode("utf-8", "backslashreplace").decode("utf-8")
     return text
 
 
@@ -71,9 +87,10 @@ def describe(exc: BaseException, job: Job, worker_id: str) -> tuple[str, dict[st
     trace = "".join(tb.format_exception(type(exc), exc, exc.__traceback__))
     if len(trace) > MAX_TRACEBACK_CHARS:
         trace = "…" + trace[-(MAX_TRACEBACK_CHARS - 1) :]
-    # PostgreSQL text cannot hold NUL; keep the rest of the evidence intact.
-    message = message.replace("\x00", "\\x00")
-    trace = trace.replace("\x00", "\\x00")
+    # PostgreSQL text cannot hold NUL, nor can UTF-8 hold lone surrogates (how
+    # Python spells undecodable bytes, as in file names); keep the rest intact.
+    message = storable_text(message)
+    trace = storable_text(trace)
     entry = {
         "attempt": job.attempt,
         "worker": worker_id,

@@ -96,7 +96,7 @@ def _job_filter(filters: dict[str, str]) -> monitor.JobFilter:
 
 
 def _before() -> int | None:
-    raw = request.args.get("before", "").strip()
+    raw = request.args.get("before", "")
     if not raw:
         return None
     before = positive_number(raw)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from datetime import UTC, datetime
 from urllib.parse import quote
 
 import psycopg
@@ -352,3 +353,14 @@ def test_a_different_payload_under_a_used_key_is_still_409(client, admin, db, st
     clash = client.post("/api/admin/jobs", headers=headers, json={"type": "f", "payload": sent})
     assert_problem(clash, 409, "idempotency-key-reused")
     assert db.execute("SELECT count(*) FROM relay.jobs").fetchone()[0] == 1
+
+
+def test_far_future_jobs_read_back_whatever_the_servers_time_zone(make_app, admin, relay: Relay, monkeypatch) -> None:
+    """9999-12-31 20:00 UTC is year 10000 in Tokyo: a web session in that zone could not list the job."""
+    job_id = relay.enqueue("far_future", run_at=datetime(9999, 12, 31, 20, 0, tzinfo=UTC))
+    monkeypatch.setenv("PGOPTIONS", "-c TimeZone=Asia/Tokyo")  # read by libpq when the new app's pool connects
+    tokyo = make_app().test_client()
+    listing = tokyo.get("/api/admin/jobs", headers=admin)
+    assert listing.status_code == 200, listing.get_json()
+    assert [job["run_at"] for job in listing.get_json()["jobs"] if job["id"] == job_id] == ["9999-12-31T20:00:00Z"]
+    assert tokyo.get(f"/api/admin/jobs/{job_id}", headers=admin).status_code == 200

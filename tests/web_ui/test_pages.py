@@ -145,6 +145,8 @@ def test_jobs_filters_live_in_the_url(
         ("before=%D9%A5", "cursor"),
         ("before=1_0", "cursor"),
         ("before=010", "cursor"),
+        ("before=%205", "cursor"),
+        ("before=5%20", "cursor"),
         ("before=" + "9" * 5000, "cursor"),
     ],
 )

@@ -29,8 +29,11 @@ class Backoff:
         """
         if attempt < 1:
             raise ValueError(f"attempt must be >= 1, got {attempt}")
-        exponent = min(attempt - 1, 64)  # keeps factor ** exponent finite
-        raw = min(self.cap, self.base * self.factor**exponent)
+        exponent = min(attempt - 1, 64)
+        try:
+            raw = min(self.cap, self.base * self.factor**exponent)
+        except OverflowError:  # a large factor: the cap is reached long before
+            raw = self.cap
         spread = raw * self.jitter * (2.0 * rand() - 1.0)
         return max(0.0, raw + spread)
 

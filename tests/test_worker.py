@@ -601,3 +601,28 @@ def test_undecodable_text_in_an_error_or_a_result_is_kept_escaped(relay: Relay, 
         assert worker.completer._thread.is_alive()
     assert relay.get_job(failing).last_error == "ValueError: cannot open caf\\udce9.txt"
     assert relay.get_job(listing).result == {"unstored_result": "contains text that is not valid Unicode"}
+
+
+def test_an_outcome_queued_as_shutdown_begins_is_still_written(relay: Relay, db: psycopg.Connection) -> None:
+    """The slot hands its outcome to the completer while the worker decides nothing is in flight."""
+    returned = threading.Event()
+
+    @relay.handler("quick")
+    def quick(job: Job) -> None:
+        returned.set()
+
+    with running_worker(relay, concurrency=1, listen=False) as worker:
+        put = worker.completer.put
+
+        def slow_put(outcome):  # type: ignore[no-untyped-def]
+            time.sleep(1.0)  # the slot thread loses the processor between its bookkeeping and the queue
+            put(outcome)
+
+        worker.completer.put = slow_put  # type: ignore[method-assign]
+        job_id = relay.enqueue("quick")
+        assert returned.wait(10)
+    assert job_status(db, job_id) == "succeeded"
+
+
+def test_a_huge_backoff_factor_reaches_the_cap_instead_of_overflowing() -> None:
+    assert Backoff(base=2.0, factor=1e6, cap=3600, jitter=0).delay(64) == 3600

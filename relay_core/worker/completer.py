@@ -23,6 +23,9 @@ from ..queries import sql
 from .outcome import Kind, Outcome
 
 MAX_BATCH = 1000
+#: While stopping, a write that keeps failing is given up after this long; stop()
+#: waits a little longer, so the worker never closes the pool under a write.
+STOP_GIVE_UP_SECONDS = 8.0
 
 
 class Completer:
@@ -43,7 +46,7 @@ class Completer:
         """Queue one outcome for writing."""
         self._inbox.put(outcome)
 
-    def stop(self, timeout: float = 10.0) -> None:
+    def stop(self, timeout: float = STOP_GIVE_UP_SECONDS + 2.0) -> None:
         """Write everything queued so far, then stop."""
         self._inbox.put(None)
         self._thread.join(timeout)
@@ -67,7 +70,7 @@ class Completer:
                 else:
                     batch.append(item)
             if batch:
-                self._write_until_done(batch, give_up_after=30.0 if stopping else None)
+                self._write_until_done(batch, give_up_after=STOP_GIVE_UP_SECONDS if stopping else None)
         self._stopped.set()
 
     def _write_until_done(self, batch: list[Outcome], give_up_after: float | None) -> None:

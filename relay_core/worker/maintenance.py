@@ -225,7 +225,10 @@ class Maintenance:
     def _heartbeat_until_stopped(self) -> None:
         next_heartbeat = time.monotonic() + self._heartbeat_interval
         while not self._stop.wait(0.2):
-            self._check_timeouts()
+            try:
+                self._check_timeouts()
+            except Exception as exc:  # this thread keeps every lease alive: it must outlive any bug
+                event(logging.ERROR, "timeout check failed", error=repr(exc))
             now = time.monotonic()
             if now < next_heartbeat:
                 continue
@@ -235,8 +238,8 @@ class Maintenance:
             except (psycopg.OperationalError, psycopg.InterfaceError, PoolTimeout) as exc:
                 event(logging.WARNING, "heartbeat could not reach the database; will retry", error=str(exc))
                 next_heartbeat = now + 1.0
-            except psycopg.Error as exc:  # a bug, not an outage: keep the worker alive and say so
-                event(logging.ERROR, "heartbeat statement failed", error=str(exc))
+            except Exception as exc:  # a bug, not an outage: keep the worker alive and say so
+                event(logging.ERROR, "heartbeat failed", error=repr(exc))
 
     def _loop(self) -> None:
         now = time.monotonic()

@@ -263,7 +263,9 @@ class Worker:
             if outcome.kind is not Kind.COMMITTED:
                 self._awaiting_write[job.id] = job.lease_token
             self._typical_run = 0.9 * self._typical_run + 0.1 * outcome.duration
-        self.completer.put(outcome)
+            # Queued under the lock: once the job has left _running, a shutdown that sees
+            # nothing in flight stops the completer, and the outcome must be in its queue by then.
+            self.completer.put(outcome)
         self._wake.set()
 
     def _finish_overdue(self, job: Job, outcome: Outcome, decided: Outcome) -> None:
@@ -522,6 +524,7 @@ class Worker:
         self.maintenance.stop_duties()
         while self.in_flight() and time.monotonic() < deadline and self.config.shutdown_timeout > 0:
             time.sleep(0.02)
+        self._check_timeouts()  # a job past its deadline has its timeout recorded, not its attempt refunded
         with self._lock:
             unfinished = list(self._running.values())
             overdue = list(self._overdue.values())
@@ -538,17 +541,18 @@ class Worker:
         if never_started:
             self._hand_back(never_started)
         self.completer.stop()  # writes the outcomes of the jobs that finished
-        still_running = [r for r in unfinished if r.slot is not None]
-        if still_running:
-            self._hand_back(still_running)
         if overdue:
             self._record_overdue([decided for _, decided in overdue])
-        self.maintenance.stop_heartbeats()
         try:
             with self.pool.connection(timeout=5.0) as conn:
                 conn.execute(sql("worker_stop"), {"id": self.id})
         except (psycopg.Error, PoolTimeout) as exc:
             event(logging.WARNING, "could not record worker stop", error=str(exc))
+        # The last write: from here to the process's exit must fit in the hand-back grace.
+        still_running = [r for r in unfinished if r.slot is not None]
+        if still_running:
+            self._hand_back(still_running)
+        self.maintenance.stop_heartbeats()
         self.pool.close()
         event(
             logging.INFO,

@@ -24,10 +24,12 @@ DEFAULT_MAX_PAYLOAD_BYTES = 256 * 1024
 #: recursively, so a payload near the interpreter's recursion limit could be
 #: written but would fail every worker that claims it and every page that shows it.
 MAX_PAYLOAD_DEPTH = 100
-#: One encoder for every payload (json.dumps with options builds a new one per call).
 #: Job ids are PostgreSQL bigints.
 BIGINT_MAX = 2**63 - 1
+#: A whole number as Relay writes one: ASCII digits, no sign, space,
+#: underscore, decimal point or leading zero.
 CANONICAL_NUMBER = re.compile(r"0|[1-9][0-9]*")
+#: One encoder for every payload (json.dumps with options builds a new one per call).
 PAYLOAD_ENCODER = json.JSONEncoder(allow_nan=False, ensure_ascii=False, separators=(",", ":"))
 
 

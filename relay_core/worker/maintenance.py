@@ -125,18 +125,16 @@ class Maintenance:
         self._vacuum = vacuum
         self._in_flight = in_flight
         self._check_timeouts = check_timeouts
-        self._stop = threading.Event()
+        self._stop_heartbeats = threading.Event()
         self._stop_duties = threading.Event()
-        self._threads = [
-            threading.Thread(target=self._heartbeat_loop, name="relay-heartbeat", daemon=True),
-            threading.Thread(target=self._loop, name="relay-maintenance", daemon=True),
-        ]
+        self._heartbeat_thread = threading.Thread(target=self._heartbeat_loop, name="relay-heartbeat", daemon=True)
+        self._duties_thread = threading.Thread(target=self._loop, name="relay-maintenance", daemon=True)
         self.sweeps = 0
 
     def start(self) -> None:
         """Start the duties."""
-        for thread in self._threads:
-            thread.start()
+        self._heartbeat_thread.start()
+        self._duties_thread.start()
 
     def stop(self) -> None:
         """Stop after the current duty."""
@@ -146,12 +144,12 @@ class Maintenance:
     def stop_duties(self) -> None:
         """Stop sweeping, pruning and the rest; heartbeats go on (a shutdown still holds leases)."""
         self._stop_duties.set()
-        self._threads[1].join(5.0)
+        self._duties_thread.join(5.0)
 
     def stop_heartbeats(self) -> None:
         """Stop renewing leases: the worker has nothing left to hold."""
-        self._stop.set()
-        self._threads[0].join(5.0)
+        self._stop_heartbeats.set()
+        self._heartbeat_thread.join(5.0)
 
     def heartbeat(self) -> None:
         """Renew leases and the registry entry; report leases that were taken over.
@@ -224,7 +222,7 @@ class Maintenance:
 
     def _heartbeat_until_stopped(self) -> None:
         next_heartbeat = time.monotonic() + self._heartbeat_interval
-        while not self._stop.wait(0.2):
+        while not self._stop_heartbeats.wait(0.2):
             try:
                 self._check_timeouts()
             except Exception as exc:  # this thread keeps every lease alive: it must outlive any bug
@@ -250,7 +248,7 @@ class Maintenance:
         next_periodic = now
         next_fold = now + FOLD_INTERVAL * spread
         next_vacuum = now + VACUUM_CHECK_INTERVAL * spread
-        while not self._stop_duties.wait(0.2) and not self._stop.is_set():
+        while not self._stop_duties.wait(0.2):
             now = time.monotonic()
             try:
                 if now >= next_sweep:

@@ -75,9 +75,6 @@ NewJobType = Annotated[
 
 JobId = Annotated[int, Field(ge=1, le=BIGINT_MAX, examples=[42])]
 
-#: A whole number as Relay writes one: ASCII digits, no sign, space,
-#: underscore, decimal point or leading zero.
-
 
 def _canonical_digits(value: Any) -> Any:
     # pydantic's lax mode reads "2_2", " 5", "22.0" and "+5" as integers; a

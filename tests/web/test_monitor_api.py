@@ -64,6 +64,25 @@ def test_counters_match_a_full_count_after_real_work(client, admin, relay: Relay
     assert monitor.status_counts(db) == dict.fromkeys(monitor.status_counts(db), 0)
 
 
+def test_every_shape_of_insert_is_counted(relay: Relay, db) -> None:
+    """The insert trigger's one-queue-one-state fast path and its GROUP BY path agree with a full count."""
+    relay.enqueue("t", {})
+    relay.enqueue("t", {}, queue="mail", idempotency_key="k")
+    relay.enqueue("t", {}, queue="mail", idempotency_key="k")  # conflicts: inserts no row
+    relay.enqueue_many([{"type": "t"} for _ in range(5)])
+    relay.enqueue_many([{"type": "t", "queue": f"q{i % 3}"} for i in range(7)])
+    db.execute(
+        "INSERT INTO relay.jobs (type, queue, status, claimed_by, claimed_until) "
+        "SELECT 't', 'mail', s::relay.job_status, 'w', now() "
+        "FROM unnest('{queued,claimed,dead,dead,succeeded,cancelled}'::text[]) AS s"
+    )
+    db.execute("INSERT INTO relay.jobs (type, queue) SELECT 't', 'b' UNION ALL SELECT 't', 'a'")
+    db.execute("INSERT INTO relay.jobs (type) SELECT 't' WHERE false")
+    counted = _counter_counts(db)
+    assert counted == _true_counts(db)
+    assert counted[("mail", "dead")] == 2 and counted[("q0", "queued")] == 3 and counted[("a", "queued")] == 1
+
+
 def test_folding_keeps_counters_short_and_exact(relay: Relay, db) -> None:
     for i in range(50):
         relay.enqueue("t", {"i": i}, queue=f"q{i % 3}")

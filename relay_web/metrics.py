@@ -54,7 +54,9 @@ class RelayCollector:
 
         succeeded = CounterMetricFamily("relay_jobs_succeeded", "Attempts that succeeded.", labels=["queue", "type"])
         failed = CounterMetricFamily(
-            "relay_jobs_failed", "Attempts that raised or lost their lease (retried or dead).", labels=["queue", "type"]
+            "relay_jobs_failed",
+            "Attempts that raised or lost their lease (retried, dead or cancelled).",
+            labels=["queue", "type"],
         )
         dead = CounterMetricFamily(
             "relay_jobs_dead", "Jobs that ran out of attempts or failed permanently.", labels=["queue", "type"]

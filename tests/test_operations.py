@@ -12,7 +12,9 @@ from pathlib import Path
 import psycopg
 import pytest
 
-from relay_core import Backoff, IllegalTransition, Job, Relay, Snooze
+from relay_core import Backoff, IllegalTransition, Job, Relay, Snooze, monitor
+from relay_core.queries import sql
+from relay_core.worker.maintenance import sweep_once
 from relay_core.worker.periodic import enqueue_due, publish
 from relay_core.worker.retention import Retention, prune_once
 
@@ -196,6 +198,8 @@ def test_running_job_is_cancelled_cooperatively(relay: Relay, db: psycopg.Connec
         assert detail.status == "claimed" and detail.cancel_requested_at is not None
         wait_for(lambda: job_status(db, job_id) == "cancelled", timeout=10)
     assert saw_request.is_set()
+    (totals,) = monitor.outcome_totals(db)
+    assert (totals.succeeded, totals.failed, totals.dead) == (0, 0, 0), "stopping on request is not a failure"
     with pytest.raises(IllegalTransition, match=r"it is cancelled, and only queued or claimed jobs can be cancelled$"):
         relay.cancel(job_id)
     assert relay.requeue(job_id).status == "queued"
@@ -237,6 +241,23 @@ def test_cancel_requested_while_running_is_not_carried_to_another_attempt(
         assert worker.counters.cancelled == 1, "the worker logged and counted what was written"
     if ending == "raises":
         assert [e["type"] for e in job.errors] == ["ConnectionError"]
+    (totals,) = monitor.outcome_totals(db)
+    expected_failed = 1 if ending == "raises" else 0  # a snooze or a hand-back is not a failed attempt
+    assert (totals.succeeded, totals.failed, totals.dead) == (0, expected_failed, 0)
+
+
+def test_sweeper_ends_an_expired_job_cancelled_when_a_cancel_was_pending(relay: Relay, db: psycopg.Connection) -> None:
+    """A worker died holding a job an admin had asked to stop: the sweep cancels it and counts the lost attempt."""
+    job_id = relay.enqueue("report", queue="sweep")
+    db.execute(
+        sql("job_claim"), {"queues": ["sweep"], "limit": 1, "worker_id": "gone", "lease_seconds": 0, "locked": False}
+    )
+    assert relay.cancel(job_id).cancel_requested_at is not None
+    assert sweep_once(db) == {"queued": 0, "dead": 0, "cancelled": 1}
+    job = relay.get_job(job_id)
+    assert job.status == "cancelled" and [e["type"] for e in job.errors] == ["LeaseExpired"]
+    (totals,) = monitor.outcome_totals(db)
+    assert (totals.succeeded, totals.failed, totals.dead) == (0, 1, 0)
 
 
 def test_progress_is_visible_while_running_and_the_result_is_kept(relay: Relay, db: psycopg.Connection) -> None:

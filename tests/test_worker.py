@@ -547,7 +547,7 @@ def test_leases_are_renewed_while_handlers_hold_every_pooled_connection(relay: R
         try:
             time.sleep(2.5)  # past the 1.5 s lease: only heartbeats keep it
             rescued = sweep_once(db)
-            assert rescued == {"queued": 0, "dead": 0}, "the lease expired while the pool was exhausted"
+            assert rescued == {"queued": 0, "dead": 0, "cancelled": 0}, "the lease expired while the pool was exhausted"
         finally:
             for conn in held:
                 worker.pool.putconn(conn)

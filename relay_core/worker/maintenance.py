@@ -35,12 +35,13 @@ VACUUM_CHECK_INTERVAL = 15.0
 
 
 def sweep_once(conn: psycopg.Connection, limit: int = SWEEP_BATCH) -> dict[str, int]:
-    """Return expired leases to the queue (or to dead); count per new status.
+    """Return expired leases to the queue (or to dead, or to cancelled when an
+    admin had asked the job to stop); count per new status.
 
     Safe to run from every worker at once: the statement skips rows another
     sweeper holds and re-checks the lease in its own WHERE.
     """
-    counts = {"queued": 0, "dead": 0}
+    counts = {"queued": 0, "dead": 0, "cancelled": 0}
     while True:
         rows = conn.execute(sql("job_rescue_expired"), {"limit": limit}).fetchall()
         conn.commit()
@@ -179,8 +180,14 @@ class Maintenance:
         with self._pool.connection() as conn:
             counts = sweep_once(conn)
         self.sweeps += 1
-        if counts["queued"] or counts["dead"]:
-            event(logging.WARNING, "rescued jobs with expired leases", requeued=counts["queued"], dead=counts["dead"])
+        if any(counts.values()):
+            event(
+                logging.WARNING,
+                "rescued jobs with expired leases",
+                requeued=counts["queued"],
+                dead=counts["dead"],
+                cancelled=counts["cancelled"],
+            )
         return counts
 
     def run_periodic(self) -> None:

@@ -12,6 +12,12 @@ from .schedule import check_cron
 from .validation import InvalidJobError, check_max_attempts, check_queue, check_seconds, check_type
 
 DEFAULT_MAX_ATTEMPTS = 20
+#: Limits are integer columns of relay.type_limits.
+MAX_LIMIT = 2**31 - 1
+#: The longest rate window. Every worker's claim reads every type's limit, so
+#: a window PostgreSQL cannot subtract from now() would fail every claim of
+#: the whole fleet, not just this type's; each start is also kept this long.
+MAX_RATE_PERIOD_SECONDS = 31 * 86400.0
 
 
 @dataclass(frozen=True)
@@ -48,6 +54,10 @@ class HandlerSpec:
         return self.concurrency is not None or self.rate_limit is not None
 
 
+def _is_limit(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= MAX_LIMIT
+
+
 def make_spec(
     job_type: str,
     func: Callable[..., Any],
@@ -69,16 +79,17 @@ def make_spec(
     check_queue(queue)
     if timeout is not None:
         check_seconds("timeout", timeout)
-    if concurrency is not None and (
-        isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1
-    ):
-        raise InvalidJobError("concurrency", "must be a positive integer")
+    if concurrency is not None and not _is_limit(concurrency):
+        raise InvalidJobError("concurrency", f"must be an integer between 1 and {MAX_LIMIT}")
     if rate_limit is not None:
-        if not (isinstance(rate_limit, tuple) and len(rate_limit) == 2 and isinstance(rate_limit[0], int)):
+        if not (isinstance(rate_limit, tuple) and len(rate_limit) == 2):
             raise InvalidJobError("rate_limit", "must be (starts, seconds), e.g. (100, 60)")
-        if rate_limit[0] < 1:
-            raise InvalidJobError("rate_limit", "starts must be at least 1")
-        rate_limit = (rate_limit[0], check_seconds("rate_limit", rate_limit[1]))
+        if not _is_limit(rate_limit[0]):
+            raise InvalidJobError("rate_limit", f"starts must be an integer between 1 and {MAX_LIMIT}")
+        period = check_seconds("rate_limit", rate_limit[1])
+        if period > MAX_RATE_PERIOD_SECONDS:
+            raise InvalidJobError("rate_limit", f"the window must be at most {MAX_RATE_PERIOD_SECONDS:.0f} s (31 days)")
+        rate_limit = (rate_limit[0], period)
     if cron is not None:
         check_cron(cron, timezone)
     if transactional is None:

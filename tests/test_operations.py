@@ -319,3 +319,29 @@ def test_a_retention_pass_that_hits_its_cap_asks_for_another_soon() -> None:
 
     assert hit_cap({"succeeded": PASS_CAP, "cancelled": 0, "dead": 0})
     assert not hit_cap({"succeeded": PASS_CAP - 1, "cancelled": 3, "dead": 0})
+
+
+def test_limits_the_claim_cannot_hold_are_refused_at_registration(relay: Relay, db: psycopg.Connection) -> None:
+    """Every worker's claim reads every limit: one it cannot evaluate would stop the whole fleet."""
+    from relay_core import InvalidJobError
+    from relay_core.queries import sql
+    from relay_core.worker import limits
+
+    int4_max, month = 2**31 - 1, 31 * 86400
+    for bad in [
+        {"rate_limit": (1, 1e16)},  # its window reaches past the start of time
+        {"rate_limit": (1, month + 1)},
+        {"rate_limit": (int4_max + 1, 60)},
+        {"rate_limit": (True, 60)},
+        {"concurrency": int4_max + 1},
+    ]:
+        with pytest.raises(InvalidJobError, match=r"^(rate_limit|concurrency): "):
+            relay.handler("too_big", **bad)(lambda job: None)
+    assert "too_big" not in relay.handlers
+    # The largest limits allowed work in the claim, start after start.
+    relay.handler("widest", concurrency=int4_max, rate_limit=(int4_max, month))(lambda job: None)
+    limits.publish(db, relay.handlers.values())
+    relay.enqueue_many([{"type": "widest"} for _ in range(2)])
+    params = {"queues": ["default"], "limit": 1, "worker_id": "w", "lease_seconds": 30, "locked": True}
+    assert len(db.execute(sql("job_claim"), params).fetchall()) == 1
+    assert len(db.execute(sql("job_claim"), params).fetchall()) == 1

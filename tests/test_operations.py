@@ -345,3 +345,23 @@ def test_limits_the_claim_cannot_hold_are_refused_at_registration(relay: Relay, 
     params = {"queues": ["default"], "limit": 1, "worker_id": "w", "lease_seconds": 30, "locked": True}
     assert len(db.execute(sql("job_claim"), params).fetchall()) == 1
     assert len(db.execute(sql("job_claim"), params).fetchall()) == 1
+
+
+@pytest.mark.parametrize("value", ["inf", "nan", "1e20", "-1"])
+def test_a_retention_no_prune_pass_could_use_is_refused_at_start(
+    relay: Relay, db: psycopg.Connection, monkeypatch: pytest.MonkeyPatch, value: str
+) -> None:
+    """Such a value failed every pass, so nothing of any state was pruned again, and no error reached the operator."""
+    from relay_core import ConfigurationError, WorkerConfig
+
+    monkeypatch.setenv("RELAY_RETENTION_SUCCEEDED", value)
+    with pytest.raises(ConfigurationError, match="RELAY_RETENTION_SUCCEEDED"):
+        WorkerConfig.from_env()
+    # The longest retention allowed prunes what is past it and keeps the rest.
+    century = 36500 * 86400.0
+    old, recent = relay.enqueue("r"), relay.enqueue("r")
+    finish = "UPDATE relay.jobs SET status = 'dead', finished_at = now() - %s::interval WHERE id = %s"
+    db.execute(finish, ("36501 days", old))
+    db.execute(finish, ("1 day", recent))
+    assert prune_once(db, Retention(succeeded=century, cancelled=century, dead=century))["dead"] == 1
+    assert [row[0] for row in db.execute("SELECT id FROM relay.jobs")] == [recent]

@@ -7,10 +7,12 @@ pruning does not touch.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, fields
 
 import psycopg
 
+from ..errors import ConfigurationError
 from ..queries import sql
 from ..settings import env_float
 
@@ -19,6 +21,10 @@ PRUNE_BATCH = 500
 MAX_BATCHES = 20
 #: Deletions of one state per pass; a pass that reaches it left work behind.
 PASS_CAP = PRUNE_BATCH * MAX_BATCHES
+#: The longest retention (about a century). The prune subtracts it from now()
+#: in SQL; a value PostgreSQL cannot subtract (or inf, nan) would fail every
+#: pass, and nothing of any state would be pruned again.
+MAX_RETENTION_SECONDS = 36500 * 86400.0
 
 
 def hit_cap(deleted: dict[str, int]) -> bool:
@@ -34,14 +40,31 @@ class Retention:
     cancelled: float = 7 * 86400.0
     dead: float = 30 * 86400.0
 
+    def __post_init__(self) -> None:
+        for field in fields(self):
+            _check_age(f"retention {field.name}", getattr(self, field.name))
+
     @classmethod
     def from_env(cls) -> Retention:
         """RELAY_RETENTION_SUCCEEDED / _CANCELLED / _DEAD, in seconds."""
         return cls(
-            succeeded=env_float("RELAY_RETENTION_SUCCEEDED", cls.succeeded),
-            cancelled=env_float("RELAY_RETENTION_CANCELLED", cls.cancelled),
-            dead=env_float("RELAY_RETENTION_DEAD", cls.dead),
+            **{
+                field.name: _check_age(
+                    f"RELAY_RETENTION_{field.name.upper()}",
+                    env_float(f"RELAY_RETENTION_{field.name.upper()}", field.default),  # type: ignore[arg-type]
+                )
+                for field in fields(cls)
+            }
         )
+
+
+def _check_age(name: str, seconds: float) -> float:
+    """A retention is 0 (keep forever) or a finite number of seconds up to MAX_RETENTION_SECONDS."""
+    if not (math.isfinite(seconds) and 0 <= seconds <= MAX_RETENTION_SECONDS):
+        raise ConfigurationError(
+            f"{name} must be between 0 (keep forever) and {MAX_RETENTION_SECONDS:.0f} seconds, got {seconds!r}"
+        )
+    return seconds
 
 
 def prune_once(conn: psycopg.Connection, retention: Retention) -> dict[str, int]:

@@ -6,7 +6,7 @@ this module only answers which tick is due and which comes next.
 
 from __future__ import annotations
 
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 from croniter import CroniterBadDateError, croniter
@@ -15,6 +15,8 @@ from .validation import InvalidJobError
 
 #: A tick older than this when first seen was missed (every worker was down).
 MISSED_AFTER_SECONDS = 120.0
+#: Clocks move by at most this much at a daylight-saving change (cron's own bound).
+DST_REACH = timedelta(hours=3)
 
 
 def check_cron(expression: str, timezone: str) -> None:
@@ -35,16 +37,86 @@ def check_cron(expression: str, timezone: str) -> None:
 
 def previous_tick(expression: str, timezone: str, now: datetime) -> datetime:
     """The latest tick at or before ``now``."""
-    local = now.astimezone(ZoneInfo(timezone))
-    itr = croniter(expression, local)
-    if croniter.match(expression, local.replace(microsecond=0)) and local.second == 0 and local.microsecond == 0:
-        return local
-    return itr.get_prev(datetime)
+    zone, wild = ZoneInfo(timezone), _is_wild(expression)
+    now = now.astimezone(UTC)
+    # The latest wall-clock time whose instant can be at or before now: an hour
+    # or so past now's own when now is in the second pass of a repeated hour.
+    offset = max(_offset(now - DST_REACH, zone), _offset(now, zone))
+    walls = croniter(expression, _naive(now + offset) + timedelta(microseconds=1))
+    best: datetime | None = None
+    while True:
+        wall = walls.get_prev(datetime)
+        due = [tick for tick in _instants(wall, zone, wild) if tick <= now]
+        if due and (best is None or max(due) > best):
+            best = max(due)
+        # Past an unambiguous tick, every earlier wall time is an earlier instant.
+        if due and not _is_ambiguous(wall, zone):
+            return best.astimezone(zone)  # type: ignore[union-attr]
 
 
 def next_tick(expression: str, timezone: str, after: datetime) -> datetime:
     """The first tick strictly after ``after``."""
-    return croniter(expression, after.astimezone(ZoneInfo(timezone))).get_next(datetime)
+    zone, wild = ZoneInfo(timezone), _is_wild(expression)
+    after = after.astimezone(UTC)
+    offset = min(_offset(after, zone), _offset(after + DST_REACH, zone))
+    walls = croniter(expression, _naive(after + offset))
+    best: datetime | None = None
+    while True:
+        wall = walls.get_next(datetime)
+        due = [tick for tick in _instants(wall, zone, wild) if tick > after]
+        if due and (best is None or min(due) < best):
+            best = min(due)
+        if due and not _is_ambiguous(wall, zone):
+            return best.astimezone(zone)  # type: ignore[union-attr]
+
+
+def _naive(instant: datetime) -> datetime:
+    return instant.astimezone(UTC).replace(tzinfo=None)
+
+
+def _offset(instant: datetime, zone: ZoneInfo) -> timedelta:
+    return instant.astimezone(zone).utcoffset()  # type: ignore[return-value]
+
+
+def _is_wild(expression: str) -> bool:
+    """Whether the minute or the hour field starts with ``*`` (cron's "wildcard job")."""
+    fields = croniter(expression).expressions
+    return fields[0].startswith("*") or fields[1].startswith("*")
+
+
+def _is_ambiguous(wall: datetime, zone: ZoneInfo) -> bool:
+    """Whether a wall-clock time happens twice (the clocks went back across it)."""
+    return wall.replace(tzinfo=zone, fold=0).utcoffset() > wall.replace(tzinfo=zone, fold=1).utcoffset()  # type: ignore[operator]
+
+
+def _instants(wall: datetime, zone: ZoneInfo, wild: bool) -> list[datetime]:
+    """The instants (UTC) at which a matching wall-clock time is a tick.
+
+    Cron's rule for daylight-saving changes: when the clocks go back, a
+    wildcard job (every N minutes, hourly) runs in both passes of the repeated
+    hour, as elapsed time demands, and a job at fixed times runs once; when
+    they jump forward, a fixed time that never happened runs at the jump, and
+    a wildcard job just goes on from the new time.
+    """
+    first = wall.replace(tzinfo=zone, fold=0)
+    second = wall.replace(tzinfo=zone, fold=1)
+    if first.utcoffset() == second.utcoffset():
+        return [first.astimezone(UTC)]
+    if _is_ambiguous(wall, zone):
+        return [first.astimezone(UTC), second.astimezone(UTC)] if wild else [first.astimezone(UTC)]
+    return [] if wild else [_jump(second.astimezone(UTC), first.astimezone(UTC), zone)]
+
+
+def _jump(before: datetime, after: datetime, zone: ZoneInfo) -> datetime:
+    """The instant the clocks jumped forward, between ``before`` and ``after`` (whole seconds)."""
+    low, high = before, after  # low is in the old offset, high in the new one
+    while high - low > timedelta(seconds=1):
+        middle = low + (high - low) / 2
+        if _offset(middle, zone) == _offset(low, zone):
+            low = middle
+        else:
+            high = middle
+    return high.replace(microsecond=0)
 
 
 def is_missed(tick: datetime, now: datetime) -> bool:

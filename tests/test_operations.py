@@ -365,3 +365,41 @@ def test_a_retention_no_prune_pass_could_use_is_refused_at_start(
     db.execute(finish, ("1 day", recent))
     assert prune_once(db, Retention(succeeded=century, cancelled=century, dead=century))["dead"] == 1
     assert [row[0] for row in db.execute("SELECT id FROM relay.jobs")] == [recent]
+
+
+@pytest.mark.parametrize(
+    ("cron", "timezone", "night", "expected"),
+    [
+        # The clocks go back: a fixed time that happens twice runs once ...
+        ("30 2 * * *", "Europe/Berlin", datetime(2024, 10, 26, 22, tzinfo=UTC), ["2024-10-27T02:30:00+02:00"]),
+        ("0 1 * * *", "America/New_York", datetime(2024, 11, 3, 3, tzinfo=UTC), ["2024-11-03T01:00:00-04:00"]),
+        # ... a wildcard schedule runs in both passes of the repeated hour, as elapsed time demands ...
+        (
+            "*/30 1-2 * * *",
+            "Europe/Berlin",
+            datetime(2024, 10, 26, 22, 45, tzinfo=UTC),
+            [
+                f"2024-10-27T0{h}:{m}:00{z}"
+                for h, z in ((1, "+02:00"), (2, "+02:00"), (2, "+01:00"))
+                for m in ("00", "30")
+            ],
+        ),
+        # ... and the clocks jump forward: a fixed time that never happens runs at the jump.
+        ("30 2 * * *", "Europe/Berlin", datetime(2024, 3, 30, 22, tzinfo=UTC), ["2024-03-31T03:00:00+02:00"]),
+    ],
+)
+def test_cron_across_a_daylight_saving_change_runs_each_tick_once(
+    relay: Relay, db: psycopg.Connection, cron: str, timezone: str, night: datetime, expected: list[str]
+) -> None:
+    @relay.handler("nightly", cron=cron, timezone=timezone)
+    def nightly(job: Job) -> None:
+        return None
+
+    specs = list(relay.handlers.values())
+    publish(db, specs)
+    db.execute("UPDATE relay.schedules SET last_tick = %s", (night,))
+    # Workers check every second; every 20 s through the night is enough to see each tick on time.
+    for step in range(6 * 180):
+        enqueue_due(db, specs, clock=night + timedelta(seconds=20 * step))
+    ticks = db.execute("SELECT payload->>'scheduled_for' FROM relay.jobs ORDER BY id").fetchall()
+    assert [tick for (tick,) in ticks] == expected

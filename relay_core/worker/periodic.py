@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Iterable
+from datetime import datetime
 
 import psycopg
 
@@ -44,14 +45,20 @@ def publish(conn: psycopg.Connection, specs: Iterable[HandlerSpec]) -> None:
     conn.commit()
 
 
-def enqueue_due(conn: psycopg.Connection, specs: Iterable[HandlerSpec]) -> list[tuple[str, str]]:
-    """Enqueue every schedule's due tick that nobody enqueued yet; return (type, tick) pairs."""
+def enqueue_due(
+    conn: psycopg.Connection, specs: Iterable[HandlerSpec], *, clock: datetime | None = None
+) -> list[tuple[str, str]]:
+    """Enqueue every schedule's due tick that nobody enqueued yet; return (type, tick) pairs.
+
+    ``clock`` stands in for the database's ``now()``, so tests can walk
+    through a night the clocks change in; workers never pass it.
+    """
     enqueued: list[tuple[str, str]] = []
     for spec in specs:
         if not spec.cron:
             continue
         with conn.transaction():
-            now = _db_now(conn)
+            now = clock or _db_now(conn)
             tick = previous_tick(spec.cron, spec.timezone, now)
             following = next_tick(spec.cron, spec.timezone, now)
             won = conn.execute(

@@ -23,10 +23,13 @@ def check_cron(expression: str, timezone: str) -> None:
     """Refuse an invalid cron expression or an unknown time zone."""
     if not isinstance(expression, str) or not croniter.is_valid(expression):
         raise InvalidJobError("cron", f"{expression!r} is not a valid cron expression")
+    # A name, not a tzinfo: it is stored in relay.schedules and read by every worker.
+    if not isinstance(timezone, str):
+        raise InvalidJobError("timezone", f"must be an IANA time zone name such as 'Europe/Berlin', got {timezone!r}")
     try:
         ZoneInfo(timezone)
     except (ZoneInfoNotFoundError, ValueError):
-        raise InvalidJobError("timezone", f"{timezone!r} is not a known time zone") from None
+        raise InvalidJobError("timezone", f"{timezone!r} is not a known IANA time zone name") from None
     # Well-formed is not enough: "0 0 30 2 *" (February 30th) parses but never
     # fires, and would fail every worker at start instead of here.
     try:

@@ -403,3 +403,14 @@ def test_cron_across_a_daylight_saving_change_runs_each_tick_once(
         enqueue_due(db, specs, clock=night + timedelta(seconds=20 * step))
     ticks = db.execute("SELECT payload->>'scheduled_for' FROM relay.jobs ORDER BY id").fetchall()
     assert [tick for (tick,) in ticks] == expected
+
+
+def test_a_time_zone_that_is_not_a_name_is_refused_clearly(relay: Relay) -> None:
+    from zoneinfo import ZoneInfo
+
+    from relay_core import InvalidJobError
+
+    for timezone in (ZoneInfo("Europe/Berlin"), None, 1):
+        with pytest.raises(InvalidJobError, match=r"^timezone: .* IANA time zone name"):
+            relay.handler("tz", cron="@daily", timezone=timezone)(lambda job: None)  # type: ignore[arg-type]
+    assert "tz" not in relay.handlers

@@ -414,3 +414,18 @@ def test_a_time_zone_that_is_not_a_name_is_refused_clearly(relay: Relay) -> None
         with pytest.raises(InvalidJobError, match=r"^timezone: .* IANA time zone name"):
             relay.handler("tz", cron="@daily", timezone=timezone)(lambda job: None)  # type: ignore[arg-type]
     assert "tz" not in relay.handlers
+
+
+def test_rate_limit_starts_are_forgotten_even_where_retention_is_off(relay: Relay, db: psycopg.Connection) -> None:
+    """One row per start of a rate-limited type: with pruning of finished jobs off, they piled up forever."""
+
+    @relay.handler("metered", rate_limit=(100, 60))
+    def metered(job: Job) -> None:
+        return None
+
+    db.execute("INSERT INTO relay.rate_starts (type, started_at) SELECT 'metered', now() - interval '2 minutes'")
+    db.execute("INSERT INTO relay.rate_starts (type) VALUES ('metered')")
+    with running_worker(relay, retention=None) as worker:
+        wait_for(lambda: db.execute("SELECT count(*) FROM relay.type_limits").fetchone()[0], what="limits published")
+        worker.maintenance.prune()
+    assert db.execute("SELECT count(*) FROM relay.rate_starts").fetchone()[0] == 1

@@ -30,3 +30,13 @@ def publish(conn: psycopg.Connection, specs: Iterable[HandlerSpec]) -> bool:
             conn.execute(sql("type_limit_delete"), {"type": spec.type})
     conn.commit()
     return limited
+
+
+def forget_old_starts(conn: psycopg.Connection) -> None:
+    """Delete rate-limit starts older than every window: no claim counts them again.
+
+    Apart from retention, which a worker may have switched off: the starts
+    are the limits' bookkeeping, not history anyone keeps.
+    """
+    conn.execute(sql("rate_starts_prune"))
+    conn.commit()

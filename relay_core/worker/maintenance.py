@@ -23,6 +23,7 @@ from ..logs import event
 from ..monitor import fold_counters
 from ..pools import configure_session
 from ..queries import sql
+from .limits import forget_old_starts
 from .retention import hit_cap
 
 SWEEP_BATCH = 1000
@@ -199,11 +200,10 @@ class Maintenance:
                 self._on_limits(bool(conn.execute(sql("type_limits_exist")).fetchone()[0]))
 
     def prune(self) -> dict[str, int]:
-        """Run retention once."""
-        if self._prune is None:
-            return {}
+        """Run retention once (if this worker prunes) and forget rate-limit starts past every window."""
         with self._pool.connection() as conn:
-            deleted = self._prune(conn)
+            deleted = self._prune(conn) if self._prune is not None else {}
+            forget_old_starts(conn)
         if any(deleted.values()):
             event(logging.INFO, "pruned finished jobs", **deleted)
         return deleted

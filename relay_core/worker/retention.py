@@ -85,6 +85,4 @@ def prune_once(conn: psycopg.Connection, retention: Retention) -> dict[str, int]
             deleted[status] += len(rows)
             if len(rows) < PRUNE_BATCH:
                 break
-    conn.execute(sql("rate_starts_prune"))
-    conn.commit()
     return deleted

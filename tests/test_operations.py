@@ -146,6 +146,29 @@ def test_ticks_missed_while_no_worker_ran_are_enqueued_once_only_when_configured
         assert first == [] and jobs == []
 
 
+def test_a_tick_seen_falling_due_is_enqueued_however_late_the_check_comes(relay: Relay, db: psycopg.Connection) -> None:
+    """A worker whose cron check was held up (a long vacuum on its maintenance thread) still runs the tick."""
+
+    @relay.handler("hourly_rollup", cron="0 * * * *")
+    def rollup(job: Job) -> None:
+        return None
+
+    specs = list(relay.handlers.values())
+    publish(db, specs)
+    now = db.execute("SELECT now()").fetchone()[0].astimezone(UTC)
+    tick = now.replace(minute=0, second=0, microsecond=0) + timedelta(hours=2)
+    # The worker's previous check was a second before the tick; this one comes 5 minutes after it.
+    assert enqueue_due(db, specs, clock=tick - timedelta(seconds=1)) == []  # skips the earlier, unseen tick
+    late = tick + timedelta(minutes=5)
+    assert enqueue_due(db, specs, watching_since=tick - timedelta(seconds=1), clock=late) == [
+        ("hourly_rollup", tick.isoformat())
+    ]
+    # Without a previous check (a worker just started) the same late tick counts as missed.
+    db.execute("UPDATE relay.schedules SET last_tick = last_tick - interval '1 hour'")
+    db.execute("DELETE FROM relay.jobs")
+    assert enqueue_due(db, specs, clock=late) == []
+
+
 def test_invalid_cron_or_timezone_is_refused(relay: Relay) -> None:
     from relay_core import InvalidJobError
 

@@ -21,13 +21,14 @@ from ..queries import sql
 from ..schedule import is_missed, next_tick, previous_tick
 
 
-def _db_now(conn: psycopg.Connection):  # type: ignore[no-untyped-def]
+def db_now(conn: psycopg.Connection) -> datetime:
+    """The database's clock, which decides every tick."""
     return conn.execute(sql("db_now")).fetchone()[0]
 
 
 def publish(conn: psycopg.Connection, specs: Iterable[HandlerSpec]) -> None:
     """Record this worker's schedules; a new or changed schedule starts from now."""
-    now = _db_now(conn)
+    now = db_now(conn)
     for spec in specs:
         if not spec.cron:
             continue
@@ -46,19 +47,28 @@ def publish(conn: psycopg.Connection, specs: Iterable[HandlerSpec]) -> None:
 
 
 def enqueue_due(
-    conn: psycopg.Connection, specs: Iterable[HandlerSpec], *, clock: datetime | None = None
+    conn: psycopg.Connection,
+    specs: Iterable[HandlerSpec],
+    *,
+    watching_since: datetime | None = None,
+    clock: datetime | None = None,
 ) -> list[tuple[str, str]]:
     """Enqueue every schedule's due tick that nobody enqueued yet; return (type, tick) pairs.
 
-    ``clock`` stands in for the database's ``now()``, so tests can walk
-    through a night the clocks change in; workers never pass it.
+    ``watching_since`` is the database time of the caller's previous check. A
+    tick after it fell due while the caller was running, so it is enqueued
+    however late this check comes (a long prune or vacuum on the same thread,
+    a database outage); only a tick older than both that and
+    MISSED_AFTER_SECONDS counts as missed while no worker ran. ``clock``
+    stands in for the database's ``now()``, so tests can walk through a night
+    the clocks change in; workers never pass it.
     """
     enqueued: list[tuple[str, str]] = []
     for spec in specs:
         if not spec.cron:
             continue
         with conn.transaction():
-            now = clock or _db_now(conn)
+            now = clock or db_now(conn)
             tick = previous_tick(spec.cron, spec.timezone, now)
             following = next_tick(spec.cron, spec.timezone, now)
             won = conn.execute(
@@ -66,7 +76,8 @@ def enqueue_due(
             ).fetchone()
             if not won:
                 continue
-            if is_missed(tick, now) and not spec.catch_up:
+            seen_due = watching_since is not None and tick > watching_since
+            if is_missed(tick, now) and not seen_due and not spec.catch_up:
                 event(
                     logging.WARNING,
                     "skipped a periodic tick missed while no worker ran",

@@ -165,8 +165,25 @@ def _slide(session: Session, claims: dict[str, Any]) -> None:
         return response
 
 
+def _return_path() -> str | None:
+    """The page to show again after login: the one the person was on, on this host only.
+
+    An htmx request names that page in HX-Current-URL (a poll's own URL is only
+    a fragment of it); a plain form POST in its Referer. Without either, a GET
+    returns to itself and a POST to the overview: a POST is never replayed.
+    """
+    source = request.headers.get("HX-Current-URL") if request.headers.get("HX-Request") else None
+    if source is None and request.method != "GET":
+        source = request.referrer
+    if source:
+        parts = urlsplit(source)
+        if parts.netloc == request.host:
+            return safe_next(parts.path + (f"?{parts.query}" if parts.query else ""))
+    return request.full_path.rstrip("?") if request.method == "GET" else None
+
+
 def _to_login() -> Response:
-    target = url_for("dashboard.login", next=request.full_path.rstrip("?") if request.method == "GET" else None)
+    target = url_for("dashboard.login", next=_return_path())
     if request.headers.get("HX-Request"):
         response = Response("", status=401)
         response.headers["HX-Redirect"] = target

@@ -37,6 +37,44 @@ def test_htmx_request_without_session_redirects_the_whole_page(anonymous: Dashbo
     assert response.headers["HX-Redirect"].startswith("/login")
 
 
+def test_an_action_after_the_session_ended_returns_to_the_page_after_login(
+    anonymous: DashboardClient, jobs: Jobs, dsn: str
+) -> None:
+    # The person read the dead job's page for longer than a session lasts, then pressed Requeue.
+    make_user(dsn, "ops", "admin")
+    job_id = jobs.dead(jobs.add())
+    page = f"http://localhost/jobs/{job_id}"
+    htmx = anonymous.client.post(
+        f"/jobs/{job_id}/requeue", headers={"HX-Request": "true", "HX-Current-URL": page, "Referer": page}
+    )
+    assert htmx.status_code == 401
+    assert htmx.headers["HX-Redirect"] == f"/login?next=/jobs/{job_id}"
+    form = anonymous.client.post(f"/jobs/{job_id}/requeue", headers={"Referer": page})
+    assert form.status_code == 303
+    assert form.headers["Location"] == f"/login?next=/jobs/{job_id}"
+    poll = anonymous.client.get(
+        f"/jobs/{job_id}?part=status&seen=queued", headers={"HX-Request": "true", "HX-Current-URL": page}
+    )
+    assert poll.headers["HX-Redirect"] == f"/login?next=/jobs/{job_id}"
+    assert jobs.status(job_id) == "dead"  # nothing was done without a session
+    login = anonymous.get(htmx.headers["HX-Redirect"]).get_data(as_text=True)
+    assert f'name="next" value="/jobs/{job_id}"' in login
+    assert anonymous.login("ops", next=f"/jobs/{job_id}").headers["Location"] == f"/jobs/{job_id}"
+
+
+def test_a_page_of_another_site_is_never_the_way_back(anonymous: DashboardClient, jobs: Jobs) -> None:
+    job_id = jobs.dead(jobs.add())
+    response = anonymous.client.post(
+        f"/jobs/{job_id}/requeue",
+        headers={
+            "HX-Request": "true",
+            "HX-Current-URL": "https://evil.example.com/x",
+            "Referer": "https://evil.example.com/x",
+        },
+    )
+    assert response.headers["HX-Redirect"] == "/login"
+
+
 def test_login_sets_an_httponly_samesite_cookie_and_goes_to_next(anonymous: DashboardClient, dsn: str) -> None:
     make_user(dsn, "ops", "admin")
     response = anonymous.login("ops", next="/dead")

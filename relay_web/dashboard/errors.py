@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 
 import psycopg
-from flask import Response
+from flask import Response, request
 from psycopg_pool import PoolTimeout
 from werkzeug.exceptions import HTTPException
 
@@ -20,14 +20,34 @@ from relay_core import IllegalTransition, JobNotFound, RelayError
 from ..errors import transition_detail
 from ..problems import Problem
 from .blueprint import bp
-from .render import page
+from .render import is_htmx, page
 
 log = logging.getLogger("relay.web")
 
+#: Seconds between the retries of a page or fragment that could not reach the database.
+RETRY_SECONDS = 5
 
-def error_page(status: int, title: str, detail: str, headers: dict[str, str] | None = None) -> Response:
-    """An error page with ``status``; an htmx request gets its partial."""
-    response = page("error", status=status, title=title, detail=detail, status_code=status)
+
+def error_page(
+    status: int, title: str, detail: str, headers: dict[str, str] | None = None, *, retry: bool = False
+) -> Response:
+    """An error page with ``status``; an htmx request gets its partial.
+
+    With ``retry``, a GET tries again by itself: a page reloads, and a fragment
+    (which replaced, say, a polling status card) polls its own URL until it is
+    answered. A POST is never repeated.
+    """
+    retry_url = request.full_path.rstrip("?") if retry and request.method == "GET" else None
+    response = page(
+        "error",
+        status=status,
+        title=title,
+        detail=detail,
+        status_code=status,
+        retry_url=retry_url,
+        retry_seconds=RETRY_SECONDS,
+        fragment=is_htmx(),
+    )
     for name, value in (headers or {}).items():
         if name != "WWW-Authenticate":
             response.headers[name] = value
@@ -74,7 +94,11 @@ def _too_slow(exc: psycopg.errors.QueryCanceled) -> Response:
 @bp.errorhandler(PoolTimeout)
 def _unavailable(exc: Exception) -> Response:
     log.warning("database unavailable: %s", exc)
-    return error_page(503, "Database unreachable", "The database cannot be reached right now; this page will retry.")
+    if request.method == "GET":
+        detail = f"The database cannot be reached right now; this page tries again every {RETRY_SECONDS} seconds."
+    else:
+        detail = "The database cannot be reached right now; reload the page in a moment and try again."
+    return error_page(503, "Database unreachable", detail, {"Retry-After": str(RETRY_SECONDS)}, retry=True)
 
 
 @bp.errorhandler(Exception)

@@ -224,6 +224,37 @@ def test_missing_jobs_are_a_404_page(viewer: DashboardClient) -> None:
         assert "No such page" in _text(response) or "There is no job" in _text(response)
 
 
+def test_a_database_outage_page_retries_as_it_says(make_app, admin: DashboardClient, jobs: Jobs) -> None:
+    # The same session on a web process whose database has gone away.
+    job_id = jobs.add()
+    outage = make_app(RELAY_DATABASE_URL="postgresql://postgres@127.0.0.1:1/nowhere", RELAY_DB_WAIT_SECONDS=1)
+    client = DashboardClient(outage.test_client(), admin.dsn)
+    client.client.set_cookie("access_token_cookie", admin.client.get_cookie("access_token_cookie").value)
+    client.csrf = admin.csrf
+
+    # The status card of a requeued job, polling: the answer replaces the card, so it must poll on.
+    card = client.get(f"/jobs/{job_id}?part=status&seen=queued", htmx=True)
+    assert card.status_code == 503
+    html = _text(card)
+    assert "Database unreachable" in html
+    assert "Log in" not in html  # the session is fine; the database is what is missing
+    assert f'hx-get="/jobs/{job_id}?part=status&amp;seen=queued"' in html
+    assert re.search(r'hx-trigger="every \d+s"', html) and 'hx-swap="outerHTML"' in html
+
+    # A page opened during the outage reloads itself.
+    full = client.get(f"/jobs/{job_id}")
+    assert full.status_code == 503
+    assert re.search(r'<meta http-equiv="refresh" content="\d+">', _text(full))
+    assert "hx-get" not in _text(full)
+
+    # An action is never repeated by itself, and the page does not promise it will be.
+    action = client.post(f"/jobs/{job_id}/cancel")
+    assert action.status_code == 503
+    assert "hx-get" not in _text(action) and "refresh" not in _text(action)
+    assert "will retry" not in _text(action) and "try again" in _text(action)
+    assert jobs.status(job_id) == "queued"
+
+
 def test_job_ids_in_urls_are_read_only_as_relay_writes_them(viewer: DashboardClient, relay: Relay) -> None:
     assert relay.enqueue_many([{"type": "t"} for _ in range(22)])[-1] == 22
     assert viewer.get("/jobs/22").status_code == 200

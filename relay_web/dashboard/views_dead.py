@@ -94,5 +94,5 @@ def requeue_dead() -> Response:
         changed = monitor.requeue_matching(conn, monitor.JobFilter(status="dead", type=job_type))
     if not is_htmx():
         return redirect(url_for("dashboard.dead"), code=303)
-    noun = "job" if changed == 1 else "jobs"
-    return _render(f"Requeued {formatting.number(changed)} dead {job_type} {noun}; they run again now.")
+    noun, they = ("job", "it runs") if changed == 1 else ("jobs", "they run")
+    return _render(f"Requeued {formatting.number(changed)} dead {job_type} {noun}; {they} again now.")

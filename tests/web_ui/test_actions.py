@@ -159,6 +159,16 @@ def test_dead_view_offers_requeue_all_of_a_type_and_does_it(admin: DashboardClie
     assert jobs.status(image) == "dead"
 
 
+def test_requeue_all_of_a_type_with_one_dead_job_says_job_throughout(admin: DashboardClient, jobs: Jobs) -> None:
+    image = jobs.dead(jobs.add("resize_image"))
+    page = _text(admin.get("/dead"))
+    assert "Requeue all 1 dead resize_image job<" in page
+    assert 'hx-confirm="Requeue all 1 dead resize_image job? It runs again now, with fresh attempts."' in page
+    html = _text(admin.post("/dead/requeue", {"type": "resize_image"}))
+    assert "Requeued 1 dead resize_image job; it runs again now." in html
+    assert jobs.status(image) == "queued"
+
+
 def test_bulk_requeue_needs_a_type(admin: DashboardClient) -> None:
     response = admin.post("/dead/requeue", {})
     assert response.status_code == 400

@@ -94,5 +94,7 @@ def requeue_dead() -> Response:
         changed = monitor.requeue_matching(conn, monitor.JobFilter(status="dead", type=job_type))
     if not is_htmx():
         return redirect(url_for("dashboard.dead"), code=303)
+    if changed == 0:  # another admin requeued them first
+        return _render(f"Nothing requeued: no dead {job_type} jobs are left.")
     noun, they = ("job", "it runs") if changed == 1 else ("jobs", "they run")
     return _render(f"Requeued {formatting.number(changed)} dead {job_type} {noun}; {they} again now.")

@@ -92,6 +92,7 @@ def test_cancel_of_a_running_job_requests_a_stop(admin: DashboardClient, jobs: J
     job_id = jobs.claimed(jobs.add())
     html = _text(admin.post(f"/jobs/{job_id}/cancel"))
     assert "Stop requested: the worker stops the job at its next heartbeat." in html
+    assert html.count("Stop requested") == 1, "said once, not again by the card's own line"
     assert '<span class="badge big s-claimed">claimed</span>' in html
     assert _buttons(html) == []  # asked once; nothing more to offer
     assert jobs.status(job_id) == "claimed"
@@ -166,6 +167,16 @@ def test_requeue_all_of_a_type_with_one_dead_job_says_job_throughout(admin: Dash
     assert 'hx-confirm="Requeue all 1 dead resize_image job? It runs again now, with fresh attempts."' in page
     html = _text(admin.post("/dead/requeue", {"type": "resize_image"}))
     assert "Requeued 1 dead resize_image job; it runs again now." in html
+    assert jobs.status(image) == "queued"
+
+
+def test_requeue_all_that_finds_nothing_left_says_so(admin: DashboardClient, jobs: Jobs) -> None:
+    """A second admin (or a stale tab) presses requeue-all after the first: nothing is claimed to run again."""
+    image = jobs.dead(jobs.add("resize_image"))
+    admin.post("/dead/requeue", {"type": "resize_image"})
+    html = _text(admin.post("/dead/requeue", {"type": "resize_image"}))
+    assert "Nothing requeued: no dead resize_image jobs are left." in html
+    assert "Requeued 0" not in html and "again now" not in html
     assert jobs.status(image) == "queued"
 
 

@@ -33,7 +33,8 @@ HTTP_DETAILS = {
 
 
 #: The past participle of each admin action, for "only dead jobs can be requeued".
-def _http(exc: HTTPException) -> Response:
+def http_problem(exc: HTTPException) -> Response:
+    """An HTTP error werkzeug raised, as a problem."""
     status = exc.code or 500
     detail = HTTP_DETAILS.get(status, exc.description or "")
     headers = {}
@@ -114,7 +115,7 @@ def _internal(exc: Exception) -> Response:
 
 def register(app: Flask) -> None:
     """Install the handlers on ``app`` (most specific class wins)."""
-    app.register_error_handler(HTTPException, _http)
+    app.register_error_handler(HTTPException, http_problem)
     app.register_error_handler(Problem, _problem)
     app.register_error_handler(JobNotFound, _not_found)
     app.register_error_handler(IllegalTransition, _illegal)

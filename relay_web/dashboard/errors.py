@@ -13,11 +13,11 @@ import logging
 import psycopg
 from flask import Response, request
 from psycopg_pool import PoolTimeout
-from werkzeug.exceptions import HTTPException
+from werkzeug.exceptions import HTTPException, NotFound
 
 from relay_core import IllegalTransition, JobNotFound, RelayError
 
-from ..errors import transition_detail
+from ..errors import http_problem, transition_detail
 from ..problems import Problem
 from .blueprint import bp
 from .render import is_htmx, page
@@ -79,6 +79,25 @@ def _relay(exc: RelayError) -> Response:
 def _http(exc: HTTPException) -> Response:
     status = exc.code or 500
     return error_page(status, exc.name, "Nothing here accepts this request." if status != 404 else "No such page.")
+
+
+#: Where machines call: an unknown URL under these stays problem+json whoever asks.
+MACHINE_PATHS = ("/api/", "/metrics", "/healthz", "/readyz", "/static/")
+
+
+@bp.app_errorhandler(NotFound)
+def _no_such_page(exc: NotFound) -> Response:
+    """A mistyped or stale dashboard link opened in a browser gets a page with a way back, not JSON.
+
+    Only a request that prefers HTML (a browser's Accept header) outside the
+    machines' paths; curl, scripts and every API URL still get problem+json.
+    """
+    if request.blueprint == bp.name:  # a dashboard view's own 404 (a job id out of range)
+        return _http(exc)
+    preferred = request.accept_mimetypes.best_match(["application/problem+json", "application/json", "text/html"])
+    if preferred == "text/html" and not request.path.startswith(MACHINE_PATHS):
+        return error_page(404, "Not Found", "No such page.")
+    return http_problem(exc)
 
 
 @bp.errorhandler(psycopg.errors.QueryCanceled)

@@ -224,6 +224,19 @@ def test_missing_jobs_are_a_404_page(viewer: DashboardClient) -> None:
         assert "No such page" in _text(response) or "There is no job" in _text(response)
 
 
+def test_an_unknown_address_is_a_page_in_a_browser_and_a_problem_elsewhere(viewer: DashboardClient) -> None:
+    """A mistyped or stale link opened on a phone reads as a page; curl and the API still get problem+json."""
+    browser = {"Accept": "text/html,application/xhtml+xml,application/xml;q=0.9,*/*;q=0.8"}
+    for path in ("/jobs/abc", "/nope"):
+        response = viewer.client.get(path, headers=browser)
+        assert (response.status_code, response.mimetype) == (404, "text/html"), path
+        assert "No such page" in _text(response) and 'href="/">Go to the overview<' in _text(response)
+    for path, headers in (("/api/admin/nope", browser), ("/metrics/nope", browser), ("/nope", {"Accept": "*/*"})):
+        response = viewer.client.get(path, headers=headers)
+        assert (response.status_code, response.mimetype) == (404, "application/problem+json"), path
+    assert viewer.client.get("/nope").mimetype == "application/problem+json"
+
+
 def test_a_database_outage_page_retries_as_it_says(make_app, admin: DashboardClient, jobs: Jobs) -> None:
     # The same session on a web process whose database has gone away.
     job_id = jobs.add()

@@ -67,15 +67,20 @@ def test_paused_worker_cannot_complete_a_job_taken_over(
 
 
 def test_sigterm_hands_back_unfinished_jobs_at_once(
-    relay: Relay, db: psycopg.Connection, python: str, worker_env: dict
+    relay: Relay, db: psycopg.Connection, python: str, worker_env: dict, tmp_path: Path
 ) -> None:
-    worker = start_worker_process(python, worker_env, "--lease", "60", "--shutdown-timeout", "0.5")
+    log = tmp_path / "worker.log"
+    worker = start_worker_process(python, worker_env, "--lease", "60", "--shutdown-timeout", "0.5", log=log)
     try:
         job_id = relay.enqueue("record", {"sleep": 30})
         wait_for(lambda: executions(db, job_id), what="the job to start")
         started = time.monotonic()
         worker.send_signal(signal.SIGTERM)
-        assert worker.wait(15) == 0
+        try:
+            code = worker.wait(15)
+        except subprocess.TimeoutExpired:
+            pytest.fail("the worker was still running 15 s after SIGTERM; its log:\n" + log.read_text())
+        assert code == 0, log.read_text()
         assert time.monotonic() - started < 10
         status, attempts, _token, _by, _finished = job_row(db, job_id)
         # Back in the queue now, not after the 60 s lease, and the interrupted run spent no attempt.

@@ -223,7 +223,17 @@ def require(role: str) -> Callable[[F], F]:
 
 
 def safe_next(target: str | None) -> str | None:
-    """A post-login destination on this site, or None (never another host)."""
+    """A post-login destination on this site, or None (never another host).
+
+    Spaces and control characters are refused outright: URL parsing drops
+    tabs and newlines, so "/<TAB>/evil.example" would reach the Location
+    header as "//evil.example", another host.
+    """
     if not target or not target.startswith("/") or target.startswith("//") or "\\" in target:
+        return None
+    if any(ord(char) <= 0x20 or ord(char) == 0x7F for char in target):
+        return None
+    parts = urlsplit(target)
+    if parts.scheme or parts.netloc:
         return None
     return target

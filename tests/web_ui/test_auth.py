@@ -99,7 +99,18 @@ def test_cookie_is_secure_over_https(app: Flask, dsn: str) -> None:
 
 def test_login_never_redirects_off_site(anonymous: DashboardClient, dsn: str) -> None:
     make_user(dsn, "ops", "admin")
-    for target in ("//evil.example.com/", "https://evil.example.com/", "/\\evil.example.com"):
+    # A tab, newline or other control character in the path is dropped on the way to the Location
+    # header, so "/<TAB>/evil" would leave as "//evil".
+    for target in (
+        "//evil.example.com/",
+        "https://evil.example.com/",
+        "/\\evil.example.com",
+        "/\t/evil.example.com/phish",
+        "/\n/evil.example.com",
+        "/\r\n/evil.example.com",
+        "/ /evil.example.com",
+        "/\x7f/evil.example.com",
+    ):
         response = anonymous.login("ops", next=target)
         assert response.headers["Location"] == "/", target
 

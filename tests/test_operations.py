@@ -146,8 +146,9 @@ def test_ticks_missed_while_no_worker_ran_are_enqueued_once_only_when_configured
         assert first == [] and jobs == []
 
 
-def test_a_tick_seen_falling_due_is_enqueued_however_late_the_check_comes(relay: Relay, db: psycopg.Connection) -> None:
-    """A worker whose cron check was held up (a long vacuum on its maintenance thread) still runs the tick."""
+def test_a_tick_that_fell_due_while_a_worker_ran_is_enqueued_however_late(relay: Relay, db: psycopg.Connection) -> None:
+    """A worker's cron check held up past the tick (a long vacuum, an outage) still runs it, even if a worker
+    that started meanwhile checks first; a tick that fell due while no worker ran is skipped."""
 
     @relay.handler("hourly_rollup", cron="0 * * * *")
     def rollup(job: Job) -> None:
@@ -157,16 +158,47 @@ def test_a_tick_seen_falling_due_is_enqueued_however_late_the_check_comes(relay:
     publish(db, specs)
     now = db.execute("SELECT now()").fetchone()[0].astimezone(UTC)
     tick = now.replace(minute=0, second=0, microsecond=0) + timedelta(hours=2)
-    # The worker's previous check was a second before the tick; this one comes 5 minutes after it.
-    assert enqueue_due(db, specs, clock=tick - timedelta(seconds=1)) == []  # skips the earlier, unseen tick
     late = tick + timedelta(minutes=5)
-    assert enqueue_due(db, specs, watching_since=tick - timedelta(seconds=1), clock=late) == [
-        ("hourly_rollup", tick.isoformat())
-    ]
-    # Without a previous check (a worker just started) the same late tick counts as missed.
-    db.execute("UPDATE relay.schedules SET last_tick = last_tick - interval '1 hour'")
-    db.execute("DELETE FROM relay.jobs")
+    register = (
+        "INSERT INTO relay.workers (id, host, pid, queues, concurrency, started_at, last_seen_at) "
+        "VALUES (%s, 'h', 1, %s, 8, %s, %s)"
+    )
+    assert enqueue_due(db, specs, clock=tick - timedelta(seconds=1)) == []  # the earlier, unseen tick
+
+    # Nobody ran at the tick: a worker started after it (b) skips it as missed.
+    db.execute(register, ("b", ["default"], tick + timedelta(minutes=4), late))
+    db.execute(register, ("other-queue", ["mail"], tick - timedelta(hours=1), late))
     assert enqueue_due(db, specs, clock=late) == []
+    assert db.execute("SELECT count(*) FROM relay.jobs").fetchone()[0] == 0
+
+    # Worker a was running at the tick (heartbeats after it) but its check came late; b checks first.
+    db.execute("UPDATE relay.schedules SET last_tick = last_tick - interval '1 hour'")
+    db.execute(register, ("a", ["default"], tick - timedelta(hours=1), late))
+    assert enqueue_due(db, specs, clock=late) == [("hourly_rollup", tick.isoformat())]
+
+    # A worker that had stopped before the tick, or was last heard from before it, does not count.
+    db.execute("DELETE FROM relay.jobs")
+    db.execute("UPDATE relay.schedules SET last_tick = last_tick - interval '1 hour'")
+    db.execute("UPDATE relay.workers SET stopped_at = %s WHERE id = 'a'", (tick - timedelta(minutes=1),))
+    assert enqueue_due(db, specs, clock=late) == []
+    db.execute("UPDATE relay.schedules SET last_tick = last_tick - interval '1 hour'")
+    db.execute(
+        "UPDATE relay.workers SET stopped_at = NULL, last_seen_at = %s WHERE id = 'a'", (tick - timedelta(seconds=5),)
+    )
+    assert enqueue_due(db, specs, clock=late) == []
+
+
+def test_a_worker_id_used_again_is_a_new_start(relay: Relay, db: psycopg.Connection) -> None:
+    """Its row takes the new process's details, so the time it was down is not mistaken for running time."""
+    with running_worker(relay, worker_id="steady", queues=("default",)):
+        wait_for(lambda: db.execute("SELECT count(*) FROM relay.workers").fetchone()[0] == 1, what="registered")
+    (first_start,) = db.execute("SELECT started_at FROM relay.workers").fetchone()
+    with running_worker(relay, worker_id="steady", queues=("default", "mail")):
+        wait_for(
+            lambda: db.execute("SELECT stopped_at IS NULL FROM relay.workers").fetchone()[0], what="registered again"
+        )
+        started_at, queues = db.execute("SELECT started_at, queues FROM relay.workers").fetchone()
+    assert started_at > first_start and queues == ["default", "mail"]
 
 
 def test_invalid_cron_or_timezone_is_refused(relay: Relay) -> None:

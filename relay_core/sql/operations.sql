@@ -70,6 +70,16 @@ SET last_tick = %(tick)s, next_tick = %(next_tick)s, updated_at = now()
 WHERE type = %(type)s AND (last_tick IS NULL OR last_tick < %(tick)s)
 RETURNING type;
 
+-- name: worker_was_running_at
+-- Whether a worker serving the queue was running at a moment: it registered
+-- before it and was heard from after it (heartbeats come from their own
+-- thread, so a worker whose maintenance was held up still counts).
+SELECT EXISTS (
+    SELECT 1 FROM relay.workers
+    WHERE %(queue)s = ANY(queues) AND started_at <= %(at)s AND last_seen_at >= %(at)s
+      AND (stopped_at IS NULL OR stopped_at >= %(at)s)
+) AS running;
+
 -- name: schedule_list
 -- Every schedule with its next run.
 SELECT type, cron, timezone, queue, last_tick, next_tick FROM relay.schedules ORDER BY next_tick NULLS LAST, type;

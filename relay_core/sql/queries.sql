@@ -281,10 +281,15 @@ FROM relay.jobs WHERE id = %(id)s;
 SELECT id, status::text AS status FROM relay.jobs WHERE id = ANY(%(ids)s::bigint[]);
 
 -- name: worker_register
--- A worker process records itself when it starts.
+-- A worker process records itself when it starts. A worker id used again (one
+-- given to Relay.worker(worker_id=...)) is a new start: its row says so, and the
+-- time it was down stays a gap (periodic ticks missed in it are told apart by
+-- started_at).
 INSERT INTO relay.workers (id, host, pid, queues, concurrency)
 VALUES (%(id)s, %(host)s, %(pid)s, %(queues)s::text[], %(concurrency)s)
-ON CONFLICT (id) DO UPDATE SET last_seen_at = now(), stopped_at = NULL;
+ON CONFLICT (id) DO UPDATE
+SET host = excluded.host, pid = excluded.pid, queues = excluded.queues, concurrency = excluded.concurrency,
+    started_at = now(), last_seen_at = now(), stopped_at = NULL, in_flight = 0;
 
 -- name: worker_heartbeat
 -- A worker is alive and has this many jobs in flight.

@@ -26,6 +26,10 @@ def db_now(conn: psycopg.Connection) -> datetime:
     return conn.execute(sql("db_now")).fetchone()[0]
 
 
+def _worker_was_running(conn: psycopg.Connection, queue: str, at: datetime) -> bool:
+    return bool(conn.execute(sql("worker_was_running_at"), {"queue": queue, "at": at}).fetchone()[0])
+
+
 def publish(conn: psycopg.Connection, specs: Iterable[HandlerSpec]) -> None:
     """Record this worker's schedules; a new or changed schedule starts from now."""
     now = db_now(conn)
@@ -47,21 +51,17 @@ def publish(conn: psycopg.Connection, specs: Iterable[HandlerSpec]) -> None:
 
 
 def enqueue_due(
-    conn: psycopg.Connection,
-    specs: Iterable[HandlerSpec],
-    *,
-    watching_since: datetime | None = None,
-    clock: datetime | None = None,
+    conn: psycopg.Connection, specs: Iterable[HandlerSpec], *, clock: datetime | None = None
 ) -> list[tuple[str, str]]:
     """Enqueue every schedule's due tick that nobody enqueued yet; return (type, tick) pairs.
 
-    ``watching_since`` is the database time of the caller's previous check. A
-    tick after it fell due while the caller was running, so it is enqueued
-    however late this check comes (a long prune or vacuum on the same thread,
-    a database outage); only a tick older than both that and
-    MISSED_AFTER_SECONDS counts as missed while no worker ran. ``clock``
-    stands in for the database's ``now()``, so tests can walk through a night
-    the clocks change in; workers never pass it.
+    A tick is missed (skipped unless the schedule catches up) only when it is
+    over MISSED_AFTER_SECONDS old and no worker serving its queue was running
+    when it fell due, by the registry: a worker that was running saw it fall
+    due, so it runs however late a check comes (a long prune or vacuum on a
+    maintenance thread, a database outage), whichever worker gets to it.
+    ``clock`` stands in for the database's ``now()``, so tests can walk
+    through a night the clocks change in; workers never pass it.
     """
     enqueued: list[tuple[str, str]] = []
     for spec in specs:
@@ -76,8 +76,7 @@ def enqueue_due(
             ).fetchone()
             if not won:
                 continue
-            seen_due = watching_since is not None and tick > watching_since
-            if is_missed(tick, now) and not seen_due and not spec.catch_up:
+            if is_missed(tick, now) and not spec.catch_up and not _worker_was_running(conn, spec.queue, tick):
                 event(
                     logging.WARNING,
                     "skipped a periodic tick missed while no worker ran",

@@ -17,7 +17,6 @@ import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from datetime import datetime
 
 import psycopg
 from psycopg.rows import dict_row
@@ -111,8 +110,6 @@ class Worker:
         self._closing: dict[int, int] = {}  # id -> token: shutting down, not yet handed back
         self._inbox: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
         self._slots: list[Slot] = []
-        # Database time of this worker's last cron check (see _enqueue_periodic).
-        self._cron_checked_at: datetime | None = None
         # Whether any job type has a limit: decides how the claim runs (see claim()).
         self.limits_exist = True
         # Moving average of handler run time; starts "long" so nothing is prefetched until jobs prove short.
@@ -240,12 +237,7 @@ class Worker:
                     event(logging.INFO, "cancellation requested", job_id=jid, type=running.job.type)
 
     def _enqueue_periodic(self, conn: psycopg.Connection) -> None:
-        with conn.transaction():
-            checked_at = periodic.db_now(conn)
-        periodic.enqueue_due(conn, self.handlers.values(), watching_since=self._cron_checked_at)
-        # Only after a check that went through: a tick due since the last one
-        # stays "seen" across a failed check, so it is enqueued late, not skipped.
-        self._cron_checked_at = checked_at
+        periodic.enqueue_due(conn, self.handlers.values())
 
     def _report_progress(self, job: Job, progress: dict) -> bool:  # type: ignore[type-arg]
         try:

@@ -17,6 +17,10 @@ from .validation import InvalidJobError
 MISSED_AFTER_SECONDS = 120.0
 #: Clocks move by at most this much at a daylight-saving change (cron's own bound).
 DST_REACH = timedelta(hours=3)
+#: How far the tick search walks. The sparsest real schedule, February 29th,
+#: fires every 4 to 8 years; one whose every match falls in a skipped hour
+#: (a wildcard job inside the spring-forward gap) never does.
+SEARCH_REACH = timedelta(days=366 * 30)
 
 
 def check_cron(expression: str, timezone: str) -> None:
@@ -34,7 +38,7 @@ def check_cron(expression: str, timezone: str) -> None:
     # fires, and would fail every worker at start instead of here.
     try:
         next_tick(expression, timezone, datetime.now(UTC))
-    except CroniterBadDateError:
+    except (CroniterBadDateError, ValueError):  # ValueError: the search ran past year 9999
         raise InvalidJobError("cron", f"{expression!r} never fires: no date matches it") from None
 
 
@@ -49,6 +53,7 @@ def previous_tick(expression: str, timezone: str, now: datetime) -> datetime:
     best: datetime | None = None
     while True:
         wall = walls.get_prev(datetime)
+        _within_reach(wall, now)
         due = [tick for tick in _instants(wall, zone, wild) if tick <= now]
         if due and (best is None or max(due) > best):
             best = max(due)
@@ -66,11 +71,18 @@ def next_tick(expression: str, timezone: str, after: datetime) -> datetime:
     best: datetime | None = None
     while True:
         wall = walls.get_next(datetime)
+        _within_reach(wall, after)
         due = [tick for tick in _instants(wall, zone, wild) if tick > after]
         if due and (best is None or min(due) < best):
             best = min(due)
         if due and not _is_ambiguous(wall, zone):
             return best.astimezone(zone)  # type: ignore[union-attr]
+
+
+def _within_reach(wall: datetime, start: datetime) -> None:
+    """Stop a search that found no tick within SEARCH_REACH of where it started."""
+    if abs(wall - _naive(start)) > SEARCH_REACH:
+        raise CroniterBadDateError(f"no tick within {SEARCH_REACH.days // 366} years")
 
 
 def _naive(instant: datetime) -> datetime:

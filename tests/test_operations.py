@@ -210,6 +210,9 @@ def test_invalid_cron_or_timezone_is_refused(relay: Relay) -> None:
         relay.handler("bad2", cron="@daily", timezone="Mars/Olympus")(lambda job: None)
     with pytest.raises(InvalidJobError, match="never fires"):
         relay.handler("bad3", cron="0 0 30 2 *")(lambda job: None)  # February 30th
+    with pytest.raises(InvalidJobError, match="never fires"):
+        # Every ten minutes of 2 a.m. on the second Sunday of March: the hour New York skips.
+        relay.handler("bad4", cron="*/10 2 * 3 0#2", timezone="America/New_York")(lambda job: None)
     assert "bad" not in relay.handlers and "bad3" not in relay.handlers
     relay.handler("leap_day", cron="0 0 29 2 *")(lambda job: None)  # rare, but it fires
 

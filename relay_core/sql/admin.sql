@@ -48,7 +48,7 @@ WITH picked AS (
     FOR UPDATE SKIP LOCKED
 ), requeued AS (
     UPDATE relay.jobs AS j
-    SET status = 'queued', attempts = 0, run_at = now(), finished_at = NULL,
+    SET status = 'queued', attempts = 0, run_at = now(), started_at = NULL, finished_at = NULL,
         claimed_by = NULL, claimed_until = NULL, cancel_requested_at = NULL, progress = NULL, result = NULL
     FROM picked
     WHERE j.id = picked.id AND j.status IN ('dead', 'cancelled')

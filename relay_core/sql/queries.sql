@@ -255,7 +255,7 @@ RETURNING j.id, j.status::text AS status;
 -- transition: cancelled -> queued
 WITH requeued AS (
     UPDATE relay.jobs
-    SET status = 'queued', attempts = 0, run_at = now(), finished_at = NULL,
+    SET status = 'queued', attempts = 0, run_at = now(), started_at = NULL, finished_at = NULL,
         claimed_by = NULL, claimed_until = NULL, cancel_requested_at = NULL, progress = NULL, result = NULL
     WHERE id = %(id)s AND status IN ('dead', 'cancelled')
     RETURNING id, queue

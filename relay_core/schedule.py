@@ -13,7 +13,8 @@ from croniter import CroniterBadDateError, croniter
 
 from .validation import InvalidJobError
 
-#: A tick older than this when first seen was missed (every worker was down).
+#: A tick older than this when first seen may have been missed; whether a worker
+#: serving its queue was running then decides (worker.periodic.enqueue_due).
 MISSED_AFTER_SECONDS = 120.0
 #: Clocks move by at most this much at a daylight-saving change (cron's own bound).
 DST_REACH = timedelta(hours=3)
@@ -38,7 +39,7 @@ def check_cron(expression: str, timezone: str) -> None:
     # fires, and would fail every worker at start instead of here.
     try:
         next_tick(expression, timezone, datetime.now(UTC))
-    except (CroniterBadDateError, ValueError):  # ValueError: the search ran past year 9999
+    except CroniterBadDateError:
         raise InvalidJobError("cron", f"{expression!r} never fires: no date matches it") from None
 
 

@@ -32,7 +32,6 @@ HTTP_DETAILS = {
 }
 
 
-#: The past participle of each admin action, for "only dead jobs can be requeued".
 def http_problem(exc: HTTPException) -> Response:
     """An HTTP error werkzeug raised, as a problem."""
     status = exc.code or 500

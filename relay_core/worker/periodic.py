@@ -21,7 +21,7 @@ from ..queries import sql
 from ..schedule import is_missed, next_tick, previous_tick
 
 
-def db_now(conn: psycopg.Connection) -> datetime:
+def _db_now(conn: psycopg.Connection) -> datetime:
     """The database's clock, which decides every tick."""
     return conn.execute(sql("db_now")).fetchone()[0]
 
@@ -32,7 +32,7 @@ def _worker_was_running(conn: psycopg.Connection, queue: str, at: datetime) -> b
 
 def publish(conn: psycopg.Connection, specs: Iterable[HandlerSpec]) -> None:
     """Record this worker's schedules; a new or changed schedule starts from now."""
-    now = db_now(conn)
+    now = _db_now(conn)
     for spec in specs:
         if not spec.cron:
             continue
@@ -68,7 +68,7 @@ def enqueue_due(
         if not spec.cron:
             continue
         with conn.transaction():
-            now = clock or db_now(conn)
+            now = clock or _db_now(conn)
             tick = previous_tick(spec.cron, spec.timezone, now)
             following = next_tick(spec.cron, spec.timezone, now)
             won = conn.execute(

@@ -92,11 +92,10 @@ def _no_such_page(exc: NotFound) -> Response:
     Only a request that prefers HTML (a browser's Accept header) outside the
     machines' paths; curl, scripts and every API URL still get problem+json.
     """
-    if request.blueprint == bp.name:  # a dashboard view's own 404 (a job id out of range)
-        return _http(exc)
     preferred = request.accept_mimetypes.best_match(["application/problem+json", "application/json", "text/html"])
-    if preferred == "text/html" and not request.path.startswith(MACHINE_PATHS):
-        return error_page(404, "Not Found", "No such page.")
+    # A dashboard view's own 404 (a job id out of range) is a page whoever asks.
+    if request.blueprint == bp.name or (preferred == "text/html" and not request.path.startswith(MACHINE_PATHS)):
+        return _http(exc)
     return http_problem(exc)
 
 

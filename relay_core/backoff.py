@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+
+#: The longest delay before a job runs again (about a century). PostgreSQL
+#: stores now() + 1e12 s (year 33715), but no Python datetime can hold it, so
+#: the job's page and every listing that shows it would fail from then on.
+MAX_DELAY_SECONDS = 36500 * 86400.0
 
 
 @dataclass(frozen=True)
@@ -21,6 +27,16 @@ class Backoff:
     factor: float = 2.0
     cap: float = 3600.0
     jitter: float = 0.1
+
+    def __post_init__(self) -> None:
+        # A delay is at most cap * (1 + jitter): bounding both keeps every run_at readable.
+        for field in fields(self):
+            if not math.isfinite(getattr(self, field.name)):
+                raise ValueError(f"backoff {field.name} must be a finite number")
+        if not 0 <= self.cap <= MAX_DELAY_SECONDS / 2:
+            raise ValueError(f"backoff cap must be between 0 and {MAX_DELAY_SECONDS / 2:.0f} seconds")
+        if not 0 <= self.jitter <= 1:
+            raise ValueError("backoff jitter must be between 0 and 1")
 
     def delay(self, attempt: int, rand: Callable[[], float] = random.random) -> float:
         """Seconds to wait after failed attempt number ``attempt`` (1-based).

@@ -6,6 +6,8 @@ outcome of their job; everything else a handler raises is a retryable failure.
 
 from __future__ import annotations
 
+from .backoff import MAX_DELAY_SECONDS
+
 
 class RelayError(Exception):
     """Base of every error Relay raises."""
@@ -81,8 +83,9 @@ class Snooze(RelayError):
     """Raised by a handler: run this job again after ``seconds`` without spending an attempt."""
 
     def __init__(self, seconds: float) -> None:
-        if seconds < 0:
-            raise ValueError("snooze seconds must be >= 0")
+        # Raised inside a handler, the ValueError is that attempt's failure, with this message.
+        if not 0 <= seconds <= MAX_DELAY_SECONDS:
+            raise ValueError(f"snooze seconds must be between 0 and {MAX_DELAY_SECONDS:.0f}, got {seconds!r}")
         super().__init__(f"snoozed for {seconds}s")
         self.seconds = float(seconds)
 

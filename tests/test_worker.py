@@ -10,7 +10,7 @@ from datetime import timedelta
 import psycopg
 import pytest
 
-from relay_core import Backoff, Job, PermanentFailure, Relay, Snooze, Worker
+from relay_core import Backoff, Job, PermanentFailure, Relay, Snooze, Worker, monitor
 from relay_core.worker.config import WorkerConfig
 from relay_core.worker.maintenance import sweep_once
 from relay_core.worker.runtime import Slot
@@ -84,6 +84,29 @@ def test_snooze_runs_later_without_spending_an_attempt(relay: Relay, db: psycopg
         wait_for(lambda: job_status(db, job_id) == "succeeded")
     assert runs == [1, 1, 1]
     assert relay.get_job(job_id).errors == []
+
+
+def test_a_snooze_or_backoff_too_long_for_a_readable_run_at_is_refused(relay: Relay, db: psycopg.Connection) -> None:
+    """PostgreSQL stores now() + 1e12 s (year 33715), but no Python datetime holds it: the job's
+    page and every listing that shows it would fail from then on. Such delays are refused instead."""
+    for bad in (1e12, float("inf"), float("nan")):
+        with pytest.raises(ValueError):
+            Snooze(bad)
+        with pytest.raises(ValueError):
+            Backoff(base=bad, cap=bad)
+    with pytest.raises(ValueError):
+        Backoff(cap=60, jitter=1.5)
+
+    @relay.handler("nap", max_attempts=2)
+    def nap(job: Job) -> None:
+        raise Snooze(1e12)
+
+    job_id = relay.enqueue("nap")
+    with running_worker(relay, poll_interval=0.05):
+        wait_for(lambda: job_status(db, job_id) == "dead", timeout=30)
+    job = relay.get_job(job_id)  # still readable
+    assert job.attempts == 2 and job.last_error.startswith("ValueError: snooze seconds")
+    assert [j.id for j in monitor.list_jobs(db).jobs] == [job_id]
 
 
 def test_unknown_type_fails_naming_type_and_worker(relay: Relay, db: psycopg.Connection) -> None:

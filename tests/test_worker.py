@@ -10,7 +10,7 @@ from datetime import timedelta
 import psycopg
 import pytest
 
-from relay_core import Backoff, Job, PermanentFailure, Relay, Snooze, Worker, monitor
+from relay_core import Backoff, ConfigurationError, Job, PermanentFailure, Relay, Snooze, Worker, monitor
 from relay_core.worker.config import WorkerConfig
 from relay_core.worker.maintenance import sweep_once
 from relay_core.worker.runtime import Slot
@@ -107,6 +107,28 @@ def test_a_snooze_or_backoff_too_long_for_a_readable_run_at_is_refused(relay: Re
     job = relay.get_job(job_id)  # still readable
     assert job.attempts == 2 and job.last_error.startswith("ValueError: snooze seconds")
     assert [j.id for j in monitor.list_jobs(db).jobs] == [job_id]
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        {"lease_seconds": 1e12, "heartbeat_interval": 10.0},  # claimed_until in year 33715: the job unreadable
+        {"lease_seconds": float("inf"), "heartbeat_interval": 10.0},
+        {"lease_seconds": float("nan")},  # every claim fails: "interval out of range"
+        {"heartbeat_interval": float("nan")},
+        {"poll_interval": float("inf")},
+        {"sweep_interval": float("nan")},
+    ],
+)
+def test_a_lease_or_interval_a_worker_cannot_use_is_refused_at_start(
+    relay: Relay, monkeypatch: pytest.MonkeyPatch, settings: dict[str, float]
+) -> None:
+    with pytest.raises(ConfigurationError):
+        WorkerConfig(**settings)
+    if "lease_seconds" in settings:  # the same value from the environment (its heartbeat: a third of it)
+        monkeypatch.setenv("RELAY_LEASE_SECONDS", str(settings["lease_seconds"]))
+        with pytest.raises(ConfigurationError):
+            relay.worker()
 
 
 def test_unknown_type_fails_naming_type_and_worker(relay: Relay, db: psycopg.Connection) -> None:

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import math
 import os
 import socket
 import uuid
 from dataclasses import dataclass, field
 
+from ..backoff import MAX_DELAY_SECONDS
 from ..errors import ConfigurationError
 from ..settings import env_bool, env_float, env_int
 from ..validation import InvalidJobError, check_queue
@@ -52,11 +54,15 @@ class WorkerConfig:
                 raise ConfigurationError(str(exc)) from None
         if self.concurrency < 1:
             raise ConfigurationError("concurrency must be at least 1")
+        for name in ("lease_seconds", "heartbeat_interval", "poll_interval", "sweep_interval"):
+            # NaN passes every comparison below, and a thread cannot wait an infinite time.
+            if not (math.isfinite(getattr(self, name)) and getattr(self, name) > 0):
+                raise ConfigurationError(f"{name} must be a positive number of seconds")
         if self.heartbeat_interval >= self.lease_seconds:
             raise ConfigurationError("heartbeat_interval must be shorter than lease_seconds")
-        for name in ("lease_seconds", "heartbeat_interval", "poll_interval", "sweep_interval"):
-            if getattr(self, name) <= 0:
-                raise ConfigurationError(f"{name} must be positive")
+        if self.lease_seconds > MAX_DELAY_SECONDS:
+            # PostgreSQL would store now() + lease, but a claimed job's claimed_until must stay readable.
+            raise ConfigurationError(f"lease_seconds must be at most {MAX_DELAY_SECONDS:.0f}")
         if self.shutdown_timeout < 0:
             raise ConfigurationError("shutdown_timeout must be >= 0")
 

@@ -201,6 +201,29 @@ def test_a_worker_id_used_again_is_a_new_start(relay: Relay, db: psycopg.Connect
     assert started_at > first_start and queues == ["default", "mail"]
 
 
+def test_the_old_process_of_a_worker_id_used_again_leaves_the_new_ones_row_alone(
+    relay: Relay, db: psycopg.Connection
+) -> None:
+    """A restart whose new process registers before the old one has stopped (a preboot, a slow
+    shutdown): the old process's stop and heartbeats must not mark the running one stopped, or a
+    cron tick checked late while it ran would be skipped as if no worker had been running."""
+    registered = "SELECT queues FROM relay.workers WHERE id = 'steady'"
+    with running_worker(relay, worker_id="steady", heartbeat_interval=0.3) as old:
+        wait_for(lambda: db.execute(registered).fetchone(), what="the old process registered")
+        with running_worker(relay, worker_id="steady", heartbeat_interval=0.3, queues=("default", "mail")):
+            wait_for(lambda: db.execute(registered).fetchone()[0] == ["default", "mail"], what="the new one")
+            old.stop()
+            assert old.stopped.wait(15)
+            (at,) = db.execute("SELECT now()").fetchone()
+            wait_for(
+                lambda: db.execute("SELECT last_seen_at > %s FROM relay.workers", (at,)).fetchone()[0],
+                what="a heartbeat of the new process",
+            )
+            assert [w.state for w in monitor.list_workers(db)] == ["alive"]
+            running = db.execute(sql("worker_was_running_at"), {"queue": "default", "at": at}).fetchone()[0]
+            assert running, "the registry says no worker served 'default' while the new process ran"
+
+
 def test_invalid_cron_or_timezone_is_refused(relay: Relay) -> None:
     from relay_core import InvalidJobError
 

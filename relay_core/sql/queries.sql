@@ -284,20 +284,25 @@ SELECT id, status::text AS status FROM relay.jobs WHERE id = ANY(%(ids)s::bigint
 -- A worker process records itself when it starts. A worker id used again (one
 -- given to Relay.worker(worker_id=...)) is a new start: its row says so, and the
 -- time it was down stays a gap (periodic ticks missed in it are told apart by
--- started_at).
+-- started_at). The returned started_at is this process's registration: its
+-- heartbeats and its stop carry it, so an older process with the same id that
+-- is still shutting down leaves the new one's row alone.
 INSERT INTO relay.workers (id, host, pid, queues, concurrency)
 VALUES (%(id)s, %(host)s, %(pid)s, %(queues)s::text[], %(concurrency)s)
 ON CONFLICT (id) DO UPDATE
 SET host = excluded.host, pid = excluded.pid, queues = excluded.queues, concurrency = excluded.concurrency,
-    started_at = now(), last_seen_at = now(), stopped_at = NULL, in_flight = 0;
+    started_at = now(), last_seen_at = now(), stopped_at = NULL, in_flight = 0
+RETURNING started_at;
 
 -- name: worker_heartbeat
--- A worker is alive and has this many jobs in flight.
-UPDATE relay.workers SET last_seen_at = now(), in_flight = %(in_flight)s WHERE id = %(id)s;
+-- A worker is alive and has this many jobs in flight (only while the row is still its registration).
+UPDATE relay.workers SET last_seen_at = now(), in_flight = %(in_flight)s
+WHERE id = %(id)s AND started_at = %(started_at)s;
 
 -- name: worker_stop
--- A worker shut down gracefully.
-UPDATE relay.workers SET stopped_at = now(), in_flight = 0, last_seen_at = now() WHERE id = %(id)s;
+-- A worker shut down gracefully (only while the row is still its registration).
+UPDATE relay.workers SET stopped_at = now(), in_flight = 0, last_seen_at = now()
+WHERE id = %(id)s AND started_at = %(started_at)s;
 
 -- name: proof_setup
 -- `relay prove`: a fresh executions log and no proof jobs left from an earlier run.

@@ -15,6 +15,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable
+from datetime import datetime
 
 import psycopg
 from psycopg_pool import ConnectionPool, PoolTimeout
@@ -72,9 +73,9 @@ def heartbeat_once(
     return {jid: token for jid, token in held.items() if jid not in renewed}, {row[0] for row in rows if row[1]}
 
 
-def register(conn: psycopg.Connection, worker_id: str, queues: tuple[str, ...], concurrency: int) -> None:
-    """Record this worker process in the registry."""
-    conn.execute(
+def register(conn: psycopg.Connection, worker_id: str, queues: tuple[str, ...], concurrency: int) -> datetime:
+    """Record this worker process in the registry; return its registration (``started_at``)."""
+    (started_at,) = conn.execute(
         sql("worker_register"),
         {
             "id": worker_id,
@@ -83,8 +84,9 @@ def register(conn: psycopg.Connection, worker_id: str, queues: tuple[str, ...], 
             "queues": list(queues),
             "concurrency": concurrency,
         },
-    )
+    ).fetchone()
     conn.commit()
+    return started_at
 
 
 class Maintenance:
@@ -132,6 +134,8 @@ class Maintenance:
         self._heartbeat_thread = threading.Thread(target=self._heartbeat_loop, name="relay-heartbeat", daemon=True)
         self._duties_thread = threading.Thread(target=self._loop, name="relay-maintenance", daemon=True)
         self.sweeps = 0
+        #: This process's registration (from :func:`register`): heartbeats touch the registry row only while it holds.
+        self.registered_at: datetime | None = None
 
     def start(self) -> None:
         """Start the duties."""
@@ -166,7 +170,10 @@ class Maintenance:
         conn = self._heartbeat_conn
         try:
             lost, cancel = heartbeat_once(conn, self._held_leases(), self._lease_seconds)
-            conn.execute(sql("worker_heartbeat"), {"id": self._worker_id, "in_flight": self._in_flight()})
+            conn.execute(
+                sql("worker_heartbeat"),
+                {"id": self._worker_id, "started_at": self.registered_at, "in_flight": self._in_flight()},
+            )
             conn.commit()
         except psycopg.Error:
             conn.close()  # reconnect next time rather than reuse a connection in an unknown state

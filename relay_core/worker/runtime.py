@@ -436,7 +436,7 @@ class Worker:
         with self.pool.connection() as conn:
             if not migrator.is_current(conn):
                 raise ConfigurationError("the database schema is not up to date: run `relay migrate` first")
-            register(conn, self.id, self.config.queues, self.config.concurrency)
+            self.maintenance.registered_at = register(conn, self.id, self.config.queues, self.config.concurrency)
             limits.publish(conn, self.handlers.values())
             self.limits_exist = bool(conn.execute(sql("type_limits_exist")).fetchone()[0])
             periodic.publish(conn, self.handlers.values())
@@ -545,7 +545,7 @@ class Worker:
             self._record_overdue([decided for _, decided in overdue])
         try:
             with self.pool.connection(timeout=5.0) as conn:
-                conn.execute(sql("worker_stop"), {"id": self.id})
+                conn.execute(sql("worker_stop"), {"id": self.id, "started_at": self.maintenance.registered_at})
         except (psycopg.Error, PoolTimeout) as exc:
             event(logging.WARNING, "could not record worker stop", error=str(exc))
         # The last write: from here to the process's exit must fit in the hand-back grace.

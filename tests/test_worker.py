@@ -11,6 +11,7 @@ import psycopg
 import pytest
 
 from relay_core import Backoff, ConfigurationError, Job, PermanentFailure, Relay, Snooze, Worker, monitor
+from relay_core.queries import sql
 from relay_core.worker.config import WorkerConfig
 from relay_core.worker.maintenance import sweep_once
 from relay_core.worker.runtime import Slot
@@ -574,6 +575,41 @@ def test_a_stale_heartbeat_answer_does_not_flag_the_next_run_of_the_same_job(rel
         assert not worker._bind(Slot(0), job) and worker.in_flight() == 0
     finally:
         worker.pool.close()
+
+
+def test_a_run_whose_job_this_worker_claims_again_is_told_its_lease_is_lost(
+    relay: Relay, db: psycopg.Connection
+) -> None:
+    """The lease ran out under a running handler (its heartbeats did not get through) and the
+    sweeper returned the job; this worker's next claim took it again before a heartbeat said the
+    first run was lost. The first run must still be told (``job.lease_lost``)."""
+    runs: dict[int, dict[str, float | bool]] = {}
+    first_started = threading.Event()
+
+    @relay.handler("long")
+    def long_job(job: Job) -> None:
+        run = runs.setdefault(job.lease_token, {"start": time.monotonic(), "told": False})
+        first_started.set()
+        deadline = time.monotonic() + (8.0 if len(runs) == 1 else 0.5)
+        while time.monotonic() < deadline:
+            if job.lease_lost:
+                run["told"] = True
+                break
+            time.sleep(0.01)
+        run["end"] = time.monotonic()
+
+    job_id = relay.enqueue("long", max_attempts=3)
+    # A free slot and frequent polls, so the claim comes before the next heartbeat.
+    with running_worker(relay, concurrency=2, lease_seconds=30.0, heartbeat_interval=2.0, poll_interval=0.05) as worker:
+        assert first_started.wait(10)
+        with db.transaction():  # the lease runs out, and a sweeper returns the job
+            db.execute("UPDATE relay.jobs SET claimed_until = now() - interval '1 second' WHERE id = %s", (job_id,))
+            assert db.execute(sql("job_rescue_expired"), {"limit": 10}).fetchall() == [(job_id, "queued")]
+        wait_for(lambda: job_status(db, job_id) == "succeeded", timeout=20, what="the second run")
+        assert worker.in_flight() == 0
+    first, second = (runs[token] for token in sorted(runs))
+    assert first["told"], "the first run was never told that its lease was lost"
+    assert first["end"] < second["start"] + 1.0, "the first run went on beside the second"
 
 
 def test_leases_are_renewed_while_handlers_hold_every_pooled_connection(relay: Relay, db: psycopg.Connection) -> None:

@@ -396,13 +396,39 @@ class Worker:
         return jobs
 
     def _dispatch(self, jobs: list[Job]) -> None:
+        replaced = 0
         with self._lock:
             for job in jobs:
+                replaced += self._drop_earlier_run(job)
                 self._running[job.id] = Running(job)
+        for _ in range(replaced):
+            self._start_slot()  # the earlier run's thread keeps its slot object; the worker gets a fresh one
         for job in jobs:
             self.counters.claimed += 1
             event(logging.INFO, "job claimed", job_id=job.id, type=job.type, attempt=job.attempt, queue=job.queue)
             self._inbox.put(job)
+
+    def _drop_earlier_run(self, job: Job) -> int:
+        """Tell an earlier run of ``job`` still in this worker that its lease is gone; 1 if its slot needs replacing.
+
+        Called with the lock held. This claim could only take the job because
+        the earlier run's lease ran out and the sweeper returned it; a
+        heartbeat would have said so, but the claim came first. Replacing the
+        entry silently would leave that run untold (``lease_lost``), uncounted
+        in flight and not waited for at shutdown.
+        """
+        earlier = self._running.get(job.id)
+        overdue = self._overdue.pop(job.id, None)  # the sweeper decided it; the thread's end changes nothing
+        if overdue is not None:
+            overdue[0].job._lease_lost.set()
+        if earlier is None:
+            return 0
+        earlier.job._lease_lost.set()
+        event(logging.WARNING, "lease taken over by a new claim of the same job", job_id=job.id, type=job.type)
+        if earlier.slot is None:
+            return 0
+        earlier.slot.abandoned.set()
+        return 1
 
     def run(self, install_signals: bool = True) -> None:
         """Run until :meth:`stop` (or SIGTERM/SIGINT), then shut down gracefully."""

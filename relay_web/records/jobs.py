@@ -166,11 +166,18 @@ class EnqueueBody(BodyRecord):
     """``POST /api/admin/jobs``: a job to add."""
 
     type: NewJobType
-    payload: Payload = Field(default_factory=dict, description="Any JSON value; the handler's input.")
+    payload: Payload = Field(default_factory=dict, description="Any JSON value; the handler's input. null means {}.")
     run_at: AwareDatetime | None = Field(default=None, description="Earliest run time, with a UTC offset; now if null.")
     queue: QueueName = "default"
     priority: Priority = Field(default=0, description="Lower runs first.")
     max_attempts: MaxAttempts | None = Field(default=None, description="Default: 20.")
+
+    @field_validator("payload")
+    @classmethod
+    def _null_is_empty(cls, value: Any) -> Any:
+        # Relay.enqueue stores a None payload as {}: say so here, so the job a
+        # repeated Idempotency-Key is compared with is the one that was stored.
+        return {} if value is None else value
 
 
 class IdempotencyHeaders(QueryRecord):

@@ -365,3 +365,16 @@ def test_far_future_jobs_read_back_whatever_the_servers_time_zone(make_app, admi
     assert listing.status_code == 200, listing.get_json()
     assert [job["run_at"] for job in listing.get_json()["jobs"] if job["id"] == job_id] == ["9999-12-31T20:00:00Z"]
     assert tokyo.get(f"/api/admin/jobs/{job_id}", headers=admin).status_code == 200
+
+
+def test_a_null_payload_is_stored_as_an_empty_one_and_repeats_as_200(client, admin, db) -> None:
+    """relay_core stores a None payload as {}; a repeat of the same request must not call that another job."""
+    headers = {**admin, "Idempotency-Key": "null-body"}
+    first = client.post("/api/admin/jobs", headers=headers, json={"type": "f", "payload": None})
+    again = client.post("/api/admin/jobs", headers=headers, json={"type": "f", "payload": None})
+    assert (first.status_code, again.status_code) == (201, 200), again.get_json()
+    assert first.get_json()["id"] == again.get_json()["id"]
+    assert first.get_json()["payload"] == {}
+    omitted = client.post("/api/admin/jobs", headers=headers, json={"type": "f"})
+    assert omitted.status_code == 200 and omitted.get_json()["id"] == first.get_json()["id"]
+    assert db.execute("SELECT count(*) FROM relay.jobs").fetchone()[0] == 1

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import io
+
 import psycopg
 import pytest
 from flask import Flask
+from werkzeug.test import EnvironBuilder, run_wsgi_app
 
 from .helpers import assert_problem
 
@@ -41,6 +44,41 @@ def test_body_that_is_not_an_object_is_422(client, admin) -> None:
 def test_oversized_body_is_413(client, admin) -> None:
     response = client.post("/api/admin/jobs", headers=admin, json={"type": "t", "payload": "x" * (2 * 1024 * 1024)})
     assert_problem(response, 413)
+
+
+def _chunked(app: Flask, headers: dict[str, str], body: bytes) -> tuple[str, dict, bytes]:
+    """POST a body without Content-Length, as gunicorn hands a chunked request to the app."""
+    environ = EnvironBuilder(
+        path="/api/admin/jobs",
+        method="POST",
+        input_stream=io.BytesIO(body),
+        headers={**headers, "Content-Type": "application/json", "Transfer-Encoding": "chunked"},
+    ).get_environ()
+    del environ["CONTENT_LENGTH"]
+    environ["wsgi.input_terminated"] = True
+    chunks, status, response_headers = run_wsgi_app(app, environ, buffered=True)
+    return status, dict(response_headers), b"".join(chunks)
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b'{"type": "t", "payload": "' + b"x" * (2 * 1024 * 1024) + b'"}',
+        # Cut at the limit, this one would read as a whole, valid document.
+        b'{"type": "t"}' + b" " * (2 * 1024 * 1024),
+    ],
+)
+def test_oversized_chunked_body_is_413_not_read_cut_short(app, admin, db, body: bytes) -> None:
+    status, headers, text = _chunked(app, admin, body)
+    assert status.startswith("413"), text
+    assert headers["Content-Type"] == "application/problem+json"
+    assert db.execute("SELECT count(*) FROM relay.jobs").fetchone()[0] == 0
+
+
+def test_chunked_body_up_to_the_limit_is_read_whole(app, admin, db) -> None:
+    body = b'{"type": "t"}'
+    status, _, text = _chunked(app, admin, body + b" " * (1024 * 1024 - len(body)))
+    assert status.startswith("201"), text
 
 
 def test_validation_problem_lists_each_bad_field(client, admin) -> None:

@@ -8,8 +8,10 @@ import sys
 from datetime import datetime
 
 import click
+import psycopg
 
-from . import logs
+from . import admin, logs
+from .cli_users import MISSING_TABLES, connect, user
 from .client import Relay
 from .errors import ConfigurationError, InvalidJobError, MigrationError, RelayError
 from .settings import database_url
@@ -160,21 +162,24 @@ def enqueue(
             when = datetime.fromisoformat(run_at)
         except ValueError:
             raise click.BadParameter(f"{run_at!r} is not an ISO 8601 time", param_hint="--run-at") from None
-    relay = Relay(_dsn())
-    try:
-        job_id = relay.enqueue(
-            job_type,
-            data,
-            run_at=when,
-            queue=queue,
-            priority=priority,
-            max_attempts=max_attempts,
-            idempotency_key=idempotency_key,
-        )
-    except InvalidJobError as exc:
-        raise click.ClickException(f"refused: {exc}") from None
-    finally:
-        relay.close()
+    # One plain connection, not the Relay's pool: a database that cannot be
+    # reached is a one-line error at once, not a traceback after the pool's wait.
+    with connect() as conn:
+        try:
+            job_id = Relay(_dsn()).enqueue(
+                job_type,
+                data,
+                conn=conn,
+                run_at=when,
+                queue=queue,
+                priority=priority,
+                max_attempts=max_attempts,
+                idempotency_key=idempotency_key,
+            )
+        except InvalidJobError as exc:
+            raise click.ClickException(f"refused: {exc}") from None
+        except psycopg.errors.UndefinedTable:
+            raise click.ClickException(MISSING_TABLES) from None
     click.echo(job_id)
 
 
@@ -216,17 +221,15 @@ class JobIdType(click.ParamType):
 @click.argument("job_id", type=JobIdType())
 def requeue(job_id: int) -> None:
     """Requeue a dead or cancelled job."""
-    relay = Relay(_dsn())
-    try:
-        job = relay.requeue(job_id)
-    except RelayError as exc:
-        raise click.ClickException(str(exc)) from None
-    finally:
-        relay.close()
+    with connect() as conn:
+        try:
+            job = admin.requeue(conn, job_id)
+        except RelayError as exc:
+            raise click.ClickException(str(exc)) from None
+        except psycopg.errors.UndefinedTable:
+            raise click.ClickException(MISSING_TABLES) from None
     click.echo(f"job {job.id} is {job.status}")
 
-
-from .cli_users import user  # noqa: E402
 
 main.add_command(user)
 

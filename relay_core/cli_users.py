@@ -17,8 +17,12 @@ from . import users
 from .errors import ConfigurationError, RelayError
 from .settings import database_url, env_int
 
+#: What a command says when the database has no Relay schema yet.
+MISSING_TABLES = "Relay's tables are missing: run `relay migrate` first"
 
-def _connect() -> psycopg.Connection:
+
+def connect() -> psycopg.Connection:
+    """An autocommit connection to the configured database; a clear usage error when there is none."""
     try:
         dsn = database_url()
     except ConfigurationError as exc:
@@ -27,6 +31,9 @@ def _connect() -> psycopg.Connection:
         return psycopg.connect(dsn, autocommit=True)
     except psycopg.OperationalError as exc:
         raise click.ClickException(f"cannot connect to the database: {exc}") from None
+    except psycopg.ProgrammingError as exc:
+        # psycopg's word for a connection string it cannot parse.
+        raise click.ClickException(f"the database URL cannot be read: {exc}") from None
 
 
 def _hasher() -> users.PasswordHasher:
@@ -49,13 +56,13 @@ def _read_password(from_stdin: bool) -> str:
 
 
 def _run(action: str, func: object, *args: object) -> None:
-    with _connect() as conn:
+    with connect() as conn:
         try:
             func(conn, *args)  # type: ignore[operator]
         except users.InvalidUserError as exc:
             raise click.BadParameter(exc.message, param_hint=exc.field) from None
         except psycopg.errors.UndefinedTable:
-            raise click.ClickException("Relay's tables are missing: run `relay migrate` first") from None
+            raise click.ClickException(MISSING_TABLES) from None
         except RelayError as exc:
             raise click.ClickException(f"{action} failed: {exc}") from None
 
@@ -110,11 +117,11 @@ def delete(username: str) -> None:
 @user.command("list")
 def list_() -> None:
     """Show every user and their role."""
-    with _connect() as conn:
+    with connect() as conn:
         try:
             found = users.list_users(conn)
         except psycopg.errors.UndefinedTable:
-            raise click.ClickException("Relay's tables are missing: run `relay migrate` first") from None
+            raise click.ClickException(MISSING_TABLES) from None
     for u in found:
         seen = u.last_login_at.isoformat(timespec="seconds") if u.last_login_at else "never"
         click.echo(f"{u.username}\t{u.role}\tlast login: {seen}")

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import time
+import uuid
+
 import psycopg
 import pytest
 from click.testing import CliRunner, Result
+from psycopg import conninfo
 
 from relay_core.cli import main
 
@@ -73,3 +77,40 @@ def test_requeue_of_a_job_in_the_wrong_state_names_the_rule(relay, dsn: str) -> 
     assert (
         f"cannot requeue job {job_id}: it is queued, and only dead or cancelled jobs can be requeued" in result.output
     )
+
+
+@pytest.fixture
+def unmigrated_dsn(dsn: str):
+    """A database on the test server where `relay migrate` never ran."""
+    name = f"relay_cli_empty_{uuid.uuid4().hex[:8]}"
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{name}"')
+    yield conninfo.make_conninfo(dsn, dbname=name)
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+@pytest.mark.parametrize(
+    "command",
+    [("enqueue", "t", "{}"), ("requeue", "1"), ("user", "list"), ("user", "delete", "nobody")],
+    ids=lambda c: " ".join(c[:2]),
+)
+@pytest.mark.parametrize(
+    ("database", "message"),
+    [
+        ("postgresql://postgres@127.0.0.1:1/nowhere", "cannot connect to the database"),
+        ("not-a-dsn", "cannot be read"),
+        ("unmigrated", "run `relay migrate` first"),
+    ],
+)
+def test_a_database_that_is_unreachable_malformed_or_unmigrated_is_a_clear_error(
+    request, command: tuple[str, ...], database: str, message: str
+) -> None:
+    """No traceback, no wait for a pool: one line saying what is wrong, and exit status 1."""
+    if database == "unmigrated":
+        database = request.getfixturevalue("unmigrated_dsn")
+    started = time.monotonic()
+    result = CliRunner().invoke(main, list(command), env={"RELAY_DATABASE_URL": database}, catch_exceptions=False)
+    assert result.exit_code == 1, result.output
+    assert message in result.output and "Traceback" not in result.output
+    assert time.monotonic() - started < 10

@@ -111,9 +111,20 @@ def normalize_username(username: Any) -> str:
 
 
 def check_password(password: Any) -> str:
-    """A password is a string of 8 to 1024 characters."""
+    """A password is a string of 8 to 1024 characters of UTF-8 text without NUL.
+
+    POST /api/auth/login refuses NUL, so such a password could not log in
+    there; standard input hands bytes that are not UTF-8 over as lone
+    surrogates, which cannot be hashed.
+    """
     if not isinstance(password, str):
         raise InvalidUserError("password", "must be a string")
+    if "\x00" in password:
+        raise InvalidUserError("password", "must not contain NUL characters")
+    try:
+        password.encode("utf-8")
+    except UnicodeEncodeError:
+        raise InvalidUserError("password", "must be valid UTF-8 text") from None
     if len(password) < MIN_PASSWORD_LENGTH:
         raise InvalidUserError("password", f"must be at least {MIN_PASSWORD_LENGTH} characters")
     if len(password) > MAX_PASSWORD_LENGTH:

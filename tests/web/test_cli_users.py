@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import psycopg
 import pytest
 from click.testing import CliRunner
@@ -68,6 +72,31 @@ def test_refusals_create_nothing(run, db, args, stdin, message) -> None:
     assert result.exit_code != 0
     assert message in result.output
     assert db.execute("SELECT count(*) FROM relay.users").fetchone()[0] == 0
+
+
+def test_a_password_with_nul_is_refused_as_no_login_could_send_it(run, db, client) -> None:
+    result = run("user", "create", "nul", "--role", "admin", "--password-stdin", stdin="long\x00enough\n")
+    assert result.exit_code == 2 and "NUL" in result.output, result.output
+    assert db.execute("SELECT count(*) FROM relay.users").fetchone()[0] == 0
+
+
+@pytest.mark.parametrize("command", [("create", "bytes", "--role", "admin"), ("set-password", "bytes")])
+def test_a_password_that_is_not_utf8_is_refused_without_a_traceback(run, db, dsn: str, command) -> None:
+    """Standard input is read with surrogateescape: bytes that are not UTF-8 reach the hasher as lone surrogates."""
+    run("user", "create", "bytes", "--role", "viewer", "--password-stdin", stdin="long-enough\n")
+    before = _hash(db, "bytes")
+    env = {**os.environ, "RELAY_DATABASE_URL": dsn, "RELAY_ARGON2_TIME_COST": "1", "RELAY_ARGON2_MEMORY_COST": "1024"}
+    result = subprocess.run(
+        [sys.executable, "-m", "relay_core", "user", *command, "--password-stdin"],
+        input=b"\xff\xfe-long-enough\n",
+        capture_output=True,
+        env=env,
+        timeout=60,
+    )
+    assert result.returncode == 2, result.stderr
+    assert b"UTF-8" in result.stderr and b"Traceback" not in result.stderr, result.stderr
+    assert _hash(db, "bytes") == before
+    assert db.execute("SELECT count(*) FROM relay.users").fetchone()[0] == 1
 
 
 def test_duplicate_user_is_refused(run) -> None:

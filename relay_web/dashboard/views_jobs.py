@@ -139,9 +139,19 @@ def _job_or_404(job_id: int) -> JobDetail:
         return admin.get_job(conn, job_id)
 
 
+def seen(job: JobDetail) -> str:
+    """What a polling status card last showed: the state and the attempts.
+
+    A retry between two polls (claimed, failed, queued again) leaves the state
+    as it was but spends an attempt and adds an error, so the attempts count too.
+    """
+    return f"{job.status}-{job.attempts}"
+
+
 def _job_context(job: JobDetail, notice: str | None = None) -> dict[str, Any]:
     return {
         "job": job,
+        "seen": seen(job),
         "actions": actions(job),
         "attempts": [Attempt.of(entry) for entry in reversed(job.errors or [])],
         "notice": notice,
@@ -158,8 +168,8 @@ def job(job_id: int) -> Response:
     found = _job_or_404(job_id)
     part = request.args.get("part", "status") if is_htmx() else None
     response = page("job", partial=f"job_{part}" if part in ("status", "history") else "job", **_job_context(found))
-    seen = request.args.get("seen")
-    if part == "status" and seen and seen != found.status:
+    shown = request.args.get("seen")
+    if part == "status" and shown and shown != seen(found):
         response.headers["HX-Trigger"] = CHANGED_EVENT
     return response
 

@@ -60,7 +60,7 @@ def test_requeue_answers_the_new_status_card_in_place(admin: DashboardClient, jo
     assert "<html" not in html
     assert '<span class="badge big s-queued">queued</span>' in html
     assert "Requeued: it runs again now, with fresh attempts." in html
-    assert f'hx-get="/jobs/{job_id}?part=status&amp;seen=queued" hx-trigger="every 2s"' in html
+    assert f'hx-get="/jobs/{job_id}?part=status&amp;seen=queued-0" hx-trigger="every 2s"' in html
     assert _buttons(html) == ["Cancel"]
     assert response.headers["HX-Trigger"] == "relay-job-changed"
     assert jobs.status(job_id) == "queued"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 
 import psycopg
@@ -193,7 +194,7 @@ def test_a_running_jobs_page_polls_and_shows_progress(
     progress = '{"percent": 40, "message": "page 4 of 10"}'
     db.execute("UPDATE relay.jobs SET progress = %s::jsonb WHERE id = %s", (progress, job_id))
     html = _text(viewer.get(f"/jobs/{job_id}"))
-    assert f'hx-get="/jobs/{job_id}?part=status&amp;seen=claimed" hx-trigger="every 2s"' in html
+    assert f'hx-get="/jobs/{job_id}?part=status&amp;seen=claimed-1" hx-trigger="every 2s"' in html
     assert '<progress max="100" value="40">' in html and "page 4 of 10" in html
     assert "<dd>—</dd>" in html  # not finished yet
 
@@ -206,14 +207,37 @@ def test_a_succeeded_jobs_page_shows_its_result(viewer: DashboardClient, jobs: J
 
 def test_status_card_polls_announce_a_change_of_state(viewer: DashboardClient, jobs: Jobs) -> None:
     job_id = jobs.add()
-    same = viewer.get(f"/jobs/{job_id}?part=status&seen=queued", htmx=True)
+    same = viewer.get(f"/jobs/{job_id}?part=status&seen=queued-0", htmx=True)
     assert "HX-Trigger" not in same.headers
     assert 'class="panel status-card"' in _text(same)
     jobs.claimed(job_id)
-    changed = viewer.get(f"/jobs/{job_id}?part=status&seen=queued", htmx=True)
+    changed = viewer.get(f"/jobs/{job_id}?part=status&seen=queued-0", htmx=True)
     assert changed.headers["HX-Trigger"] == "relay-job-changed"
     history = _text(viewer.get(f"/jobs/{job_id}?part=history", htmx=True))
     assert "<h2>Payload</h2>" in history and "status-card" not in history
+
+
+def test_status_card_polls_announce_a_failed_attempt_that_left_the_state_as_it_was(
+    viewer: DashboardClient, jobs: Jobs, db: psycopg.Connection
+) -> None:
+    """A retry between two polls (queued, claimed, failed, queued again) adds an error: the history reloads."""
+    job_id = jobs.add(max_attempts=3)
+    html = _text(viewer.get(f"/jobs/{job_id}"))
+    seen = re.search(rf'hx-get="/jobs/{job_id}\?part=status&amp;seen=([^"]+)"', html)
+    assert seen, html
+    jobs.claimed(job_id)
+    history = [{"attempt": 1, "type": "TimeoutError", "message": "TimeoutError: partner timed out"}]
+    db.execute(
+        "UPDATE relay.jobs SET status = 'queued', claimed_until = NULL, last_error = %s, errors = %s::jsonb "
+        "WHERE id = %s",
+        (history[0]["message"], json.dumps(history), job_id),
+    )
+    poll = viewer.get(f"/jobs/{job_id}?part=status&seen={seen.group(1)}", htmx=True)
+    assert "attempt 1 of 3" in _text(poll)
+    assert poll.headers.get("HX-Trigger") == "relay-job-changed"
+    again = re.search(rf'hx-get="/jobs/{job_id}\?part=status&amp;seen=([^"]+)"', _text(poll))
+    assert again and again.group(1) != seen.group(1)
+    assert "HX-Trigger" not in viewer.get(f"/jobs/{job_id}?part=status&seen={again.group(1)}", htmx=True).headers
 
 
 def test_missing_jobs_are_a_404_page(viewer: DashboardClient) -> None:

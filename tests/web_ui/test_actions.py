@@ -18,7 +18,11 @@ def _text(response) -> str:
 
 
 def _buttons(html: str) -> list[str]:
-    return [b for b in re.findall(r'<button class="btn[^"]*" type="submit">([^<]*)</button>', html) if b != "Log out"]
+    return [
+        b
+        for b in re.findall(r'<button (?:id="[^"]*" )?class="btn[^"]*" type="submit">([^<]*)</button>', html)
+        if b != "Log out"
+    ]
 
 
 @pytest.mark.parametrize(

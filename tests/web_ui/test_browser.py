@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
@@ -224,3 +225,35 @@ def test_a_viewer_sees_no_buttons_and_desktop_width_works(browser: Any, live_ser
 
 def test_worker_type_is_the_public_one() -> None:
     assert Worker.__module__.startswith("relay_core")
+
+
+#: Resolves after the next htmx swap settles, with what then has the focus.
+FOCUS_AFTER_NEXT_SWAP = """
+() => new Promise(resolve => document.body.addEventListener('htmx:afterSettle', () => {
+  const e = document.activeElement;
+  resolve(e === document.body ? 'body' : `${e.tagName} ${e.getAttribute('href') || e.textContent.trim()}`);
+}, {once: true}))
+"""
+
+
+def test_polling_keeps_the_keyboard_focus(phone: Any, live_server: LiveServer, shop: Shop) -> None:
+    """Someone tabbing through a page that refreshes itself stays where they were, not back at the top."""
+    make_user(shop.relay.dsn, "ops", "admin")
+    later = datetime.now(UTC) + timedelta(days=1)
+    shop.relay.enqueue("send_email", {"to": "e@example.com"}, queue="billing")
+    waiting = shop.relay.enqueue("send_email", {"to": "f@example.com"}, run_at=later)
+    _log_in(phone, live_server)
+
+    phone.locator("a.card", has_text="queued").focus()  # the overview refreshes every 5 s
+    assert phone.evaluate(FOCUS_AFTER_NEXT_SWAP) == "A /jobs?state=queued"
+
+    phone.goto(live_server.at(f"/jobs/{waiting}"))  # a queued job's card refreshes every 2 s
+    phone.get_by_role("button", name="Cancel").focus()
+    assert phone.evaluate(FOCUS_AFTER_NEXT_SWAP) == "BUTTON Cancel"
+
+    phone.goto(live_server.at("/queues"))  # every 10 s
+    phone.get_by_role("button", name="Pause billing").focus()
+    assert phone.evaluate(FOCUS_AFTER_NEXT_SWAP) == "BUTTON Pause billing"
+    phone.keyboard.press("Enter")  # pause it from the keyboard: the focus moves to its Resume button
+    phone.get_by_text("Paused billing").wait_for()
+    assert phone.evaluate("document.activeElement.textContent.trim()") == "Resume billing"

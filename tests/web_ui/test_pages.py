@@ -23,7 +23,7 @@ def _text(response) -> str:
 
 
 def _rows(html: str) -> list[int]:
-    return [int(n) for n in re.findall(r'<a class="row" href="/jobs/(\d+)">', html)]
+    return [int(n) for n in re.findall(r'<a (?:id="row-\d+" )?class="row" href="/jobs/(\d+)">', html)]
 
 
 @pytest.fixture
@@ -79,8 +79,8 @@ def test_overview_counts_states_and_queues_and_lists_the_newest_dead(
     assert re.search(r'<span class="card-n">1</span><span class="card-l">queued</span>', html)
     assert re.search(r'<span class="card-n">1</span><span class="card-l">running</span>', html)
     assert re.search(r'<span class="card-n">0</span><span class="card-l">workers alive</span>', html)
-    assert '<a class="cell-link" href="/jobs?queue=mail">mail</a>' in html
-    assert '<a class="cell-link" href="/jobs?queue=media">media</a>' in html
+    assert '<a id="depth-mail" class="cell-link" href="/jobs?queue=mail">mail</a>' in html
+    assert '<a id="depth-media" class="cell-link" href="/jobs?queue=media">media</a>' in html
     assert _rows(html) == [busy["dead"]]  # newest dead jobs, one tap from landing
     assert "ConnectionError: SMTP refused" in html and "second line" not in html
     assert '<svg class="chart"' in html
@@ -347,7 +347,9 @@ def test_queues_page_shows_depth_wait_and_paused(viewer: DashboardClient, busy: 
         assert f'href="/jobs?queue={queue}">{queue}</a>' in html
     assert html.count('<span class="badge s-paused">paused</span>') == 2
     assert re.search(
-        r'<a class="tile hot" href="/jobs\?queue=mail&amp;state=dead">\s*<span class="tile-n">1</span>', html
+        r'<a id="queue-mail-dead" class="tile hot" href="/jobs\?queue=mail&amp;state=dead">\s*'
+        r'<span class="tile-n">1</span>',
+        html,
     )
     assert "oldest waits" in html
 

@@ -19,7 +19,7 @@ import pytest
 from relay_core import Relay, Worker
 from tests.helpers import running_worker, wait_for
 
-from .browser import LiveServer, screenshot
+from .browser import PHONE, LiveServer, screenshot
 from .conftest import PASSWORD, make_user
 
 pytestmark = pytest.mark.timeout(120)
@@ -257,3 +257,37 @@ def test_polling_keeps_the_keyboard_focus(phone: Any, live_server: LiveServer, s
     phone.keyboard.press("Enter")  # pause it from the keyboard: the focus moves to its Resume button
     phone.get_by_text("Paused billing").wait_for()
     assert phone.evaluate("document.activeElement.textContent.trim()") == "Resume billing"
+
+
+#: The contrast ratio (WCAG 2) of an element's text against its own background colour.
+CONTRAST = """
+e => {
+  const rgb = c => c.match(/[\\d.]+/g).slice(0, 3).map(Number);
+  const lum = c => rgb(c).map(v => v / 255).map(v => v <= 0.03928 ? v / 12.92 : ((v + 0.055) / 1.055) ** 2.4)
+    .reduce((sum, v, i) => sum + v * [0.2126, 0.7152, 0.0722][i], 0);
+  const style = getComputedStyle(e);
+  const [a, b] = [lum(style.color), lum(style.backgroundColor)].sort((x, y) => y - x);
+  return (a + 0.05) / (b + 0.05);
+}
+"""
+
+
+@pytest.mark.parametrize("scheme", ["light", "dark"])
+def test_primary_buttons_are_readable_in_both_colour_schemes(
+    browser: Any, live_server: LiveServer, shop: Shop, scheme: str
+) -> None:
+    """Requeue and Log in are 16 px text: WCAG AA asks 4.5:1, on a phone set to dark at night too."""
+    make_user(shop.relay.dsn, "ops", "admin")
+    job_id = shop.relay.enqueue("send_email", {"to": "g@example.com"})
+    _dead(shop, job_id)
+    context = browser.new_context(viewport=PHONE, is_mobile=True, has_touch=True, color_scheme=scheme)
+    context.set_default_timeout(15_000)
+    try:
+        page = context.new_page()
+        page.goto(live_server.at("/login"))
+        assert page.locator("button", has_text="Log in").evaluate(CONTRAST) >= 4.5
+        _log_in(page, live_server)
+        page.goto(live_server.at(f"/jobs/{job_id}"))
+        assert page.get_by_role("button", name="Requeue").evaluate(CONTRAST) >= 4.5
+    finally:
+        context.close()

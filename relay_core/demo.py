@@ -44,6 +44,7 @@ from .client import Relay
 from .embedded import default_data_dir
 from .errors import ConfigurationError, RelayError
 from .settings import database_url
+from .signals import ShutdownSignals
 
 ADMIN = "admin"
 WORKERS = 2
@@ -262,7 +263,7 @@ class Demo:
 
     # -- run and stop --------------------------------------------------------
 
-    def on_signal(self, signum: int, _frame: object) -> None:
+    def on_signal(self, signum: int) -> None:
         """First Ctrl-C/SIGTERM: stop gracefully. Second: workers hand back at once."""
         self.signals += 1
         self.stopping.set()
@@ -273,8 +274,13 @@ class Demo:
 
     def run(self) -> int:
         """Start everything, print where it is, wait for Ctrl-C, stop everything; the exit code."""
-        for signum in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(signum, self.on_signal)
+        signals = ShutdownSignals(self.on_signal)
+        try:
+            return self._run()
+        finally:
+            signals.close()
+
+    def _run(self) -> int:
         self.say("Relay demo: the example shop (examples/relay_shop) on a Relay queue")
         if not _port_is_free(self.port):
             raise DemoError(f"port {self.port} on 127.0.0.1 is in use; pass --port (or set PORT)")

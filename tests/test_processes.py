@@ -91,6 +91,30 @@ def test_sigterm_hands_back_unfinished_jobs_at_once(
         stop_process(worker)
 
 
+def test_sigterm_while_the_main_thread_holds_the_wake_events_lock_stops_the_worker(
+    dsn: str, python: str, worker_env: dict
+) -> None:
+    # The claim loop clears its wake event before each claim; a SIGTERM landing inside that
+    # clear ran a handler that waited for the event's lock on the thread holding it, forever.
+    proc = subprocess.Popen(
+        [python, "-m", "tests.apps.signal_in_lock", dsn],
+        env=worker_env,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        out, _ = proc.communicate(timeout=20)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, _ = proc.communicate()
+        pytest.fail("the worker hung after a SIGTERM that arrived inside its wake event's lock:\n" + out)
+    assert proc.returncode == 0, out
+    assert out.strip().endswith("stopped"), out
+    assert "shutdown requested" in out
+
+
 def test_job_handed_back_with_its_handler_running_starts_elsewhere_only_after_the_process_exits(
     relay: Relay, db: psycopg.Connection, python: str, worker_env: dict
 ) -> None:

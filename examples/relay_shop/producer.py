@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import argparse
 import random
-import signal
 import sys
 import threading
 
 from sqlalchemy.orm import Session
+
+from relay_core.signals import ShutdownSignals
 
 from .models import create_schema, make_engine
 from .orders import Customer, PlacedOrder, Product, cancel_order, place_order
@@ -52,8 +53,7 @@ def random_items(rng: random.Random) -> list[tuple[Product, int]]:
 def run(per_minute: float, limit: int | None = None) -> int:
     """Place orders until stopped (or ``limit`` orders); return how many were placed."""
     stop = threading.Event()
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, lambda *_: stop.set())
+    signals = ShutdownSignals(lambda _signum: stop.set())
     engine = make_engine()
     create_schema(engine)
     rng = random.Random()
@@ -83,6 +83,7 @@ def run(per_minute: float, limit: int | None = None) -> int:
             stop.wait(rng.expovariate(1.0 / interval))
     finally:
         engine.dispose()
+        signals.close()
     return placed
 
 

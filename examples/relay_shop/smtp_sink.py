@@ -8,13 +8,14 @@ SMTP conversation (``aiosmtpd``) without sending anything to anyone: point
 from __future__ import annotations
 
 import argparse
-import signal
 import sys
 import threading
 from email.parser import BytesHeaderParser
 from typing import Any
 
 from aiosmtpd.controller import Controller
+
+from relay_core.signals import ShutdownSignals
 
 
 class PrintingHandler:
@@ -41,8 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--port", type=int, default=8025)
     args = parser.parse_args(argv)
     stop = threading.Event()
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, lambda *_: stop.set())
+    signals = ShutdownSignals(lambda _signum: stop.set())
     controller = Controller(PrintingHandler(), hostname="127.0.0.1", port=args.port)
     controller.start()
     print(f"SMTP sink listening on 127.0.0.1:{args.port}", flush=True)
@@ -50,6 +50,7 @@ def main(argv: list[str] | None = None) -> int:
         stop.wait()
     finally:
         controller.stop()
+        signals.close()
     return 0
 
 

@@ -14,10 +14,11 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import signal
 import sys
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from relay_core.signals import ShutdownSignals
 
 PATH = "/hooks/orders"
 
@@ -88,11 +89,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--failure-rate", type=float, default=0.35, help="share of requests answered 503")
     args = parser.parse_args(argv)
     server = PartnerEndpoint(args.port, args.failure_rate)
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, lambda *_: threading.Thread(target=server.shutdown, daemon=True).start())
+    signals = ShutdownSignals(lambda _signum: server.shutdown())  # called on the watcher's thread
     print(f"webhook endpoint listening on http://127.0.0.1:{args.port}{PATH}", flush=True)
     server.serve_forever(poll_interval=0.2)
     server.server_close()
+    signals.close()
     return 0
 
 

@@ -29,6 +29,7 @@ from ..job import Job
 from ..logs import event
 from ..pools import make_pool, restore_transactions
 from ..queries import sql
+from ..signals import ShutdownSignals
 from . import executor, limits, periodic
 from .completer import Completer
 from .config import WorkerConfig
@@ -432,8 +433,14 @@ class Worker:
 
     def run(self, install_signals: bool = True) -> None:
         """Run until :meth:`stop` (or SIGTERM/SIGINT), then shut down gracefully."""
-        if install_signals:
-            self._install_signal_handlers()
+        signals = ShutdownSignals(self._on_signal) if install_signals else None
+        try:
+            self._run()
+        finally:
+            if signals is not None:
+                signals.close()
+
+    def _run(self) -> None:
         self.pool.open(wait=True, timeout=30.0)
         try:
             self._with_retry(lambda: self._register())
@@ -524,16 +531,13 @@ class Worker:
         self.stopping.set()
         self._wake.set()
 
-    def _install_signal_handlers(self) -> None:
-        def handle(signum: int, _frame: object) -> None:
-            if self.stopping.is_set():
-                event(logging.WARNING, "second signal: handing back in-flight jobs now", signal=signum)
-                self.config.shutdown_timeout = 0
-            event(logging.INFO, "shutdown requested", signal=signal.Signals(signum).name)
-            self.stop()
-
-        signal.signal(signal.SIGTERM, handle)
-        signal.signal(signal.SIGINT, handle)
+    def _on_signal(self, signum: int) -> None:
+        """SIGTERM/SIGINT (on the signal watcher's thread): stop; a second one hands back in-flight jobs now."""
+        if self.stopping.is_set():
+            event(logging.WARNING, "second signal: handing back in-flight jobs now", signal=signum)
+            self.config.shutdown_timeout = 0
+        event(logging.INFO, "shutdown requested", signal=signal.Signals(signum).name)
+        self.stop()
 
     def _shutdown(self) -> None:
         """Finish in-flight jobs within the timeout, then return the rest with leases held to the end.

@@ -98,7 +98,14 @@ def paused_queues(conn: psycopg.Connection) -> list[str]:
 
 
 def schedules(conn: psycopg.Connection) -> list[dict[str, Any]]:
-    """Periodic schedules with their last and next ticks."""
+    """Periodic schedules with their next tick and their last run.
+
+    The last run is ``last_enqueued_tick`` with its job (``last_job_id``, and
+    ``last_job_status`` while the job row exists); ``last_tick`` is only the
+    newest tick claimed, which may have been skipped as missed or be the tick
+    before the schedule was registered. ``runs_recorded_since`` is set on a
+    schedule older than Relay's record of runs with no job left to read one from.
+    """
     with conn.cursor(row_factory=dict_row) as cur:
         return cur.execute(sql("schedule_list")).fetchall()
 

@@ -53,3 +53,50 @@ def test_concurrent_migrate_commands_leave_one_schema(database_url: str, python:
             assert versions == [m.version for m in migrator.available()]
     finally:
         drop_database(dsn)
+
+
+def migrate_to(dsn: str, version: int) -> None:
+    """Apply the shipped migrations up to ``version``, as an older release of Relay left the schema."""
+    with psycopg.connect(dsn) as conn, conn.transaction():
+        conn.execute(migrator._CREATE_TABLE)
+        for migration in migrator.available():
+            if migration.version <= version:
+                conn.execute(migration.sql)
+                conn.execute(
+                    "INSERT INTO relay.schema_migrations (version, name) VALUES (%s, %s)",
+                    (migration.version, migration.name),
+                )
+
+
+def test_schedules_of_an_existing_database_keep_their_last_run(database_url: str) -> None:
+    """Migration 0009 reads each schedule's last run from the cron jobs still kept; a schedule whose jobs
+    retention removed is marked as unrecorded until then, not shown as never run."""
+    dsn = fresh_database(database_url)
+    try:
+        migrate_to(dsn, 8)
+        with psycopg.connect(dsn) as conn:
+            conn.execute(
+                "INSERT INTO relay.schedules (type, cron, last_tick, next_tick) VALUES "
+                "('nightly', '0 3 * * *', '2030-01-03 03:00+00', '2030-01-04 03:00+00'), "
+                "('monthly', '0 0 1 * *', '2030-01-01 00:00+00', '2030-02-01 00:00+00')"
+            )
+            insert = (
+                "INSERT INTO relay.jobs (status, type, payload, idempotency_key) "
+                "VALUES ('queued', %s, jsonb_build_object('scheduled_for', %s::text), %s) RETURNING id"
+            )
+            for tick in ("2030-01-01T03:00:00+00:00", "2030-01-02T03:00:00+00:00"):
+                conn.execute(insert, ("nightly", tick, f"cron:nightly:{tick}"))
+            # Not a cron job of its schedule, whatever its payload says:
+            conn.execute(insert, ("nightly", "2030-01-03T03:00:00+00:00", "my-own-key"))
+            conn.execute(insert, ("monthly", "not a time", "cron:monthly:not a time"))
+            (newest,) = conn.execute("SELECT max(id) FROM relay.jobs WHERE type = 'nightly'").fetchone()
+            newest -= 1
+        assert migrator.migrate(dsn) == [f"{m.version:04d}_{m.name}" for m in migrator.available() if m.version > 8]
+        with psycopg.connect(dsn) as conn:
+            rows = conn.execute(
+                "SELECT type, last_enqueued_tick = '2030-01-02 03:00+00', last_job_id, runs_recorded_since IS NOT NULL "
+                "FROM relay.schedules ORDER BY type"
+            ).fetchall()
+        assert rows == [("monthly", None, None, True), ("nightly", True, newest, False)]
+    finally:
+        drop_database(dsn)

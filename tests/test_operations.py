@@ -12,7 +12,7 @@ from pathlib import Path
 import psycopg
 import pytest
 
-from relay_core import Backoff, IllegalTransition, Job, Relay, Snooze, monitor
+from relay_core import Backoff, IllegalTransition, Job, Relay, Snooze, admin, monitor
 from relay_core.queries import sql
 from relay_core.worker.maintenance import sweep_once
 from relay_core.worker.periodic import enqueue_due, publish
@@ -186,6 +186,56 @@ def test_a_tick_that_fell_due_while_a_worker_ran_is_enqueued_however_late(relay:
         "UPDATE relay.workers SET stopped_at = NULL, last_seen_at = %s WHERE id = 'a'", (tick - timedelta(seconds=5),)
     )
     assert enqueue_due(db, specs, clock=late) == []
+
+
+def test_a_schedules_last_run_is_the_last_tick_that_enqueued_a_job(relay: Relay, db: psycopg.Connection) -> None:
+    """last_tick also moves when a schedule is registered and when a missed tick is skipped; the last run
+    (last_enqueued_tick, last_job_id) moves only with the job a tick enqueued, in the same transaction."""
+
+    @relay.handler("nightly_report", cron="0 3 * * *")
+    def report(job: Job) -> None:
+        return None
+
+    specs = list(relay.handlers.values())
+    publish(db, specs)
+    (schedule,) = admin.schedules(db)
+    assert schedule["last_tick"] is not None  # the tick before registration: nothing ran
+    assert (schedule["last_enqueued_tick"], schedule["last_job_id"], schedule["last_job_status"]) == (None, None, None)
+    assert schedule["runs_recorded_since"] is None  # registered after runs were recorded: "never" is exact
+
+    # Yesterday's tick, checked on time, enqueues a job.
+    tick = schedule["last_tick"] - timedelta(days=1)
+    db.execute("UPDATE relay.schedules SET last_tick = %s", (tick - timedelta(days=1),))
+    assert enqueue_due(db, specs, clock=tick + timedelta(seconds=10)) == [("nightly_report", tick.isoformat())]
+    (job_id,) = db.execute("SELECT id FROM relay.jobs").fetchone()
+    (schedule,) = admin.schedules(db)
+    assert (schedule["last_enqueued_tick"], schedule["last_job_id"], schedule["last_job_status"]) == (
+        tick,
+        job_id,
+        "queued",
+    )
+
+    # Today's tick fell due while no worker ran: skipped. last_tick moves on, the last run does not.
+    today = tick + timedelta(days=1)
+    assert enqueue_due(db, specs, clock=today + timedelta(hours=1)) == []
+    (schedule,) = admin.schedules(db)
+    assert schedule["last_tick"] == today
+    assert (schedule["last_enqueued_tick"], schedule["last_job_id"]) == (tick, job_id)
+
+    # The job finishes, then retention prunes it: the run stays known, its job no longer exists.
+    db.execute(
+        "UPDATE relay.jobs SET status = 'claimed', attempts = 1, lease_token = lease_token + 1, claimed_by = 'w', "
+        "claimed_until = now() + interval '1 minute', started_at = now()"
+    )
+    db.execute("UPDATE relay.jobs SET status = 'succeeded', finished_at = now(), claimed_until = NULL")
+    assert admin.schedules(db)[0]["last_job_status"] == "succeeded"
+    db.execute("DELETE FROM relay.jobs")
+    (schedule,) = admin.schedules(db)
+    assert (schedule["last_enqueued_tick"], schedule["last_job_id"], schedule["last_job_status"]) == (
+        tick,
+        job_id,
+        None,
+    )
 
 
 def test_a_worker_id_used_again_is_a_new_start(relay: Relay, db: psycopg.Connection) -> None:

@@ -70,6 +70,15 @@ SET last_tick = %(tick)s, next_tick = %(next_tick)s, updated_at = now()
 WHERE type = %(type)s AND (last_tick IS NULL OR last_tick < %(tick)s)
 RETURNING type;
 
+-- name: schedule_record_run
+-- The tick just enqueued is the schedule's last run, written in the transaction
+-- that inserted its job (last_tick also moves for ticks that enqueue nothing).
+-- The job is read back by its key, so a tick whose job already existed points at it.
+UPDATE relay.schedules
+SET last_enqueued_tick = %(tick)s,
+    last_job_id = (SELECT id FROM relay.jobs WHERE idempotency_key = %(idempotency_key)s)
+WHERE type = %(type)s;
+
 -- name: worker_was_running_at
 -- Whether a worker serving the queue was running at a moment: it registered
 -- before it and was heard from after it (heartbeats come from their own
@@ -81,8 +90,12 @@ SELECT EXISTS (
 ) AS running;
 
 -- name: schedule_list
--- Every schedule with its next run.
-SELECT type, cron, timezone, queue, last_tick, next_tick FROM relay.schedules ORDER BY next_tick NULLS LAST, type;
+-- Every schedule with its next run and its last run: the tick that last enqueued
+-- a job, and that job's status now (NULL once retention deleted it).
+SELECT s.type, s.cron, s.timezone, s.queue, s.last_tick, s.next_tick,
+       s.last_enqueued_tick, s.last_job_id, j.status::text AS last_job_status, s.runs_recorded_since
+FROM relay.schedules s LEFT JOIN relay.jobs j ON j.id = s.last_job_id
+ORDER BY s.next_tick NULLS LAST, s.type;
 
 -- name: db_now
 -- The database clock; every decision about time uses it.

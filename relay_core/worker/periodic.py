@@ -3,7 +3,9 @@
 Every worker runs :func:`enqueue_due` about once a second. Exactly one of them
 enqueues a given tick: advancing ``relay.schedules.last_tick`` is a guarded
 UPDATE in the same transaction as the enqueue, and the job also carries the
-idempotency key ``cron:<type>:<tick>``.
+idempotency key ``cron:<type>:<tick>``. The same transaction records the tick
+and its job as the schedule's last run (``last_enqueued_tick``, ``last_job_id``):
+``last_tick`` also moves for ticks that enqueue nothing.
 """
 
 from __future__ import annotations
@@ -98,6 +100,7 @@ def enqueue_due(
                     "notify": True,
                 },
             )
+            conn.execute(sql("schedule_record_run"), {"type": spec.type, "tick": tick, "idempotency_key": key})
             enqueued.append((spec.type, tick.isoformat()))
             event(logging.INFO, "periodic job enqueued", type=spec.type, tick=tick.isoformat())
     return enqueued

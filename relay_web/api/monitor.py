@@ -67,7 +67,7 @@ def resume_queue(path: QueuePath, claims: dict[str, Any]) -> QueueStateRecord:
 @bp.get("/schedules")
 @endpoint(tag="monitor", role="viewer", responses={200: SchedulesRecord})
 def schedules(claims: dict[str, Any]) -> SchedulesRecord:
-    """Periodic schedules with the last tick enqueued and the next one."""
+    """Periodic schedules: the next tick, and the last run (the last tick that enqueued a job) with its job."""
     with connection() as conn:
         found = admin.schedules(conn)
     return SchedulesRecord(schedules=[ScheduleRecord(**row) for row in found])

@@ -9,7 +9,7 @@ from pydantic import Field
 
 from relay_core.monitor import QueueDepth, WorkerInfo
 
-from .common import BodyRecord, QueryRecord, QueueName, Record, Text
+from .common import BodyRecord, QueryRecord, QueueName, Record, StatusName, Text
 
 # -- auth ------------------------------------------------------------------------
 
@@ -87,8 +87,23 @@ class ScheduleRecord(Record):
     cron: str
     timezone: str
     queue: str
-    last_tick: datetime | None = Field(description="The newest tick already enqueued.")
+    last_tick: datetime | None = Field(
+        description="The newest tick a worker claimed. Not a run: it is also the tick before the schedule was "
+        "registered, or a tick skipped as missed (no worker ran when it fell due). See last_enqueued_tick."
+    )
     next_tick: datetime | None
+    last_enqueued_tick: datetime | None = Field(
+        description="The last run: the newest tick that enqueued a job. null: no tick has (since "
+        "runs_recorded_since, when that is set)."
+    )
+    last_job_id: int | None = Field(description="The job that tick enqueued; its row may since have been pruned.")
+    last_job_status: StatusName | None = Field(
+        description="That job's status now; null when there is none or retention has deleted it."
+    )
+    runs_recorded_since: datetime | None = Field(
+        description="Set only on a schedule that predates Relay's record of runs and had no job left to read its "
+        "last run from: whether it ran before this moment is unknown. null: every run is recorded."
+    )
 
 
 class SchedulesRecord(Record):

@@ -224,6 +224,17 @@ def test_schedules_and_limits_are_listed(client, viewer, relay: Relay, db) -> No
         ("settlement_report", "0 0 1 * *", "Europe/Berlin")
     ]
     assert schedules[0]["next_tick"] > schedules[0]["last_tick"]
+    # The tick before registration is not a run: nothing has been enqueued yet.
+    assert [schedules[0][key] for key in ("last_enqueued_tick", "last_job_id", "last_job_status")] == [None] * 3
+    assert schedules[0]["runs_recorded_since"] is None
+    # The month-end tick, checked on time, enqueues a job.
+    (tick,) = db.execute("SELECT last_tick FROM relay.schedules").fetchone()
+    db.execute("UPDATE relay.schedules SET last_tick = last_tick - interval '62 days'")
+    assert periodic.enqueue_due(db, relay.handlers.values(), clock=tick + timedelta(seconds=5)) != []
+    (job_id,) = db.execute("SELECT id FROM relay.jobs").fetchone()
+    (schedule,) = client.get("/api/admin/schedules", headers=viewer).get_json()["schedules"]
+    assert datetime.fromisoformat(schedule["last_enqueued_tick"]) == tick
+    assert (schedule["last_job_id"], schedule["last_job_status"]) == (job_id, "queued")
     found = client.get("/api/admin/limits", headers=viewer).get_json()["limits"]
     assert found == [
         {"type": "send_email", "max_running": 3, "rate_limit": 100, "rate_period_seconds": 60.0, "running": 0}

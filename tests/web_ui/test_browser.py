@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+import psycopg
 import pytest
 
 from relay_core import Relay, Worker
@@ -164,6 +165,10 @@ def test_every_page_fits_a_phone(phone: Any, live_server: LiveServer, shop: Shop
     shop.relay.enqueue("send_email", {"to": "b@example.com"}, queue="mail")
     _dead(shop, dead)
     shop.relay.pause_queue("mail")
+    # A last run to lay out, with its job's link and badge (the dead job stands in for the tick's job).
+    with psycopg.connect(shop.relay.dsn, autocommit=True) as conn:
+        wait_for(lambda: conn.execute("SELECT count(*) FROM relay.schedules").fetchone()[0], what="schedule")
+        conn.execute("UPDATE relay.schedules SET last_enqueued_tick = last_tick, last_job_id = %s", (dead,))
     _log_in(phone, live_server)
     for name, path in [
         ("overview", "/"),
@@ -184,6 +189,7 @@ def test_every_page_fits_a_phone(phone: Any, live_server: LiveServer, shop: Shop
         screenshot(phone, f"phone-{name}")
     phone.goto(live_server.at("/schedules"))
     assert phone.get_by_text("nightly_report").is_visible()
+    assert phone.get_by_role("link", name=f"job #{dead}").is_visible()
     phone.goto(live_server.at("/workers"))
     assert phone.locator(".badge", has_text="alive").count() == 1
     assert not [e for e in phone.console_errors if "Content Security Policy" in e], phone.console_errors

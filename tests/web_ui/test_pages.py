@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+from datetime import datetime, timedelta
 
 import psycopg
 import pytest
@@ -376,6 +377,54 @@ def test_schedules_page_shows_the_next_run(viewer: DashboardClient, relay: Relay
     html = _text(viewer.get("/schedules"))
     assert 'href="/jobs?type=nightly_report">nightly_report</a>' in html
     assert "0 3 * * *" in html and "<dt>Next run</dt>" in html and "03:00:00 UTC" in html
+
+
+def _last_run(html: str) -> str:
+    return re.search(r"<dt>Last run</dt><dd>(.*?)</dd>", html, re.S).group(1)  # type: ignore[union-attr]
+
+
+def _times(html: str) -> list[datetime]:
+    return [datetime.fromisoformat(t) for t in re.findall(r'<time datetime="([^"]+)"', html)]
+
+
+def test_schedules_page_shows_the_last_tick_that_enqueued_a_job(
+    viewer: DashboardClient, relay: Relay, db: psycopg.Connection, jobs: Jobs
+) -> None:
+    """Not the tick before registration, not a tick skipped as missed: the last one that enqueued a job."""
+
+    @relay.handler("nightly_report", cron="0 3 * * *", queue="reports")
+    def nightly(job) -> None:
+        pass
+
+    specs = list(relay.handlers.values())
+    periodic.publish(db, specs)
+    assert _last_run(_text(viewer.get("/schedules"))) == "never"
+
+    # Yesterday's tick, checked on time, enqueues a job; today's falls due while no worker runs and is skipped.
+    (today,) = db.execute("SELECT last_tick FROM relay.schedules").fetchone()
+    yesterday = today - timedelta(days=1)
+    db.execute("UPDATE relay.schedules SET last_tick = %s", (yesterday - timedelta(days=1),))
+    assert periodic.enqueue_due(db, specs, clock=yesterday + timedelta(seconds=10)) != []
+    assert periodic.enqueue_due(db, specs, clock=today + timedelta(hours=1)) == []
+    (job_id,) = db.execute("SELECT id FROM relay.jobs").fetchone()
+    last_run = _last_run(_text(viewer.get("/schedules")))
+    assert _times(last_run) == [yesterday]
+    assert f'<a class="cell-link" href="/jobs/{job_id}">job #{job_id}</a>' in last_run
+    assert '<span class="badge s-queued">queued</span>' in last_run
+
+    jobs.dead(job_id)
+    assert '<span class="badge s-dead">dead</span>' in _last_run(_text(viewer.get("/schedules")))
+
+    # Retention pruned the job: the run is still shown, without a link to a job that no longer exists.
+    db.execute("DELETE FROM relay.jobs")
+    last_run = _last_run(_text(viewer.get("/schedules")))
+    assert _times(last_run) == [yesterday]
+    assert "href=" not in last_run and f"#{job_id}" in last_run and "removed by retention" in last_run
+
+    # A schedule older than Relay's record of runs, with no job left to read its last run from.
+    db.execute("UPDATE relay.schedules SET last_enqueued_tick = NULL, last_job_id = NULL, runs_recorded_since = now()")
+    last_run = _last_run(_text(viewer.get("/schedules")))
+    assert last_run.startswith("none since <time") and "not recorded" in last_run
 
 
 def test_schedules_page_shows_type_limits(viewer: DashboardClient, relay: Relay, db: psycopg.Connection) -> None:

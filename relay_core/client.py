@@ -358,7 +358,7 @@ class Relay:
             return admin.paused_queues(conn)
 
     def schedules(self) -> list[dict[str, Any]]:
-        """Every periodic schedule with its last and next tick."""
+        """Every periodic schedule with its last tick, last run and next tick."""
         with self.pool.connection() as conn:
             return admin.schedules(conn)
 

@@ -224,7 +224,8 @@ class Relay:
     ) -> list[int]:
         """Add many jobs in one statement; return their ids in input order.
 
-        Each item is a mapping with ``type`` and optionally ``payload``,
+        Each item is a mapping with ``type`` and optionally ``payload``
+        (None or absent is stored as ``{}``, as by :meth:`enqueue`),
         ``queue``, ``priority``, ``run_at``, ``max_attempts`` and
         ``idempotency_key``. Every item is validated first: one bad item
         means nothing is written. ``conn`` works as in :meth:`enqueue`.
@@ -239,7 +240,7 @@ class Relay:
                 validated.append(
                     self._validated(
                         item.get("type"),
-                        item.get("payload", {}),
+                        {} if item.get("payload") is None else item["payload"],
                         item.get("queue", "default"),
                         item.get("priority", 0),
                         item.get("run_at"),

@@ -234,6 +234,14 @@ def test_a_batch_of_alike_jobs_keeps_run_at_priority_and_queue(relay: Relay, db:
     assert {r[2:] for r in rows} == {("q1", 7, later, 20, "queued")}
 
 
+def test_a_none_payload_is_stored_as_empty_object_one_job_or_many(relay: Relay, db: psycopg.Connection) -> None:
+    one = relay.enqueue("a", None)
+    alike = relay.enqueue_many([{"type": "a", "payload": None}, {"type": "a"}])
+    mixed = relay.enqueue_many([{"type": "a", "payload": None, "idempotency_key": "k"}, {"type": "b"}])
+    payloads = dict(db.execute("SELECT id, payload FROM relay.jobs").fetchall())
+    assert [payloads[i] for i in [one, *alike, *mixed]] == [{}] * 5
+
+
 def test_one_bad_item_refuses_the_whole_batch(relay: Relay, db: psycopg.Connection) -> None:
     with pytest.raises(InvalidJobError) as caught:
         relay.enqueue_many([{"type": "ok"}, {"type": "ok", "run_at": datetime(2030, 1, 1)}])

@@ -32,6 +32,11 @@ def login_submit() -> Response:
         raise Problem(403, "Forbidden", "This login form was not sent from this dashboard.", slug="csrf")
     username = request.form.get("username", "")[:200]
     password = request.form.get("password", "")
+    if "\x00" in username + password:
+        # As POST /api/auth/login refuses it: PostgreSQL text (the throttle's
+        # key) cannot hold NUL, and no password can contain one.
+        error = "Username and password must not contain NUL characters."
+        return _form(error, 422, username.replace("\x00", ""))
     with connection() as conn:
         wait = users.throttle_hit(conn, auth.login_policy(), username, request.remote_addr)
         if wait is not None:

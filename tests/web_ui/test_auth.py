@@ -136,6 +136,19 @@ def test_login_is_throttled_like_the_api(make_app, dsn: str) -> None:
     assert "Too many attempts" in response.get_data(as_text=True)
 
 
+@pytest.mark.parametrize(("username", "password"), [("o\x00ps", "correct horse battery"), ("ops", "correct\x00horse")])
+def test_login_with_nul_is_refused_clearly_and_not_counted(
+    anonymous: DashboardClient, dsn: str, db: psycopg.Connection, username: str, password: str
+) -> None:
+    # As POST /api/auth/login: PostgreSQL text cannot hold NUL, and no password can contain one.
+    make_user(dsn, "ops", "admin")
+    response = anonymous.login(username, password)
+    assert response.status_code == 422
+    assert "must not contain NUL characters" in response.get_data(as_text=True)
+    assert "access_token_cookie" not in " ".join(response.headers.getlist("Set-Cookie"))
+    assert db.execute("SELECT count(*) FROM relay.login_throttle").fetchone()[0] == 0
+
+
 def test_login_form_from_another_site_is_refused(anonymous: DashboardClient, dsn: str) -> None:
     make_user(dsn, "ops", "admin")
     response = anonymous.client.post(

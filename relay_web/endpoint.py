@@ -16,9 +16,9 @@ from typing import Any
 
 from flask import Response, json, request
 from pydantic import BaseModel, ValidationError
-from werkzeug.exceptions import RequestEntityTooLarge
 
 from . import auth
+from .bodies import read_body
 from .problems import Problem, validation_problem
 from .records.common import NO_NUL, VISIBLE
 
@@ -105,21 +105,10 @@ def _single_values(pairs: Any, where: str) -> tuple[dict[str, str], list[dict[st
     return values, errors
 
 
-def _read_body() -> bytes:
-    raw = request.get_data(cache=True)
-    limit = request.max_content_length
-    # A body without Content-Length (chunked) is read only up to the limit, and
-    # werkzeug returns what it read without a word: one more byte means the
-    # body was longer, a 413, not a document cut short (and maybe still valid).
-    if request.content_length is None and limit is not None and len(raw) >= limit and request.input_stream.read(1):
-        raise RequestEntityTooLarge()
-    return raw
-
-
 def _parse_body(model: type[BaseModel]) -> BaseModel:
     if not request.is_json:
         raise Problem(415, "Unsupported Media Type", "Send the body as application/json.")
-    raw = _read_body()
+    raw = read_body()
     try:
         return model.model_validate_json(raw or b"null")
     except ValidationError as exc:

@@ -11,10 +11,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from flask import Blueprint, Response
+from flask import Blueprint, Response, request
 from flask.blueprints import BlueprintSetupState
 from werkzeug.routing import BaseConverter
 
+from ..bodies import read_body
 from ..records.common import BIGINT_MAX
 
 bp = Blueprint("dashboard", __name__)
@@ -63,6 +64,16 @@ def _accept_form_csrf(state: BlueprintSetupState) -> None:
     # flask-jwt-extended has already set its default (False) by now. The API
     # reads tokens from headers only, so this changes nothing there.
     state.app.config["JWT_CSRF_CHECK_FORM"] = True
+
+
+@bp.before_request
+def _whole_form() -> None:
+    # werkzeug parses a url-encoded form sent without Content-Length (chunked)
+    # from as much as the size limit lets it read, and says nothing of the
+    # rest; read it whole first, or refuse it with 413, so the form that is
+    # acted on is the one that was sent. (Multipart forms already get a 413.)
+    if request.content_length is None and request.mimetype == "application/x-www-form-urlencoded":
+        read_body()
 
 
 @bp.after_request

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import time
 from datetime import timedelta
 
@@ -9,6 +10,7 @@ import psycopg
 import pytest
 from flask import Flask
 from flask_jwt_extended import create_access_token
+from werkzeug.test import EnvironBuilder, run_wsgi_app
 
 from relay_core import users
 
@@ -147,6 +149,30 @@ def test_login_with_nul_is_refused_clearly_and_not_counted(
     assert "must not contain NUL characters" in response.get_data(as_text=True)
     assert "access_token_cookie" not in " ".join(response.headers.getlist("Set-Cookie"))
     assert db.execute("SELECT count(*) FROM relay.login_throttle").fetchone()[0] == 0
+
+
+def _chunked_login(app: Flask, body: bytes) -> tuple[str, dict[str, str]]:
+    """POST the login form without Content-Length, as gunicorn hands a chunked request to the app."""
+    environ = EnvironBuilder(
+        path="/login",
+        method="POST",
+        input_stream=io.BytesIO(body),
+        headers={"Content-Type": "application/x-www-form-urlencoded", "Transfer-Encoding": "chunked"},
+    ).get_environ()
+    del environ["CONTENT_LENGTH"]
+    environ["wsgi.input_terminated"] = True
+    _, status, headers = run_wsgi_app(app, environ, buffered=True)
+    return status, dict(headers)
+
+
+def test_an_oversized_chunked_login_form_is_413_not_read_cut_short(app: Flask, dsn: str) -> None:
+    make_user(dsn, "ops", "admin")
+    form = b"username=ops&password=correct+horse+battery&next=/dead"
+    status, headers = _chunked_login(app, form + b"&pad=" + b"x" * (2 * 1024 * 1024))
+    assert status.startswith("413")
+    assert "access_token_cookie" not in headers.get("Set-Cookie", "")
+    status, headers = _chunked_login(app, form)
+    assert status.startswith("303") and headers["Location"] == "/dead"
 
 
 def test_login_form_from_another_site_is_refused(anonymous: DashboardClient, dsn: str) -> None:

@@ -21,9 +21,9 @@ from .common import (
     QueueName,
     Record,
     StatusName,
-    Text,
     integer,
     parameter_integer,
+    text,
 )
 from .payload import Payload
 
@@ -33,9 +33,8 @@ Priority = integer(-32768, 32767)
 MaxAttempts = integer(1, 1000)
 PageSize = parameter_integer(1, MAX_PAGE)
 
-Search = Annotated[
-    Text, Field(min_length=1, max_length=200, description="Case-insensitive substring of the type or the last error.")
-]
+Search = Annotated[text(1, 200), Field(description="Case-insensitive substring of the type or the last error.")]
+IdempotencyKey = text(1, 200)
 
 
 class JobFilterFields(QueryRecord):
@@ -183,7 +182,7 @@ class EnqueueBody(BodyRecord):
 class IdempotencyHeaders(QueryRecord):
     """Request headers of ``POST /api/admin/jobs``."""
 
-    idempotency_key: Annotated[Text, Field(min_length=1, max_length=200)] | None = Field(
+    idempotency_key: IdempotencyKey | None = Field(
         default=None,
         alias="Idempotency-Key",
         description="Repeat a request with the same key and the first job is returned, not a second one made.",

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Annotated, Literal
+from typing import Literal
 
 from pydantic import Field
 
 from relay_core.monitor import QueueDepth, WorkerInfo
 
-from .common import BodyRecord, QueryRecord, QueueName, Record, StatusName, Text
+from .common import BodyRecord, QueryRecord, QueueName, Record, StatusName, text
+
+Username = text(1, 150)
+Password = text(1, 1024)
 
 # -- auth ------------------------------------------------------------------------
 
@@ -17,8 +20,8 @@ from .common import BodyRecord, QueryRecord, QueueName, Record, StatusName, Text
 class LoginBody(BodyRecord):
     """``POST /api/auth/login``."""
 
-    username: Annotated[Text, Field(min_length=1, max_length=150)]
-    password: Annotated[Text, Field(min_length=1, max_length=1024)]
+    username: Username
+    password: Password
 
 
 class TokenRecord(Record):

@@ -90,6 +90,25 @@ def test_validation_problem_lists_each_bad_field(client, admin) -> None:
     assert all(e["in"] == "body" and e["detail"] for e in body["errors"])
 
 
+def test_text_too_long_or_empty_is_counted_in_characters(client, admin) -> None:
+    login = "/api/auth/login"
+    cases = [
+        (client.get("/api/admin/jobs?type=" + "t" * 201, headers=admin), "type", "at most 200 characters"),
+        (client.get("/api/admin/jobs?q=", headers=admin), "q", "at least 1 character"),
+        (client.post(login, json={"username": "u" * 151, "password": "p"}), "username", "at most 150 characters"),
+        (client.post(login, json={"username": "u", "password": "p" * 1025}), "password", "at most 1024 characters"),
+        (
+            client.post("/api/admin/jobs", headers={**admin, "Idempotency-Key": "k" * 201}, json={"type": "t"}),
+            "Idempotency-Key",
+            "at most 200 characters",
+        ),
+    ]
+    for response, field, detail in cases:
+        body = assert_problem(response, 422, "validation")
+        (error,) = [e for e in body["errors"] if e["field"] == field]
+        assert detail in error["detail"], error
+
+
 @pytest.mark.parametrize(
     "error",
     [

@@ -105,6 +105,16 @@ def _single_values(pairs: Any, where: str) -> tuple[dict[str, str], list[dict[st
     return values, errors
 
 
+def _number_too_long(reason: str) -> None:
+    # The JSON parser reads numbers of up to 4,300 digits (Python's own limit
+    # for int <-> str) and calls a longer one "out of range": the JSON is valid,
+    # the number is not one Relay takes.
+    if reason.startswith("number out of range"):
+        where = reason.removeprefix("number out of range").strip()
+        detail = f"has a number with more than 4,300 digits ({where}); send it as a string"
+        raise validation_problem([{"field": "body", "in": "body", "detail": detail}])
+
+
 def _parse_body(model: type[BaseModel]) -> BaseModel:
     if not request.is_json:
         raise Problem(415, "Unsupported Media Type", "Send the body as application/json.")
@@ -112,7 +122,9 @@ def _parse_body(model: type[BaseModel]) -> BaseModel:
     try:
         return model.model_validate_json(raw or b"null")
     except ValidationError as exc:
-        if any(e.get("type") == "json_invalid" for e in exc.errors(include_url=False)):
+        invalid = [e for e in exc.errors(include_url=False) if e.get("type") == "json_invalid"]
+        if invalid:
+            _number_too_long(str(invalid[0].get("ctx", {}).get("error", "")))
             raise Problem(400, "Bad Request", "The body is not valid JSON.") from None
         if any(e.get("type") == "model_type" and not e.get("loc") for e in exc.errors(include_url=False)):
             raise validation_problem([{"field": "body", "in": "body", "detail": "must be a JSON object"}]) from None

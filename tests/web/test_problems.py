@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import json
 
 import psycopg
 import pytest
@@ -33,6 +34,18 @@ def test_malformed_body_is_400_and_wrong_type_is_415(client, admin) -> None:
     assert "JSON" in body["detail"]
     assert_problem(client.post("/api/admin/jobs", headers=admin, data="type=x"), 415)
     assert_problem(client.post("/api/auth/login", data="{}", content_type="text/plain"), 415)
+
+
+def test_a_number_too_long_to_read_is_named_not_called_invalid_json(client, admin, db) -> None:
+    for number in ("1" * 4301, "-" + "1" * 4301, "1" + "0" * 4400 + ".5"):
+        data = '{"type": "t", "payload": {"n": ' + number + "}}"
+        response = client.post("/api/admin/jobs", headers=admin, data=data, content_type="application/json")
+        body = assert_problem(response, 422, "validation")
+        assert "4,300 digits" in body["errors"][0]["detail"], body
+        assert "not valid JSON" not in json.dumps(body)
+    data = '{"type": "t", "payload": {"n": ' + "1" * 4300 + "}}"
+    assert client.post("/api/admin/jobs", headers=admin, data=data, content_type="application/json").status_code == 201
+    assert db.execute("SELECT count(*) FROM relay.jobs").fetchone()[0] == 1
 
 
 def test_body_that_is_not_an_object_is_422(client, admin) -> None:

@@ -118,6 +118,16 @@ def _number_too_long(reason: str) -> None:
 def _parse_body(model: type[BaseModel]) -> BaseModel:
     if not request.is_json:
         raise Problem(415, "Unsupported Media Type", "Send the body as application/json.")
+    coding = request.headers.get("Content-Encoding", "").strip().lower()
+    if coding not in ("", "identity"):
+        # Relay does not decompress bodies; say so (RFC 9110 section 15.5.16)
+        # rather than read the compressed bytes as broken JSON.
+        raise Problem(
+            415,
+            "Unsupported Media Type",
+            "Send the body without Content-Encoding: Relay does not decompress request bodies.",
+            headers={"Accept-Encoding": "identity"},
+        )
     raw = read_body()
     try:
         return model.model_validate_json(raw or b"null")

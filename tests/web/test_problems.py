@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gzip
 import io
 import json
 
@@ -45,6 +46,22 @@ def test_a_number_too_long_to_read_is_named_not_called_invalid_json(client, admi
         assert "not valid JSON" not in json.dumps(body)
     data = '{"type": "t", "payload": {"n": ' + "1" * 4300 + "}}"
     assert client.post("/api/admin/jobs", headers=admin, data=data, content_type="application/json").status_code == 201
+    assert db.execute("SELECT count(*) FROM relay.jobs").fetchone()[0] == 1
+
+
+def test_a_compressed_body_is_415_not_invalid_json(client, admin, db) -> None:
+    for coding in ("gzip", "br", "deflate, gzip"):
+        response = client.post(
+            "/api/admin/jobs",
+            headers={**admin, "Content-Encoding": coding},
+            data=gzip.compress(b'{"type": "t"}'),
+            content_type="application/json",
+        )
+        body = assert_problem(response, 415)
+        assert "Content-Encoding" in body["detail"]
+        assert response.headers["Accept-Encoding"] == "identity"
+    identity = client.post("/api/admin/jobs", headers={**admin, "Content-Encoding": "identity"}, json={"type": "t"})
+    assert identity.status_code == 201
     assert db.execute("SELECT count(*) FROM relay.jobs").fetchone()[0] == 1
 
 

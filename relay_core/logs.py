@@ -10,6 +10,12 @@ from typing import Any
 
 logger = logging.getLogger("relay")
 
+#: Libraries whose warnings land in a worker's log (psycopg and its pool say when a
+#: connection broke or could not be opened). Without a handler of their own they
+#: reach Python's last-resort handler as bare text, one line of JSON log broken
+#: into several, so they share Relay's.
+LIBRARY_LOGGERS = ("psycopg",)
+
 _RESERVED = set(vars(logging.LogRecord("", 0, "", 0, "", (), None))) | {"message", "asctime"}
 
 
@@ -53,6 +59,12 @@ def configure(level: str | int = "INFO", fmt: str | None = None) -> None:
     logger.handlers[:] = [handler]
     logger.setLevel(level if isinstance(level, int) else level.upper())
     logger.propagate = False
+    for name in LIBRARY_LOGGERS:
+        library = logging.getLogger(name)
+        library.handlers[:] = [handler]
+        # Their INFO is a line per pooled connection handed out: warnings and worse (errors under --log-level error).
+        library.setLevel(max(logger.level, logging.WARNING))
+        library.propagate = False
 
 
 def event(level: int, message: str, **fields: Any) -> None:

@@ -3,6 +3,7 @@ graceful shutdown (SIGTERM), crashes (SIGKILL), and the zero-duplicate proof."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -225,3 +226,33 @@ def test_relay_prove_finds_no_duplicates_and_loses_nothing(dsn: str, worker_env:
             ).fetchone()[0]
             == 0
         )
+
+
+def test_json_logs_stay_json_when_the_database_drops_the_workers_connections(
+    relay: Relay, db: psycopg.Connection, python: str, worker_env: dict, tmp_path: Path
+) -> None:
+    """A log shipper parses every line: the connection pool's own warnings are JSON too."""
+    env = dict(worker_env, RELAY_LOG_FORMAT="json", RELAY_POLL_INTERVAL="0.1")
+    log = tmp_path / "worker.log"
+    worker = start_worker_process(python, env, log=log)
+    try:
+        wait_for(lambda: "worker started" in log.read_text(), what="the worker to start")
+        # What a database restart does to every open connection.
+        db.execute(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+            "WHERE datname = current_database() AND pid <> pg_backend_pid()"
+        )
+        wait_for(lambda: "discarding" in log.read_text(), what="the pool to drop a dead connection")
+        job_id = relay.enqueue("record")
+        wait_for(lambda: status_counts(db).get("succeeded") == 1, what=f"job {job_id} to run after reconnecting")
+    finally:
+        stop_process(worker)
+    lines = log.read_text().splitlines()
+    entries = []
+    for line in lines:
+        try:
+            entries.append(json.loads(line))
+        except ValueError:
+            raise AssertionError(f"not a JSON line: {line!r}") from None
+    assert any(e["logger"] == "psycopg.pool" and e["level"] == "warning" for e in entries), lines
+    assert any(e["message"] == "job succeeded" and e["job_id"] == job_id for e in entries), lines

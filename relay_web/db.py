@@ -4,7 +4,10 @@ The pool opens on first use, not in ``create_app``: gunicorn forks workers
 after importing the app, and a pool's threads and sockets do not survive a
 fork. Waiting for a connection is bounded, so a database outage answers 503
 in seconds instead of hanging every request. Each connection carries a
-statement timeout so no admin query can run away with the database.
+statement timeout so no admin query can run away with the database, and
+waits for each answer at most that long plus the connection wait: a server
+that stalls, or a network path that drops packets, keeps the socket open and
+sends nothing, so no server-side timeout can end the wait.
 """
 
 from __future__ import annotations
@@ -16,11 +19,35 @@ from contextlib import contextmanager
 
 import psycopg
 from flask import Flask, current_app
+from psycopg.abc import RV, PQGen
 from psycopg_pool import ConnectionPool
 
 from relay_core import Relay
 
 EXTENSION = "relay.db"
+
+
+class BoundedConnection(psycopg.Connection):
+    """A connection that gives up on an answer after ``answer_timeout`` seconds and closes.
+
+    psycopg waits for every server answer (a statement, a commit, the pool's
+    check) in :meth:`wait`; past the bound it raises ``OperationalError``,
+    which the app answers with 503. A connection left mid-statement cannot be
+    used again, so it is closed and the pool replaces it.
+    """
+
+    answer_timeout: float | None = None
+
+    def wait(self, gen: PQGen[RV], interval: float = 0.1, timeout: float | None = None) -> RV:
+        """Consume ``gen`` as psycopg does, within ``answer_timeout`` when no timeout is given."""
+        bounded = timeout is None and self.answer_timeout is not None
+        try:
+            return super().wait(gen, interval, self.answer_timeout if bounded else timeout)
+        except psycopg.errors._WaitTimeout:
+            if not bounded:
+                raise
+            self.close()
+            raise psycopg.OperationalError(f"the database did not answer within {self.answer_timeout:g} s") from None
 
 
 class Database:
@@ -32,11 +59,16 @@ class Database:
         self._size = size
         self._wait = wait_seconds
         self._statement_timeout_ms = statement_timeout_ms
+        # The server cancels a statement at its timeout; past that plus the connection
+        # wait, it is not answering at all. No statement timeout: no client bound either.
+        self._answer_timeout = statement_timeout_ms / 1000 + wait_seconds if statement_timeout_ms else None
         self._pool: ConnectionPool | None = None
         self._pid = 0
         self._lock = threading.Lock()
 
     def _configure(self, conn: psycopg.Connection) -> None:
+        if isinstance(conn, BoundedConnection):
+            conn.answer_timeout = self._answer_timeout
         conn.autocommit = True
         conn.execute("SELECT set_config('statement_timeout', %s, false)", (str(self._statement_timeout_ms),))
         conn.execute("SELECT set_config('application_name', 'relay-web', false)")
@@ -54,6 +86,7 @@ class Database:
                     max_size=self._size,
                     open=False,
                     name="relay-web",
+                    connection_class=BoundedConnection,
                     configure=self._configure,
                     check=ConnectionPool.check_connection,
                     timeout=self._wait,

@@ -68,7 +68,10 @@ def _dsn_or_embedded() -> str:
 )
 def main(log_level: str, log_format: str | None) -> None:
     """Relay: background jobs on PostgreSQL alone."""
-    logs.configure(log_level, log_format)
+    try:
+        logs.configure(log_level, log_format)
+    except ConfigurationError as exc:
+        raise click.ClickException(str(exc)) from None
 
 
 @main.command()

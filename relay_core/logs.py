@@ -8,7 +8,12 @@ import os
 import sys
 from typing import Any
 
+from .errors import ConfigurationError
+
 logger = logging.getLogger("relay")
+
+#: Values of RELAY_LOG_FORMAT (and ``relay --log-format``).
+FORMATS = ("text", "json")
 
 #: Libraries whose warnings land in a worker's log (psycopg and its pool say when a
 #: connection broke or could not be opened). Without a handler of their own they
@@ -49,8 +54,12 @@ class KeyValueFormatter(logging.Formatter):
 
 
 def configure(level: str | int = "INFO", fmt: str | None = None) -> None:
-    """Send Relay's logs to stderr, as JSON or key=value lines."""
-    fmt = fmt or os.environ.get("RELAY_LOG_FORMAT", "text")
+    """Send Relay's logs to stderr, as JSON or key=value lines; an unknown format is a ConfigurationError."""
+    raw = fmt or os.environ.get("RELAY_LOG_FORMAT") or "text"
+    fmt = raw.strip().lower()
+    if fmt not in FORMATS:
+        # A typo must not quietly turn the JSON a log pipeline parses into text.
+        raise ConfigurationError(f"RELAY_LOG_FORMAT must be text or json, got {raw!r}")
     handler = logging.StreamHandler(sys.stderr)
     if fmt == "json":
         handler.setFormatter(JsonFormatter())

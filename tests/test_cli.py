@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 
@@ -10,6 +11,7 @@ import pytest
 from click.testing import CliRunner, Result
 from psycopg import conninfo
 
+from relay_core import logs
 from relay_core.cli import main
 
 
@@ -114,3 +116,18 @@ def test_a_database_that_is_unreachable_malformed_or_unmigrated_is_a_clear_error
     assert result.exit_code == 1, result.output
     assert message in result.output and "Traceback" not in result.output
     assert time.monotonic() - started < 10
+
+
+@pytest.mark.parametrize("spelling", ["jsno", "logfmt"])
+def test_an_unknown_log_format_is_refused_before_anything_runs(dsn: str, spelling: str) -> None:
+    """A log pipeline that expects JSON must not be fed text because of a typo in RELAY_LOG_FORMAT."""
+    result = CliRunner().invoke(main, ["migrate"], env={"RELAY_DATABASE_URL": dsn, "RELAY_LOG_FORMAT": spelling})
+    assert result.exit_code == 1, result.output
+    assert f"RELAY_LOG_FORMAT must be text or json, got {spelling!r}" in result.output
+    assert "schema" not in result.output, "the command ran anyway"
+
+
+def test_log_format_is_read_in_any_case(dsn: str) -> None:
+    result = CliRunner().invoke(main, ["migrate"], env={"RELAY_DATABASE_URL": dsn, "RELAY_LOG_FORMAT": "JSON"})
+    assert result.exit_code == 0, result.output
+    assert isinstance(logging.getLogger("relay").handlers[0].formatter, logs.JsonFormatter)

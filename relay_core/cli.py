@@ -14,7 +14,7 @@ from . import admin, logs
 from .cli_users import MISSING_TABLES, connect, user
 from .client import Relay
 from .errors import ConfigurationError, InvalidJobError, MigrationError, RelayError
-from .settings import database_url
+from .settings import database_url, database_url_set
 from .validation import positive_number
 
 
@@ -44,13 +44,12 @@ def _dsn() -> str:
 
 def _dsn_or_embedded() -> str:
     """DATABASE_URL when set, else an embedded PostgreSQL (stopped when this command exits)."""
-    try:
-        return database_url()
-    except ConfigurationError:
-        from .embedded import default_data_dir, start
+    if database_url_set():
+        return _dsn()  # one that cannot be read is an error, not a reason to run elsewhere
+    from .embedded import default_data_dir, start
 
-        click.echo(f"no DATABASE_URL: starting an embedded PostgreSQL in {default_data_dir()}", err=True)
-        return start()
+    click.echo(f"no DATABASE_URL: starting an embedded PostgreSQL in {default_data_dir()}", err=True)
+    return start()
 
 
 @click.group()

@@ -43,7 +43,7 @@ from . import monitor, users
 from .client import Relay
 from .embedded import default_data_dir
 from .errors import ConfigurationError, RelayError
-from .settings import database_url
+from .settings import database_url, database_url_set
 from .signals import ShutdownSignals
 
 ADMIN = "admin"
@@ -136,9 +136,10 @@ class Demo:
     def database(self) -> str:
         """DATABASE_URL when set, else the embedded PostgreSQL (started over with --fresh)."""
         try:
-            dsn = database_url()
-        except ConfigurationError:
-            dsn = None
+            dsn = database_url() if database_url_set() else None
+        except ConfigurationError as exc:
+            # An unreadable URL is a mistake to report, not a reason to run elsewhere.
+            raise DemoError(str(exc)) from None
         if dsn:
             if self.fresh:
                 raise DemoError("--fresh starts the embedded database over; it does nothing to DATABASE_URL's")

@@ -3,8 +3,20 @@
 from __future__ import annotations
 
 import os
+import re
+
+import psycopg
+from psycopg import conninfo, pq
 
 from .errors import ConfigurationError
+
+#: Quoted text in libpq's parse errors: a token it could not read, often the password itself.
+_QUOTED = re.compile(r'"([^"]*)"')
+
+
+def database_url_set() -> bool:
+    """Whether RELAY_DATABASE_URL or DATABASE_URL names a database (readable or not)."""
+    return bool(os.environ.get("RELAY_DATABASE_URL") or os.environ.get("DATABASE_URL"))
 
 
 def database_url(explicit: str | None = None) -> str:
@@ -17,7 +29,25 @@ def database_url(explicit: str | None = None) -> str:
     # Heroku-style URLs say postgres://, which libpq accepts; normalise for SQLAlchemy users too.
     if dsn.startswith("postgres://"):
         dsn = "postgresql://" + dsn[len("postgres://") :]
+    try:
+        conninfo.conninfo_to_dict(dsn)
+    except psycopg.ProgrammingError as exc:
+        # Here, not at the first connection: a pool would log libpq's message,
+        # quoted password and all, on every attempt, and the worker would run on.
+        raise ConfigurationError(
+            f"the database URL (DATABASE_URL or RELAY_DATABASE_URL) cannot be read: {_redact(exc)}"
+        ) from None
     return dsn
+
+
+def _redact(exc: Exception) -> str:
+    """libpq's parse error with every quoted token elided but option names ("port") and "="."""
+    keep = {option.keyword.decode() for option in pq.Conninfo.get_defaults()} | {"="}
+    text = str(exc).strip()
+    text = _QUOTED.sub(lambda m: m.group(0) if m.group(1) in keep else '"..."', text)
+    if "percent-encoded" in text:
+        text += "; write a % in the user or password as %25"
+    return text
 
 
 def env_float(name: str, default: float) -> float:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import subprocess
 import time
 import uuid
 
@@ -13,6 +14,8 @@ from psycopg import conninfo
 
 from relay_core import logs
 from relay_core.cli import main
+
+from .helpers import ROOT
 
 
 @pytest.fixture
@@ -131,3 +134,20 @@ def test_log_format_is_read_in_any_case(dsn: str) -> None:
     result = CliRunner().invoke(main, ["migrate"], env={"RELAY_DATABASE_URL": dsn, "RELAY_LOG_FORMAT": "JSON"})
     assert result.exit_code == 0, result.output
     assert isinstance(logging.getLogger("relay").handlers[0].formatter, logs.JsonFormatter)
+
+
+def test_a_worker_with_an_unreadable_database_url_stops_at_once_without_logging_the_password(
+    python: str, worker_env: dict
+) -> None:
+    """libpq quotes the token it cannot read, and a worker's pool logged that on every connection attempt."""
+    env = dict(worker_env, DATABASE_URL="postgresql://relay:Xk9%zzQpw4@127.0.0.1:1/relay")
+    env.pop("RELAY_DATABASE_URL")
+    command = [python, "-m", "relay_core", "worker", "--app", "tests.apps.worker_app:relay"]
+    try:
+        done = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=15)
+    except subprocess.TimeoutExpired as exc:
+        output = (exc.stdout or b"").decode() + (exc.stderr or b"").decode()
+        raise AssertionError(f"the worker kept running: {output[-600:]}") from None
+    assert done.returncode == 1, done.stderr
+    assert "DATABASE_URL" in done.stderr and "percent-encod" in done.stderr, done.stderr
+    assert "zzQpw4" not in done.stdout + done.stderr, done.stderr

@@ -103,3 +103,17 @@ def test_gunicorn_serves_the_factory(dsn: str) -> None:
     finally:
         proc.terminate()
         proc.wait(10)
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "postgresql://relay:Xk9%zzQpw4@db.internal:5432/relay",  # a % not followed by two hex digits
+        "postgres://relay:Xk9%zzQpw4@db.internal/relay",
+        "host=db.internal user=relay password=Xk9%zzQpw4 dbname",  # key=value with a key missing its '='
+    ],
+)
+def test_an_unreadable_database_url_is_a_startup_error_that_never_shows_the_password(clean_env, url: str) -> None:
+    with pytest.raises(ConfigurationError, match="DATABASE_URL") as raised:
+        create_app({"RELAY_DATABASE_URL": url, "JWT_SECRET_KEY": SECRET})
+    assert "zzQpw4" not in str(raised.value) and "Xk9" not in str(raised.value)

@@ -132,6 +132,18 @@ def test_a_lease_or_interval_a_worker_cannot_use_is_refused_at_start(
             relay.worker()
 
 
+@pytest.mark.parametrize("value", ["nan", "inf", "-1"])
+def test_a_shutdown_timeout_a_worker_cannot_keep_is_refused_at_start(
+    relay: Relay, monkeypatch: pytest.MonkeyPatch, value: str
+) -> None:
+    """nan made the worker hand back its jobs at SIGTERM without waiting; inf outwaits any drain window."""
+    with pytest.raises(ConfigurationError, match="shutdown_timeout"):
+        WorkerConfig(shutdown_timeout=float(value))
+    monkeypatch.setenv("RELAY_SHUTDOWN_TIMEOUT", value)
+    with pytest.raises(ConfigurationError, match="shutdown_timeout"):
+        relay.worker()
+
+
 def test_unknown_type_fails_naming_type_and_worker(relay: Relay, db: psycopg.Connection) -> None:
     job_id = relay.enqueue("nobody_handles_this", max_attempts=1)
     with running_worker(relay) as worker:

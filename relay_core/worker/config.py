@@ -63,8 +63,9 @@ class WorkerConfig:
         if self.lease_seconds > MAX_DELAY_SECONDS:
             # PostgreSQL would store now() + lease, but a claimed job's claimed_until must stay readable.
             raise ConfigurationError(f"lease_seconds must be at most {MAX_DELAY_SECONDS:.0f}")
-        if self.shutdown_timeout < 0:
-            raise ConfigurationError("shutdown_timeout must be >= 0")
+        # NaN would skip the wait for in-flight jobs; an infinite wait outlasts every drain window.
+        if not (math.isfinite(self.shutdown_timeout) and self.shutdown_timeout >= 0):
+            raise ConfigurationError("shutdown_timeout must be a finite number of seconds >= 0")
 
     @classmethod
     def from_env(cls, **overrides: object) -> WorkerConfig:

@@ -3,12 +3,15 @@ timeouts, scheduling, priorities, queues, heartbeats, the registry, wake-ups."""
 
 from __future__ import annotations
 
+import contextlib
+import socket
 import threading
 import time
 from datetime import timedelta
 
 import psycopg
 import pytest
+from psycopg import conninfo
 
 from relay_core import Backoff, ConfigurationError, Job, PermanentFailure, Relay, Snooze, Worker, monitor
 from relay_core.queries import sql
@@ -16,7 +19,7 @@ from relay_core.worker.config import WorkerConfig
 from relay_core.worker.maintenance import sweep_once
 from relay_core.worker.runtime import Slot
 
-from .helpers import job_status, running_worker, wait_for
+from .helpers import free_port, job_status, running_worker, wait_for
 
 FAST = Backoff(base=0.05, factor=2, cap=1, jitter=0)
 
@@ -719,3 +722,99 @@ def test_an_outcome_queued_as_shutdown_begins_is_still_written(relay: Relay, db:
 
 def test_a_huge_backoff_factor_reaches_the_cap_instead_of_overflowing() -> None:
     assert Backoff(base=2.0, factor=1e6, cap=3600, jitter=0).delay(64) == 3600
+
+
+class Forwarder:
+    """A TCP port that forwards every connection to PostgreSQL: the database 'coming up' on it."""
+
+    def __init__(self, port: int, target: tuple[str, int]) -> None:
+        self.target = target
+        self.server = socket.create_server(("127.0.0.1", port))
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.server.accept()
+            except OSError:
+                return
+            upstream = socket.create_connection(self.target)
+            for src, dst in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pump, args=(src, dst), daemon=True).start()
+
+    @staticmethod
+    def _pump(src: socket.socket, dst: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            while data := src.recv(65536):
+                dst.sendall(data)
+        with contextlib.suppress(OSError):
+            dst.shutdown(socket.SHUT_WR)
+
+    def close(self) -> None:
+        self.server.close()
+
+
+def test_a_worker_started_while_the_database_is_down_waits_for_it_then_works(
+    dsn: str, relay: Relay, db: psycopg.Connection, caplog: pytest.LogCaptureFixture
+) -> None:
+    # The worker's database is a port nothing listens on yet, for longer than any
+    # single connection wait; the worker must neither exit nor give up.
+    port = free_port()
+    params = conninfo.conninfo_to_dict(dsn)
+    down = conninfo.make_conninfo(dsn, port=str(port))
+    worker_app = Relay(down)
+    ran: list[int] = []
+    worker_app.handler("echo")(lambda job: ran.append(job.id))
+    worker = worker_app.worker(concurrency=1, listen=False, poll_interval=0.1)
+    failures: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            worker.run(install_signals=False)
+        except BaseException as exc:
+            failures.append(exc)
+
+    caplog.set_level("WARNING", logger="relay")
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    forwarder = None
+    try:
+        # Old behaviour: one pool-opening wait of 30 s, then the worker raised and was gone.
+        wait_for(
+            lambda: sum("database unreachable; retrying" in r.getMessage() for r in caplog.records) >= 2,
+            timeout=20,
+            what="the worker to report the database unreachable and try again",
+        )
+        assert not failures, failures
+        assert thread.is_alive()
+        forwarder = Forwarder(port, (params.get("host", "127.0.0.1"), int(params.get("port", 5432))))
+        job_id = relay.enqueue("echo", {})
+        wait_for(
+            lambda: job_status(db, job_id) == "succeeded", timeout=30, what="the job to run once the database is up"
+        )
+        assert ran == [job_id]
+    finally:
+        worker.stop()
+        thread.join(30)
+        worker_app.close()
+        if forwarder is not None:
+            forwarder.close()
+    assert not thread.is_alive()
+    assert not failures, failures
+
+
+def test_a_worker_stopped_before_the_database_ever_answered_exits_at_once(dsn: str) -> None:
+    worker_app = Relay(conninfo.make_conninfo(dsn, port=str(free_port())))
+    worker = worker_app.worker(concurrency=1, listen=False)
+    thread = threading.Thread(target=worker.run, kwargs={"install_signals": False}, daemon=True)
+    thread.start()
+    try:
+        time.sleep(1)
+        started = time.monotonic()
+        worker.stop()
+        thread.join(10)
+        assert not thread.is_alive()
+        assert time.monotonic() - started < 5
+        assert worker.stopped.is_set()
+    finally:
+        worker_app.close()

@@ -51,6 +51,8 @@ MAX_PREFETCH_PER_SLOT = 16
 #: long before another worker may start it: the thread stops only when the
 #: worker process exits, a moment after the hand-back.
 HAND_BACK_GRACE_SECONDS = 2.0
+#: How long one try at registering waits for a connection before it logs and tries again.
+REGISTER_WAIT_SECONDS = 2.0
 
 
 def prefetch_per_slot(typical_run: float) -> int:
@@ -441,12 +443,19 @@ class Worker:
                 signals.close()
 
     def _run(self) -> None:
-        self.pool.open(wait=True, timeout=30.0)
+        # Not open(wait=True): a worker started while the database is down (a deploy
+        # during a failover) would give up after that wait and exit. Registration
+        # retries instead, until the database answers or the worker is told to stop.
+        self.pool.open()
         try:
             self._with_retry(lambda: self._register())
         except ConfigurationError:
             self.pool.close()
             raise
+        if self.stopping.is_set() and self.maintenance.registered_at is None:
+            self.pool.close()  # stopped before the database ever answered: nothing claimed, nothing to hand back
+            self.stopped.set()
+            return
         for _ in range(self.config.concurrency):
             self._start_slot()
         self.completer.start()
@@ -466,7 +475,8 @@ class Worker:
             self._shutdown()
 
     def _register(self) -> None:
-        with self.pool.connection() as conn:
+        # A short wait per try, so a stop during an outage is not held up by it.
+        with self.pool.connection(timeout=REGISTER_WAIT_SECONDS) as conn:
             if not migrator.is_current(conn):
                 raise ConfigurationError("the database schema is not up to date: run `relay migrate` first")
             self.maintenance.registered_at = register(conn, self.id, self.config.queues, self.config.concurrency)

@@ -7,7 +7,7 @@ import contextlib
 import socket
 import threading
 import time
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 
 import psycopg
 import pytest
@@ -625,6 +625,31 @@ def test_a_run_whose_job_this_worker_claims_again_is_told_its_lease_is_lost(
     first, second = (runs[token] for token in sorted(runs))
     assert first["told"], "the first run was never told that its lease was lost"
     assert first["end"] < second["start"] + 1.0, "the first run went on beside the second"
+
+
+def test_a_prefetched_job_this_worker_claims_again_runs_under_its_new_claim(dsn: str) -> None:
+    """A prefetched job's lease ran out before a slot took it, the sweeper returned it and this
+    worker claimed it again: both claims sit in the inbox. The earlier one must be dropped and
+    the newer one run; binding the earlier one removed the newer claim's entry, so it never ran
+    and nothing renewed its lease."""
+    worker = Worker(dsn, {}, WorkerConfig(concurrency=1, listen=False))
+    now = datetime.now(UTC)
+
+    def claim(token: int) -> Job:
+        return Job(
+            id=7, type="t", queue="default", priority=0, payload={}, attempt=token,
+            max_attempts=5, lease_token=token, run_at=now, created_at=now,
+        )  # fmt: skip
+
+    earlier, newer = claim(1), claim(2)
+    worker._dispatch([earlier])
+    worker._dispatch([newer])
+    assert earlier.lease_lost and not newer.lease_lost
+    slot = Slot(0)
+    assert worker._bind(slot, earlier) is False
+    assert worker._bind(slot, newer) is True
+    assert worker.held_leases() == {7: 2}
+    assert worker.in_flight() == 1
 
 
 def test_leases_are_renewed_while_handlers_hold_every_pooled_connection(relay: Relay, db: psycopg.Connection) -> None:

@@ -150,10 +150,11 @@ class Worker:
     def held_leases(self) -> dict[int, int]:
         """Every lease this worker must keep alive: running, overdue or awaiting its write."""
         with self._lock:
-            held = {jid: r.job.lease_token for jid, r in self._running.items()}
-            held.update((jid, r.job.lease_token) for jid, (r, _) in self._overdue.items())
-            held.update(self._awaiting_write)
+            held = dict(self._awaiting_write)
             held.update(self._closing)
+            held.update((jid, r.job.lease_token) for jid, (r, _) in self._overdue.items())
+            # Last, so a job claimed again has its newest lease renewed, not the earlier run's.
+            held.update((jid, r.job.lease_token) for jid, r in self._running.items())
             return held
 
     def _on_written(self, batch: list[Outcome], written: dict[int, str]) -> None:
@@ -350,7 +351,9 @@ class Worker:
         now = time.monotonic()
         with self._lock:
             running = self._running.get(job.id)
-            if running is None:
+            if running is None or running.job is not job:
+                # Handed back, or an earlier claim of a job this worker has claimed again
+                # since: the newer claim is bound when it leaves the inbox.
                 return False
             if job.lease_lost:
                 # Prefetched, and taken over by another worker before it started.

@@ -843,3 +843,24 @@ def test_a_worker_stopped_before_the_database_ever_answered_exits_at_once(dsn: s
         assert worker.stopped.is_set()
     finally:
         worker_app.close()
+
+
+def test_a_worker_that_cannot_log_in_says_why_while_it_retries(dsn: str, caplog: pytest.LogCaptureFixture) -> None:
+    worker_app = Relay(conninfo.make_conninfo(dsn, dbname="relay_no_such_database"))
+    worker = worker_app.worker(concurrency=1, listen=False)
+    caplog.set_level("WARNING", logger="relay")
+    thread = threading.Thread(target=worker.run, kwargs={"install_signals": False}, daemon=True)
+    thread.start()
+    try:
+        wait_for(
+            lambda: any(
+                getattr(r, "error", "").endswith('"relay_no_such_database" does not exist') for r in caplog.records
+            ),
+            timeout=15,
+            what="the retry log line to carry the server's reason",
+        )
+    finally:
+        worker.stop()
+        thread.join(10)
+        worker_app.close()
+    assert not thread.is_alive()

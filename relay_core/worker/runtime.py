@@ -494,9 +494,22 @@ class Worker:
                 action()
                 return
             except (psycopg.OperationalError, psycopg.InterfaceError, PoolTimeout) as exc:
-                event(logging.WARNING, "database unreachable; retrying", error=str(exc), retry_in=delay)
+                error = self._connect_error() if isinstance(exc, PoolTimeout) else str(exc)
+                event(logging.WARNING, "database unreachable; retrying", error=error, retry_in=delay)
                 self.stopping.wait(delay)
                 delay = min(delay * 2, 5.0)
+
+    def _connect_error(self) -> str:
+        """Why a connection cannot be made now, in the server's or libpq's words.
+
+        The pool only says it waited in vain; the cause (a refused connection, a
+        database that does not exist, a wrong password) is what an operator needs.
+        """
+        try:
+            psycopg.connect(self.dsn, connect_timeout=REGISTER_WAIT_SECONDS).close()
+        except psycopg.Error as exc:
+            return str(exc)
+        return "no pooled connection became free in time"
 
     def prefetch(self) -> int:
         """How many jobs to hold beyond the slots: the next few, while jobs are short.

@@ -348,7 +348,7 @@ def test_queues_page_shows_depth_wait_and_paused(viewer: DashboardClient, busy: 
         assert f'href="/jobs?queue={queue}">{queue}</a>' in html
     assert html.count('<span class="badge s-paused">paused</span>') == 2
     assert re.search(
-        r'<a id="queue-mail-dead" class="tile hot" href="/jobs\?queue=mail&amp;state=dead">\s*'
+        r'<a id="queue:mail:dead" class="tile hot" href="/jobs\?queue=mail&amp;state=dead">\s*'
         r'<span class="tile-n">1</span>',
         html,
     )

@@ -21,6 +21,8 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from .logs import logger
+
 SHUTDOWN_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
@@ -28,12 +30,14 @@ class ShutdownSignals:
     """The installed handlers; :meth:`close` puts the previous ones back."""
 
     def __init__(self, callback: Callable[[int], None], signums: tuple[int, ...] = SHUTDOWN_SIGNALS) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            raise RuntimeError("signal handlers can only be installed from the main thread")
         self._callback = callback
         self._read_fd, self._write_fd = os.pipe()
         os.set_blocking(self._write_fd, False)
+        self._previous: dict[int, Any] = {signum: signal.signal(signum, self._handle) for signum in signums}
         self._watcher = threading.Thread(target=self._watch, name="relay-signals", daemon=True)
         self._watcher.start()
-        self._previous: dict[int, Any] = {signum: signal.signal(signum, self._handle) for signum in signums}
 
     def _handle(self, signum: int, _frame: object) -> None:
         # No locks here: a write to a pipe is all the main thread does.
@@ -47,7 +51,10 @@ class ShutdownSignals:
                 os.close(self._read_fd)
                 return
             for signum in received:
-                self._callback(signum)
+                try:
+                    self._callback(signum)
+                except Exception:  # one failed callback must not leave later signals unheard
+                    logger.exception("shutdown signal handler failed", extra={"signal": signum})
 
     def close(self) -> None:
         """Restore the previous handlers and stop the watcher."""

@@ -34,8 +34,9 @@ def database_url(explicit: str | None = None) -> str:
     except psycopg.ProgrammingError as exc:
         # Here, not at the first connection: a pool would log libpq's message,
         # quoted password and all, on every attempt, and the worker would run on.
-        source = "given" if explicit else "in RELAY_DATABASE_URL or DATABASE_URL"
-        raise ConfigurationError(f"the database URL {source} cannot be read: {_redact(exc)}") from None
+        raise ConfigurationError(
+            f"the database URL (DATABASE_URL or RELAY_DATABASE_URL) cannot be read: {_redact(exc)}"
+        ) from None
     return dsn
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 import subprocess
@@ -110,3 +111,49 @@ def call(method: str, url: str, body: Any = None, token: str | None = None) -> t
         return exc.code, json.loads(raw) if raw else None
     except OSError:
         return 0, None
+
+
+class TcpProxy:
+    """A TCP proxy in front of the test PostgreSQL, listening on ``listen_port`` (else a free port).
+
+    Clearing ``flowing`` stops it passing bytes while every connection stays
+    open: a database that stalls rather than refuses.
+    """
+
+    def __init__(self, host: str, port: int, listen_port: int = 0) -> None:
+        self.upstream = (host, port)
+        self.flowing = threading.Event()
+        self.flowing.set()
+        self.sockets: list[socket.socket] = []
+        self.server = socket.create_server(("127.0.0.1", listen_port))
+        self.port = self.server.getsockname()[1]
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.server.accept()
+            except OSError:
+                return
+            upstream = socket.create_connection(self.upstream)
+            self.sockets += [client, upstream]
+            for src, dst in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pipe, args=(src, dst), daemon=True).start()
+
+    def _pipe(self, src: socket.socket, dst: socket.socket) -> None:
+        try:
+            while data := src.recv(65536):
+                self.flowing.wait()
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for sock in (src, dst):
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)
+
+    def close(self) -> None:
+        self.flowing.set()
+        self.server.close()
+        for sock in self.sockets:
+            sock.close()

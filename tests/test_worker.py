@@ -3,8 +3,6 @@ timeouts, scheduling, priorities, queues, heartbeats, the registry, wake-ups."""
 
 from __future__ import annotations
 
-import contextlib
-import socket
 import threading
 import time
 from datetime import UTC, datetime, timedelta
@@ -19,7 +17,7 @@ from relay_core.worker.config import WorkerConfig
 from relay_core.worker.maintenance import sweep_once
 from relay_core.worker.runtime import Slot
 
-from .helpers import free_port, job_status, running_worker, wait_for
+from .helpers import TcpProxy, free_port, job_status, running_worker, wait_for
 
 FAST = Backoff(base=0.05, factor=2, cap=1, jitter=0)
 
@@ -749,36 +747,6 @@ def test_a_huge_backoff_factor_reaches_the_cap_instead_of_overflowing() -> None:
     assert Backoff(base=2.0, factor=1e6, cap=3600, jitter=0).delay(64) == 3600
 
 
-class Forwarder:
-    """A TCP port that forwards every connection to PostgreSQL: the database 'coming up' on it."""
-
-    def __init__(self, port: int, target: tuple[str, int]) -> None:
-        self.target = target
-        self.server = socket.create_server(("127.0.0.1", port))
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                client, _ = self.server.accept()
-            except OSError:
-                return
-            upstream = socket.create_connection(self.target)
-            for src, dst in ((client, upstream), (upstream, client)):
-                threading.Thread(target=self._pump, args=(src, dst), daemon=True).start()
-
-    @staticmethod
-    def _pump(src: socket.socket, dst: socket.socket) -> None:
-        with contextlib.suppress(OSError):
-            while data := src.recv(65536):
-                dst.sendall(data)
-        with contextlib.suppress(OSError):
-            dst.shutdown(socket.SHUT_WR)
-
-    def close(self) -> None:
-        self.server.close()
-
-
 def test_a_worker_started_while_the_database_is_down_waits_for_it_then_works(
     dsn: str, relay: Relay, db: psycopg.Connection, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -812,7 +780,7 @@ def test_a_worker_started_while_the_database_is_down_waits_for_it_then_works(
         )
         assert not failures, failures
         assert thread.is_alive()
-        forwarder = Forwarder(port, (params.get("host", "127.0.0.1"), int(params.get("port", 5432))))
+        forwarder = TcpProxy(str(params.get("host", "127.0.0.1")), int(params.get("port", 5432)), listen_port=port)
         job_id = relay.enqueue("echo", {})
         wait_for(
             lambda: job_status(db, job_id) == "succeeded", timeout=30, what="the job to run once the database is up"

@@ -7,8 +7,6 @@ timeout can fire then, so only the client can give up.
 
 from __future__ import annotations
 
-import contextlib
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -16,58 +14,17 @@ from collections.abc import Iterator
 import pytest
 from psycopg import conninfo
 
+from ..helpers import TcpProxy
 from .helpers import assert_problem
 
 
-class StallingProxy:
-    """A TCP proxy in front of the test PostgreSQL that can stop passing bytes, keeping every connection open."""
-
-    def __init__(self, host: str, port: int) -> None:
-        self.upstream = (host, port)
-        self.flowing = threading.Event()
-        self.flowing.set()
-        self.sockets: list[socket.socket] = []
-        self.server = socket.create_server(("127.0.0.1", 0))
-        self.port = self.server.getsockname()[1]
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                client, _ = self.server.accept()
-            except OSError:
-                return
-            upstream = socket.create_connection(self.upstream)
-            self.sockets += [client, upstream]
-            for src, dst in ((client, upstream), (upstream, client)):
-                threading.Thread(target=self._pipe, args=(src, dst), daemon=True).start()
-
-    def _pipe(self, src: socket.socket, dst: socket.socket) -> None:
-        try:
-            while data := src.recv(65536):
-                self.flowing.wait()
-                dst.sendall(data)
-        except OSError:
-            pass
-        finally:
-            for sock in (src, dst):
-                with contextlib.suppress(OSError):
-                    sock.shutdown(socket.SHUT_RDWR)
-
-    def close(self) -> None:
-        self.flowing.set()
-        self.server.close()
-        for sock in self.sockets:
-            sock.close()
-
-
 @pytest.fixture
-def proxy(dsn: str) -> Iterator[StallingProxy]:
+def proxy(dsn: str) -> Iterator[TcpProxy]:
     params = conninfo.conninfo_to_dict(dsn)
     host = str(params.get("host") or "")
     if not host or host.startswith("/"):
         pytest.skip("needs a PostgreSQL reached over TCP")
-    stalling = StallingProxy(host, int(params.get("port") or 5432))
+    stalling = TcpProxy(host, int(params.get("port") or 5432))
     yield stalling
     stalling.close()
 
@@ -85,7 +42,7 @@ def _get(client, path: str, within: float) -> tuple[object, float]:
 
 @pytest.mark.parametrize("path", ["/readyz", "/metrics"])
 def test_a_stalled_database_is_a_503_within_the_timeouts_and_the_app_recovers(
-    make_app, dsn: str, proxy: StallingProxy, path: str
+    make_app, dsn: str, proxy: TcpProxy, path: str
 ) -> None:
     stalled_dsn = conninfo.make_conninfo(dsn, host="127.0.0.1", port=proxy.port)
     app = make_app(RELAY_DATABASE_URL=stalled_dsn, RELAY_DB_WAIT_SECONDS=1, RELAY_STATEMENT_TIMEOUT_MS=1000)

@@ -145,7 +145,12 @@ def _parse_payload(text: str) -> object:
 @click.option("--run-at", default=None, help="ISO 8601 time with a UTC offset, e.g. 2030-01-01T09:00:00+00:00.")
 @click.option("--queue", default="default", show_default=True)
 @click.option("--priority", type=int, default=0, show_default=True, help="Lower runs first.")
-@click.option("--max-attempts", type=int, default=None)
+@click.option(
+    "--max-attempts",
+    type=int,
+    default=None,
+    help="Default: the handler's max_attempts as workers published it for TYPE, else 20.",
+)
 @click.option("--idempotency-key", default=None)
 def enqueue(
     job_type: str,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import replace
 from datetime import datetime
 from typing import Any
 
@@ -152,6 +153,8 @@ class Relay:
         max_attempts: int | None,
         idempotency_key: str | None,
     ) -> NewJob:
+        # Without a local handler, the default stands in until _with_published
+        # replaces it by what workers published for the type, if anything.
         if max_attempts is None:
             spec = self.handlers.get(job_type) if isinstance(job_type, str) else None
             max_attempts = spec.max_attempts if spec else self.default_max_attempts
@@ -185,20 +188,47 @@ class Relay:
         job. Without it, the job is committed before this returns. A second
         enqueue with the same ``idempotency_key`` inserts nothing and returns
         the first job's id.
+
+        Without ``max_attempts``, the job gets the ``max_attempts`` of this
+        Relay's handler for the type; with no such handler, the one workers
+        published for the type (one more statement, on the insert's
+        connection), else ``default_max_attempts``.
         """
         job = self._validated(
             job_type, {} if payload is None else payload, queue, priority, run_at, max_attempts, idempotency_key
         )
+        unresolved = max_attempts is None and job.type not in self.handlers
         if conn is not None:
+            if unresolved:
+                job = self._with_published(conn, [job], [True])[0]
             return self._insert(conn, job)
         pool = self.pool
         # The pool's connections are autocommit (see ``pool``), so the insert is
         # its own transaction and there is nothing to commit before returning it.
         own = pool.getconn()
         try:
+            if unresolved:
+                job = self._with_published(own, [job], [True])[0]
             return self._insert(own, job)
         finally:
             pool.putconn(own)
+
+    def _with_published(self, conn: Any, jobs: list[NewJob], unresolved: list[bool]) -> list[NewJob]:
+        """``jobs`` where each ``unresolved`` one takes the max_attempts workers published for its type.
+
+        One statement for all the types, on the connection of the insert that
+        follows (a caller's ``conn``: in its transaction); a type nothing was
+        published for keeps ``default_max_attempts``.
+        """
+        types = sorted({job.type for job, open_ in zip(jobs, unresolved, strict=True) if open_})
+        if not types:
+            return jobs
+        rows = fetch_all(conn, sql("job_type_max_attempts_many"), {"types": types})
+        published = {row["type"]: row["max_attempts"] for row in rows}
+        return [
+            replace(job, max_attempts=published[job.type]) if open_ and job.type in published else job
+            for job, open_ in zip(jobs, unresolved, strict=True)
+        ]
 
     def _insert(self, conn: Any, job: NewJob) -> int:
         params = job.params()
@@ -228,10 +258,12 @@ class Relay:
         (None or absent is stored as ``{}``, as by :meth:`enqueue`),
         ``queue``, ``priority``, ``run_at``, ``max_attempts`` and
         ``idempotency_key``. Every item is validated first: one bad item
-        means nothing is written. ``conn`` works as in :meth:`enqueue`.
+        means nothing is written. ``conn`` and a missing ``max_attempts``
+        work as in :meth:`enqueue` (one lookup for all the types that need it).
         """
         allowed = {"type", "payload", "queue", "priority", "run_at", "max_attempts", "idempotency_key"}
         validated: list[NewJob] = []
+        unresolved: list[bool] = []
         for index, item in enumerate(jobs):
             unknown = set(item) - allowed
             if unknown:
@@ -250,12 +282,13 @@ class Relay:
                 )
             except InvalidJobError as exc:
                 raise InvalidJobError(f"jobs[{index}].{exc.field}", exc.message) from None
+            unresolved.append(item.get("max_attempts") is None and validated[-1].type not in self.handlers)
         if not validated:
             return []
         if conn is not None:
-            return self._insert_many(conn, validated)
-        with self.pool.connection() as own:  # autocommit: one statement, its own transaction
-            return self._insert_many(own, validated)
+            return self._insert_many(conn, self._with_published(conn, validated, unresolved))
+        with self.pool.connection() as own:  # autocommit: the insert is one statement, its own transaction
+            return self._insert_many(own, self._with_published(own, validated, unresolved))
 
     def _insert_many(self, conn: Any, jobs: list[NewJob]) -> list[int]:
         first = jobs[0]

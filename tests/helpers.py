@@ -56,6 +56,32 @@ def running_worker(relay: Relay, **settings: object) -> Iterator[Worker]:
         assert not thread.is_alive(), "worker did not stop"
 
 
+def publish_handlers(dsn: str, **max_attempts: int) -> None:
+    """Run a real worker whose handlers declare these ``max_attempts`` until it has published them, then stop it.
+
+    What a deployed worker leaves behind for ``relay enqueue``, the admin API
+    and services that enqueue without registering handlers.
+    """
+    app = Relay(dsn)
+    for job_type, attempts in max_attempts.items():
+        app.handler(job_type, max_attempts=attempts)(lambda job: None)
+    wanted = sorted(max_attempts.items())
+    try:
+        with running_worker(app), psycopg.connect(dsn, autocommit=True) as conn:
+            wait_for(
+                lambda: (
+                    conn.execute(
+                        "SELECT type, max_attempts FROM relay.job_types WHERE type = ANY(%s) ORDER BY type",
+                        (list(max_attempts),),
+                    ).fetchall()
+                    == wanted
+                ),
+                what=f"max_attempts published: {wanted}",
+            )
+    finally:
+        app.close()
+
+
 def job_status(conn: psycopg.Connection, job_id: int) -> str:
     """The status of one job."""
     row = conn.execute("SELECT status::text FROM relay.jobs WHERE id = %s", (job_id,)).fetchone()

@@ -15,7 +15,7 @@ from psycopg import conninfo
 from relay_core import logs
 from relay_core.cli import main
 
-from .helpers import ROOT
+from .helpers import ROOT, publish_handlers
 
 
 @pytest.fixture
@@ -38,6 +38,20 @@ def test_enqueue_prints_the_new_job_id(enqueue, db: psycopg.Connection) -> None:
     row = db.execute("SELECT type, payload, run_at FROM relay.jobs WHERE id = %s", (job_id,)).fetchone()
     assert row[0] == "send_email" and row[1] == {"to": "a@b.c"}
     assert row[2].isoformat().startswith("2030-01-01T07:00:00")
+
+
+def test_enqueue_takes_the_max_attempts_workers_published_unless_given_one(
+    enqueue, dsn: str, db: psycopg.Connection
+) -> None:
+    """The CLI loads no handlers: a job of a type a worker registered gets that handler's max_attempts."""
+    publish_handlers(dsn, send_email=3)
+    ids = [
+        int(enqueue("send_email", '{"to": "a@b.c"}').output),
+        int(enqueue("send_email", "{}", "--max-attempts", "6").output),
+        int(enqueue("resize_image").output),
+    ]
+    rows = db.execute("SELECT max_attempts FROM relay.jobs WHERE id = ANY(%s) ORDER BY id", (ids,)).fetchall()
+    assert [r[0] for r in rows] == [3, 6, 20]
 
 
 @pytest.mark.parametrize(

@@ -14,7 +14,7 @@ from sqlalchemy.orm import Session
 
 from relay_core import ConfigurationError, IllegalTransition, InvalidJobError, Relay
 
-from .helpers import job_status
+from .helpers import job_status, publish_handlers
 
 
 def job_count(db: psycopg.Connection) -> int:
@@ -103,6 +103,7 @@ class CountingCursor(psycopg.Cursor):
 
 
 def test_enqueue_many_inserts_thousands_in_one_statement(relay: Relay, dsn: str, db: psycopg.Connection) -> None:
+    relay.handler("bulk")(lambda job: None)  # its max_attempts is known here: nothing to look up
     jobs = [{"type": "bulk", "payload": {"n": n}} for n in range(5000)]
     CountingCursor.executed = []
     with psycopg.connect(dsn, cursor_factory=CountingCursor) as conn:
@@ -393,3 +394,134 @@ def test_times_read_back_whatever_the_servers_time_zone(
         assert tokyo.get_job(job_id).run_at == late
     finally:
         tokyo.close()
+
+
+# -- max_attempts of types the enqueuing Relay has no handler for -------------------------------
+
+
+def stored_attempts(db: psycopg.Connection, ids: list[int]) -> list[int]:
+    rows = dict(db.execute("SELECT id, max_attempts FROM relay.jobs WHERE id = ANY(%s)", (ids,)).fetchall())
+    return [rows[i] for i in ids]
+
+
+@pytest.fixture
+def lookups(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The types of every max_attempts lookup an enqueue sends (the statements still run on PostgreSQL)."""
+    from relay_core import client
+    from relay_core.queries import sql
+
+    seen: list[str] = []
+    real = client.fetch_all
+
+    def counting(conn, text, params):  # type: ignore[no-untyped-def]
+        if text == sql("job_type_max_attempts_many"):
+            seen.append(",".join(params["types"]))
+        return real(conn, text, params)
+
+    monkeypatch.setattr(client, "fetch_all", counting)
+    return seen
+
+
+def test_a_relay_without_the_handler_takes_the_max_attempts_workers_published(
+    dsn: str, db: psycopg.Connection, lookups: list[str]
+) -> None:
+    publish_handlers(dsn, send_email=3)
+    bare = Relay(dsn)  # like a web process or script that only enqueues: no handlers registered
+    try:
+        own = bare.enqueue("send_email", {"to": "a@b.c"})
+        with psycopg.connect(dsn) as conn, conn.transaction():
+            joined = bare.enqueue("send_email", conn=conn)
+        with Session(sa_engine(dsn)) as session, session.begin():
+            via_sqlalchemy = bare.enqueue("send_email", conn=session)
+        keyed = bare.enqueue("send_email", idempotency_key="k1")
+        explicit = bare.enqueue("send_email", max_attempts=7)
+        nothing_published = bare.enqueue("resize_image")
+        assert stored_attempts(db, [own, joined, via_sqlalchemy, keyed, explicit, nothing_published]) == [
+            3,
+            3,
+            3,
+            3,
+            7,
+            20,
+        ]
+        assert lookups == ["send_email"] * 4 + ["resize_image"]
+    finally:
+        bare.close()
+    other_default = Relay(dsn, default_max_attempts=9)
+    try:
+        ids = [other_default.enqueue("send_email"), other_default.enqueue("resize_image")]
+        assert stored_attempts(db, ids) == [3, 9]
+    finally:
+        other_default.close()
+
+
+def test_a_local_handler_or_an_explicit_value_never_looks_up_what_workers_published(
+    dsn: str, db: psycopg.Connection, lookups: list[str]
+) -> None:
+    publish_handlers(dsn, send_email=3, resize_image=4)
+    local = Relay(dsn)
+    local.handler("send_email", max_attempts=5)(lambda job: None)
+    try:
+        with psycopg.connect(dsn, autocommit=True) as locker, locker.transaction():
+            # No statement that reads relay.job_types can run while this lock is held.
+            locker.execute("LOCK TABLE relay.job_types IN ACCESS EXCLUSIVE MODE")
+            with psycopg.connect(dsn) as conn:
+                conn.execute("SET lock_timeout = '500ms'")
+                ids = [
+                    local.enqueue("send_email", conn=conn),
+                    local.enqueue("resize_image", conn=conn, max_attempts=2),
+                    *local.enqueue_many(
+                        [{"type": "send_email"}, {"type": "resize_image", "max_attempts": 6}], conn=conn
+                    ),
+                ]
+                conn.commit()
+                with pytest.raises(psycopg.errors.LockNotAvailable):
+                    local.enqueue("resize_image", conn=conn)  # the lookup runs on the caller's connection
+        assert lookups == ["resize_image"]
+        assert stored_attempts(db, ids) == [5, 2, 5, 6]
+        assert job_count(db) == 4
+    finally:
+        local.close()
+
+
+def test_enqueue_many_looks_up_every_unknown_type_in_one_statement(
+    dsn: str, db: psycopg.Connection, lookups: list[str]
+) -> None:
+    publish_handlers(dsn, send_email=3, resize_image=4)
+    local = Relay(dsn)
+    local.handler("charge_card", max_attempts=5)(lambda job: None)
+    try:
+        CountingCursor.executed = []
+        with psycopg.connect(dsn, cursor_factory=CountingCursor) as conn:
+            ids = local.enqueue_many(
+                [
+                    {"type": "charge_card"},
+                    {"type": "send_email"},
+                    {"type": "resize_image", "idempotency_key": "r1"},
+                    {"type": "send_email", "max_attempts": 8},
+                    {"type": "never_published"},
+                    {"type": "never_published", "max_attempts": 2},
+                    {"type": "send_email"},
+                ],
+                conn=conn,
+            )
+            conn.commit()
+        # The lookup, then the insert: on the caller's connection, in its transaction.
+        assert [q.split()[0] for q in CountingCursor.executed] == ["SELECT", "WITH"], CountingCursor.executed
+        assert stored_attempts(db, ids) == [5, 3, 4, 8, 20, 2, 3]
+        assert lookups == ["never_published,resize_image,send_email"]
+        with psycopg.connect(dsn) as conn, conn.transaction():
+            alike = local.enqueue_many([{"type": "resize_image", "payload": {"n": n}} for n in range(3)], conn=conn)
+        assert stored_attempts(db, alike) == [4, 4, 4]
+        assert local.enqueue_many([{"type": "charge_card"}, {"type": "send_email", "max_attempts": 1}]) != []
+        assert len(lookups) == 2
+    finally:
+        local.close()
+
+
+def test_a_worker_registering_another_max_attempts_replaces_the_published_one(
+    dsn: str, db: psycopg.Connection, relay: Relay
+) -> None:
+    publish_handlers(dsn, send_email=3)
+    publish_handlers(dsn, send_email=6)
+    assert stored_attempts(db, [relay.enqueue("send_email")]) == [6]

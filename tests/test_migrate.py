@@ -8,7 +8,10 @@ import uuid
 import psycopg
 from psycopg import conninfo
 
+from relay_core import Relay
 from relay_core import migrate as migrator
+
+from .helpers import publish_handlers
 
 
 def fresh_database(server_dsn: str) -> str:
@@ -98,5 +101,29 @@ def test_schedules_of_an_existing_database_keep_their_last_run(database_url: str
                 "FROM relay.schedules ORDER BY type"
             ).fetchall()
         assert rows == [("monthly", None, None, True), ("nightly", True, newest, False)]
+    finally:
+        drop_database(dsn)
+
+
+def test_an_existing_database_gets_the_table_workers_publish_max_attempts_to(database_url: str) -> None:
+    """Migration 0010 adds relay.job_types and leaves existing jobs as they were; afterwards a
+    worker publishes its handlers' max_attempts there and a handler-less enqueue reads them."""
+    dsn = fresh_database(database_url)
+    try:
+        migrate_to(dsn, 9)
+        with psycopg.connect(dsn) as conn:
+            (old,) = conn.execute(
+                "INSERT INTO relay.jobs (status, type, payload) VALUES ('queued', 'send_email', '{}') RETURNING id"
+            ).fetchone()
+        assert migrator.migrate(dsn) == ["0010_job_types"]
+        publish_handlers(dsn, send_email=3)
+        bare = Relay(dsn)
+        try:
+            new = bare.enqueue("send_email")
+        finally:
+            bare.close()
+        with psycopg.connect(dsn) as conn:
+            rows = conn.execute("SELECT id, max_attempts FROM relay.jobs ORDER BY id").fetchall()
+        assert rows == [(old, 20), (new, 3)]
     finally:
         drop_database(dsn)

@@ -37,6 +37,14 @@ WHERE (relay.type_limits.max_running, relay.type_limits.rate_limit, relay.type_l
 -- A worker's handler for a type declares no limits any more.
 DELETE FROM relay.type_limits WHERE type = %(type)s;
 
+-- name: job_type_upsert
+-- A worker publishes the max_attempts its handler declares for a type.
+INSERT INTO relay.job_types (type, max_attempts, updated_at)
+VALUES (%(type)s, %(max_attempts)s, now())
+ON CONFLICT (type) DO UPDATE
+SET max_attempts = excluded.max_attempts, updated_at = now()
+WHERE relay.job_types.max_attempts IS DISTINCT FROM excluded.max_attempts;
+
 -- name: type_limit_list
 -- Every declared limit with the jobs of that type running now.
 SELECT l.type, l.max_running, l.rate_limit, l.rate_period_seconds,

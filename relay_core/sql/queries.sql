@@ -80,6 +80,11 @@ FROM inserted;
 -- Resolve many idempotency keys to the jobs that hold them.
 SELECT idempotency_key, id FROM relay.jobs WHERE idempotency_key = ANY(%(idempotency_keys)s::text[]);
 
+-- name: job_type_max_attempts_many
+-- The max_attempts workers published for the types of an enqueue that gave
+-- none and whose own Relay has no handler for them; run on the insert's connection.
+SELECT type, max_attempts FROM relay.job_types WHERE type = ANY(%(types)s::text[]);
+
 -- name: job_claim
 -- THE CLAIM. Take up to %(limit)s runnable jobs from the worker's unpaused
 -- queues in one statement: for each queue walk jobs_runnable_idx in

@@ -1,4 +1,5 @@
-"""Publishing handler limits where the claim query reads them."""
+"""Publishing what handlers declare per type where others read it: limits for
+the claim query, max_attempts for enqueues that have no handler for the type."""
 
 from __future__ import annotations
 
@@ -30,6 +31,18 @@ def publish(conn: psycopg.Connection, specs: Iterable[HandlerSpec]) -> bool:
             conn.execute(sql("type_limit_delete"), {"type": spec.type})
     conn.commit()
     return limited
+
+
+def publish_max_attempts(conn: psycopg.Connection, specs: Iterable[HandlerSpec]) -> None:
+    """Write each handler's ``max_attempts`` to ``relay.job_types``.
+
+    ``relay enqueue``, the admin API and services that only enqueue load no
+    handlers; they read this, so their jobs get the attempts the handler's
+    author chose rather than their Relay's default.
+    """
+    for spec in specs:
+        conn.execute(sql("job_type_upsert"), {"type": spec.type, "max_attempts": spec.max_attempts})
+    conn.commit()
 
 
 def forget_old_starts(conn: psycopg.Connection) -> None:

@@ -169,7 +169,10 @@ class EnqueueBody(BodyRecord):
     run_at: AwareDatetime | None = Field(default=None, description="Earliest run time, with a UTC offset; now if null.")
     queue: QueueName = "default"
     priority: Priority = Field(default=0, description="Lower runs first.")
-    max_attempts: MaxAttempts | None = Field(default=None, description="Default: 20.")
+    max_attempts: MaxAttempts | None = Field(
+        default=None,
+        description="Default: the handler's max_attempts as workers published it for the type, else 20.",
+    )
 
     @field_validator("payload")
     @classmethod

@@ -12,6 +12,7 @@ import pytest
 from relay_core import Relay
 from relay_core.validation import QUEUE_NAME
 
+from ..helpers import publish_handlers
 from .helpers import assert_problem
 from .states import make_claimed, make_dead, make_succeeded
 
@@ -254,6 +255,21 @@ def test_enqueue_over_http(client, admin, relay: Relay) -> None:
     stored = relay.get_job(job["id"])
     assert (stored.type, stored.queue, stored.priority, stored.max_attempts) == ("send_email", "mail", -5, 3)
     assert stored.run_at.isoformat().startswith("2030-01-01T07:00:00")
+
+
+def test_enqueue_over_http_takes_the_max_attempts_workers_published(client, admin, dsn: str, relay: Relay) -> None:
+    """The web app loads no handlers: a job of a type a worker registered gets that handler's max_attempts."""
+    publish_handlers(dsn, send_email=3)
+    sent = [
+        {"type": "send_email", "payload": {"to": "a@b.c"}},
+        {"type": "send_email", "max_attempts": 4},
+        {"type": "send_email", "max_attempts": None},
+        {"type": "resize_image"},
+    ]
+    answers = [client.post("/api/admin/jobs", headers=admin, json=body) for body in sent]
+    assert [a.status_code for a in answers] == [201] * 4
+    assert [a.get_json()["max_attempts"] for a in answers] == [3, 4, 3, 20]
+    assert [relay.get_job(a.get_json()["id"]).max_attempts for a in answers] == [3, 4, 3, 20]
 
 
 def test_idempotency_key_returns_the_first_job(client, admin, db) -> None:

@@ -832,3 +832,40 @@ def test_a_worker_that_cannot_log_in_says_why_while_it_retries(dsn: str, caplog:
         thread.join(10)
         worker_app.close()
     assert not thread.is_alive()
+
+
+def test_a_handler_hears_its_lease_ran_out_while_the_database_stalls(dsn: str, relay: Relay) -> None:
+    """Every connection of the worker hangs (the database stalls, or the network drops packets):
+    heartbeats cannot renew, the lease runs out in the database, and another worker's sweeper would
+    start the job again. The handler must hear ``lease_lost`` by then, from the worker's own clock."""
+    params = conninfo.conninfo_to_dict(dsn)
+    proxy = TcpProxy(str(params.get("host", "127.0.0.1")), int(params.get("port", 5432)))
+    through = Relay(conninfo.make_conninfo(dsn, host="127.0.0.1", port=str(proxy.port)))
+    started, told = threading.Event(), threading.Event()
+
+    @through.handler("long")
+    def long_job(job: Job) -> None:
+        started.set()
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and not job.lease_lost:
+            time.sleep(0.02)
+        if job.lease_lost:
+            told.set()
+
+    relay.enqueue("long")
+    settings = {"lease_seconds": 2.0, "heartbeat_interval": 0.5, "sweep_interval": 60, "listen": False}
+    try:
+        with running_worker(through, **settings):
+            assert started.wait(15)
+            time.sleep(3)  # longer than the lease: heartbeats keep renewing it
+            assert not told.is_set(), "told to stop while its lease was being renewed"
+            proxy.flowing.clear()
+            stalled = time.monotonic()
+            try:
+                assert told.wait(8), "the handler was never told its lease ran out"
+                assert time.monotonic() - stalled < 3.0  # the lease (2 s) from the last renewal
+            finally:
+                proxy.flowing.set()
+    finally:
+        through.close()
+        proxy.close()

@@ -104,6 +104,7 @@ class Maintenance:
         held_leases: Callable[[], dict[int, int]],
         on_lost: Callable[[dict[int, int]], None],
         on_cancel: Callable[[set[int]], None],
+        on_renewed: Callable[[dict[int, int], float], None] | None = None,
         on_limits: Callable[[bool], None] | None = None,
         in_flight: Callable[[], int],
         check_timeouts: Callable[[], None],
@@ -122,6 +123,7 @@ class Maintenance:
         self._held_leases = held_leases
         self._on_lost = on_lost
         self._on_cancel = on_cancel
+        self._on_renewed = on_renewed
         self._on_limits = on_limits
         self._periodic = periodic
         self._prune = prune
@@ -168,8 +170,10 @@ class Maintenance:
             self._heartbeat_conn = psycopg.connect(self._dsn, connect_timeout=10)
             configure_session(self._heartbeat_conn)
         conn = self._heartbeat_conn
+        held = self._held_leases()
+        sent = time.monotonic()  # the renewed leases run at least lease_seconds from here
         try:
-            lost, cancel = heartbeat_once(conn, self._held_leases(), self._lease_seconds)
+            lost, cancel = heartbeat_once(conn, held, self._lease_seconds)
             conn.execute(
                 sql("worker_heartbeat"),
                 {"id": self._worker_id, "started_at": self.registered_at, "in_flight": self._in_flight()},
@@ -178,6 +182,8 @@ class Maintenance:
         except psycopg.Error:
             conn.close()  # reconnect next time rather than reuse a connection in an unknown state
             raise
+        if self._on_renewed is not None:
+            self._on_renewed({jid: token for jid, token in held.items() if jid not in lost}, sent)
         if lost:
             self._on_lost(lost)
         if cancel:

@@ -53,6 +53,8 @@ MAX_PREFETCH_PER_SLOT = 16
 HAND_BACK_GRACE_SECONDS = 2.0
 #: How long one try at registering waits for a connection before it logs and tries again.
 REGISTER_WAIT_SECONDS = 2.0
+#: How often the lease watch compares unrenewed leases with the local clock.
+LEASE_WATCH_SECONDS = 0.2
 
 
 def prefetch_per_slot(typical_run: float) -> int:
@@ -78,6 +80,9 @@ class Running:
     slot: Slot | None = None  # None until a slot thread takes the job
     deadline: float | None = None
     started: float = 0.0
+    #: When the lease surely ran out (monotonic) unless a heartbeat renewed it since:
+    #: counted from before the claim or the renewing heartbeat was sent.
+    lease_expires: float = float("inf")
 
 
 @dataclass
@@ -131,6 +136,7 @@ class Worker:
             held_leases=self.held_leases,
             on_lost=self._on_lost,
             on_cancel=self._on_cancel,
+            on_renewed=self._on_renewed,
             on_limits=self._set_limits_exist,
             in_flight=self.in_flight,
             check_timeouts=self._check_timeouts,
@@ -200,6 +206,35 @@ class Worker:
     def _count(self, counter: str, level: int, message: str, run: Outcome, **fields: object) -> None:
         setattr(self.counters, counter, getattr(self.counters, counter) + 1)
         event(level, message, job_id=run.job.id, type=run.job.type, attempt=run.job.attempt, **fields)
+
+    def _on_renewed(self, renewed: Mapping[int, int], sent: float) -> None:
+        """A heartbeat sent at ``sent`` (monotonic) extended these leases (id -> token)."""
+        expires = sent + self.config.lease_seconds
+        with self._lock:
+            for jid, token in renewed.items():
+                running = self._running.get(jid)
+                if running is not None and running.job.lease_token == token:
+                    running.lease_expires = max(running.lease_expires, expires)
+
+    def _watch_leases(self) -> None:
+        """Tell handlers whose leases ran out unrenewed to stop, by this process's own clock.
+
+        A heartbeat that hangs (a database that stalls, a network path that
+        drops packets) learns nothing until its socket gives up, minutes later,
+        while another worker's sweeper returns the job and runs it again. This
+        thread waits on nothing but a lock, so a handler hears ``lease_lost``
+        once its lease has surely ended even when every connection hangs.
+        """
+        while not self.stopped.wait(LEASE_WATCH_SECONDS):
+            now = time.monotonic()
+            expired: list[Job] = []
+            with self._lock:
+                for running in self._running.values():
+                    if now > running.lease_expires and not running.job._lease_lost.is_set():
+                        running.job._lease_lost.set()
+                        expired.append(running.job)
+            for job in expired:
+                event(logging.WARNING, "lease ran out without a renewal; told the handler to stop", job_id=job.id)
 
     def _on_lost(self, lost: Mapping[int, int]) -> None:
         """Flag the runs whose leases (id -> token) a heartbeat found taken over.
@@ -401,12 +436,14 @@ class Worker:
             job._report = self._report_progress
         return jobs
 
-    def _dispatch(self, jobs: list[Job]) -> None:
+    def _dispatch(self, jobs: list[Job], asked: float | None = None) -> None:
+        """Hand claimed jobs to the slots; ``asked`` is when the claim was sent (monotonic)."""
+        lease_expires = (time.monotonic() if asked is None else asked) + self.config.lease_seconds
         replaced = 0
         with self._lock:
             for job in jobs:
                 replaced += self._drop_earlier_run(job)
-                self._running[job.id] = Running(job)
+                self._running[job.id] = Running(job, lease_expires=lease_expires)
         for _ in range(replaced):
             self._start_slot()  # the earlier run's thread keeps its slot object; the worker gets a fresh one
         for job in jobs:
@@ -463,6 +500,7 @@ class Worker:
             self._start_slot()
         self.completer.start()
         self.maintenance.start()
+        threading.Thread(target=self._watch_leases, name="relay-lease-watch", daemon=True).start()
         if self.listener:
             self.listener.start()
         event(
@@ -538,6 +576,7 @@ class Worker:
                 self.stopping.wait(CLAIM_COALESCE_SECONDS)
                 free = capacity - self.in_flight()
             self._wake.clear()
+            asked = time.monotonic()
             try:
                 jobs = self.claim(free)
                 delay = 0.1
@@ -547,7 +586,7 @@ class Worker:
                 delay = min(delay * 2, 5.0)
                 continue
             if jobs:
-                self._dispatch(jobs)
+                self._dispatch(jobs, asked)
             if len(jobs) < free:
                 self._wake.wait(self.config.poll_interval)
 

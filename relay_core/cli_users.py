@@ -31,9 +31,6 @@ def connect() -> psycopg.Connection:
         return psycopg.connect(dsn, autocommit=True)
     except psycopg.OperationalError as exc:
         raise click.ClickException(f"cannot connect to the database: {exc}") from None
-    except psycopg.ProgrammingError as exc:
-        # psycopg's word for a connection string it cannot parse.
-        raise click.ClickException(f"the database URL cannot be read: {exc}") from None
 
 
 def _hasher() -> users.PasswordHasher:

@@ -197,7 +197,7 @@ class Relay:
         job = self._validated(
             job_type, {} if payload is None else payload, queue, priority, run_at, max_attempts, idempotency_key
         )
-        unresolved = max_attempts is None and job.type not in self.handlers
+        unresolved = self._takes_published(job, max_attempts)
         if conn is not None:
             if unresolved:
                 job = self._with_published(conn, [job], [True])[0]
@@ -212,6 +212,10 @@ class Relay:
             return self._insert(own, job)
         finally:
             pool.putconn(own)
+
+    def _takes_published(self, job: NewJob, max_attempts: int | None) -> bool:
+        """Whether ``job`` gets the max_attempts workers published: none given and no local handler."""
+        return max_attempts is None and job.type not in self.handlers
 
     def _with_published(self, conn: Any, jobs: list[NewJob], unresolved: list[bool]) -> list[NewJob]:
         """``jobs`` where each ``unresolved`` one takes the max_attempts workers published for its type.
@@ -282,7 +286,7 @@ class Relay:
                 )
             except InvalidJobError as exc:
                 raise InvalidJobError(f"jobs[{index}].{exc.field}", exc.message) from None
-            unresolved.append(item.get("max_attempts") is None and validated[-1].type not in self.handlers)
+            unresolved.append(self._takes_published(validated[-1], item.get("max_attempts")))
         if not validated:
             return []
         if conn is not None:

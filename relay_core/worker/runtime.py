@@ -461,9 +461,8 @@ class Worker:
         in flight and not waited for at shutdown.
         """
         earlier = self._running.get(job.id)
-        overdue = self._overdue.pop(job.id, None)  # the sweeper decided it; the thread's end changes nothing
-        if overdue is not None:
-            overdue[0].job._lease_lost.set()
+        # An overdue run was told to stop at its timeout; the sweeper decided it, so its thread's end changes nothing.
+        self._overdue.pop(job.id, None)
         if earlier is None:
             return 0
         earlier.job._lease_lost.set()

@@ -32,16 +32,13 @@ def _plain_text(value: str) -> str:
 #: The pattern of text without NUL characters, as OpenAPI clients see it.
 NO_NUL = r"^[^\x00]*$"
 
-#: Text without NUL characters or lone surrogates.
-Text = Annotated[str, StringConstraints(pattern=NO_NUL), AfterValidator(_plain_text)]
-
 
 def text(min_length: int, max_length: int) -> Any:
-    """:data:`Text` of ``min_length`` to ``max_length`` characters.
+    """Text of ``min_length`` to ``max_length`` characters, without NUL characters or lone surrogates.
 
     The lengths sit with the string's own constraints: given with ``Field``
-    on top of :data:`Text`'s validator, pydantic checks them after it and
-    counts "items" in its message instead of characters.
+    on top of the validator, pydantic checks them after it and counts
+    "items" in its message instead of characters.
     """
     return Annotated[
         str,

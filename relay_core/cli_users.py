@@ -15,6 +15,7 @@ import psycopg
 
 from . import users
 from .errors import ConfigurationError, RelayError
+from .pools import connection_options
 from .settings import database_url, env_int
 
 #: What a command says when the database has no Relay schema yet.
@@ -25,10 +26,11 @@ def connect() -> psycopg.Connection:
     """An autocommit connection to the configured database; a clear usage error when there is none."""
     try:
         dsn = database_url()
+        options = connection_options()
     except ConfigurationError as exc:
         raise click.ClickException(str(exc)) from None
     try:
-        return psycopg.connect(dsn, autocommit=True)
+        return psycopg.connect(dsn, autocommit=True, **options)
     except psycopg.OperationalError as exc:
         raise click.ClickException(f"cannot connect to the database: {exc}") from None
 

@@ -17,9 +17,9 @@ from .backoff import Backoff
 from .connections import fetch_all, fetch_first_value
 from .errors import InvalidJobError, RelayError
 from .handlers import DEFAULT_MAX_ATTEMPTS, HandlerSpec, make_spec
-from .pools import make_pool
+from .pools import connection_options, make_pool
 from .queries import sql
-from .settings import database_url, env_bool, env_int
+from .settings import database_url, env_bool, env_int, transaction_pooling
 from .validation import DEFAULT_MAX_PAYLOAD_BYTES, NewJob, new_job
 from .worker import Worker, WorkerConfig
 
@@ -54,6 +54,9 @@ class Relay:
         #: PostgreSQL serialises the commits of all notifying transactions, so
         #: many concurrent producers may prefer to let workers poll instead.
         self.notify = env_bool("RELAY_NOTIFY", True) if notify is None else notify
+        #: Whether connections go through a pooler in transaction mode
+        #: (``RELAY_TRANSACTION_POOLING``): nothing prepared, no session settings left behind.
+        self.transaction_pooling = transaction_pooling()
         self.handlers: dict[str, HandlerSpec] = {}
         self._pool: ConnectionPool | None = None
         self._pool_size = pool_size
@@ -408,6 +411,10 @@ class Relay:
         """Run a worker in this process until SIGTERM/SIGINT."""
         self.worker(**settings).run()
 
+    def connection_options(self) -> dict[str, Any]:
+        """psycopg options for a connection of Relay's own (see ``transaction_pooling``)."""
+        return connection_options()
+
     def connect(self) -> psycopg.Connection:
         """A new psycopg connection to Relay's database (the caller closes it)."""
-        return psycopg.connect(self.dsn)
+        return psycopg.connect(self.dsn, **connection_options())

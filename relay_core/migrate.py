@@ -13,6 +13,7 @@ from importlib import resources
 import psycopg
 
 from .errors import MigrationError
+from .pools import connection_options
 
 #: Advisory-lock key shared by every migrator ("relay" as digits, arbitrary but fixed).
 MIGRATION_LOCK_KEY = 7_265_108_721
@@ -76,7 +77,7 @@ def migrate(dsn: str) -> list[str]:
     """
     applied: list[str] = []
     try:
-        with psycopg.connect(dsn) as conn, conn.transaction():
+        with psycopg.connect(dsn, **connection_options()) as conn, conn.transaction():
             conn.execute("SELECT pg_advisory_xact_lock(%s)", (MIGRATION_LOCK_KEY,))
             conn.execute(_CREATE_TABLE)
             for migration in pending(conn):

@@ -17,6 +17,8 @@ from typing import Any
 import psycopg
 from psycopg_pool import ConnectionPool
 
+from .settings import transaction_pooling
+
 #: A connection idle longer than this is checked before it is handed out.
 IDLE_CHECK_SECONDS = 1.0
 
@@ -59,9 +61,19 @@ def make_pool(
         timeout=timeout,
         configure=configure_session,
         check=check_if_idle,
-        kwargs={"autocommit": autocommit},
+        kwargs={"autocommit": autocommit, **connection_options()},
     )
     return pool
+
+
+def connection_options() -> dict[str, Any]:
+    """psycopg options for every connection Relay opens.
+
+    Behind a transaction pooler nothing is prepared: ``prepare_threshold=None``
+    also overrides the ``prepare=True`` of Relay's hot statements. Elsewhere
+    psycopg's defaults hold (those statements are prepared on first use).
+    """
+    return {"prepare_threshold": None} if transaction_pooling() else {}
 
 
 def configure_session(conn: psycopg.Connection) -> None:
@@ -83,7 +95,18 @@ def configure_session(conn: psycopg.Connection) -> None:
     an instant Relay accepts (years 1 to 9999 in UTC) may fall outside what a
     datetime can hold in another zone (9999-12-31 20:00 UTC is year 10000 in
     Tokyo), which would break every listing that shows the job.
+
+    Behind a transaction pooler (``RELAY_TRANSACTION_POOLING``) a session
+    setting would stay on a server connection other clients use next, so only
+    TimeZone is set (PgBouncer tracks it per client and restores each client's
+    own); READ COMMITTED is asked for in every transaction Relay begins
+    instead, and the database's defaults (README) cover the rest.
     """
+    if transaction_pooling():
+        conn.isolation_level = psycopg.IsolationLevel.READ_COMMITTED
+        conn.execute("SET TimeZone = 'UTC'")
+        conn.commit()
+        return
     conn.execute("SET jit = off")
     conn.execute("SET default_transaction_isolation = 'read committed'")
     conn.execute("SET TimeZone = 'UTC'")

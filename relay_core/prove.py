@@ -20,6 +20,7 @@ from psycopg_pool import ConnectionPool
 
 from .client import Relay
 from .job import Job
+from .pools import connection_options
 from .queries import sql
 
 PROOF_QUEUE = "relay_proof"
@@ -34,7 +35,9 @@ def record_execution(job: Job) -> None:
     """Write one executions row for this run (the side effect the audit counts)."""
     global _pool
     if _pool is None:
-        _pool = ConnectionPool(app.dsn, min_size=1, max_size=8, open=True, name="relay-proof")
+        _pool = ConnectionPool(
+            app.dsn, min_size=1, max_size=8, open=True, name="relay-proof", kwargs=connection_options()
+        )
         atexit.register(_pool.close)
     with _pool.connection() as conn:
         conn.execute(
@@ -78,7 +81,7 @@ def run_proof(
     dsn: str, *, workers: int = 3, jobs: int = 5000, concurrency: int = 4, timeout: float = 300.0
 ) -> ProofResult:
     """Enqueue ``jobs`` proof jobs, drain them with ``workers`` processes, audit."""
-    with psycopg.connect(dsn) as conn:
+    with psycopg.connect(dsn, **connection_options()) as conn:
         conn.execute(sql("proof_setup"))
     relay = Relay(dsn)
     try:
@@ -108,7 +111,7 @@ def run_proof(
     started = time.monotonic()
     procs = [subprocess.Popen(command, env=env) for _ in range(workers)]
     try:
-        with psycopg.connect(dsn, autocommit=True) as conn:
+        with psycopg.connect(dsn, autocommit=True, **connection_options()) as conn:
             while time.monotonic() - started < timeout:
                 finished, _succeeded, total = conn.execute(sql("proof_progress")).fetchone()
                 if finished >= total:
@@ -126,7 +129,7 @@ def run_proof(
                 proc.wait(30)
             except subprocess.TimeoutExpired:
                 proc.kill()
-    with psycopg.connect(dsn, autocommit=True) as conn:
+    with psycopg.connect(dsn, autocommit=True, **connection_options()) as conn:
         duplicates = [(r[0], r[1]) for r in conn.execute(sql("proof_duplicates")).fetchall()]
         _finished, succeeded, total = conn.execute(sql("proof_progress")).fetchone()
     return ProofResult(workers, total, duplicates, succeeded, total - succeeded, elapsed)

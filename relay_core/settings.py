@@ -83,3 +83,16 @@ def env_bool(name: str, default: bool) -> bool:
     if value in {"0", "false", "no", "off"}:
         return False
     raise ConfigurationError(f"{name} must be true or false, got {raw!r}")
+
+
+def transaction_pooling() -> bool:
+    """Whether Relay's connections go through a pooler in transaction mode (``RELAY_TRANSACTION_POOLING``).
+
+    PgBouncer in transaction pooling (and poolers like it) hands each
+    transaction whichever server connection is free. State a session leaves
+    behind then belongs to no one: a statement prepared in one transaction is
+    missing, or its name already taken, in the next ("prepared statement
+    "_pg3_0" already exists"), and a session setting lands on a server
+    connection that other clients, the application's own included, use next.
+    """
+    return env_bool("RELAY_TRANSACTION_POOLING", False)

@@ -70,7 +70,13 @@ class Database:
         if isinstance(conn, BoundedConnection):
             conn.answer_timeout = self._answer_timeout
         conn.autocommit = True
-        conn.execute("SELECT set_config('statement_timeout', %s, false)", (str(self._statement_timeout_ms),))
+        if self.relay.transaction_pooling:
+            # A session's statement_timeout would stay on the pooler's server
+            # connection for whoever uses it next (workers, the application);
+            # the answer timeout above still bounds every wait.
+            conn.isolation_level = psycopg.IsolationLevel.READ_COMMITTED
+        else:
+            conn.execute("SELECT set_config('statement_timeout', %s, false)", (str(self._statement_timeout_ms),))
         conn.execute("SELECT set_config('application_name', 'relay-web', false)")
         # Times come back in UTC whatever the server's zone: see relay_core.pools.configure_session.
         conn.execute("SELECT set_config('TimeZone', 'UTC', false)")
@@ -90,6 +96,7 @@ class Database:
                     configure=self._configure,
                     check=ConnectionPool.check_connection,
                     timeout=self._wait,
+                    kwargs=self.relay.connection_options(),
                 )
                 self._pool.open(wait=False)
                 self._pid = os.getpid()

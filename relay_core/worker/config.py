@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 from ..backoff import MAX_DELAY_SECONDS
 from ..errors import ConfigurationError
-from ..settings import env_bool, env_float, env_int
+from ..settings import env_bool, env_float, env_int, transaction_pooling
 from ..validation import InvalidJobError, check_queue
 from .retention import Retention
 
@@ -78,7 +78,8 @@ class WorkerConfig:
             "poll_interval": env_float("RELAY_POLL_INTERVAL", 0.5),
             "sweep_interval": env_float("RELAY_SWEEP_INTERVAL", 5.0),
             "shutdown_timeout": env_float("RELAY_SHUTDOWN_TIMEOUT", 25.0),
-            "listen": env_bool("RELAY_LISTEN", True),
+            # A transaction pooler delivers no notifications: poll unless told otherwise.
+            "listen": env_bool("RELAY_LISTEN", not transaction_pooling()),
             "retention": Retention.from_env() if env_bool("RELAY_PRUNE", True) else None,
             "self_vacuum": env_bool("RELAY_SELF_VACUUM", True),
         }

@@ -14,6 +14,7 @@ from collections.abc import Callable
 import psycopg
 
 from ..logs import event
+from ..pools import connection_options
 
 CHANNEL = "relay_jobs"
 
@@ -43,7 +44,7 @@ class Listener:
         delay = 0.1
         while not self._stop.is_set():
             try:
-                with psycopg.connect(self._dsn, autocommit=True) as conn:
+                with psycopg.connect(self._dsn, autocommit=True, **connection_options()) as conn:
                     conn.execute(f"LISTEN {CHANNEL}")
                     self.connected.set()
                     self._wake()  # anything enqueued while we were not listening

@@ -22,7 +22,7 @@ from psycopg_pool import ConnectionPool, PoolTimeout
 
 from ..logs import event
 from ..monitor import fold_counters
-from ..pools import configure_session
+from ..pools import configure_session, connection_options
 from ..queries import sql
 from .limits import forget_old_starts
 from .retention import hit_cap
@@ -167,7 +167,7 @@ class Maintenance:
         and a heartbeat waiting for one would let the leases expire.
         """
         if self._heartbeat_conn is None or self._heartbeat_conn.closed:
-            self._heartbeat_conn = psycopg.connect(self._dsn, connect_timeout=10)
+            self._heartbeat_conn = psycopg.connect(self._dsn, connect_timeout=10, **connection_options())
             configure_session(self._heartbeat_conn)
         conn = self._heartbeat_conn
         held = self._held_leases()

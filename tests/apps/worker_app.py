@@ -24,7 +24,9 @@ def pool() -> ConnectionPool:
     """A pool for side effects recorded outside the job's completion."""
     global _pool
     if _pool is None:
-        _pool = ConnectionPool(relay.dsn, min_size=1, max_size=8, open=True, name="test-app")
+        _pool = ConnectionPool(
+            relay.dsn, min_size=1, max_size=8, open=True, name="test-app", kwargs=relay.connection_options()
+        )
         atexit.register(_pool.close)
     return _pool
 

@@ -1,0 +1,185 @@
+"""Relay behind a real PgBouncer in transaction pooling (RELAY_TRANSACTION_POOLING=true).
+
+A transaction pooler hands each transaction whichever server connection is
+free, so nothing a Relay connection leaves on a session may matter to the
+next transaction, Relay's or the application's: no prepared statements
+(their names collide across clients), no session settings. The pooler here
+keeps one server connection, so every client shares it and anything left
+behind is seen by the next.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import psycopg
+import pytest
+from psycopg import conninfo
+
+from relay_core import Relay, users
+from relay_core.errors import ConfigurationError
+from relay_core.worker.config import WorkerConfig
+from relay_web import create_app
+
+from .helpers import free_port, running_worker, start_worker_process, stop_process, wait_for
+from .web.conftest import FAST_HASH, PASSWORD, SECRET
+
+PGBOUNCER = shutil.which("pgbouncer") or next(
+    (p for p in ("/usr/sbin/pgbouncer", "/usr/bin/pgbouncer") if os.path.exists(p)), None
+)
+
+#: What every server session must still say after Relay used it (the database defaults here).
+SESSION_STATE = (
+    "SELECT current_setting('jit'), current_setting('default_transaction_isolation'), "
+    "current_setting('statement_timeout'), (SELECT count(*) FROM pg_prepared_statements)"
+)
+
+
+def _quote(value: str) -> str:
+    return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+
+@pytest.fixture
+def pooled_dsn(dsn: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """The test database through PgBouncer in transaction pooling with one server connection."""
+    if PGBOUNCER is None:
+        pytest.skip("PgBouncer is not installed (apt-get install pgbouncer)")
+    # Its own folder, readable by the user PgBouncer runs as (pytest's tmp_path is root's alone).
+    folder = Path(tempfile.mkdtemp(prefix="relay-pgbouncer-"))
+    folder.chmod(0o755)
+    server = conninfo.conninfo_to_dict(dsn)
+    port = free_port()
+    target = " ".join(
+        f"{key}={_quote(str(server[key]))}" for key in ("host", "port", "user", "password") if server.get(key)
+    )
+    user = str(server.get("user") or "postgres")
+    (folder / "users.txt").write_text(f'"{user}" ""\n')
+    (folder / "pgbouncer.ini").write_text(
+        f"[databases]\n{server['dbname']} = {target} dbname={server['dbname']}\n"
+        "[pgbouncer]\n"
+        f"listen_addr = 127.0.0.1\nlisten_port = {port}\nunix_socket_dir =\n"
+        f"auth_type = trust\nauth_file = {folder / 'users.txt'}\n"
+        "pool_mode = transaction\ndefault_pool_size = 1\nmax_client_conn = 100\n"
+    )
+    command = [PGBOUNCER, str(folder / "pgbouncer.ini")]
+    if os.geteuid() == 0:  # PgBouncer refuses to run as root
+        command[1:1] = ["-u", "postgres"]
+    output = open(folder / "output.txt", "wb")  # noqa: SIM115 - closed with the pooler
+    proc = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT)
+    pooled = conninfo.make_conninfo(dsn, host="127.0.0.1", port=str(port), user=user, password="")
+
+    def answers() -> bool:
+        try:
+            with psycopg.connect(pooled, connect_timeout=2, prepare_threshold=None):
+                return True
+        except psycopg.OperationalError:
+            return proc.poll() is not None  # stop waiting for a pooler that exited
+
+    wait_for(answers, timeout=15, what="PgBouncer to accept connections")
+    assert proc.poll() is None, (folder / "output.txt").read_text()
+    monkeypatch.setenv("RELAY_TRANSACTION_POOLING", "true")
+    yield pooled
+    proc.terminate()
+    proc.wait(10)
+    output.close()
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+def session_state(pooled: str) -> tuple:
+    """The shared server session's settings and prepared statements, read through the pooler."""
+    with psycopg.connect(pooled, autocommit=True, prepare_threshold=None) as conn:
+        return conn.execute(SESSION_STATE).fetchone()
+
+
+def test_a_worker_behind_a_transaction_pooler_runs_every_job_and_leaves_no_session_state(pooled_dsn: str) -> None:
+    before = session_state(pooled_dsn)
+    relay = Relay(pooled_dsn)
+    ran: list[int] = []
+    relay.handler("count")(lambda job: ran.append(job.payload["n"]))
+    with relay.pool.connection() as conn:
+        assert relay.enqueue("count", {"n": -1}, conn=conn) > 0
+    ids = [relay.enqueue("count", {"n": n}) for n in range(150)]
+    with running_worker(relay, concurrency=4, listen=False):
+        wait_for(lambda: len(ran) == 151, timeout=60, what="every job to run")
+    relay.close()
+    with psycopg.connect(pooled_dsn, autocommit=True, prepare_threshold=None) as conn:
+        statuses = conn.execute(
+            "SELECT status::text, count(*) FROM relay.jobs WHERE id = ANY(%s) GROUP BY 1", (ids,)
+        ).fetchall()
+    assert statuses == [("succeeded", 150)]
+    assert sorted(ran) == list(range(-1, 150))
+    assert session_state(pooled_dsn) == before
+
+
+def test_relay_worker_process_cli_and_migrate_work_behind_a_transaction_pooler(pooled_dsn: str, tmp_path: Path) -> None:
+    env = {**os.environ, "DATABASE_URL": pooled_dsn, "RELAY_DATABASE_URL": pooled_dsn}
+    relay_cmd = [sys.executable, "-m", "relay_core"]
+    migrated = subprocess.run([*relay_cmd, "migrate"], env=env, capture_output=True, text=True, timeout=60)
+    assert migrated.returncode == 0, migrated.stderr
+    for n in range(2):
+        enqueued = subprocess.run(
+            [*relay_cmd, "enqueue", "record", f'{{"n": {n}}}'], env=env, capture_output=True, text=True, timeout=60
+        )
+        assert enqueued.returncode == 0, enqueued.stderr
+    Relay(pooled_dsn).enqueue_many([{"type": "record", "payload": {"n": n}} for n in range(2, 60)])
+    log = tmp_path / "worker.log"
+    proc = start_worker_process(sys.executable, env, "--concurrency", "3", log=log)
+    try:
+        with psycopg.connect(pooled_dsn, autocommit=True, prepare_threshold=None) as conn:
+            wait_for(
+                lambda: conn.execute("SELECT count(*) FROM relay.jobs WHERE status = 'succeeded'").fetchone()[0] == 60,
+                timeout=60,
+                what="the worker process to run every job",
+            )
+    finally:
+        assert stop_process(proc) == 0, log.read_text()
+    assert "prepared statement" not in log.read_text()
+    with psycopg.connect(pooled_dsn, autocommit=True, prepare_threshold=None) as conn:
+        assert conn.execute("SELECT count(*) FROM relay_test.executions").fetchone()[0] >= 60
+    assert session_state(pooled_dsn)[3] == 0
+
+
+def test_the_web_app_behind_a_transaction_pooler_serves_and_leaves_no_session_state(pooled_dsn: str, dsn: str) -> None:
+    before = session_state(pooled_dsn)
+    app = create_app({"TESTING": True, "RELAY_DATABASE_URL": pooled_dsn, "JWT_SECRET_KEY": SECRET, **FAST_HASH})
+    try:
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            users.create_user(conn, "oncall", PASSWORD, "admin", hasher=users.make_hasher(1, 1024, 1))
+        client = app.test_client()
+        login = client.post("/api/auth/login", json={"username": "oncall", "password": PASSWORD})
+        assert login.status_code == 200, login.get_json()
+        headers = {"Authorization": f"Bearer {login.get_json()['access_token']}"}
+        created = client.post("/api/admin/jobs", json={"type": "report", "payload": {}}, headers=headers)
+        assert created.status_code == 201, created.get_json()
+        job_id = created.get_json()["id"]
+        # Enough repeats of each statement for psycopg to prepare it, were preparing on.
+        for _ in range(8):
+            assert client.get("/api/admin/jobs?status=queued", headers=headers).status_code == 200
+            assert client.get(f"/api/admin/jobs/{job_id}", headers=headers).status_code == 200
+            assert client.get("/readyz").status_code == 200
+        assert client.post(f"/api/admin/jobs/{job_id}/cancel", headers=headers).status_code == 200
+    finally:
+        app.extensions["relay.close"]()
+    assert session_state(pooled_dsn) == before
+
+
+def test_transaction_pooling_turns_listening_off_unless_asked_for(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RELAY_TRANSACTION_POOLING", "true")
+    assert WorkerConfig.from_env().listen is False
+    monkeypatch.setenv("RELAY_LISTEN", "true")
+    assert WorkerConfig.from_env().listen is True
+    monkeypatch.setenv("RELAY_TRANSACTION_POOLING", "false")
+    monkeypatch.delenv("RELAY_LISTEN")
+    assert WorkerConfig.from_env().listen is True
+
+
+def test_a_malformed_transaction_pooling_setting_fails_when_relay_is_built(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RELAY_TRANSACTION_POOLING", "transaction")
+    with pytest.raises(ConfigurationError, match="RELAY_TRANSACTION_POOLING must be true or false"):
+        Relay("postgresql://127.0.0.1:1/nowhere")

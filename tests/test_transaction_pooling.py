@@ -127,13 +127,16 @@ def test_relay_worker_process_cli_and_migrate_work_behind_a_transaction_pooler(p
             [*relay_cmd, "enqueue", "record", f'{{"n": {n}}}'], env=env, capture_output=True, text=True, timeout=60
         )
         assert enqueued.returncode == 0, enqueued.stderr
-    Relay(pooled_dsn).enqueue_many([{"type": "record", "payload": {"n": n}} for n in range(2, 60)])
+    Relay(pooled_dsn).enqueue_many(
+        [{"type": "record", "payload": {"n": n}} for n in range(2, 60)]
+        + [{"type": "record_tx", "payload": {"n": n}} for n in range(5)]
+    )
     log = tmp_path / "worker.log"
     proc = start_worker_process(sys.executable, env, "--concurrency", "3", log=log)
     try:
         with psycopg.connect(pooled_dsn, autocommit=True, prepare_threshold=None) as conn:
             wait_for(
-                lambda: conn.execute("SELECT count(*) FROM relay.jobs WHERE status = 'succeeded'").fetchone()[0] == 60,
+                lambda: conn.execute("SELECT count(*) FROM relay.jobs WHERE status = 'succeeded'").fetchone()[0] == 65,
                 timeout=60,
                 what="the worker process to run every job",
             )
@@ -141,7 +144,8 @@ def test_relay_worker_process_cli_and_migrate_work_behind_a_transaction_pooler(p
         assert stop_process(proc) == 0, log.read_text()
     assert "prepared statement" not in log.read_text()
     with psycopg.connect(pooled_dsn, autocommit=True, prepare_threshold=None) as conn:
-        assert conn.execute("SELECT count(*) FROM relay_test.executions").fetchone()[0] >= 60
+        phases = dict(conn.execute("SELECT phase, count(*) FROM relay_test.executions GROUP BY 1").fetchall())
+    assert phases["end"] >= 60 and phases["tx"] == 5
     assert session_state(pooled_dsn)[3] == 0
 
 

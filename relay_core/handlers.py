@@ -54,6 +54,25 @@ class HandlerSpec:
         return self.concurrency is not None or self.rate_limit is not None
 
 
+def is_async(func: Callable[..., Any]) -> bool:
+    """Whether calling ``func`` returns a coroutine: an ``async def``, a partial of one, an async ``__call__``.
+
+    What registration can see; a sync function that returns an awaitable
+    anyway is caught when it runs (the worker awaits whatever is awaitable).
+    """
+    return any(inspect.iscoroutinefunction(f) for f in _call_targets(func))
+
+
+def is_async_generator(func: Callable[..., Any]) -> bool:
+    """Whether ``func`` is an async generator function (or a partial or ``__call__`` of one)."""
+    return any(inspect.isasyncgenfunction(f) for f in _call_targets(func))
+
+
+def _call_targets(func: Callable[..., Any]) -> list[Callable[..., Any]]:
+    """``func``, and the ``__call__`` method of a callable object (inspect looks only at the object)."""
+    return [func] if inspect.isroutine(func) else [func, func.__call__]
+
+
 def _is_limit(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= MAX_LIMIT
 
@@ -92,9 +111,25 @@ def make_spec(
         rate_limit = (rate_limit[0], period)
     if cron is not None:
         check_cron(cron, timezone)
+    if is_async_generator(func):
+        raise InvalidJobError(
+            "handler", "an async generator cannot be a handler: calling it runs none of its body; use async def"
+        )
     if transactional is None:
-        params = [p for p in inspect.signature(func).parameters.values() if p.kind != p.VAR_KEYWORD]
+        # The worker passes (job, conn) by position: a keyword-only parameter (as a
+        # functools.partial's keywords become) cannot take the connection.
+        params = [
+            p for p in inspect.signature(func).parameters.values() if p.kind not in (p.VAR_KEYWORD, p.KEYWORD_ONLY)
+        ]
         transactional = len(params) >= 2
+    if transactional and is_async(func):
+        raise InvalidJobError(
+            "transactional",
+            f"the handler of {job_type!r} is async, and transactional completion hands a handler a sync "
+            "connection inside the transaction that records its success; make it a plain def to keep "
+            "(job, conn), or take only (job) (or pass transactional=False) and write through your own "
+            "async connection, outside the completion",
+        )
     return HandlerSpec(
         type=job_type,
         func=func,

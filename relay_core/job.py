@@ -9,6 +9,52 @@ from datetime import datetime
 from typing import Any
 
 
+class Flag(threading.Event):
+    """An Event that also calls back: how a flag reaches a handler waiting in an event loop.
+
+    A sync handler polls ``job.lease_lost``; an async handler is suspended in
+    ``await`` and polls nothing, so the worker's thread that sets the flag
+    must also tell the handler's event loop (see ``relay_core.worker.aio``).
+    Callbacks run on the setting thread, often under the worker's lock: they
+    must only hand the news on (``loop.call_soon_threadsafe``), never block.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._callbacks: list[Callable[[], None]] = []
+        self._callbacks_lock = threading.Lock()
+
+    def set(self) -> None:
+        """Set the flag; the first time, call every callback subscribed to it.
+
+        Only the first time: a second cancel would interrupt the cleanup the
+        first one started.
+        """
+        with self._callbacks_lock:
+            if self.is_set():
+                return
+            super().set()
+            callbacks, self._callbacks = self._callbacks, []
+        for callback in callbacks:
+            callback()
+
+    def subscribe(self, callback: Callable[[], None]) -> Callable[[], None]:
+        """Call ``callback`` once the flag is set (at once if it is set already); returns an unsubscribe."""
+        with self._callbacks_lock:
+            already = self.is_set()
+            if not already:
+                self._callbacks.append(callback)
+        if already:
+            callback()
+
+        def unsubscribe() -> None:
+            with self._callbacks_lock:
+                if callback in self._callbacks:
+                    self._callbacks.remove(callback)
+
+        return unsubscribe
+
+
 @dataclass
 class Job:
     """A claimed job, as handed to its handler.
@@ -27,8 +73,8 @@ class Job:
     lease_token: int
     run_at: datetime
     created_at: datetime
-    _lease_lost: threading.Event = field(default_factory=threading.Event, repr=False, compare=False)
-    _cancel_requested: threading.Event = field(default_factory=threading.Event, repr=False, compare=False)
+    _lease_lost: Flag = field(default_factory=Flag, repr=False, compare=False)
+    _cancel_requested: Flag = field(default_factory=Flag, repr=False, compare=False)
     _report: Callable[[Job, dict[str, Any]], bool] | None = field(default=None, repr=False, compare=False)
 
     @property
@@ -38,6 +84,7 @@ class Job:
         Long handlers can check it and stop early: however they return, the
         run is not recorded as a success (a transactional handler's work is
         rolled back); another run owns the job, or the timeout is recorded.
+        An async handler need not check: its task is cancelled when this turns true.
         """
         return self._lease_lost.is_set()
 
@@ -47,6 +94,7 @@ class Job:
 
         A cooperative handler checks it between steps and raises
         :class:`relay_core.JobCancelled` (or calls :meth:`raise_if_cancelled`).
+        An async handler's task is cancelled when this turns true.
         """
         return self._cancel_requested.is_set()
 

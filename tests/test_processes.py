@@ -92,6 +92,50 @@ def test_sigterm_hands_back_unfinished_jobs_at_once(
         stop_process(worker)
 
 
+def test_sigterm_lets_an_async_handler_in_flight_finish_within_the_shutdown_timeout(
+    relay: Relay, db: psycopg.Connection, python: str, worker_env: dict, tmp_path: Path
+) -> None:
+    log = tmp_path / "worker.log"
+    worker = start_worker_process(python, worker_env, "--shutdown-timeout", "20", log=log)
+    try:
+        job_id = relay.enqueue("record_async", {"sleep": 1.5})
+        wait_for(lambda: executions(db, job_id), what="the job to start")
+        worker.send_signal(signal.SIGTERM)
+        try:
+            code = worker.wait(20)
+        except subprocess.TimeoutExpired:
+            pytest.fail("the worker was still running 20 s after SIGTERM; its log:\n" + log.read_text())
+        assert code == 0, log.read_text()
+        status, attempts, *_ = job_row(db, job_id)
+        assert (status, attempts) == ("succeeded", 1)
+        assert [row[4] for row in executions(db, job_id)] == ["start", "end"]
+        assert relay.get_job(job_id).result == "recorded"
+    finally:
+        stop_process(worker)
+
+
+def test_sigterm_hands_back_an_async_handler_still_awaiting_at_the_shutdown_timeout(
+    relay: Relay, db: psycopg.Connection, python: str, worker_env: dict, tmp_path: Path
+) -> None:
+    log = tmp_path / "worker.log"
+    worker = start_worker_process(python, worker_env, "--lease", "60", "--shutdown-timeout", "0.5", log=log)
+    try:
+        job_id = relay.enqueue("record_async", {"sleep": 30})
+        wait_for(lambda: executions(db, job_id), what="the job to start")
+        worker.send_signal(signal.SIGTERM)
+        try:
+            code = worker.wait(15)
+        except subprocess.TimeoutExpired:
+            pytest.fail("the worker was still running 15 s after SIGTERM; its log:\n" + log.read_text())
+        assert code == 0, log.read_text()
+        # Back in the queue now, not after the 60 s lease; the interrupted run spent no attempt and never ended.
+        status, attempts, *_ = job_row(db, job_id)
+        assert (status, attempts) == ("queued", 0)
+        assert [row[4] for row in executions(db, job_id)] == ["start"]
+    finally:
+        stop_process(worker)
+
+
 def test_sigterm_while_the_main_thread_holds_the_wake_events_lock_stops_the_worker(
     dsn: str, python: str, worker_env: dict
 ) -> None:

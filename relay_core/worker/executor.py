@@ -1,13 +1,17 @@
 """Runs one claimed job and decides its outcome.
 
 Non-transactional handlers run outside any database transaction; their
-outcome goes to the completer. Transactional handlers run inside the
-transaction that also records their success, guarded by the lease token, so
-their database work commits exactly when the success does.
+outcome goes to the completer. A handler that returns an awaitable (an
+``async def``, a partial of one, an object with an async ``__call__``) is
+awaited to its end on the slot's own event loop before its outcome counts.
+Transactional handlers run inside the transaction that also records their
+success, guarded by the lease token, so their database work commits exactly
+when the success does.
 """
 
 from __future__ import annotations
 
+import inspect
 import time
 from collections.abc import Mapping
 
@@ -18,11 +22,12 @@ from ..errors import HandlerNotFound, JobCancelled, LeaseLost, PermanentFailure,
 from ..handlers import HandlerSpec
 from ..job import Job
 from ..queries import sql
+from .aio import SlotLoop
 from .outcome import Kind, Outcome, describe, result_json
 
 
-def run(job: Job, handlers: Mapping[str, HandlerSpec], pool: ConnectionPool, worker_id: str) -> Outcome:
-    """Run ``job``'s handler and classify how it ended; never raises."""
+def run(job: Job, handlers: Mapping[str, HandlerSpec], pool: ConnectionPool, worker_id: str, loop: SlotLoop) -> Outcome:
+    """Run ``job``'s handler (awaiting it on ``loop`` if it is async) and classify how it ended; never raises."""
     started = time.monotonic()
     spec = handlers.get(job.type)
     try:
@@ -35,6 +40,8 @@ def run(job: Job, handlers: Mapping[str, HandlerSpec], pool: ConnectionPool, wor
             _run_transactional(job, spec, pool)
             return Outcome(job, Kind.COMMITTED, time.monotonic() - started)
         value = spec.func(job)
+        if inspect.isawaitable(value):
+            value = loop.run(job, value)
         return Outcome(job, Kind.SUCCEEDED, time.monotonic() - started, result=result_json(value))
     except Snooze as snooze:
         return Outcome(job, Kind.SNOOZED, time.monotonic() - started, delay=snooze.seconds)
@@ -57,6 +64,13 @@ def _run_transactional(job: Job, spec: HandlerSpec, pool: ConnectionPool) -> Non
     """
     with pool.connection() as conn, conn.transaction():
         value = spec.func(job, conn)
+        if inspect.isawaitable(value):
+            _discard(value)
+            raise PermanentFailure(
+                f"the transactional handler of {job.type!r} returned an awaitable, so its work never ran; "
+                "its connection is a sync one in the completion transaction: make it a plain def, "
+                "or register it with transactional=False"
+            )
         if job.lease_lost:
             raise LeaseLost(f"job {job.id} was told to stop; its work was rolled back")
         done = conn.execute(
@@ -65,3 +79,10 @@ def _run_transactional(job: Job, spec: HandlerSpec, pool: ConnectionPool) -> Non
         ).fetchall()
         if not done:
             raise LeaseLost(f"job {job.id} is no longer this worker's; its work was rolled back")
+
+
+def _discard(awaitable: object) -> None:
+    """Close a coroutine nobody will await, so Python does not warn that it never ran."""
+    close = getattr(awaitable, "close", None)
+    if callable(close):
+        close()

@@ -31,6 +31,7 @@ from ..pools import make_pool, restore_transactions
 from ..queries import sql
 from ..signals import ShutdownSignals
 from . import executor, limits, periodic
+from .aio import SlotLoop
 from .completer import Completer
 from .config import WorkerConfig
 from .listener import Listener
@@ -371,14 +372,18 @@ class Worker:
         threading.Thread(target=self._slot_loop, args=(slot,), name=f"relay-slot-{slot.index}", daemon=True).start()
 
     def _slot_loop(self, slot: Slot) -> None:
-        while not slot.abandoned.is_set():
-            job = self._inbox.get()
-            if job is None:
-                return
-            if not self._bind(slot, job):
-                continue  # handed back while it waited for a slot
-            outcome = executor.run(job, self.handlers, self.pool, self.id)
-            self._finish(slot, job, outcome)
+        loop = SlotLoop()  # async handlers' event loop, this thread's alone
+        try:
+            while not slot.abandoned.is_set():
+                job = self._inbox.get()
+                if job is None:
+                    return
+                if not self._bind(slot, job):
+                    continue  # handed back while it waited for a slot
+                outcome = executor.run(job, self.handlers, self.pool, self.id, loop)
+                self._finish(slot, job, outcome)
+        finally:
+            loop.close()
 
     def _bind(self, slot: Slot, job: Job) -> bool:
         """Mark ``job`` as running in ``slot``; its timeout starts now."""

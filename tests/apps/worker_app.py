@@ -6,6 +6,7 @@ Handlers write to ``relay_test.executions`` so tests can see every run:
 
 from __future__ import annotations
 
+import asyncio
 import atexit
 import os
 import time
@@ -43,6 +44,15 @@ def record_run(job: Job) -> None:
     record(job, "start")
     time.sleep(float((job.payload or {}).get("sleep", 0)))
     record(job, "end")
+
+
+@relay.handler("record_async", max_attempts=5)
+async def record_run_async(job: Job) -> str:
+    """The async twin of ``record``: record start, await ``payload.sleep`` seconds, record end."""
+    record(job, "start")
+    await asyncio.sleep(float((job.payload or {}).get("sleep", 0)))
+    record(job, "end")
+    return "recorded"
 
 
 @relay.handler("record_tx", max_attempts=5)

@@ -1,0 +1,73 @@
+"""The event loop of one slot thread, for handlers that return an awaitable.
+
+An ``async def`` handler called by a slot thread returns a coroutine, not its
+result: its work happens only once something awaits it. Each slot thread
+keeps one event loop of its own (made on its first async job, closed when the
+slot ends) and runs the awaitable there to completion, so an async handler
+gets the same slots, leases, heartbeats, timeouts, retries and outcomes as a
+sync one. One job at a time per loop: concurrency stays ``--concurrency``.
+
+A sync handler hears "stop" only through flags it polls; an async handler
+waits in ``await`` and polls nothing. So when the worker sets
+``job.lease_lost`` (its timeout passed, its lease was taken over or ran out,
+or shutdown is handing it back) or ``job.cancel_requested``, the handler's
+task is cancelled: it stops at its next ``await``. The CancelledError that
+ends it is reported as what happened (``JobCancelled``, ``LeaseLost``), so the
+outcome is what a sync handler that stopped by raising would get.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Awaitable
+from typing import Any
+
+from ..errors import JobCancelled, LeaseLost
+from ..job import Job
+
+
+class SlotLoop:
+    """One slot thread's event loop; used only from that thread."""
+
+    def __init__(self) -> None:
+        self._runner: asyncio.Runner | None = None
+
+    def run(self, job: Job, awaitable: Awaitable[Any]) -> Any:
+        """Await ``awaitable`` (what ``job``'s handler returned) to its end; return its result or raise."""
+        if self._runner is None:
+            self._runner = asyncio.Runner()
+        return self._runner.run(_supervised(job, awaitable))
+
+    def close(self) -> None:
+        """Close the loop (cancelling whatever the handlers left running on it)."""
+        if self._runner is not None:
+            self._runner.close()
+            self._runner = None
+
+
+async def _supervised(job: Job, awaitable: Awaitable[Any]) -> Any:
+    """Await the handler, cancelling it when the worker tells its job to stop."""
+    loop = asyncio.get_running_loop()
+    task = asyncio.current_task()
+    assert task is not None
+
+    def stop() -> None:
+        # Runs on whichever thread set the flag, perhaps under the worker's lock: hand it on, nothing more.
+        with contextlib.suppress(RuntimeError):  # the loop is closed: this run ended already
+            loop.call_soon_threadsafe(task.cancel)
+
+    unsubscribe = [job._lease_lost.subscribe(stop), job._cancel_requested.subscribe(stop)]
+    try:
+        return await awaitable
+    except asyncio.CancelledError:
+        if job.cancel_requested:
+            raise JobCancelled(f"job {job.id} was cancelled while running") from None
+        if job.lease_lost:
+            raise LeaseLost(
+                f"job {job.id} was told to stop (its timeout passed, or its lease ran out or was taken over)"
+            ) from None
+        raise
+    finally:
+        for undo in unsubscribe:
+            undo()

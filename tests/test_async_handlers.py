@@ -1,0 +1,276 @@
+"""``async def`` handlers, run by a real worker against the real database.
+
+An async handler returns a coroutine; until the worker awaited it, its work
+never ran, and the job was recorded a success all the same. Each test reads
+the outcome back from the database.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import os
+import threading
+
+import psycopg
+import pytest
+
+from relay_core import Backoff, InvalidJobError, Job, PermanentFailure, Relay, Snooze
+from relay_core.queries import sql
+
+from .helpers import job_status, running_worker, wait_for
+
+FAST = Backoff(base=0.05, factor=2, cap=1, jitter=0)
+RECORD = "INSERT INTO relay_test.executions (job_id, pid, attempt, lease_token, phase) VALUES (%s, %s, %s, %s, %s)"
+
+
+async def record(dsn: str, job: Job, phase: str) -> None:
+    """One executions row, written through an async connection (as an asyncio application would)."""
+    async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn:
+        await conn.execute(RECORD, (job.id, os.getpid(), job.attempt, job.lease_token, phase))
+
+
+def phases(db: psycopg.Connection, job_id: int) -> list[tuple[int, str]]:
+    """(attempt, phase) of every recorded step of ``job_id``, in order."""
+    return db.execute(
+        "SELECT attempt, phase FROM relay_test.executions WHERE job_id = %s ORDER BY at", (job_id,)
+    ).fetchall()
+
+
+def test_an_async_handler_does_its_work_and_its_return_value_is_the_result(
+    relay: Relay, dsn: str, db: psycopg.Connection
+) -> None:
+    @relay.handler("send_receipt")
+    async def send_receipt(job: Job) -> dict:
+        await asyncio.sleep(0.01)
+        await record(dsn, job, "sent")
+        return {"sent_to": job.payload["to"]}
+
+    job_id = relay.enqueue("send_receipt", {"to": "a@b.c"})
+    with running_worker(relay):
+        wait_for(lambda: job_status(db, job_id) == "succeeded")
+    assert phases(db, job_id) == [(1, "sent")]
+    assert relay.get_job(job_id).result == {"sent_to": "a@b.c"}
+
+
+def test_handlers_that_return_an_awaitable_some_other_way_are_awaited(
+    relay: Relay, dsn: str, db: psycopg.Connection
+) -> None:
+    """A partial of an async function, an object with an async __call__, a plain def returning a coroutine."""
+
+    async def tagged(job: Job, tag: str) -> str:
+        await record(dsn, job, tag)
+        return tag
+
+    class Notifier:
+        async def __call__(self, job: Job) -> str:
+            return await tagged(job, "callable")
+
+    def wrapper(job: Job):  # type: ignore[no-untyped-def]
+        return tagged(job, "wrapper")
+
+    relay.handler("partial")(functools.partial(tagged, tag="partial"))
+    relay.handler("callable")(Notifier())
+    relay.handler("wrapper")(wrapper)
+    ids = {tag: relay.enqueue(tag) for tag in ("partial", "callable", "wrapper")}
+    with running_worker(relay):
+        wait_for(lambda: all(job_status(db, i) == "succeeded" for i in ids.values()))
+    for tag, job_id in ids.items():
+        assert phases(db, job_id) == [(1, tag)]
+        assert relay.get_job(job_id).result == tag
+
+
+def test_an_async_handler_that_raises_is_retried_then_dead_with_its_history(
+    relay: Relay, db: psycopg.Connection
+) -> None:
+    @relay.handler("flaky", max_attempts=3, backoff=FAST)
+    async def flaky(job: Job) -> None:
+        await asyncio.sleep(0)
+        raise ConnectionError(f"smtp down on attempt {job.attempt}")
+
+    job_id = relay.enqueue("flaky")
+    with running_worker(relay, poll_interval=0.05):
+        wait_for(lambda: job_status(db, job_id) == "dead", timeout=30)
+    job = relay.get_job(job_id)
+    assert job.attempts == 3 and job.last_error == "ConnectionError: smtp down on attempt 3"
+    assert [e["attempt"] for e in job.errors] == [1, 2, 3]
+    assert all(e["type"] == "ConnectionError" and "in flaky" in e["traceback"] for e in job.errors)
+
+
+def test_snooze_and_permanent_failure_from_an_async_handler(relay: Relay, db: psycopg.Connection) -> None:
+    runs: list[int] = []
+
+    @relay.handler("poll_export", max_attempts=1)
+    async def poll_export(job: Job) -> str:
+        runs.append(job.attempt)
+        await asyncio.sleep(0)
+        if len(runs) < 3:
+            raise Snooze(0.05)
+        return "ready"
+
+    @relay.handler("charge", max_attempts=10)
+    async def charge(job: Job) -> None:
+        await asyncio.sleep(0)
+        raise PermanentFailure("card number is invalid")
+
+    snoozer, charger = relay.enqueue("poll_export"), relay.enqueue("charge")
+    with running_worker(relay, poll_interval=0.05):
+        wait_for(lambda: job_status(db, snoozer) == "succeeded" and job_status(db, charger) == "dead")
+    assert runs == [1, 1, 1]
+    assert relay.get_job(snoozer).errors == [] and relay.get_job(snoozer).result == "ready"
+    charged = relay.get_job(charger)
+    assert charged.attempts == 1 and charged.last_error == "PermanentFailure: card number is invalid"
+
+
+def test_an_awaiting_async_handler_is_stopped_at_its_timeout_and_the_attempt_fails(
+    relay: Relay, dsn: str, db: psycopg.Connection
+) -> None:
+    """Its task is cancelled, so it stops at its await instead of holding the job until the worker stops."""
+
+    @relay.handler("slow_api", timeout=0.3, max_attempts=2, backoff=FAST)
+    async def slow_api(job: Job) -> str:
+        await record(dsn, job, "start")
+        if job.attempt == 1:
+            try:
+                await asyncio.sleep(600)
+            except asyncio.CancelledError:
+                await record(dsn, job, "stopped")
+                raise
+        return "answered"
+
+    job_id = relay.enqueue("slow_api")
+    with running_worker(relay, concurrency=1, poll_interval=0.05, lease_seconds=3.0, heartbeat_interval=0.5):
+        wait_for(lambda: job_status(db, job_id) == "succeeded", timeout=20)
+    # The retry started only once the first run had stopped.
+    assert phases(db, job_id) == [(1, "start"), (1, "stopped"), (2, "start")]
+    job = relay.get_job(job_id)
+    assert job.attempts == 2 and job.result == "answered"
+    assert [e["type"] for e in job.errors] == ["JobTimeout"]
+
+
+def test_an_async_handler_on_its_last_attempt_is_dead_at_its_timeout(relay: Relay, db: psycopg.Connection) -> None:
+    @relay.handler("hang", timeout=0.3, max_attempts=1)
+    async def hang(job: Job) -> None:
+        await asyncio.Event().wait()  # nothing ever sets it
+
+    job_id = relay.enqueue("hang")
+    with running_worker(relay, concurrency=1) as worker:
+        wait_for(lambda: job_status(db, job_id) == "dead", timeout=15)
+        wait_for(lambda: worker.in_flight() == 0 and not worker._overdue, what="the stopped run to be let go")
+    job = relay.get_job(job_id)
+    assert job.last_error.startswith("JobTimeout") and [e["type"] for e in job.errors] == ["JobTimeout"]
+
+
+def test_async_jobs_run_at_once_across_slots_each_on_its_own_loop(relay: Relay, db: psycopg.Connection) -> None:
+    """Four jobs, four slots: none can finish until all four are running together."""
+    together = threading.Barrier(4)
+    loops: list[tuple[int, int]] = []
+
+    @relay.handler("fan_out", max_attempts=1)
+    async def fan_out(job: Job) -> int:
+        loops.append((threading.get_ident(), id(asyncio.get_running_loop())))
+        await asyncio.to_thread(together.wait, 20)  # raises BrokenBarrierError unless all four arrive
+        return job.payload["n"]
+
+    ids = relay.enqueue_many([{"type": "fan_out", "payload": {"n": n}} for n in range(4)])
+    with running_worker(relay, concurrency=4):
+        wait_for(lambda: all(job_status(db, i) == "succeeded" for i in ids), timeout=30)
+    assert [relay.get_job(i).result for i in ids] == [0, 1, 2, 3]
+    assert len(set(loops)) == 4 and len({thread for thread, _ in loops}) == 4
+
+
+def test_cancelling_a_running_async_job_stops_it_at_its_await(relay: Relay, dsn: str, db: psycopg.Connection) -> None:
+    @relay.handler("export", max_attempts=3)
+    async def export(job: Job) -> None:
+        await record(dsn, job, "start")
+        try:
+            await asyncio.sleep(600)
+        except asyncio.CancelledError:
+            await record(dsn, job, "stopped")
+            raise
+
+    job_id = relay.enqueue("export")
+    with running_worker(relay, heartbeat_interval=0.3, lease_seconds=3.0):
+        wait_for(lambda: phases(db, job_id) == [(1, "start")])
+        relay.cancel(job_id)
+        wait_for(lambda: job_status(db, job_id) == "cancelled", timeout=15)
+    assert phases(db, job_id) == [(1, "start"), (1, "stopped")]
+    assert relay.get_job(job_id).attempts == 1
+
+
+def test_an_async_run_whose_lease_was_taken_over_is_stopped(relay: Relay, dsn: str, db: psycopg.Connection) -> None:
+    """The lease ran out and a sweeper returned the job: the stale run stops instead of working on beside the next."""
+
+    @relay.handler("sync_catalog", max_attempts=3)
+    async def sync_catalog(job: Job) -> str:
+        await record(dsn, job, "start")
+        if job.attempt == 1:
+            try:
+                await asyncio.sleep(600)
+            except asyncio.CancelledError:
+                await record(dsn, job, "stopped")
+                raise
+        return "synced"
+
+    job_id = relay.enqueue("sync_catalog")
+    with running_worker(relay, concurrency=2, lease_seconds=30.0, heartbeat_interval=0.3, poll_interval=0.05):
+        wait_for(lambda: phases(db, job_id) == [(1, "start")])
+        with db.transaction():  # the lease runs out, and a sweeper returns the job
+            db.execute("UPDATE relay.jobs SET claimed_until = now() - interval '1 second' WHERE id = %s", (job_id,))
+            assert db.execute(sql("job_rescue_expired"), {"limit": 10}).fetchall() == [(job_id, "queued")]
+        wait_for(lambda: job_status(db, job_id) == "succeeded", timeout=20)
+        wait_for(lambda: (1, "stopped") in phases(db, job_id), what="the stale run to stop")
+    assert relay.get_job(job_id).result == "synced"
+    assert sorted(phases(db, job_id)) == [(1, "start"), (1, "stopped"), (2, "start")]
+
+
+def test_an_async_handler_cannot_be_transactional(relay: Relay) -> None:
+    async def apply_refund(job: Job, conn: psycopg.Connection) -> None: ...
+
+    async def one_arg(job: Job) -> None: ...
+
+    class Refunder:
+        async def __call__(self, job: Job, conn: psycopg.Connection) -> None: ...
+
+    for func, options in [
+        (apply_refund, {}),
+        (functools.partial(apply_refund), {}),
+        (Refunder(), {}),
+        (one_arg, {"transactional": True}),
+    ]:
+        with pytest.raises(InvalidJobError, match="async") as refused:
+            relay.handler("refund", **options)(func)
+        assert refused.value.field == "transactional"
+    assert "refund" not in relay.handlers
+    relay.handler("refund", transactional=False)(apply_refund)  # a second parameter of its own is fine
+    assert not relay.handlers["refund"].transactional
+
+
+def test_an_async_generator_is_refused_as_a_handler(relay: Relay) -> None:
+    async def pages(job: Job):  # type: ignore[no-untyped-def]
+        yield 1
+
+    with pytest.raises(InvalidJobError, match="async generator"):
+        relay.handler("pages")(pages)
+
+
+def test_a_transactional_handler_that_returns_a_coroutine_is_dead_and_commits_nothing(
+    relay: Relay, db: psycopg.Connection
+) -> None:
+    """Registration cannot see through a plain def; the worker refuses to record its success."""
+    ran: list[int] = []
+
+    async def refund(job: Job, conn: psycopg.Connection) -> None:
+        ran.append(job.id)
+
+    @relay.handler("refund", max_attempts=5)
+    def refund_entry(job: Job, conn: psycopg.Connection):  # type: ignore[no-untyped-def]
+        conn.execute(RECORD, (job.id, 0, job.attempt, job.lease_token, "tx"))
+        return refund(job, conn)
+
+    job_id = relay.enqueue("refund")
+    with running_worker(relay):
+        wait_for(lambda: job_status(db, job_id) == "dead")
+    job = relay.get_job(job_id)
+    assert job.attempts == 1 and job.last_error.startswith("PermanentFailure") and "awaitable" in job.last_error
+    assert phases(db, job_id) == [] and ran == []

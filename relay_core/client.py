@@ -2,32 +2,26 @@
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import threading
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import replace
 from datetime import datetime
 from typing import Any
 
 import psycopg
 from psycopg_pool import ConnectionPool
 
-from . import admin
+from . import admin, inserts
 from . import migrate as migrator
 from .backoff import Backoff
-from .connections import fetch_all, fetch_first_value
+from .connections import run, run_async
 from .errors import InvalidJobError, RelayError
 from .handlers import DEFAULT_MAX_ATTEMPTS, HandlerSpec, make_spec
 from .pools import connection_options, make_pool
-from .queries import sql
 from .settings import database_url, env_bool, env_int, transaction_pooling
 from .validation import DEFAULT_MAX_PAYLOAD_BYTES, NewJob, new_job
 from .worker import Worker, WorkerConfig
-
-#: Bulk payloads up to this many characters in all travel as one JSON document
-#: (jsonb tops out at 256 MiB); larger bulk enqueues use the array form.
-ALIKE_MAX_PAYLOAD_CHARS = 64 * 1024 * 1024
-#: Tries of a keyed insert whose conflicting holder keeps vanishing before it is read.
-KEY_RACE_ATTEMPTS = 3
 
 
 class Relay:
@@ -156,7 +150,7 @@ class Relay:
         max_attempts: int | None,
         idempotency_key: str | None,
     ) -> NewJob:
-        # Without a local handler, the default stands in until _with_published
+        # Without a local handler, the default stands in until inserts.with_published
         # replaces it by what workers published for the type, if anything.
         if max_attempts is None:
             spec = self.handlers.get(job_type) if isinstance(job_type, str) else None
@@ -200,58 +194,21 @@ class Relay:
         job = self._validated(
             job_type, {} if payload is None else payload, queue, priority, run_at, max_attempts, idempotency_key
         )
-        unresolved = self._takes_published(job, max_attempts)
+        steps = inserts.enqueue_one(job, self._takes_published(job, max_attempts), self.notify)
         if conn is not None:
-            if unresolved:
-                job = self._with_published(conn, [job], [True])[0]
-            return self._insert(conn, job)
+            return run(conn, steps)
         pool = self.pool
         # The pool's connections are autocommit (see ``pool``), so the insert is
         # its own transaction and there is nothing to commit before returning it.
         own = pool.getconn()
         try:
-            if unresolved:
-                job = self._with_published(own, [job], [True])[0]
-            return self._insert(own, job)
+            return run(own, steps)
         finally:
             pool.putconn(own)
 
     def _takes_published(self, job: NewJob, max_attempts: int | None) -> bool:
         """Whether ``job`` gets the max_attempts workers published: none given and no local handler."""
         return max_attempts is None and job.type not in self.handlers
-
-    def _with_published(self, conn: Any, jobs: list[NewJob], unresolved: list[bool]) -> list[NewJob]:
-        """``jobs`` where each ``unresolved`` one takes the max_attempts workers published for its type.
-
-        One statement for all the types, on the connection of the insert that
-        follows (a caller's ``conn``: in its transaction); a type nothing was
-        published for keeps ``default_max_attempts``.
-        """
-        types = sorted({job.type for job, open_ in zip(jobs, unresolved, strict=True) if open_})
-        if not types:
-            return jobs
-        rows = fetch_all(conn, sql("job_type_max_attempts_many"), {"types": types})
-        published = {row["type"]: row["max_attempts"] for row in rows}
-        return [
-            replace(job, max_attempts=published[job.type]) if open_ and job.type in published else job
-            for job, open_ in zip(jobs, unresolved, strict=True)
-        ]
-
-    def _insert(self, conn: Any, job: NewJob) -> int:
-        params = job.params()
-        params["notify"] = self.notify
-        if job.idempotency_key is None:
-            return fetch_first_value(conn, sql("job_insert"), params)
-        for _ in range(KEY_RACE_ATTEMPTS):
-            job_id = fetch_first_value(conn, sql("job_insert_keyed"), params)
-            if job_id is not None:
-                return job_id
-            lookup = {"idempotency_key": job.idempotency_key}
-            existing = fetch_first_value(conn, sql("job_id_by_idempotency_key"), lookup)
-            if existing is not None:
-                return existing
-            # The holder was deleted (pruned) between the two statements: the key is free again.
-        raise RelayError(f"idempotency key {job.idempotency_key!r} conflicted but its job vanished; retry")
 
     def enqueue_many(
         self,
@@ -268,6 +225,17 @@ class Relay:
         means nothing is written. ``conn`` and a missing ``max_attempts``
         work as in :meth:`enqueue` (one lookup for all the types that need it).
         """
+        validated, unresolved = self._validated_many(jobs)
+        if not validated:
+            return []
+        steps = inserts.enqueue_many(validated, unresolved, self.notify)
+        if conn is not None:
+            return run(conn, steps)
+        with self.pool.connection() as own:  # autocommit: the insert is one statement, its own transaction
+            return run(own, steps)
+
+    def _validated_many(self, jobs: Iterable[Mapping[str, Any]]) -> tuple[list[NewJob], list[bool]]:
+        """Every item of an ``enqueue_many`` validated, and whether each takes the published max_attempts."""
         allowed = {"type", "payload", "queue", "priority", "run_at", "max_attempts", "idempotency_key"}
         validated: list[NewJob] = []
         unresolved: list[bool] = []
@@ -290,73 +258,51 @@ class Relay:
             except InvalidJobError as exc:
                 raise InvalidJobError(f"jobs[{index}].{exc.field}", exc.message) from None
             unresolved.append(self._takes_published(validated[-1], item.get("max_attempts")))
+        return validated, unresolved
+
+    # -- enqueue from asyncio ----------------------------------------------
+
+    async def enqueue_async(
+        self,
+        job_type: str,
+        payload: Any = None,
+        *,
+        conn: Any = None,
+        run_at: datetime | None = None,
+        priority: int = 0,
+        queue: str = "default",
+        idempotency_key: str | None = None,
+        max_attempts: int | None = None,
+    ) -> int:
+        """:meth:`enqueue` for asyncio code: the same checks, statements and idempotency.
+
+        With ``conn`` (psycopg AsyncConnection, SQLAlchemy AsyncConnection or
+        AsyncSession) the insert joins the caller's transaction: rolled back,
+        there is no job. Without it, :meth:`enqueue` runs on Relay's own pool
+        in a thread, so the event loop is not blocked, and the job is
+        committed before this returns.
+        """
+        options = {
+            "run_at": run_at,
+            "priority": priority,
+            "queue": queue,
+            "idempotency_key": idempotency_key,
+            "max_attempts": max_attempts,
+        }
+        if conn is None:
+            return await asyncio.to_thread(functools.partial(self.enqueue, job_type, payload, **options))
+        job = self._validated(job_type, {} if payload is None else payload, **options)
+        steps = inserts.enqueue_one(job, self._takes_published(job, max_attempts), self.notify)
+        return await run_async(conn, steps)
+
+    async def enqueue_many_async(self, jobs: Iterable[Mapping[str, Any]], *, conn: Any = None) -> list[int]:
+        """:meth:`enqueue_many` for asyncio code; ``conn`` as in :meth:`enqueue_async`."""
+        if conn is None:
+            return await asyncio.to_thread(self.enqueue_many, list(jobs))
+        validated, unresolved = self._validated_many(jobs)
         if not validated:
             return []
-        if conn is not None:
-            return self._insert_many(conn, self._with_published(conn, validated, unresolved))
-        with self.pool.connection() as own:  # autocommit: the insert is one statement, its own transaction
-            return self._insert_many(own, self._with_published(own, validated, unresolved))
-
-    def _insert_many(self, conn: Any, jobs: list[NewJob]) -> list[int]:
-        first = jobs[0]
-        payload_chars = sum(len(j.payload_json) for j in jobs)
-        if payload_chars < ALIKE_MAX_PAYLOAD_CHARS and all(
-            j.type == first.type
-            and j.queue == first.queue
-            and j.priority == first.priority
-            and j.run_at == first.run_at
-            and j.max_attempts == first.max_attempts
-            and j.idempotency_key is None
-            for j in jobs
-        ):
-            alike = {
-                "type": first.type,
-                "queue": first.queue,
-                "priority": first.priority,
-                "run_at": first.run_at,
-                "max_attempts": first.max_attempts,
-                "payloads": "[" + ",".join(j.payload_json for j in jobs) + "]",
-                "notify": self.notify,
-            }
-            return list(fetch_all(conn, sql("job_insert_many_alike"), alike)[0]["ids"])
-        params = {
-            "types": [j.type for j in jobs],
-            "payloads": [j.payload_json for j in jobs],
-            "queues": [j.queue for j in jobs],
-            "priorities": [j.priority for j in jobs],
-            "run_ats": [j.run_at for j in jobs],
-            "max_attempts": [j.max_attempts for j in jobs],
-            "idempotency_keys": [j.idempotency_key for j in jobs],
-            "notify": self.notify,
-        }
-        row = fetch_all(conn, sql("job_insert_many"), params)[0]
-        inserted_ids: list[int] = list(row["ids"])
-        inserted_keys = {key for key in row["keys"] if key is not None}
-        conflicted = sorted(
-            {j.idempotency_key for j in jobs if j.idempotency_key and j.idempotency_key not in inserted_keys}
-        )
-        existing: dict[str, int] = {}
-        if conflicted:
-            for found in fetch_all(conn, sql("job_ids_by_idempotency_keys"), {"idempotency_keys": conflicted}):
-                existing[found["idempotency_key"]] = found["id"]
-        for key in conflicted:
-            if key not in existing:  # its holder was deleted between the two statements: insert it now
-                existing[key] = self._insert(conn, next(j for j in jobs if j.idempotency_key == key))
-        # Rows were inserted in input order, so fresh ids ascend with input position;
-        # a key repeated within one call resolves to the job its first use created.
-        fresh = iter(inserted_ids)
-        by_key: dict[str, int] = dict(existing)
-        result: list[int] = []
-        for job in jobs:
-            key = job.idempotency_key
-            if key is not None and key in by_key:
-                result.append(by_key[key])
-                continue
-            job_id = next(fresh)
-            if key is not None:
-                by_key[key] = job_id
-            result.append(job_id)
-        return result
+        return await run_async(conn, inserts.enqueue_many(validated, unresolved, self.notify))
 
     # -- schema and admin --------------------------------------------------
 

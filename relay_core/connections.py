@@ -2,17 +2,32 @@
 
 ``enqueue(..., conn=...)`` must join the caller's transaction whether the caller
 holds a psycopg 3 connection, a SQLAlchemy 2 ``Connection`` or a SQLAlchemy
-``Session``. The same ``%(name)s`` SQL runs on all three: psycopg directly,
-SQLAlchemy through ``exec_driver_sql`` (the statement goes to the DBAPI
-untouched, so no SQL is rewritten for it).
+``Session``; ``enqueue_async`` the same for their asyncio counterparts (a
+psycopg ``AsyncConnection``, a SQLAlchemy ``AsyncConnection`` or
+``AsyncSession``). The same ``%(name)s`` SQL runs on all six: psycopg
+directly, SQLAlchemy through ``exec_driver_sql`` (the statement goes to the
+DBAPI untouched, so no SQL is rewritten for it). ``run`` and ``run_async``
+send the statements an enqueue's steps (``relay_core.inserts``) ask for.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypeVar
 
 import psycopg
 from psycopg.rows import dict_row
+
+from .inserts import Statement, Steps
+
+T = TypeVar("T")
+
+SYNC_KINDS = "a psycopg Connection or a SQLAlchemy Connection or Session"
+ASYNC_KINDS = "a psycopg AsyncConnection or a SQLAlchemy AsyncConnection or AsyncSession"
+
+
+def is_async_connection(conn: Any) -> bool:
+    """Whether ``conn`` is an asyncio connection (psycopg or SQLAlchemy): its calls must be awaited."""
+    return isinstance(conn, psycopg.AsyncConnection) or type(conn).__module__.startswith("sqlalchemy.ext.asyncio")
 
 
 def _sqlalchemy_connection(conn: Any) -> Any | None:
@@ -33,15 +48,18 @@ def fetch_all(conn: Any, sql: str, params: dict[str, Any]) -> list[dict[str, Any
         with conn.cursor(row_factory=dict_row) as cur:
             cur.execute(sql, params, prepare=True)
             return cur.fetchall() if cur.description else []
+    if is_async_connection(conn):
+        raise TypeError(
+            f"conn is an asyncio connection ({type(conn).__name__}), which enqueue cannot use: "
+            "`await relay.enqueue_async(..., conn=conn)` joins its transaction"
+        )
     sa_conn = _sqlalchemy_connection(conn)
     if sa_conn is not None:
         result = sa_conn.exec_driver_sql(sql, params)
         if not result.returns_rows:
             return []
         return [dict(row) for row in result.mappings()]
-    raise TypeError(
-        f"conn must be a psycopg Connection or a SQLAlchemy Connection or Session, not {type(conn).__name__}"
-    )
+    raise TypeError(f"conn must be {SYNC_KINDS} (or, with enqueue_async, {ASYNC_KINDS}), not {type(conn).__name__}")
 
 
 def fetch_first_value(conn: Any, sql: str, params: dict[str, Any]) -> Any:
@@ -54,3 +72,57 @@ def fetch_first_value(conn: Any, sql: str, params: dict[str, Any]) -> Any:
         return None if row is None else row[0]
     rows = fetch_all(conn, sql, params)
     return next(iter(rows[0].values())) if rows else None
+
+
+def run(conn: Any, steps: Steps[T]) -> T:
+    """Send each statement ``steps`` asks for on ``conn``; return what the steps return."""
+    try:
+        statement = next(steps)
+        while True:
+            fetch = fetch_first_value if statement.first_value else fetch_all
+            statement = steps.send(fetch(conn, statement.sql, statement.params))
+    except StopIteration as done:
+        return done.value
+
+
+async def run_async(conn: Any, steps: Steps[T]) -> T:
+    """Send each statement ``steps`` asks for on the asyncio connection ``conn``; return what the steps return."""
+    if not is_async_connection(conn):
+        raise TypeError(
+            f"conn must be {ASYNC_KINDS}, not {type(conn).__name__}"
+            + (": `relay.enqueue(..., conn=conn)` joins its transaction" if _is_sync_connection(conn) else "")
+        )
+    if type(conn).__module__.startswith("sqlalchemy") and not hasattr(conn, "exec_driver_sql"):
+        conn = await conn.connection()  # an AsyncSession: its connection, in its transaction
+    try:
+        statement = next(steps)
+        while True:
+            rows = await _fetch_all_async(conn, statement)
+            answer: Any = rows
+            if statement.first_value:
+                answer = next(iter(rows[0].values())) if rows else None
+            statement = steps.send(answer)
+    except StopIteration as done:
+        return done.value
+
+
+async def _fetch_all_async(conn: Any, statement: Statement) -> list[dict[str, Any]]:
+    if isinstance(conn, psycopg.AsyncConnection):
+        async with conn.cursor(row_factory=dict_row) as cur:
+            await cur.execute(statement.sql, statement.params, prepare=True)
+            return await cur.fetchall() if cur.description else []
+    result = await conn.exec_driver_sql(statement.sql, statement.params)
+    if not result.returns_rows:
+        return []
+    return [dict(row) for row in result.mappings()]
+
+
+def _is_sync_connection(conn: Any) -> bool:
+    """Whether ``conn`` is one that ``enqueue`` takes (checked without opening anything on it)."""
+    if isinstance(conn, psycopg.Connection):
+        return True
+    return (
+        type(conn).__module__.startswith("sqlalchemy")
+        and not is_async_connection(conn)
+        and (hasattr(conn, "exec_driver_sql") or (hasattr(conn, "connection") and hasattr(conn, "flush")))
+    )

@@ -30,6 +30,15 @@ async def record(dsn: str, job: Job, phase: str) -> None:
         await conn.execute(RECORD, (job.id, os.getpid(), job.attempt, job.lease_token, phase))
 
 
+async def wait_until_stopped(dsn: str, job: Job) -> None:
+    """Await forever; record 'stopped' when cancelled, and let the cancellation go on."""
+    try:
+        await asyncio.sleep(600)
+    except asyncio.CancelledError:
+        await record(dsn, job, "stopped")
+        raise
+
+
 def phases(db: psycopg.Connection, job_id: int) -> list[tuple[int, str]]:
     """(attempt, phase) of every recorded step of ``job_id``, in order."""
     return db.execute(
@@ -131,11 +140,7 @@ def test_an_awaiting_async_handler_is_stopped_at_its_timeout_and_the_attempt_fai
     async def slow_api(job: Job) -> str:
         await record(dsn, job, "start")
         if job.attempt == 1:
-            try:
-                await asyncio.sleep(600)
-            except asyncio.CancelledError:
-                await record(dsn, job, "stopped")
-                raise
+            await wait_until_stopped(dsn, job)
         return "answered"
 
     job_id = relay.enqueue("slow_api")
@@ -183,11 +188,7 @@ def test_cancelling_a_running_async_job_stops_it_at_its_await(relay: Relay, dsn:
     @relay.handler("export", max_attempts=3)
     async def export(job: Job) -> None:
         await record(dsn, job, "start")
-        try:
-            await asyncio.sleep(600)
-        except asyncio.CancelledError:
-            await record(dsn, job, "stopped")
-            raise
+        await wait_until_stopped(dsn, job)
 
     job_id = relay.enqueue("export")
     with running_worker(relay, heartbeat_interval=0.3, lease_seconds=3.0):
@@ -205,11 +206,7 @@ def test_an_async_run_whose_lease_was_taken_over_is_stopped(relay: Relay, dsn: s
     async def sync_catalog(job: Job) -> str:
         await record(dsn, job, "start")
         if job.attempt == 1:
-            try:
-                await asyncio.sleep(600)
-            except asyncio.CancelledError:
-                await record(dsn, job, "stopped")
-                raise
+            await wait_until_stopped(dsn, job)
         return "synced"
 
     job_id = relay.enqueue("sync_catalog")

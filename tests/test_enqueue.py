@@ -407,18 +407,18 @@ def stored_attempts(db: psycopg.Connection, ids: list[int]) -> list[int]:
 @pytest.fixture
 def lookups(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """The types of every max_attempts lookup an enqueue sends (the statements still run on PostgreSQL)."""
-    from relay_core import client
+    from relay_core import connections
     from relay_core.queries import sql
 
     seen: list[str] = []
-    real = client.fetch_all
+    real = connections.fetch_all
 
     def counting(conn, text, params):  # type: ignore[no-untyped-def]
         if text == sql("job_type_max_attempts_many"):
             seen.append(",".join(params["types"]))
         return real(conn, text, params)
 
-    monkeypatch.setattr(client, "fetch_all", counting)
+    monkeypatch.setattr(connections, "fetch_all", counting)
     return seen
 
 

@@ -67,25 +67,32 @@ def test_paused_worker_cannot_complete_a_job_taken_over(
             stop_process(worker_b)
 
 
+def terminate(worker: subprocess.Popen, log: Path, within: float) -> None:
+    """SIGTERM ``worker`` and wait for it to exit cleanly, failing with its log if it takes over ``within`` s."""
+    worker.send_signal(signal.SIGTERM)
+    try:
+        code = worker.wait(within)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"the worker was still running {within} s after SIGTERM; its log:\n" + log.read_text())
+    assert code == 0, log.read_text()
+
+
+@pytest.mark.parametrize("job_type", ["record", "record_async"])
 def test_sigterm_hands_back_unfinished_jobs_at_once(
-    relay: Relay, db: psycopg.Connection, python: str, worker_env: dict, tmp_path: Path
+    relay: Relay, db: psycopg.Connection, python: str, worker_env: dict, tmp_path: Path, job_type: str
 ) -> None:
     log = tmp_path / "worker.log"
     worker = start_worker_process(python, worker_env, "--lease", "60", "--shutdown-timeout", "0.5", log=log)
     try:
-        job_id = relay.enqueue("record", {"sleep": 30})
+        job_id = relay.enqueue(job_type, {"sleep": 30})
         wait_for(lambda: executions(db, job_id), what="the job to start")
         started = time.monotonic()
-        worker.send_signal(signal.SIGTERM)
-        try:
-            code = worker.wait(15)
-        except subprocess.TimeoutExpired:
-            pytest.fail("the worker was still running 15 s after SIGTERM; its log:\n" + log.read_text())
-        assert code == 0, log.read_text()
+        terminate(worker, log, within=15)
         assert time.monotonic() - started < 10
         status, attempts, _token, _by, _finished = job_row(db, job_id)
         # Back in the queue now, not after the 60 s lease, and the interrupted run spent no attempt.
         assert (status, attempts) == ("queued", 0)
+        assert [row[4] for row in executions(db, job_id)] == ["start"]
         stopped = db.execute("SELECT stopped_at FROM relay.workers").fetchall()
         assert stopped and stopped[0][0] is not None
     finally:
@@ -100,38 +107,11 @@ def test_sigterm_lets_an_async_handler_in_flight_finish_within_the_shutdown_time
     try:
         job_id = relay.enqueue("record_async", {"sleep": 1.5})
         wait_for(lambda: executions(db, job_id), what="the job to start")
-        worker.send_signal(signal.SIGTERM)
-        try:
-            code = worker.wait(20)
-        except subprocess.TimeoutExpired:
-            pytest.fail("the worker was still running 20 s after SIGTERM; its log:\n" + log.read_text())
-        assert code == 0, log.read_text()
+        terminate(worker, log, within=20)
         status, attempts, *_ = job_row(db, job_id)
         assert (status, attempts) == ("succeeded", 1)
         assert [row[4] for row in executions(db, job_id)] == ["start", "end"]
         assert relay.get_job(job_id).result == "recorded"
-    finally:
-        stop_process(worker)
-
-
-def test_sigterm_hands_back_an_async_handler_still_awaiting_at_the_shutdown_timeout(
-    relay: Relay, db: psycopg.Connection, python: str, worker_env: dict, tmp_path: Path
-) -> None:
-    log = tmp_path / "worker.log"
-    worker = start_worker_process(python, worker_env, "--lease", "60", "--shutdown-timeout", "0.5", log=log)
-    try:
-        job_id = relay.enqueue("record_async", {"sleep": 30})
-        wait_for(lambda: executions(db, job_id), what="the job to start")
-        worker.send_signal(signal.SIGTERM)
-        try:
-            code = worker.wait(15)
-        except subprocess.TimeoutExpired:
-            pytest.fail("the worker was still running 15 s after SIGTERM; its log:\n" + log.read_text())
-        assert code == 0, log.read_text()
-        # Back in the queue now, not after the 60 s lease; the interrupted run spent no attempt and never ended.
-        status, attempts, *_ = job_row(db, job_id)
-        assert (status, attempts) == ("queued", 0)
-        assert [row[4] for row in executions(db, job_id)] == ["start"]
     finally:
         stop_process(worker)
 

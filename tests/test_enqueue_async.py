@@ -1,0 +1,187 @@
+"""Enqueue from asyncio code: ``enqueue_async`` joins the caller's async transaction.
+
+The same checks, statement and idempotency as ``enqueue``, on a psycopg
+``AsyncConnection`` or a SQLAlchemy ``AsyncConnection`` / ``AsyncSession``,
+read back from the real database.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import warnings
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+import psycopg
+import pytest
+import sqlalchemy
+from sqlalchemy.ext.asyncio import AsyncSession, create_async_engine
+
+from relay_core import InvalidJobError, Job, Relay
+
+from .helpers import job_status, publish_handlers, running_worker, wait_for
+
+
+def jobs(db: psycopg.Connection) -> list[tuple[str, Any, int]]:
+    return db.execute("SELECT type, payload, max_attempts FROM relay.jobs ORDER BY id").fetchall()
+
+
+@asynccontextmanager
+async def psycopg_transaction(dsn: str) -> AsyncIterator[psycopg.AsyncConnection]:
+    async with await psycopg.AsyncConnection.connect(dsn) as conn, conn.transaction():
+        yield conn
+
+
+@asynccontextmanager
+async def sqlalchemy_connection(dsn: str) -> AsyncIterator[Any]:
+    engine = create_async_engine("postgresql+psycopg://", async_creator=lambda: psycopg.AsyncConnection.connect(dsn))
+    try:
+        async with engine.begin() as conn:
+            yield conn
+    finally:
+        await engine.dispose()
+
+
+@asynccontextmanager
+async def sqlalchemy_session(dsn: str) -> AsyncIterator[Any]:
+    engine = create_async_engine("postgresql+psycopg://", async_creator=lambda: psycopg.AsyncConnection.connect(dsn))
+    try:
+        async with AsyncSession(engine) as session, session.begin():
+            yield session
+    finally:
+        await engine.dispose()
+
+
+TRANSACTIONS = {"psycopg": psycopg_transaction, "sqlalchemy": sqlalchemy_connection, "session": sqlalchemy_session}
+
+
+@pytest.mark.parametrize("kind", TRANSACTIONS)
+def test_enqueue_async_commits_with_the_callers_transaction(
+    relay: Relay, dsn: str, db: psycopg.Connection, kind: str
+) -> None:
+    async def place_order() -> int:
+        async with TRANSACTIONS[kind](dsn) as conn:
+            job_id = await relay.enqueue_async("send_email", {"to": "a@b.c"}, conn=conn, priority=-1)
+            assert jobs(db) == [], "visible before the caller's commit"
+            return job_id
+
+    job_id = asyncio.run(place_order())
+    row = db.execute("SELECT type, payload, priority, status::text FROM relay.jobs WHERE id = %s", (job_id,)).fetchone()
+    assert row == ("send_email", {"to": "a@b.c"}, -1, "queued")
+
+
+@pytest.mark.parametrize("kind", TRANSACTIONS)
+def test_enqueue_async_rolls_back_with_the_callers_transaction(
+    relay: Relay, dsn: str, db: psycopg.Connection, kind: str
+) -> None:
+    async def place_order() -> None:
+        async with TRANSACTIONS[kind](dsn) as conn:
+            await relay.enqueue_async("send_email", {"to": "a@b.c"}, conn=conn)
+            await relay.enqueue_many_async([{"type": "resize"}, {"type": "resize"}], conn=conn)
+            raise RuntimeError("order failed")
+
+    with pytest.raises(RuntimeError, match="order failed"):
+        asyncio.run(place_order())
+    assert jobs(db) == []
+
+
+def test_enqueue_async_without_conn_commits_at_once(relay: Relay, db: psycopg.Connection) -> None:
+    job_id = asyncio.run(relay.enqueue_async("send_email", {"to": "a@b.c"}))
+    ids = asyncio.run(relay.enqueue_many_async([{"type": "resize", "payload": {"n": n}} for n in range(3)]))
+    assert [r[0] for r in db.execute("SELECT id FROM relay.jobs ORDER BY id")] == [job_id, *ids]
+
+
+def test_an_idempotency_key_returns_the_first_job_across_sync_and_async(
+    relay: Relay, dsn: str, db: psycopg.Connection
+) -> None:
+    first = relay.enqueue("receipt", idempotency_key="order-42:receipt")
+
+    async def again() -> list[int]:
+        async with psycopg_transaction(dsn) as conn:
+            one = await relay.enqueue_async("receipt", conn=conn, idempotency_key="order-42:receipt")
+            many = await relay.enqueue_many_async(
+                [{"type": "receipt", "idempotency_key": "order-42:receipt"}, {"type": "receipt"}], conn=conn
+            )
+            return [one, *many]
+
+    one, many_first, fresh = asyncio.run(again())
+    assert one == many_first == first and fresh != first
+    assert db.execute("SELECT count(*) FROM relay.jobs").fetchone()[0] == 2
+
+
+def test_enqueue_async_takes_the_max_attempts_workers_published(dsn: str, db: psycopg.Connection) -> None:
+    publish_handlers(dsn, send_email=3)
+    bare = Relay(dsn)  # a service that only enqueues
+
+    async def enqueue() -> None:
+        async with sqlalchemy_session(dsn) as session:
+            await bare.enqueue_async("send_email", conn=session)
+            await bare.enqueue_async("send_email", conn=session, max_attempts=7)
+            await bare.enqueue_async("resize_image", conn=session)
+
+    try:
+        asyncio.run(enqueue())
+    finally:
+        bare.close()
+    assert [r[2] for r in jobs(db)] == [3, 7, 20]
+
+
+def test_bad_input_to_enqueue_async_raises_and_writes_nothing(relay: Relay, dsn: str, db: psycopg.Connection) -> None:
+    async def attempt(enqueue: Callable[[Any], Awaitable[Any]]) -> None:
+        async with psycopg_transaction(dsn) as conn:
+            await enqueue(conn)
+
+    with pytest.raises(InvalidJobError) as refused:
+        asyncio.run(attempt(lambda conn: relay.enqueue_async("t", {"x": float("nan")}, conn=conn)))
+    assert refused.value.field == "payload"
+    with pytest.raises(InvalidJobError) as refused:
+        asyncio.run(attempt(lambda conn: relay.enqueue_many_async([{"type": "t"}, {"type": "t", "queue": "Bad"}])))
+    assert refused.value.field == "jobs[1].queue"
+    with pytest.raises(InvalidJobError):
+        asyncio.run(relay.enqueue_async("", {}))
+    assert jobs(db) == []
+
+
+@pytest.mark.parametrize("kind", TRANSACTIONS)
+def test_enqueue_given_an_async_connection_says_to_use_enqueue_async(
+    relay: Relay, dsn: str, db: psycopg.Connection, kind: str
+) -> None:
+    async def attempt() -> None:
+        async with TRANSACTIONS[kind](dsn) as conn:
+            relay.enqueue("send_email", conn=conn)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no coroutine left unawaited on the way
+        with pytest.raises(TypeError, match=r"enqueue_async\(\.\.\., conn=conn\)"):
+            asyncio.run(attempt())
+    assert jobs(db) == []
+
+
+def test_enqueue_async_given_a_sync_connection_says_to_use_enqueue(relay: Relay, dsn: str) -> None:
+    with psycopg.connect(dsn) as conn, pytest.raises(TypeError, match=r"relay\.enqueue\(\.\.\., conn=conn\)"):
+        asyncio.run(relay.enqueue_async("send_email", conn=conn))
+    engine = sqlalchemy.create_engine("postgresql+psycopg://", creator=lambda: psycopg.connect(dsn))
+    try:
+        with engine.connect() as conn, pytest.raises(TypeError, match=r"relay\.enqueue\(\.\.\., conn=conn\)"):
+            asyncio.run(relay.enqueue_async("send_email", conn=conn))
+    finally:
+        engine.dispose()
+    with pytest.raises(TypeError, match="AsyncConnection"):
+        asyncio.run(relay.enqueue_async("send_email", conn=object()))
+
+
+def test_a_job_enqueued_from_asyncio_runs_on_an_async_handler(relay: Relay, dsn: str, db: psycopg.Connection) -> None:
+    @relay.handler("welcome")
+    async def welcome(job: Job) -> str:
+        await asyncio.sleep(0)
+        return f"welcomed {job.payload['user']}"
+
+    async def sign_up() -> int:
+        async with psycopg_transaction(dsn) as conn:
+            return await relay.enqueue_async("welcome", {"user": "ada"}, conn=conn)
+
+    job_id = asyncio.run(sign_up())
+    with running_worker(relay):
+        wait_for(lambda: job_status(db, job_id) == "succeeded")
+    assert relay.get_job(job_id).result == "welcomed ada"

@@ -869,3 +869,31 @@ def test_a_handler_hears_its_lease_ran_out_while_the_database_stalls(dsn: str, r
     finally:
         through.close()
         proxy.close()
+
+
+def test_a_claim_that_waited_for_a_pooled_connection_counts_its_lease_from_the_claim(
+    relay: Relay, db: psycopg.Connection
+) -> None:
+    """After an outage, or with every pooled connection busy, a claim can wait seconds for a
+    connection before it is sent. The lease starts when the claim runs in the database, so the
+    worker's own clock must count it from there: counted from before the wait, a fresh claim was
+    told at once that its lease had run out, and the job spent an attempt for nothing."""
+    told: list[bool] = []
+
+    @relay.handler("short")
+    def short(job: Job) -> None:
+        time.sleep(0.5)
+        told.append(job.lease_lost)
+
+    settings = {"concurrency": 1, "lease_seconds": 2.0, "heartbeat_interval": 0.6, "listen": False}
+    with running_worker(relay, poll_interval=0.05, **settings) as worker:
+        wait_for(lambda: worker.maintenance.registered_at is not None, what="the worker to start")
+        held = [worker.pool.getconn() for _ in range(worker.pool.max_size)]
+        try:
+            job_id = relay.enqueue("short")
+            time.sleep(3.0)  # the producer waits for a connection, longer than the lease
+        finally:
+            for conn in held:
+                worker.pool.putconn(conn)
+        wait_for(lambda: job_status(db, job_id) == "succeeded", timeout=15, what="the job to run")
+    assert told == [False], "a fresh claim was told its lease had run out"

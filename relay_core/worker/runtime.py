@@ -415,6 +415,16 @@ class Worker:
         claim travel together in one pipelined transaction, still one round
         trip.
         """
+        return self._claim(limit)[0]
+
+    def _claim(self, limit: int) -> tuple[list[Job], float]:
+        """:meth:`claim`, and when the claim was sent (monotonic), the start of its leases by this clock.
+
+        Taken once a pooled connection is in hand: after an outage, or while
+        handlers hold every connection, the wait for one can outlast the
+        lease, and a lease counted from before it would be told it had run
+        out the moment its handler started.
+        """
         params = {
             "queues": list(self.config.queues),
             "limit": limit,
@@ -423,6 +433,7 @@ class Worker:
             "locked": self.limits_exist,
         }
         with self.pool.connection() as conn:
+            sent = time.monotonic()
             if self.limits_exist:
                 with conn.pipeline(), conn.transaction():
                     conn.execute(sql("claim_limits_lock"), prepare=True)
@@ -439,11 +450,11 @@ class Worker:
         jobs = [Job.from_row(row) for row in rows]
         for job in jobs:
             job._report = self._report_progress
-        return jobs
+        return jobs, sent
 
-    def _dispatch(self, jobs: list[Job], asked: float | None = None) -> None:
-        """Hand claimed jobs to the slots; ``asked`` is when the claim was sent (monotonic)."""
-        lease_expires = (time.monotonic() if asked is None else asked) + self.config.lease_seconds
+    def _dispatch(self, jobs: list[Job], sent: float | None = None) -> None:
+        """Hand claimed jobs to the slots; ``sent`` is when the claim was sent (monotonic)."""
+        lease_expires = (time.monotonic() if sent is None else sent) + self.config.lease_seconds
         replaced = 0
         with self._lock:
             for job in jobs:
@@ -580,9 +591,8 @@ class Worker:
                 self.stopping.wait(CLAIM_COALESCE_SECONDS)
                 free = capacity - self.in_flight()
             self._wake.clear()
-            asked = time.monotonic()
             try:
-                jobs = self.claim(free)
+                jobs, sent = self._claim(free)
                 delay = 0.1
             except (psycopg.OperationalError, psycopg.InterfaceError, PoolTimeout) as exc:
                 event(logging.WARNING, "claim failed; database unreachable, retrying", error=str(exc), retry_in=delay)
@@ -590,7 +600,7 @@ class Worker:
                 delay = min(delay * 2, 5.0)
                 continue
             if jobs:
-                self._dispatch(jobs, asked)
+                self._dispatch(jobs, sent)
             if len(jobs) < free:
                 self._wake.wait(self.config.poll_interval)
 

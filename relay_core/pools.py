@@ -16,15 +16,33 @@ from typing import Any
 
 import psycopg
 from psycopg_pool import ConnectionPool
+from psycopg_pool.base import AttemptWithBackoff
 
 from .settings import transaction_pooling
 
 #: A connection idle longer than this is checked before it is handed out.
 IDLE_CHECK_SECONDS = 1.0
+#: The longest wait between the pool's attempts to reconnect to a database that went away.
+RECONNECT_MAX_DELAY_SECONDS = 2.0
+
+
+class CappedAttempt(AttemptWithBackoff):
+    """The pool's reconnection backoff, but never more than RECONNECT_MAX_DELAY_SECONDS between tries.
+
+    psycopg_pool doubles the delay after every failed try until it gives up
+    (``reconnect_timeout``, 5 minutes): 1, 2, 4, 8, 16, 32 s ... So a worker
+    learned that a database was back up to as long after its return as the
+    outage itself had lasted, with nothing claimed or recorded meanwhile.
+    """
+
+    def update_delay(self, now: float) -> None:
+        """Grow the delay as the pool does, up to the cap (and never past the give-up time)."""
+        super().update_delay(now)
+        self.delay = min(self.delay, RECONNECT_MAX_DELAY_SECONDS)
 
 
 class RelayPool(ConnectionPool):
-    """A pool that remembers when each connection came back."""
+    """A pool that remembers when each connection came back, and reconnects at a capped pace."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self.returned_at: weakref.WeakKeyDictionary[psycopg.Connection, float] = weakref.WeakKeyDictionary()
@@ -34,6 +52,10 @@ class RelayPool(ConnectionPool):
         """Stamp the return time, then return the connection."""
         self.returned_at[conn] = time.monotonic()
         super().putconn(conn)
+
+    def _add_connection(self, attempt: AttemptWithBackoff | None, growing: bool = False) -> None:
+        # The pool's own hook for (re)connecting; its first try starts a capped attempt.
+        super()._add_connection(attempt or CappedAttempt(timeout=self.reconnect_timeout), growing)
 
 
 def make_pool(

@@ -1,0 +1,70 @@
+"""Database outages on a PostgreSQL of the tests' own: restarts, crashes and longer downtime.
+
+Relay's workers must come through a database that goes away and comes back by
+themselves: no job lost, none run twice at once, and work resumes as soon as
+the server answers again.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+
+import psycopg
+import pytest
+
+from relay_core import Relay
+from relay_core.migrate import migrate
+
+from .helpers import job_status, running_worker, wait_for
+from .pgcluster import Cluster
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[Cluster]:
+    """A server these tests may stop and crash."""
+    server = Cluster()
+    try:
+        yield server
+    finally:
+        server.destroy()
+
+
+@pytest.fixture
+def outage_dsn(cluster: Cluster, request: pytest.FixtureRequest) -> Iterator[str]:
+    """A fresh, migrated database on the test's own server."""
+    name = "outage_" + request.node.name.lower()[:40].replace("[", "_").replace("]", "")
+    dsn = cluster.create_database(name)
+    migrate(dsn)
+    yield dsn
+    with psycopg.connect(cluster.url, autocommit=True) as conn:
+        conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+def test_a_worker_works_again_within_seconds_of_a_long_outage_ending(cluster: Cluster, outage_dsn: str) -> None:
+    """The connection pool retries connecting with a growing delay; uncapped, it doubled past the
+    length of the outage (1, 2, 4, 8 s ...), and a worker sat idle for as long again after the
+    server came back: no claims, no completions, no sweeps."""
+    relay = Relay(outage_dsn)
+    done = threading.Event()
+    relay.handler("echo")(lambda job: done.set())
+    try:
+        with running_worker(relay, concurrency=1, listen=False, poll_interval=0.1):
+            first = relay.enqueue("echo")
+            with psycopg.connect(outage_dsn, autocommit=True) as db:
+                wait_for(lambda: job_status(db, first) == "succeeded", what="the first job")
+            done.clear()
+            cluster.stop("immediate")
+            time.sleep(9)  # the pool's attempts so far: at about 0, 1, 3 and 7 s; uncapped, the next at 15 s
+            cluster.start()
+            back = time.monotonic()
+            second = relay.enqueue("echo")
+            assert done.wait(20), "the worker never ran a job after the outage"
+            assert time.monotonic() - back < 3.0, f"the worker resumed {time.monotonic() - back:.1f} s after the outage"
+            with psycopg.connect(outage_dsn, autocommit=True) as db:
+                wait_for(lambda: job_status(db, second) == "succeeded", what="the second job's success")
+    finally:
+        relay.close()

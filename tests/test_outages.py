@@ -13,11 +13,12 @@ from collections.abc import Iterator
 
 import psycopg
 import pytest
+from psycopg import conninfo
 
-from relay_core import Relay
+from relay_core import Job, Relay
 from relay_core.migrate import migrate
 
-from .helpers import job_status, running_worker, wait_for
+from .helpers import TcpProxy, job_status, running_worker, wait_for
 from .pgcluster import Cluster
 
 pytestmark = pytest.mark.slow
@@ -68,3 +69,47 @@ def test_a_worker_works_again_within_seconds_of_a_long_outage_ending(cluster: Cl
                 wait_for(lambda: job_status(db, second) == "succeeded", what="the second job's success")
     finally:
         relay.close()
+
+
+def test_a_job_finished_during_an_outage_longer_than_its_lease_is_recorded_not_run_again(
+    cluster: Cluster, outage_dsn: str
+) -> None:
+    """A handler finished while the server was down, for longer than the lease. When the server
+    is back, every lease in it has run out only because nobody could renew it, and the first
+    sweeper to get through (any worker's) returned every running job, the jobs of workers that
+    were alive and about to record them too: finished work ran again. After the server starts,
+    sweepers leave leases alone for one lease, and the workers that hold them renew them."""
+    proxy = TcpProxy("127.0.0.1", cluster.port)
+    holder = Relay(conninfo.make_conninfo(outage_dsn, port=str(proxy.port)))
+    other = Relay(outage_dsn)
+    runs: list[int] = []
+    started = threading.Event()
+
+    def finish(job: Job) -> None:
+        runs.append(job.lease_token)
+        started.set()
+        time.sleep(1.0)
+
+    for app in (holder, other):
+        app.handler("finish")(finish)
+    settings = {"lease_seconds": 4.0, "heartbeat_interval": 1.0, "listen": False, "poll_interval": 0.1}
+    try:
+        with running_worker(holder, concurrency=1, sweep_interval=60, **settings):
+            job_id = other.enqueue("finish")
+            assert started.wait(15)
+            cluster.stop("immediate")  # the handler returns while the server is down
+            time.sleep(5.0)  # longer than the lease
+            proxy.flowing.clear()  # the holder gets through a moment after the others
+            cluster.start()
+            with running_worker(other, concurrency=1, sweep_interval=0.2, **settings):
+                time.sleep(1.5)  # the other worker sweeps every 0.2 s
+                proxy.flowing.set()
+                with psycopg.connect(outage_dsn, autocommit=True) as db:
+                    wait_for(lambda: job_status(db, job_id) == "succeeded", timeout=20, what="the job's success")
+                    (attempts,) = db.execute("SELECT attempts FROM relay.jobs WHERE id = %s", (job_id,)).fetchone()
+    finally:
+        holder.close()
+        other.close()
+        proxy.close()
+    assert runs == [1], "the job ran again though its first run had finished"
+    assert attempts == 1

@@ -228,6 +228,12 @@ RETURNING j.id;
 -- cancelled when an admin had asked them to stop. The outer WHERE re-checks the
 -- lease itself, so a heartbeat or completion that won the row first is never
 -- overwritten, and several sweepers can run at once.
+-- For %(restart_grace)s seconds after the server starts it returns nothing: a
+-- lease cannot be renewed while the server is down, so after an outage longer
+-- than the lease every lease has run out, the leases of live workers too, and
+-- the first sweeper through would start their jobs again (finished ones
+-- included, whose outcomes wait to be written). The grace gives the workers
+-- that hold them a full lease to renew them, as if granted at the restart.
 -- transition: claimed -> queued, dead, cancelled
 UPDATE relay.jobs AS j
 SET status = CASE WHEN j.cancel_requested_at IS NOT NULL THEN 'cancelled'
@@ -246,6 +252,7 @@ SET status = CASE WHEN j.cancel_requested_at IS NOT NULL THEN 'cancelled'
 WHERE j.id IN (
     SELECT id FROM relay.jobs
     WHERE status = 'claimed' AND claimed_until < now()
+      AND pg_postmaster_start_time() < now() - make_interval(secs => %(restart_grace)s)
     ORDER BY claimed_until
     LIMIT %(limit)s
     FOR UPDATE SKIP LOCKED

@@ -36,16 +36,20 @@ PRUNE_CATCH_UP_SECONDS = 1.0
 VACUUM_CHECK_INTERVAL = 15.0
 
 
-def sweep_once(conn: psycopg.Connection, limit: int = SWEEP_BATCH) -> dict[str, int]:
+def sweep_once(conn: psycopg.Connection, limit: int = SWEEP_BATCH, restart_grace: float = 0.0) -> dict[str, int]:
     """Return expired leases to the queue (or to dead, or to cancelled when an
     admin had asked the job to stop); count per new status.
 
     Safe to run from every worker at once: the statement skips rows another
-    sweeper holds and re-checks the lease in its own WHERE.
+    sweeper holds and re-checks the lease in its own WHERE. Within
+    ``restart_grace`` seconds of the server's start it returns nothing, so
+    live workers renew the leases an outage let run out (workers pass their
+    lease).
     """
     counts = {"queued": 0, "dead": 0, "cancelled": 0}
+    params = {"limit": limit, "restart_grace": restart_grace}
     while True:
-        rows = conn.execute(sql("job_rescue_expired"), {"limit": limit}).fetchall()
+        rows = conn.execute(sql("job_rescue_expired"), params).fetchall()
         conn.commit()
         for _id, status in rows:
             counts[status] += 1
@@ -192,7 +196,7 @@ class Maintenance:
     def sweep(self) -> dict[str, int]:
         """Run the sweeper once."""
         with self._pool.connection() as conn:
-            counts = sweep_once(conn)
+            counts = sweep_once(conn, restart_grace=self._lease_seconds)
         self.sweeps += 1
         if any(counts.values()):
             event(

@@ -113,3 +113,51 @@ def test_a_job_finished_during_an_outage_longer_than_its_lease_is_recorded_not_r
         proxy.close()
     assert runs == [1], "the job ran again though its first run had finished"
     assert attempts == 1
+
+
+def test_a_worker_told_to_stop_while_its_database_is_down_exits_within_its_drain_window(
+    cluster: Cluster, outage_dsn: str
+) -> None:
+    """SIGTERM during an outage: the in-flight wait ends at the shutdown timeout, and what is left
+    (the finished jobs' outcomes, the hand-back, the registry's stop) cannot be written. Each of
+    those waits used to run its own course (the completer 10 s, then 5 s each for the stop and the
+    hand-back), 20 s past the shutdown timeout, well past a platform's SIGKILL; a worker killed
+    then loses nothing, but the drain window is a promise. They now share a few seconds."""
+    relay = Relay(outage_dsn)
+    finished = threading.Event()
+
+    @relay.handler("quick")
+    def quick(job: Job) -> None:
+        time.sleep(0.5)
+        finished.set()
+
+    @relay.handler("long")
+    def long(job: Job) -> None:
+        time.sleep(30)  # past every deadline here, and deaf to lease_lost
+
+    worker = relay.worker(concurrency=2, listen=False, poll_interval=0.1, shutdown_timeout=1.0)
+    thread = threading.Thread(target=worker.run, kwargs={"install_signals": False}, daemon=True)
+    thread.start()
+    try:
+        quick_id, long_id = relay.enqueue("quick"), relay.enqueue("long")
+        with psycopg.connect(outage_dsn, autocommit=True) as db:
+            wait_for(
+                lambda: db.execute("SELECT count(*) FROM relay.jobs WHERE status = 'claimed'").fetchone()[0] == 2,
+                what="both jobs to start",
+            )
+        cluster.stop("immediate")
+        assert finished.wait(10)
+        time.sleep(0.5)  # the quick job's success is waiting in the completer, which cannot write it
+        told = time.monotonic()
+        worker.stop()
+        assert worker.stopped.wait(30), "the worker never stopped"
+        took = time.monotonic() - told
+        assert took < 1.0 + 7.0, f"the worker stopped {took:.1f} s after it was told to (shutdown timeout 1 s)"
+    finally:
+        worker.stop()
+        cluster.start()
+        relay.close()
+    with psycopg.connect(outage_dsn, autocommit=True) as db:
+        # Nothing was written: both jobs wait, claimed, for the sweeper once their leases end.
+        statuses = db.execute("SELECT id, status::text FROM relay.jobs ORDER BY id").fetchall()
+    assert statuses == [(quick_id, "claimed"), (long_id, "claimed")]

@@ -23,9 +23,11 @@ from ..queries import sql
 from .outcome import Kind, Outcome
 
 MAX_BATCH = 1000
-#: While stopping, a write that keeps failing is given up after this long; stop()
-#: waits a little longer, so the worker never closes the pool under a write.
+#: How long stop() gives the outcomes still queued, unless told otherwise.
 STOP_GIVE_UP_SECONDS = 8.0
+#: How long one write waits for a pooled connection before it counts as failed and is retried:
+#: short, so a write retrying through an outage hears a stop within about this long.
+CONNECTION_WAIT_SECONDS = 1.0
 
 
 class Completer:
@@ -37,6 +39,9 @@ class Completer:
         self._inbox: queue.SimpleQueue[Outcome | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._loop, name="relay-completer", daemon=True)
         self._stopped = threading.Event()
+        # Set by stop(): when writes that keep failing are given up, and the wake from a retry's backoff.
+        self._give_up_at: float | None = None
+        self._stopping = threading.Event()
 
     def start(self) -> None:
         """Start writing."""
@@ -46,10 +51,19 @@ class Completer:
         """Queue one outcome for writing."""
         self._inbox.put(outcome)
 
-    def stop(self, timeout: float = STOP_GIVE_UP_SECONDS + 2.0) -> None:
-        """Write everything queued so far, then stop."""
+    def stop(self, timeout: float = STOP_GIVE_UP_SECONDS) -> None:
+        """Write everything queued so far, then stop; give up on what cannot be written in ``timeout`` s.
+
+        A batch already retrying through an outage is given up at the same
+        deadline: the worker's drain window is not the place to wait for the
+        database (the leases of what was not written expire, and the sweeper
+        returns those jobs).
+        """
+        self._give_up_at = time.monotonic() + timeout
+        self._stopping.set()
         self._inbox.put(None)
-        self._thread.join(timeout)
+        # A write in flight waits no longer than the deadline for a connection; a moment more for its answer.
+        self._thread.join(timeout + 0.5)
 
     def _loop(self) -> None:
         stopping = False
@@ -70,21 +84,33 @@ class Completer:
                 else:
                     batch.append(item)
             if batch:
-                self._write_until_done(batch, give_up_after=STOP_GIVE_UP_SECONDS if stopping else None)
+                self._write_until_done(batch)
         self._stopped.set()
 
-    def _write_until_done(self, batch: list[Outcome], give_up_after: float | None) -> None:
+    def _time_left(self) -> float | None:
+        """Seconds to the give-up deadline once stopping (None: no deadline, keep retrying)."""
+        give_up_at = self._give_up_at
+        return None if give_up_at is None else give_up_at - time.monotonic()
+
+    def _write_until_done(self, batch: list[Outcome]) -> None:
         delay = 0.1
-        deadline = None if give_up_after is None else time.monotonic() + give_up_after
         while True:
+            left = self._time_left()
             try:
-                written = self.write(batch)
+                wait = CONNECTION_WAIT_SECONDS if left is None else min(max(left, 0.1), CONNECTION_WAIT_SECONDS)
+                written = self.write(batch, timeout=wait)
             except (psycopg.OperationalError, psycopg.InterfaceError, PoolTimeout) as exc:
-                if deadline is not None and time.monotonic() > deadline:
-                    event(logging.ERROR, "completion not written; leases will expire", error=str(exc), jobs=len(batch))
+                left = self._time_left()
+                if left is not None and left <= 0:
+                    event(
+                        logging.ERROR,
+                        "completion not written before the worker stopped; the sweeper will return these jobs",
+                        error=str(exc),
+                        job_ids=sorted(o.job.id for o in batch),
+                    )
                     return
                 event(logging.WARNING, "completion write failed, retrying", error=str(exc), retry_in=delay)
-                time.sleep(delay)
+                self._stopping.wait(delay if left is None else min(delay, left))
                 delay = min(delay * 2, 5.0)
                 continue
             except Exception as exc:
@@ -92,7 +118,7 @@ class Completer:
                 # sent): one bad outcome must not block the others or stop this thread.
                 if len(batch) > 1:
                     for outcome in batch:
-                        self._write_until_done([outcome], give_up_after)
+                        self._write_until_done([outcome])
                     return
                 job = batch[0].job
                 event(
@@ -114,18 +140,19 @@ class Completer:
         except Exception as exc:  # the thread outlives any bookkeeping bug
             event(logging.ERROR, "bookkeeping after a completion write failed", error=repr(exc), jobs=len(batch))
 
-    def write(self, batch: list[Outcome]) -> dict[int, str]:
+    def write(self, batch: list[Outcome], timeout: float | None = None) -> dict[int, str]:
         """Record a batch in one statement per outcome kind.
 
         Returns the status written for each job that was still this worker's:
         not always the outcome's own (a failure of a job an admin asked to
-        cancel ends it cancelled).
+        cancel ends it cancelled). ``timeout`` bounds the wait for a pooled
+        connection (the pool's own timeout if None).
         """
         written: dict[int, str] = {o.job.id: "succeeded" for o in batch if o.kind is Kind.COMMITTED}
         statements = [(name, params) for name, params in _statements(batch) if params["ids"]]
         if not statements:
             return written
-        with self._pool.connection() as conn:
+        with self._pool.connection(timeout=timeout) as conn:
             if len(statements) == 1:
                 # The usual batch (all successes) is one statement: autocommit, one round trip.
                 name, params = statements[0]

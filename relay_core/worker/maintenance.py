@@ -153,15 +153,19 @@ class Maintenance:
         self.stop_duties()
         self.stop_heartbeats()
 
-    def stop_duties(self) -> None:
-        """Stop sweeping, pruning and the rest; heartbeats go on (a shutdown still holds leases)."""
-        self._stop_duties.set()
-        self._duties_thread.join(5.0)
+    def stop_duties(self, timeout: float = 5.0) -> None:
+        """Stop sweeping, pruning and the rest; heartbeats go on (a shutdown still holds leases).
 
-    def stop_heartbeats(self) -> None:
+        Waits up to ``timeout`` s for the duty in progress; one waiting for a
+        database that is down ends on its own and finds the loop stopped.
+        """
+        self._stop_duties.set()
+        self._duties_thread.join(timeout)
+
+    def stop_heartbeats(self, timeout: float = 5.0) -> None:
         """Stop renewing leases: the worker has nothing left to hold."""
         self._stop_heartbeats.set()
-        self._heartbeat_thread.join(5.0)
+        self._heartbeat_thread.join(timeout)
 
     def heartbeat(self) -> None:
         """Renew leases and the registry entry; report leases that were taken over.

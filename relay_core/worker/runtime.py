@@ -52,6 +52,13 @@ MAX_PREFETCH_PER_SLOT = 16
 #: long before another worker may start it: the thread stops only when the
 #: worker process exits, a moment after the hand-back.
 HAND_BACK_GRACE_SECONDS = 2.0
+#: After the in-flight wait of a shutdown, what is left to write (outcomes, hand-backs, the
+#: registry's stop) shares this many seconds: with the database down none of it can be
+#: written, and waiting for each in turn would outlast a platform's drain window.
+SHUTDOWN_WRITES_SECONDS = 3.0
+#: How long a claim waits for a pooled connection before the producer looks again whether
+#: it should stop: a stop during an outage must not wait out the pool's whole timeout.
+CLAIM_CONNECTION_WAIT_SECONDS = 1.0
 #: How long one try at registering waits for a connection before it logs and tries again.
 REGISTER_WAIT_SECONDS = 2.0
 #: How often the lease watch compares unrenewed leases with the local clock.
@@ -432,7 +439,7 @@ class Worker:
             "lease_seconds": self.config.lease_seconds,
             "locked": self.limits_exist,
         }
-        with self.pool.connection() as conn:
+        with self.pool.connection(timeout=CLAIM_CONNECTION_WAIT_SECONDS) as conn:
             sent = time.monotonic()
             if self.limits_exist:
                 with conn.pipeline(), conn.transaction():
@@ -631,7 +638,8 @@ class Worker:
         # Nothing but heartbeats is needed from here on; these stop while in-flight jobs run on.
         if self.listener:
             self.listener.stop()
-        self.maintenance.stop_duties()
+        # Within the shutdown timeout, however long a duty waits for a database that is down.
+        self.maintenance.stop_duties(max(deadline - time.monotonic(), 0.5))
         while self.in_flight() and time.monotonic() < deadline and self.config.shutdown_timeout > 0:
             time.sleep(0.02)
         self._check_timeouts()  # a job past its deadline has its timeout recorded, not its attempt refunded
@@ -647,23 +655,30 @@ class Worker:
                 self._closing[running.job.id] = running.job.lease_token
         for _ in self._slots:
             self._inbox.put(None)
+        writes_end = time.monotonic() + SHUTDOWN_WRITES_SECONDS
+
+        def left() -> float:
+            """What is left of the writes' shared time: each wait for a connection ends with it."""
+            return max(writes_end - time.monotonic(), 0.1)
+
         never_started = [r for r in unfinished if r.slot is None]
         if never_started:
-            self._hand_back(never_started)
-        self.completer.stop()  # writes the outcomes of the jobs that finished
+            self._hand_back(never_started, left())
+        self.completer.stop(left())  # writes the outcomes of the jobs that finished
         if overdue:
-            self._record_overdue([decided for _, decided in overdue])
+            self._record_overdue([decided for _, decided in overdue], left())
         try:
-            with self.pool.connection(timeout=5.0) as conn:
+            with self.pool.connection(timeout=left()) as conn:
                 conn.execute(sql("worker_stop"), {"id": self.id, "started_at": self.maintenance.registered_at})
         except (psycopg.Error, PoolTimeout) as exc:
             event(logging.WARNING, "could not record worker stop", error=str(exc))
         # The last write: from here to the process's exit must fit in the hand-back grace.
         still_running = [r for r in unfinished if r.slot is not None]
         if still_running:
-            self._hand_back(still_running)
-        self.maintenance.stop_heartbeats()
-        self.pool.close()
+            self._hand_back(still_running, left())
+        # Bounded too: a heartbeat connecting to a database that is down must not hold up the exit.
+        self.maintenance.stop_heartbeats(1.0)
+        self.pool.close(timeout=1.0)
         event(
             logging.INFO,
             "worker stopped",
@@ -674,7 +689,7 @@ class Worker:
         )
         self.stopped.set()
 
-    def _record_overdue(self, decided: list[Outcome]) -> None:
+    def _record_overdue(self, decided: list[Outcome], timeout: float) -> None:
         """Write the timeouts of handlers that never returned: the attempt counts.
 
         Handing them back would give the attempt back, and a handler that
@@ -684,7 +699,7 @@ class Worker:
         for outcome in decided:
             outcome.delay = max(outcome.delay, HAND_BACK_GRACE_SECONDS)
         try:
-            written = self.completer.write(decided)
+            written = self.completer.write(decided, timeout=timeout)
         except (psycopg.Error, PoolTimeout) as exc:
             event(
                 logging.ERROR,
@@ -697,7 +712,7 @@ class Worker:
             self._release([o.job for o in decided])
         self._on_written(decided, written)
 
-    def _hand_back(self, unfinished: list[Running]) -> None:
+    def _hand_back(self, unfinished: list[Running], timeout: float) -> None:
         """Return unfinished jobs to the queue, fenced, with their attempt given back.
 
         Until then their leases are in ``_closing``, which heartbeats renew.
@@ -706,7 +721,7 @@ class Worker:
         # A job that never left the prefetch can run elsewhere at once; one whose thread still runs waits.
         delays = [0.0 if r.slot is None else HAND_BACK_GRACE_SECONDS for r in unfinished]
         try:
-            with self.pool.connection(timeout=5.0) as conn:
+            with self.pool.connection(timeout=timeout) as conn:
                 rows = conn.execute(
                     sql("job_hand_back_many"),
                     {"ids": [j.id for j in jobs], "tokens": [j.lease_token for j in jobs], "delays": delays},

@@ -41,7 +41,19 @@ class CappedAttempt(AttemptWithBackoff):
         self.delay = min(self.delay, RECONNECT_MAX_DELAY_SECONDS)
 
 
-class RelayPool(ConnectionPool):
+class ReconnectingPool(ConnectionPool):
+    """A psycopg pool that tries to reconnect at least every RECONNECT_MAX_DELAY_SECONDS.
+
+    Every pool of Relay's is one, the admin web app's too: a worker or a web
+    process must notice a database that came back within seconds.
+    """
+
+    def _add_connection(self, attempt: AttemptWithBackoff | None, growing: bool = False) -> None:
+        # The pool's own hook for (re)connecting; its first try starts a capped attempt.
+        super()._add_connection(attempt or CappedAttempt(timeout=self.reconnect_timeout), growing)
+
+
+class RelayPool(ReconnectingPool):
     """A pool that remembers when each connection came back, and reconnects at a capped pace."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -52,10 +64,6 @@ class RelayPool(ConnectionPool):
         """Stamp the return time, then return the connection."""
         self.returned_at[conn] = time.monotonic()
         super().putconn(conn)
-
-    def _add_connection(self, attempt: AttemptWithBackoff | None, growing: bool = False) -> None:
-        # The pool's own hook for (re)connecting; its first try starts a capped attempt.
-        super()._add_connection(attempt or CappedAttempt(timeout=self.reconnect_timeout), growing)
 
 
 def make_pool(

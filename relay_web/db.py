@@ -23,6 +23,7 @@ from psycopg.abc import RV, PQGen
 from psycopg_pool import ConnectionPool
 
 from relay_core import Relay
+from relay_core.pools import ReconnectingPool
 
 EXTENSION = "relay.db"
 
@@ -86,7 +87,8 @@ class Database:
         """This process's pool, opened on first use (and again after a fork)."""
         with self._lock:
             if self._pool is None or self._pid != os.getpid():
-                self._pool = ConnectionPool(
+                # Reconnects at Relay's capped pace: after an outage, ready again within seconds.
+                self._pool = ReconnectingPool(
                     self.dsn,
                     min_size=1,
                     max_size=self._size,

@@ -6,8 +6,16 @@ import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-#: What relay_web may import from relay_core (validation: the input rules both share, such as what a job id is).
-ALLOWED = {"relay_core", "relay_core.admin", "relay_core.monitor", "relay_core.users", "relay_core.validation"}
+#: What relay_web may import from relay_core (validation: the input rules both share, such as what a job id is;
+#: pools: the connection pool that reconnects at a capped pace after an outage).
+ALLOWED = {
+    "relay_core",
+    "relay_core.admin",
+    "relay_core.monitor",
+    "relay_core.pools",
+    "relay_core.users",
+    "relay_core.validation",
+}
 
 
 def _imports(folder: str) -> dict[str, set[str]]:

@@ -6,6 +6,7 @@ import json
 import logging
 import os
 import sys
+import time
 from typing import Any
 
 from .errors import ConfigurationError
@@ -20,6 +21,12 @@ FORMATS = ("text", "json")
 #: reach Python's last-resort handler as bare text, one line of JSON log broken
 #: into several, so they share Relay's.
 LIBRARY_LOGGERS = ("psycopg",)
+
+#: The connection pool's warning for every failed try at connecting: in an outage, one
+#: every couple of seconds per pool. The first of each run gets through, then one per
+#: REPEAT_SECONDS (a worker's own log says when the database stopped and started answering).
+POOL_CONNECT_WARNING = "error connecting in"
+REPEAT_SECONDS = 30.0
 
 _RESERVED = set(vars(logging.LogRecord("", 0, "", 0, "", (), None))) | {"message", "asctime"}
 
@@ -53,6 +60,26 @@ class KeyValueFormatter(logging.Formatter):
         return f"{base} {fields}" if fields else base
 
 
+class RepeatsFilter(logging.Filter):
+    """Lets a record whose message starts with ``prefix`` through at most once per ``seconds``."""
+
+    def __init__(self, prefix: str, seconds: float = REPEAT_SECONDS) -> None:
+        super().__init__()
+        self.prefix = prefix
+        self.seconds = seconds
+        self._last = -float("inf")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        """False for a repeat within the window."""
+        if not str(record.msg).startswith(self.prefix):
+            return True
+        now = time.monotonic()
+        if now - self._last < self.seconds:
+            return False
+        self._last = now
+        return True
+
+
 def configure(level: str | int = "INFO", fmt: str | None = None) -> None:
     """Send Relay's logs to stderr, as JSON or key=value lines; an unknown format is a ConfigurationError."""
     raw = fmt or os.environ.get("RELAY_LOG_FORMAT") or "text"
@@ -74,6 +101,9 @@ def configure(level: str | int = "INFO", fmt: str | None = None) -> None:
         # Their INFO is a line per pooled connection handed out: warnings and worse (errors under --log-level error).
         library.setLevel(max(logger.level, logging.WARNING))
         library.propagate = False
+    pool = logging.getLogger("psycopg.pool")
+    if not any(isinstance(f, RepeatsFilter) for f in pool.filters):
+        pool.addFilter(RepeatsFilter(POOL_CONNECT_WARNING))
 
 
 def event(level: int, message: str, **fields: Any) -> None:

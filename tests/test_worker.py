@@ -15,6 +15,7 @@ from relay_core import Backoff, ConfigurationError, Job, PermanentFailure, Relay
 from relay_core.queries import sql
 from relay_core.worker.config import WorkerConfig
 from relay_core.worker.maintenance import sweep_once
+from relay_core.worker.outage import OutageLog
 from relay_core.worker.runtime import Slot
 
 from .helpers import TcpProxy, free_port, job_status, running_worker, wait_for
@@ -898,3 +899,26 @@ def test_a_claim_that_waited_for_a_pooled_connection_counts_its_lease_from_the_c
                 worker.pool.putconn(conn)
         wait_for(lambda: job_status(db, job_id) == "succeeded", timeout=15, what="the job to run")
     assert told == [False], "a fresh claim was told its lease had run out"
+
+
+def test_an_outage_is_logged_when_it_starts_every_half_minute_while_it_lasts_and_when_it_ends(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    now = [100.0]
+    outage = OutageLog(clock=lambda: now[0])
+    caplog.set_level("INFO", logger="relay")
+    outage.succeeded()  # no outage: nothing to say
+    for _ in range(40):  # every thread failing, about once a second
+        for during in ("claim", "heartbeat", "completion write"):
+            outage.failed(during, "connection refused")
+        now[0] += 1.0
+    outage.succeeded()
+    outage.succeeded()
+    lines = [(r.getMessage(), getattr(r, "during", None)) for r in caplog.records]
+    assert lines == [
+        ("database unreachable; retrying", "claim"),
+        ("database still unreachable; retrying", "claim"),
+        ("database reachable again", None),
+    ]
+    assert caplog.records[1].for_s == 30.0 and caplog.records[2].failed_calls == 120
+    assert caplog.records[2].after_s == 40.0

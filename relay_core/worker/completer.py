@@ -20,6 +20,7 @@ from psycopg_pool import ConnectionPool, PoolTimeout
 from ..logs import event
 from ..pools import restore_transactions
 from ..queries import sql
+from .outage import OutageLog
 from .outcome import Kind, Outcome
 
 MAX_BATCH = 1000
@@ -33,9 +34,15 @@ CONNECTION_WAIT_SECONDS = 1.0
 class Completer:
     """A thread that turns outcomes into fenced UPDATEs."""
 
-    def __init__(self, pool: ConnectionPool, on_written: Callable[[list[Outcome], dict[int, str]], None]) -> None:
+    def __init__(
+        self,
+        pool: ConnectionPool,
+        on_written: Callable[[list[Outcome], dict[int, str]], None],
+        outage: OutageLog | None = None,
+    ) -> None:
         self._pool = pool
         self._on_written = on_written
+        self._outage = outage or OutageLog()
         self._inbox: queue.SimpleQueue[Outcome | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._loop, name="relay-completer", daemon=True)
         self._stopped = threading.Event()
@@ -109,7 +116,7 @@ class Completer:
                         job_ids=sorted(o.job.id for o in batch),
                     )
                     return
-                event(logging.WARNING, "completion write failed, retrying", error=str(exc), retry_in=delay)
+                self._outage.failed("completion write", exc)
                 self._stopping.wait(delay if left is None else min(delay, left))
                 delay = min(delay * 2, 5.0)
                 continue
@@ -130,6 +137,7 @@ class Completer:
                 )
                 self._tell(batch, {})
                 return
+            self._outage.succeeded()
             self._tell(batch, written)
             return
 

@@ -7,14 +7,13 @@ producer once, since notifications sent while it was away are gone.
 
 from __future__ import annotations
 
-import logging
 import threading
 from collections.abc import Callable
 
 import psycopg
 
-from ..logs import event
 from ..pools import connection_options
+from .outage import OutageLog
 
 CHANNEL = "relay_jobs"
 
@@ -22,8 +21,11 @@ CHANNEL = "relay_jobs"
 class Listener:
     """A thread holding one LISTEN connection."""
 
-    def __init__(self, dsn: str, queues: tuple[str, ...], wake: Callable[[], None]) -> None:
+    def __init__(
+        self, dsn: str, queues: tuple[str, ...], wake: Callable[[], None], outage: OutageLog | None = None
+    ) -> None:
         self._dsn = dsn
+        self._outage = outage or OutageLog()
         self._queues = frozenset(queues)
         self._wake = wake
         self._stop = threading.Event()
@@ -47,6 +49,7 @@ class Listener:
                 with psycopg.connect(self._dsn, autocommit=True, **connection_options()) as conn:
                     conn.execute(f"LISTEN {CHANNEL}")
                     self.connected.set()
+                    self._outage.succeeded()
                     self._wake()  # anything enqueued while we were not listening
                     delay = 0.1
                     while not self._stop.is_set():
@@ -56,7 +59,7 @@ class Listener:
             except psycopg.Error as exc:
                 self.connected.clear()
                 self.reconnects += 1
-                event(logging.WARNING, "listener lost its connection; reconnecting", error=str(exc), retry_in=delay)
+                self._outage.failed("listen", exc)
                 self._stop.wait(delay)
                 delay = min(delay * 2, 5.0)
         self.connected.clear()

@@ -25,6 +25,7 @@ from ..monitor import fold_counters
 from ..pools import configure_session, connection_options
 from ..queries import sql
 from .limits import forget_old_starts
+from .outage import OutageLog
 from .retention import hit_cap
 
 SWEEP_BATCH = 1000
@@ -116,8 +117,10 @@ class Maintenance:
         prune: Callable[[psycopg.Connection], dict[str, int]] | None = None,
         prune_interval: float = 60.0,
         vacuum: Callable[[psycopg.Connection], list[str]] | None = None,
+        outage: OutageLog | None = None,
     ) -> None:
         self._pool = pool
+        self._outage = outage or OutageLog()
         self._dsn = dsn
         self._heartbeat_conn: psycopg.Connection | None = None
         self._worker_id = worker_id
@@ -261,8 +264,9 @@ class Maintenance:
             next_heartbeat = now + self._heartbeat_interval
             try:
                 self.heartbeat()
+                self._outage.succeeded()
             except (psycopg.OperationalError, psycopg.InterfaceError, PoolTimeout) as exc:
-                event(logging.WARNING, "heartbeat could not reach the database; will retry", error=str(exc))
+                self._outage.failed("heartbeat", exc)
                 next_heartbeat = now + 1.0
             except Exception as exc:  # a bug, not an outage: keep the worker alive and say so
                 event(logging.ERROR, "heartbeat failed", error=repr(exc))
@@ -297,6 +301,6 @@ class Maintenance:
                     next_vacuum = now + VACUUM_CHECK_INTERVAL
                     self.vacuum()
             except (psycopg.OperationalError, psycopg.InterfaceError, PoolTimeout) as exc:
-                event(logging.WARNING, "maintenance could not reach the database; will retry", error=str(exc))
+                self._outage.failed("maintenance", exc)
             except psycopg.Error as exc:  # a bug, not an outage: keep the worker alive and say so
                 event(logging.ERROR, "maintenance statement failed", error=str(exc))

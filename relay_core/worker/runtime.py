@@ -36,6 +36,7 @@ from .completer import Completer
 from .config import WorkerConfig
 from .listener import Listener
 from .maintenance import Maintenance, register
+from .outage import OutageLog
 from .outcome import Kind, Outcome, describe
 from .retention import prune_once
 from .vacuum import vacuum_if_needed
@@ -130,10 +131,12 @@ class Worker:
         self.limits_exist = True
         # Moving average of handler run time; starts "long" so nothing is prefetched until jobs prove short.
         self._typical_run = PREFETCH_BELOW_SECONDS * 2
+        # One account of a database outage for all of this worker's threads.
+        self.outage = OutageLog()
         self.pool = make_pool(
             dsn, name=f"relay-worker-{self.id}", min_size=2, max_size=self.config.concurrency + 4, timeout=10.0
         )
-        self.completer = Completer(self.pool, self._on_written)
+        self.completer = Completer(self.pool, self._on_written, self.outage)
         self.maintenance = Maintenance(
             self.pool,
             dsn=dsn,
@@ -151,8 +154,9 @@ class Worker:
             periodic=self._enqueue_periodic if any(s.cron for s in self.handlers.values()) else None,
             prune=(lambda conn: prune_once(conn, self.config.retention)) if self.config.retention else None,
             vacuum=vacuum_if_needed if self.config.self_vacuum else None,
+            outage=self.outage,
         )
-        self.listener = Listener(dsn, self.config.queues, self._wake.set) if self.config.listen else None
+        self.listener = Listener(dsn, self.config.queues, self._wake.set, self.outage) if self.config.listen else None
 
     # -- bookkeeping -------------------------------------------------------
 
@@ -601,8 +605,9 @@ class Worker:
             try:
                 jobs, sent = self._claim(free)
                 delay = 0.1
+                self.outage.succeeded()
             except (psycopg.OperationalError, psycopg.InterfaceError, PoolTimeout) as exc:
-                event(logging.WARNING, "claim failed; database unreachable, retrying", error=str(exc), retry_in=delay)
+                self.outage.failed("claim", exc)
                 self.stopping.wait(delay)
                 delay = min(delay * 2, 5.0)
                 continue

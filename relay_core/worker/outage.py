@@ -1,0 +1,73 @@
+"""One account of a database outage per worker, instead of a warning per failed call.
+
+During an outage every thread of a worker fails at its own pace: the
+producer's claims, the completer's writes, a heartbeat each second, the
+maintenance duties, the listener's reconnects. A warning for each buried, in
+some 130 lines per worker for a 40 s outage, the two facts an operator needs:
+when the database stopped answering, and when it answered again. So the first
+failure is logged, then a reminder every REPEAT_SECONDS while it lasts, and
+one line when a call gets through again, with how long it lasted.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+from ..logs import event
+
+#: While an outage lasts, how often it is logged again.
+REPEAT_SECONDS = 30.0
+
+
+class OutageLog:
+    """Whether the worker's database calls fail now, since when, and what has been said of it."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._since: float | None = None
+        self._failures = 0
+        self._reported = 0.0
+
+    @property
+    def ongoing(self) -> bool:
+        """Whether calls have failed since the last one that got through."""
+        return self._since is not None
+
+    def failed(self, during: str, error: BaseException | str) -> None:
+        """A call (``during``: the claim, a completion write, the heartbeat ...) could not reach the database."""
+        now = self._clock()
+        with self._lock:
+            first = self._since is None
+            if first:
+                self._since, self._failures, self._reported = now, 0, now
+            self._failures += 1
+            again = not first and now - self._reported >= REPEAT_SECONDS
+            if again:
+                self._reported = now
+            since, failures = self._since, self._failures
+        if first:
+            event(logging.WARNING, "database unreachable; retrying", during=during, error=str(error))
+        elif again:
+            event(
+                logging.WARNING,
+                "database still unreachable; retrying",
+                for_s=round(now - since, 1),
+                failed_calls=failures,
+                during=during,
+                error=str(error),
+            )
+
+    def succeeded(self) -> None:
+        """A call got through: end the outage, if one was under way, with one line."""
+        if self._since is None:  # the usual case, without the lock
+            return
+        now = self._clock()
+        with self._lock:
+            since, failures = self._since, self._failures
+            self._since, self._failures = None, 0
+        if since is not None:
+            event(logging.WARNING, "database reachable again", after_s=round(now - since, 1), failed_calls=failures)

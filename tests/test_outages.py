@@ -126,13 +126,14 @@ def test_a_job_finished_during_an_outage_longer_than_its_lease_is_recorded_not_r
 
 
 def test_a_worker_told_to_stop_while_its_database_is_down_exits_within_its_drain_window(
-    cluster: Cluster, outage_dsn: str
+    cluster: Cluster, outage_dsn: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     """SIGTERM during an outage: the in-flight wait ends at the shutdown timeout, and what is left
     (the finished jobs' outcomes, the hand-back, the registry's stop) cannot be written. Each of
     those waits used to run its own course (the completer 10 s, then 5 s each for the stop and the
     hand-back), 20 s past the shutdown timeout, well past a platform's SIGKILL; a worker killed
     then loses nothing, but the drain window is a promise. They now share a few seconds."""
+    caplog.set_level("INFO", logger="relay")
     relay = Relay(outage_dsn)
     finished = threading.Event()
 
@@ -171,6 +172,9 @@ def test_a_worker_told_to_stop_while_its_database_is_down_exits_within_its_drain
         # Nothing was written: both jobs wait, claimed, for the sweeper once their leases end.
         statuses = db.execute("SELECT id, status::text FROM relay.jobs ORDER BY id").fetchall()
     assert statuses == [(quick_id, "claimed"), (long_id, "claimed")]
+    # Its last line says so, rather than counting the failed hand-back as done.
+    (stopped,) = [r for r in caplog.records if r.getMessage() == "worker stopped"]
+    assert (stopped.handed_back, stopped.not_handed_back) == (0, 1)
 
 
 def test_the_web_app_is_ready_again_within_seconds_of_a_long_outage_ending(cluster: Cluster, outage_dsn: str) -> None:

@@ -666,9 +666,10 @@ class Worker:
             """What is left of the writes' shared time: each wait for a connection ends with it."""
             return max(writes_end - time.monotonic(), 0.1)
 
+        handed_back = 0
         never_started = [r for r in unfinished if r.slot is None]
         if never_started:
-            self._hand_back(never_started, left())
+            handed_back += self._hand_back(never_started, left())
         self.completer.stop(left())  # writes the outcomes of the jobs that finished
         if overdue:
             self._record_overdue([decided for _, decided in overdue], left())
@@ -680,7 +681,7 @@ class Worker:
         # The last write: from here to the process's exit must fit in the hand-back grace.
         still_running = [r for r in unfinished if r.slot is not None]
         if still_running:
-            self._hand_back(still_running, left())
+            handed_back += self._hand_back(still_running, left())
         # Bounded too: a heartbeat connecting to a database that is down must not hold up the exit.
         self.maintenance.stop_heartbeats(1.0)
         self.pool.close(timeout=1.0)
@@ -689,7 +690,10 @@ class Worker:
             "worker stopped",
             worker_id=self.id,
             succeeded=self.counters.succeeded,
-            handed_back=len(unfinished),
+            handed_back=handed_back,
+            # Left claimed (the database did not answer, or another worker holds the job now):
+            # the sweeper returns them when their leases expire.
+            not_handed_back=len(unfinished) - handed_back,
             timed_out_still_running=len(overdue),
         )
         self.stopped.set()
@@ -717,11 +721,12 @@ class Worker:
             self._release([o.job for o in decided])
         self._on_written(decided, written)
 
-    def _hand_back(self, unfinished: list[Running], timeout: float) -> None:
-        """Return unfinished jobs to the queue, fenced, with their attempt given back.
+    def _hand_back(self, unfinished: list[Running], timeout: float) -> int:
+        """Return unfinished jobs to the queue, fenced, with their attempt given back; how many went back.
 
         Until then their leases are in ``_closing``, which heartbeats renew.
         """
+        rows: list[tuple[int]] = []
         jobs = [r.job for r in unfinished]
         # A job that never left the prefetch can run elsewhere at once; one whose thread still runs waits.
         delays = [0.0 if r.slot is None else HAND_BACK_GRACE_SECONDS for r in unfinished]
@@ -741,6 +746,7 @@ class Worker:
             )
         finally:
             self._release(jobs)
+        return len(rows)
 
     def _release(self, jobs: list[Job]) -> None:
         """Stop renewing the leases of jobs whose shutdown write is done (or failed)."""

@@ -320,18 +320,30 @@ class Demo:
         self.say("shipping labels (a bad postcode) to read and requeue. Press Ctrl-C to stop.")
         self.say()
 
-    def watch(self, dsn: str) -> None:
-        """Print a status line every few seconds until asked to stop."""
-        interval = 2.0 if self.out.isatty() else 10.0
-        with psycopg.connect(dsn, autocommit=True) as conn:
+    def watch(self, dsn: str, interval: float | None = None) -> None:
+        """Print a status line every few seconds (``interval``) until asked to stop."""
+        interval = interval or (2.0 if self.out.isatty() else 10.0)
+        conn: psycopg.Connection | None = None
+        try:
             while not self.stopping.wait(interval):
                 self.check_children()
-                counts = monitor.status_counts(conn)
-                line = "  ".join(f"{state} {n}" for state, n in counts.items())
+                try:
+                    # Connected again after a database restart: the demo rides it out like its workers do.
+                    if conn is None or conn.closed:
+                        conn = psycopg.connect(dsn, autocommit=True, connect_timeout=5)
+                    counts = monitor.status_counts(conn)
+                    line = "  ".join(f"{state} {n}" for state, n in counts.items())
+                except psycopg.OperationalError:
+                    if conn is not None:
+                        conn.close()
+                    line = "database unreachable; waiting for it"
                 if self.out.isatty():
                     print(f"\r{time.strftime('%H:%M:%S')}  {line}   ", end="", file=self.out, flush=True)
                 else:
                     self.say(f"{time.strftime('%H:%M:%S')}  {line}")
+        finally:
+            if conn is not None:
+                conn.close()
         if self.out.isatty():
             self.say()
 

@@ -7,6 +7,10 @@ the server answers again.
 
 from __future__ import annotations
 
+import io
+import os
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -16,9 +20,10 @@ import pytest
 from psycopg import conninfo
 
 from relay_core import Job, Relay
+from relay_core.demo import Demo
 from relay_core.migrate import migrate
 
-from .helpers import TcpProxy, job_status, running_worker, wait_for
+from .helpers import ROOT, TcpProxy, job_status, running_worker, wait_for
 from .pgcluster import Cluster
 
 pytestmark = pytest.mark.slow
@@ -204,3 +209,63 @@ def test_the_web_app_is_ready_again_within_seconds_of_a_long_outage_ending(clust
         assert time.monotonic() - back < 4.0, f"ready {time.monotonic() - back:.1f} s after the database came back"
     finally:
         app.extensions["relay.close"]()
+
+
+def test_the_demo_shops_order_stream_carries_on_through_a_database_restart(cluster: Cluster, outage_dsn: str) -> None:
+    """`relay demo` stops everything when one of its processes exits, and the order producer
+    exited on the first order it could not place after its database restarted."""
+    env = dict(
+        os.environ,
+        RELAY_DATABASE_URL=outage_dsn,
+        PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "examples")]),
+        PYTHONUNBUFFERED="1",
+    )
+    env.pop("DATABASE_URL", None)
+    producer = subprocess.Popen(
+        [sys.executable, "-m", "relay_shop.producer", "--per-minute", "600", "--limit", "30"],
+        env=env,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        assert producer.stdout is not None
+        for line in producer.stdout:  # a few orders placed: the engine holds a live connection
+            if line.startswith("order 5 placed"):
+                break
+        cluster.restart("immediate")
+        out, _ = producer.communicate(timeout=60)
+    finally:
+        if producer.poll() is None:
+            producer.kill()
+    assert producer.returncode == 0, out
+    assert "producer stopped after 30 order(s)" in out, out
+    with psycopg.connect(outage_dsn) as db:
+        assert db.execute("SELECT count(*) FROM shop.orders").fetchone()[0] == 30
+
+
+def test_the_demos_status_line_carries_on_through_a_database_restart(cluster: Cluster, outage_dsn: str) -> None:
+    """The demo prints the queue's counts every few seconds on one connection; when the database
+    restarted, the error ended the demo and stopped every process it had started."""
+    out = io.StringIO()
+    demo = Demo(out=out)
+    failures: list[BaseException] = []
+
+    def watch() -> None:
+        try:
+            demo.watch(outage_dsn, interval=0.2)
+        except BaseException as exc:
+            failures.append(exc)
+
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+    try:
+        wait_for(lambda: "queued" in out.getvalue(), what="a status line")
+        cluster.restart("immediate")
+        printed = len(out.getvalue())
+        wait_for(lambda: "queued" in out.getvalue()[printed:], timeout=15, what="status lines after the restart")
+    finally:
+        demo.stopping.set()
+        thread.join(10)
+    assert not failures, failures

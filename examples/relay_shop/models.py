@@ -117,9 +117,13 @@ def make_engine(url: str | None = None) -> Engine:
 
     Connections come from psycopg itself, so any DSN Relay accepts works here
     too (URLs, ``key=value`` strings, Unix sockets of an embedded server).
+    Each is checked as it leaves the pool (``pool_pre_ping``): one that a
+    database restart closed is replaced instead of failing an order or a job.
     """
     target = url or dsn()
-    return create_engine("postgresql+psycopg://", creator=lambda: psycopg.connect(target), pool_size=2)
+    return create_engine(
+        "postgresql+psycopg://", creator=lambda: psycopg.connect(target), pool_size=2, pool_pre_ping=True
+    )
 
 
 @lru_cache(maxsize=4)

@@ -5,7 +5,8 @@ It stands in for the shop's web front end: every order goes through
 customer in six typed a postcode the carrier rejects, so the demo always has
 dead jobs to inspect and requeue; one order in eight is cancelled a moment
 later, which cancels its scheduled review request. SIGTERM or Ctrl-C stops it between orders,
-so no order is ever half placed.
+so no order is ever half placed. While the database does not answer, it waits and tries again
+(an order whose transaction failed was not placed at all), as a shop's front end would.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import random
 import sys
 import threading
 
+from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session
 
 from relay_core.signals import ShutdownSignals
@@ -24,6 +26,8 @@ from .orders import Customer, PlacedOrder, Product, cancel_order, place_order
 
 #: One order in this many is cancelled by its customer a moment later.
 CANCEL_EVERY = 8
+#: Seconds to wait after the database did not answer, before the next try.
+RETRY_SECONDS = 1.0
 
 CATALOGUE = [
     Product("MUG-BLK", "Black enamel mug", 1400),
@@ -63,19 +67,26 @@ def run(per_minute: float, limit: int | None = None) -> int:
     try:
         while not stop.is_set() and (limit is None or placed < limit):
             customer = CUSTOMERS[placed % len(CUSTOMERS)]
-            with Session(engine) as session:
-                new = place_order(session, customer, random_items(rng))
-                order = new.order
-                print(
-                    f"order {order.id} placed for {customer.email}: {len(order.lines)} item(s), "
-                    f"{order.total_cents / 100:.2f} {order.currency}",
-                    flush=True,
-                )
-            if regretted is not None:  # the previous order's customer changed their mind
+            try:
+                if regretted is not None:  # the previous order's customer changed their mind
+                    with Session(engine) as session:
+                        cancelled = cancel_order(session, regretted)
+                    print(f"order {regretted.order.id} cancelled; review request cancelled: {cancelled}", flush=True)
+                    regretted = None
                 with Session(engine) as session:
-                    cancelled = cancel_order(session, regretted)
-                print(f"order {regretted.order.id} cancelled; review request cancelled: {cancelled}", flush=True)
-                regretted = None
+                    new = place_order(session, customer, random_items(rng))
+                    order = new.order
+                    print(
+                        f"order {order.id} placed for {customer.email}: {len(order.lines)} item(s), "
+                        f"{order.total_cents / 100:.2f} {order.currency}",
+                        flush=True,
+                    )
+            except OperationalError as exc:
+                # The transaction rolled back: nothing was placed or cancelled; try again shortly.
+                reason = str(exc.orig).splitlines()[0] if exc.orig else str(exc)
+                print(f"database unreachable ({reason}); trying again in {RETRY_SECONDS:g} s", flush=True)
+                stop.wait(RETRY_SECONDS)
+                continue
             if placed % CANCEL_EVERY == CANCEL_EVERY - 1:
                 regretted = new
             placed += 1

@@ -922,3 +922,27 @@ def test_an_outage_is_logged_when_it_starts_every_half_minute_while_it_lasts_and
     ]
     assert caplog.records[1].for_s == 30.0 and caplog.records[2].failed_calls == 120
     assert caplog.records[2].after_s == 40.0
+
+
+def test_a_call_that_began_during_an_ended_outage_and_fails_after_it_is_not_a_new_outage(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    now = [100.0]
+    outage = OutageLog(clock=lambda: now[0])
+    caplog.set_level("INFO", logger="relay")
+    outage.failed("claim", "connection refused", began=100.0)
+    now[0] = 110.0
+    outage.succeeded()  # the server is back: one thread got through
+    now[0] = 110.5
+    # A connection wait that began while the server was down, and a session the restart broke.
+    outage.failed("maintenance", "couldn't get a connection after 1.00 sec", began=109.5)
+    outage.failed("listen", "server closed the connection unexpectedly", began=50.0)
+    now[0] = 120.0
+    outage.failed("claim", "connection refused", began=119.9)  # a call begun after the return: a new outage
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines == [
+        "database unreachable; retrying",
+        "database reachable again",
+        "database unreachable; retrying",
+    ]
+    assert caplog.records[2].during == "claim"

@@ -103,6 +103,7 @@ class Completer:
         delay = 0.1
         while True:
             left = self._time_left()
+            began = time.monotonic()
             try:
                 wait = CONNECTION_WAIT_SECONDS if left is None else min(max(left, 0.1), CONNECTION_WAIT_SECONDS)
                 written = self.write(batch, timeout=wait)
@@ -116,7 +117,7 @@ class Completer:
                         job_ids=sorted(o.job.id for o in batch),
                     )
                     return
-                self._outage.failed("completion write", exc)
+                self._outage.failed("completion write", exc, began=began)
                 self._stopping.wait(delay if left is None else min(delay, left))
                 delay = min(delay * 2, 5.0)
                 continue

@@ -8,6 +8,7 @@ producer once, since notifications sent while it was away are gone.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 
 import psycopg
@@ -45,6 +46,7 @@ class Listener:
     def _loop(self) -> None:
         delay = 0.1
         while not self._stop.is_set():
+            began = time.monotonic()  # a session broken by an outage that has since ended is its tail
             try:
                 with psycopg.connect(self._dsn, autocommit=True, **connection_options()) as conn:
                     conn.execute(f"LISTEN {CHANNEL}")
@@ -59,7 +61,7 @@ class Listener:
             except psycopg.Error as exc:
                 self.connected.clear()
                 self.reconnects += 1
-                self._outage.failed("listen", exc)
+                self._outage.failed("listen", exc, began=began)
                 self._stop.wait(delay)
                 delay = min(delay * 2, 5.0)
         self.connected.clear()

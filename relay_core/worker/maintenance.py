@@ -266,7 +266,7 @@ class Maintenance:
                 self.heartbeat()
                 self._outage.succeeded()
             except (psycopg.OperationalError, psycopg.InterfaceError, PoolTimeout) as exc:
-                self._outage.failed("heartbeat", exc)
+                self._outage.failed("heartbeat", exc, began=now)
                 next_heartbeat = now + 1.0
             except Exception as exc:  # a bug, not an outage: keep the worker alive and say so
                 event(logging.ERROR, "heartbeat failed", error=repr(exc))
@@ -301,6 +301,6 @@ class Maintenance:
                     next_vacuum = now + VACUUM_CHECK_INTERVAL
                     self.vacuum()
             except (psycopg.OperationalError, psycopg.InterfaceError, PoolTimeout) as exc:
-                self._outage.failed("maintenance", exc)
+                self._outage.failed("maintenance", exc, began=now)
             except psycopg.Error as exc:  # a bug, not an outage: keep the worker alive and say so
                 event(logging.ERROR, "maintenance statement failed", error=str(exc))

@@ -7,6 +7,10 @@ some 130 lines per worker for a 40 s outage, the two facts an operator needs:
 when the database stopped answering, and when it answered again. So the first
 failure is logged, then a reminder every REPEAT_SECONDS while it lasts, and
 one line when a call gets through again, with how long it lasted.
+
+A call that began before the outage ended and fails after it (a connection
+wait that started while the server was down, a session the restart broke)
+belongs to that outage, not to a new one: it is counted, not announced.
 """
 
 from __future__ import annotations
@@ -31,16 +35,23 @@ class OutageLog:
         self._since: float | None = None
         self._failures = 0
         self._reported = 0.0
+        self._ended = float("-inf")
 
     @property
     def ongoing(self) -> bool:
         """Whether calls have failed since the last one that got through."""
         return self._since is not None
 
-    def failed(self, during: str, error: BaseException | str) -> None:
-        """A call (``during``: the claim, a completion write, the heartbeat ...) could not reach the database."""
+    def failed(self, during: str, error: BaseException | str, began: float | None = None) -> None:
+        """A call (``during``: the claim, a completion write, the heartbeat ...) could not reach the database.
+
+        ``began``: when the call started, on this log's clock; one that began
+        before the last outage ended is that outage's tail and says nothing.
+        """
         now = self._clock()
         with self._lock:
+            if self._since is None and began is not None and began < self._ended:
+                return
             first = self._since is None
             if first:
                 self._since, self._failures, self._reported = now, 0, now
@@ -69,5 +80,7 @@ class OutageLog:
         with self._lock:
             since, failures = self._since, self._failures
             self._since, self._failures = None, 0
+            if since is not None:
+                self._ended = now
         if since is not None:
             event(logging.WARNING, "database reachable again", after_s=round(now - since, 1), failed_calls=failures)

@@ -602,12 +602,13 @@ class Worker:
                 self.stopping.wait(CLAIM_COALESCE_SECONDS)
                 free = capacity - self.in_flight()
             self._wake.clear()
+            began = time.monotonic()
             try:
                 jobs, sent = self._claim(free)
                 delay = 0.1
                 self.outage.succeeded()
             except (psycopg.OperationalError, psycopg.InterfaceError, PoolTimeout) as exc:
-                self.outage.failed("claim", exc)
+                self.outage.failed("claim", exc, began=began)
                 self.stopping.wait(delay)
                 delay = min(delay * 2, 5.0)
                 continue

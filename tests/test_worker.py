@@ -839,14 +839,20 @@ def test_a_worker_that_cannot_log_in_says_why_while_it_retries(dsn: str, caplog:
 def test_a_handler_hears_its_lease_ran_out_while_the_database_stalls(dsn: str, relay: Relay) -> None:
     """Every connection of the worker hangs (the database stalls, or the network drops packets):
     heartbeats cannot renew, the lease runs out in the database, and another worker's sweeper would
-    start the job again. The handler must hear ``lease_lost`` by then, from the worker's own clock."""
+    start the job again. The handler must hear ``lease_lost`` by then, from the worker's own clock.
+
+    A handler that then stops early and returns has not done its work: when the database answers
+    again, that return is a failed attempt, not a success (no sweeper took the job meanwhile, so a
+    success would have been recorded and the work never done)."""
     params = conninfo.conninfo_to_dict(dsn)
     proxy = TcpProxy(str(params.get("host", "127.0.0.1")), int(params.get("port", 5432)))
     through = Relay(conninfo.make_conninfo(dsn, host="127.0.0.1", port=str(proxy.port)))
     started, told = threading.Event(), threading.Event()
 
-    @through.handler("long")
+    @through.handler("long", backoff=Backoff(base=0.1, jitter=0))
     def long_job(job: Job) -> None:
+        if job.attempt > 1:
+            return
         started.set()
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline and not job.lease_lost:
@@ -854,7 +860,7 @@ def test_a_handler_hears_its_lease_ran_out_while_the_database_stalls(dsn: str, r
         if job.lease_lost:
             told.set()
 
-    relay.enqueue("long")
+    job_id = relay.enqueue("long")
     settings = {"lease_seconds": 2.0, "heartbeat_interval": 0.5, "sweep_interval": 60, "listen": False}
     try:
         with running_worker(through, **settings):
@@ -868,9 +874,13 @@ def test_a_handler_hears_its_lease_ran_out_while_the_database_stalls(dsn: str, r
                 assert time.monotonic() - stalled < 3.0  # the lease (2 s) from the last renewal
             finally:
                 proxy.flowing.set()
+            wait_for(lambda: relay.get_job(job_id).status == "succeeded", timeout=30, what="the retry to succeed")
     finally:
         through.close()
         proxy.close()
+    record = relay.get_job(job_id)
+    assert record.attempts == 2
+    assert [e["type"] for e in record.errors] == ["LeaseLost"], record.errors
 
 
 def test_a_claim_that_waited_for_a_pooled_connection_counts_its_lease_from_the_claim(

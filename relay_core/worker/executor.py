@@ -42,6 +42,12 @@ def run(job: Job, handlers: Mapping[str, HandlerSpec], pool: ConnectionPool, wor
         value = spec.func(job)
         if inspect.isawaitable(value):
             value = loop.run(job, value)
+        if job.lease_lost:
+            # Told to stop (its lease ran out unrenewed or was taken over): a handler
+            # that stops early returns as if it had finished, so no return is a success.
+            raise LeaseLost(
+                f"job {job.id} was told to stop (its lease ran out or was taken over); its run is not a success"
+            )
         return Outcome(job, Kind.SUCCEEDED, time.monotonic() - started, result=result_json(value))
     except Snooze as snooze:
         return Outcome(job, Kind.SNOOZED, time.monotonic() - started, delay=snooze.seconds)

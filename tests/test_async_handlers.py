@@ -8,6 +8,7 @@ the outcome back from the database.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import functools
 import os
 import threading
@@ -164,6 +165,24 @@ def test_an_async_handler_on_its_last_attempt_is_dead_at_its_timeout(relay: Rela
         wait_for(lambda: worker.in_flight() == 0 and not worker._overdue, what="the stopped run to be let go")
     job = relay.get_job(job_id)
     assert job.last_error.startswith("JobTimeout") and [e["type"] for e in job.errors] == ["JobTimeout"]
+
+
+TENANT: contextvars.ContextVar[str] = contextvars.ContextVar("tenant", default="none")
+
+
+def test_context_variables_one_async_job_sets_do_not_reach_the_next_on_its_slot(relay: Relay) -> None:
+    seen: list[tuple[int, str]] = []
+
+    @relay.handler("tenant_report")
+    async def tenant_report(job: Job) -> None:
+        seen.append((job.payload["n"], TENANT.get()))
+        TENANT.set(job.payload["tenant"])
+
+    for n in range(3):
+        relay.enqueue("tenant_report", {"n": n, "tenant": f"t{n}"})
+    with running_worker(relay, concurrency=1):
+        wait_for(lambda: len(seen) == 3, what="three jobs on one slot")
+    assert sorted(seen) == [(0, "none"), (1, "none"), (2, "none")]
 
 
 def test_async_jobs_run_at_once_across_slots_each_on_its_own_loop(relay: Relay, db: psycopg.Connection) -> None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 from collections.abc import Awaitable
 from typing import Any
 
@@ -37,7 +38,9 @@ class SlotLoop:
         """Await ``awaitable`` (what ``job``'s handler returned) to its end; return its result or raise."""
         if self._runner is None:
             self._runner = asyncio.Runner()
-        return self._runner.run(_supervised(job, awaitable))
+        # A context of its own per job: the runner would otherwise carry context
+        # variables one job set (a tenant, a trace span) into the next job on this slot.
+        return self._runner.run(_supervised(job, awaitable), context=contextvars.copy_context())
 
     def close(self) -> None:
         """Close the loop (cancelling whatever the handlers left running on it)."""

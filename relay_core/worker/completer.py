@@ -20,7 +20,7 @@ from psycopg_pool import ConnectionPool, PoolTimeout
 from ..logs import event
 from ..pools import restore_transactions
 from ..queries import sql
-from .outage import OutageLog
+from .outage import OutageLog, next_retry_delay
 from .outcome import Kind, Outcome
 
 MAX_BATCH = 1000
@@ -119,7 +119,7 @@ class Completer:
                     return
                 self._outage.failed("completion write", exc, began=began)
                 self._stopping.wait(delay if left is None else min(delay, left))
-                delay = min(delay * 2, 5.0)
+                delay = next_retry_delay(delay)
                 continue
             except Exception as exc:
                 # Not an outage (a refusal by the database, or a value that cannot be

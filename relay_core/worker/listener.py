@@ -14,7 +14,7 @@ from collections.abc import Callable
 import psycopg
 
 from ..pools import connection_options
-from .outage import OutageLog
+from .outage import OutageLog, next_retry_delay
 
 CHANNEL = "relay_jobs"
 
@@ -63,5 +63,5 @@ class Listener:
                 self.reconnects += 1
                 self._outage.failed("listen", exc, began=began)
                 self._stop.wait(delay)
-                delay = min(delay * 2, 5.0)
+                delay = next_retry_delay(delay)
         self.connected.clear()

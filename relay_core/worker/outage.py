@@ -24,6 +24,18 @@ from ..logs import event
 
 #: While an outage lasts, how often it is logged again.
 REPEAT_SECONDS = 30.0
+#: The longest a worker's thread waits before trying a database that did not answer again.
+RETRY_MAX_SECONDS = 1.0
+
+
+def next_retry_delay(delay: float) -> float:
+    """The wait after ``delay`` before the next try: doubling, but never past RETRY_MAX_SECONDS.
+
+    Short on purpose: a try costs the database one refused connection, and a
+    longer wait is only time the worker sits idle after the database is back
+    (its pools reconnect at least every 2 s).
+    """
+    return min(delay * 2, RETRY_MAX_SECONDS)
 
 
 class OutageLog:

@@ -36,7 +36,7 @@ from .completer import Completer
 from .config import WorkerConfig
 from .listener import Listener
 from .maintenance import Maintenance, register
-from .outage import OutageLog
+from .outage import OutageLog, next_retry_delay
 from .outcome import Kind, Outcome, describe
 from .retention import prune_once
 from .vacuum import vacuum_if_needed
@@ -562,7 +562,7 @@ class Worker:
                 error = self._connect_error() if isinstance(exc, PoolTimeout) else str(exc)
                 event(logging.WARNING, "database unreachable; retrying", error=error, retry_in=delay)
                 self.stopping.wait(delay)
-                delay = min(delay * 2, 5.0)
+                delay = next_retry_delay(delay)
 
     def _connect_error(self) -> str:
         """Why a connection cannot be made now, in the server's or libpq's words.
@@ -610,7 +610,7 @@ class Worker:
             except (psycopg.OperationalError, psycopg.InterfaceError, PoolTimeout) as exc:
                 self.outage.failed("claim", exc, began=began)
                 self.stopping.wait(delay)
-                delay = min(delay * 2, 5.0)
+                delay = next_retry_delay(delay)
                 continue
             if jobs:
                 self._dispatch(jobs, sent)

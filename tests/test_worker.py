@@ -956,3 +956,24 @@ def test_a_call_that_began_during_an_ended_outage_and_fails_after_it_is_not_a_ne
         "database unreachable; retrying",
     ]
     assert caplog.records[2].during == "claim"
+
+
+def test_a_long_lease_does_not_hold_the_sweeper_off_for_that_long_after_a_server_start(
+    relay: Relay, db: psycopg.Connection
+) -> None:
+    """The sweeper holds off after the server starts so live workers can renew leases an outage
+    let run out; they retry every second, so a minute is plenty. A worker with a lease of years
+    (allowed) must not leave a dead worker's jobs unswept for years after every server start."""
+    relay.handler("report")(lambda job: None)
+    job_id = relay.enqueue("report")
+    db.execute(
+        "UPDATE relay.jobs SET status = 'claimed', claimed_by = 'gone:1', attempts = 1, lease_token = 1, "
+        "started_at = now(), claimed_until = now() - interval '1 second' WHERE id = %s",
+        (job_id,),
+    )
+    db.commit()
+    started = db.execute("SELECT now() - pg_postmaster_start_time() < interval '3 years'").fetchone()[0]
+    assert started, "this test needs a server started within the lease below"
+    with running_worker(relay, lease_seconds=10.0**8, sweep_interval=0.2):
+        wait_for(lambda: job_status(db, job_id) == "succeeded", timeout=20, what="the dead worker's job to run")
+    assert [e["type"] for e in relay.get_job(job_id).errors] == ["LeaseExpired"]

@@ -233,7 +233,8 @@ RETURNING j.id;
 -- than the lease every lease has run out, the leases of live workers too, and
 -- the first sweeper through would start their jobs again (finished ones
 -- included, whose outcomes wait to be written). The grace gives the workers
--- that hold them a full lease to renew them, as if granted at the restart.
+-- that hold them time to renew them (workers pass their lease, at most a
+-- minute). A start time ahead of now() (the clock stepped back) grants none.
 -- transition: claimed -> queued, dead, cancelled
 UPDATE relay.jobs AS j
 SET status = CASE WHEN j.cancel_requested_at IS NOT NULL THEN 'cancelled'
@@ -252,7 +253,7 @@ SET status = CASE WHEN j.cancel_requested_at IS NOT NULL THEN 'cancelled'
 WHERE j.id IN (
     SELECT id FROM relay.jobs
     WHERE status = 'claimed' AND claimed_until < now()
-      AND pg_postmaster_start_time() < now() - make_interval(secs => %(restart_grace)s)
+      AND pg_postmaster_start_time() NOT BETWEEN now() - make_interval(secs => %(restart_grace)s) AND now()
     ORDER BY claimed_until
     LIMIT %(limit)s
     FOR UPDATE SKIP LOCKED

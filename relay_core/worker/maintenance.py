@@ -35,6 +35,11 @@ FOLD_INTERVAL = 30.0
 PRUNE_CATCH_UP_SECONDS = 1.0
 #: Seconds between checks whether Relay's tables need a vacuum autovacuum will not run.
 VACUUM_CHECK_INTERVAL = 15.0
+#: The longest the sweeper holds off after the server starts. Leases only run out
+#: unrenewed in an outage longer than the lease, and then heartbeats were failing
+#: and retry every second: live workers renew within seconds of the return. A
+#: whole long lease (hours are allowed) would hold dead workers' jobs that long.
+RESTART_GRACE_MAX_SECONDS = 60.0
 
 
 def sweep_once(conn: psycopg.Connection, limit: int = SWEEP_BATCH, restart_grace: float = 0.0) -> dict[str, int]:
@@ -45,7 +50,7 @@ def sweep_once(conn: psycopg.Connection, limit: int = SWEEP_BATCH, restart_grace
     sweeper holds and re-checks the lease in its own WHERE. Within
     ``restart_grace`` seconds of the server's start it returns nothing, so
     live workers renew the leases an outage let run out (workers pass their
-    lease).
+    lease, at most RESTART_GRACE_MAX_SECONDS).
     """
     counts = {"queued": 0, "dead": 0, "cancelled": 0}
     params = {"limit": limit, "restart_grace": restart_grace}
@@ -203,7 +208,7 @@ class Maintenance:
     def sweep(self) -> dict[str, int]:
         """Run the sweeper once."""
         with self._pool.connection() as conn:
-            counts = sweep_once(conn, restart_grace=self._lease_seconds)
+            counts = sweep_once(conn, restart_grace=min(self._lease_seconds, RESTART_GRACE_MAX_SECONDS))
         self.sweeps += 1
         if any(counts.values()):
             event(

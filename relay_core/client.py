@@ -359,8 +359,8 @@ class Relay:
 
     def connection_options(self) -> dict[str, Any]:
         """psycopg options for a connection of Relay's own (see ``transaction_pooling``)."""
-        return connection_options()
+        return connection_options(self.transaction_pooling)
 
     def connect(self) -> psycopg.Connection:
         """A new psycopg connection to Relay's database (the caller closes it)."""
-        return psycopg.connect(self.dsn, **connection_options())
+        return psycopg.connect(self.dsn, **self.connection_options())

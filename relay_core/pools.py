@@ -96,14 +96,16 @@ def make_pool(
     return pool
 
 
-def connection_options() -> dict[str, Any]:
+def connection_options(pooling: bool | None = None) -> dict[str, Any]:
     """psycopg options for every connection Relay opens.
 
-    Behind a transaction pooler nothing is prepared: ``prepare_threshold=None``
-    also overrides the ``prepare=True`` of Relay's hot statements. Elsewhere
-    psycopg's defaults hold (those statements are prepared on first use).
+    Behind a transaction pooler (``pooling``; RELAY_TRANSACTION_POOLING when
+    None) nothing is prepared: ``prepare_threshold=None`` also overrides the
+    ``prepare=True`` of Relay's hot statements. Elsewhere psycopg's defaults
+    hold (those statements are prepared on first use).
     """
-    return {"prepare_threshold": None} if transaction_pooling() else {}
+    pooling = transaction_pooling() if pooling is None else pooling
+    return {"prepare_threshold": None} if pooling else {}
 
 
 def configure_session(conn: psycopg.Connection) -> None:
@@ -134,11 +136,9 @@ def configure_session(conn: psycopg.Connection) -> None:
     """
     if transaction_pooling():
         conn.isolation_level = psycopg.IsolationLevel.READ_COMMITTED
-        conn.execute("SET TimeZone = 'UTC'")
-        conn.commit()
-        return
-    conn.execute("SET jit = off")
-    conn.execute("SET default_transaction_isolation = 'read committed'")
+    else:
+        conn.execute("SET jit = off")
+        conn.execute("SET default_transaction_isolation = 'read committed'")
     conn.execute("SET TimeZone = 'UTC'")
     conn.commit()
 

@@ -71,12 +71,10 @@ class Database:
         if isinstance(conn, BoundedConnection):
             conn.answer_timeout = self._answer_timeout
         conn.autocommit = True
-        if self.relay.transaction_pooling:
-            # A session's statement_timeout would stay on the pooler's server
-            # connection for whoever uses it next (workers, the application);
-            # the answer timeout above still bounds every wait.
-            conn.isolation_level = psycopg.IsolationLevel.READ_COMMITTED
-        else:
+        # Behind a transaction pooler a session's statement_timeout would stay on the
+        # server connection for whoever uses it next (workers, the application);
+        # the answer timeout above still bounds every wait there.
+        if not self.relay.transaction_pooling:
             conn.execute("SELECT set_config('statement_timeout', %s, false)", (str(self._statement_timeout_ms),))
         conn.execute("SELECT set_config('application_name', 'relay-web', false)")
         # Times come back in UTC whatever the server's zone: see relay_core.pools.configure_session.

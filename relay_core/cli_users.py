@@ -26,7 +26,7 @@ def connect() -> psycopg.Connection:
     """An autocommit connection to the configured database; a clear usage error when there is none."""
     try:
         dsn = database_url()
-        options = connection_options()
+        options = connection_options(dsn)
     except ConfigurationError as exc:
         raise click.ClickException(str(exc)) from None
     try:

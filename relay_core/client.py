@@ -359,7 +359,7 @@ class Relay:
 
     def connection_options(self) -> dict[str, Any]:
         """psycopg options for a connection of Relay's own (see ``transaction_pooling``)."""
-        return connection_options(self.transaction_pooling)
+        return connection_options(self.dsn, self.transaction_pooling)
 
     def connect(self) -> psycopg.Connection:
         """A new psycopg connection to Relay's database (the caller closes it)."""

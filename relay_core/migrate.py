@@ -77,7 +77,7 @@ def migrate(dsn: str) -> list[str]:
     """
     applied: list[str] = []
     try:
-        with psycopg.connect(dsn, **connection_options()) as conn, conn.transaction():
+        with psycopg.connect(dsn, **connection_options(dsn)) as conn, conn.transaction():
             conn.execute("SELECT pg_advisory_xact_lock(%s)", (MIGRATION_LOCK_KEY,))
             conn.execute(_CREATE_TABLE)
             for migration in pending(conn):

@@ -10,11 +10,13 @@ every returned connection through the pool's worker thread.
 
 from __future__ import annotations
 
+import os
 import time
 import weakref
 from typing import Any
 
 import psycopg
+from psycopg.conninfo import conninfo_to_dict
 from psycopg_pool import ConnectionPool
 from psycopg_pool.base import AttemptWithBackoff
 
@@ -91,21 +93,62 @@ def make_pool(
         timeout=timeout,
         configure=configure_session,
         check=check_if_idle,
-        kwargs={"autocommit": autocommit, **connection_options()},
+        kwargs={"autocommit": autocommit, **connection_options(dsn)},
     )
     return pool
 
 
-def connection_options(pooling: bool | None = None) -> dict[str, Any]:
-    """psycopg options for every connection Relay opens.
+#: libpq settings that bound how long a connection can hang on a network path
+#: that went silent, where the DSN (or PGCONNECT_TIMEOUT) does not set them.
+#: Seconds, but tcp_user_timeout, in milliseconds. See ``liveness_options``.
+LIVENESS_DEFAULTS: dict[str, int] = {
+    "connect_timeout": 10,
+    "keepalives": 1,
+    "keepalives_idle": 10,
+    "keepalives_interval": 5,
+    "keepalives_count": 3,
+    "tcp_user_timeout": 15_000,
+}
 
-    Behind a transaction pooler (``pooling``; RELAY_TRANSACTION_POOLING when
-    None) nothing is prepared: ``prepare_threshold=None`` also overrides the
+
+def liveness_options(dsn: str) -> dict[str, int]:
+    """Time limits on a dead network path, for the settings ``dsn`` leaves to libpq's defaults.
+
+    A database that fails over to another address, or a proxy or NAT that
+    forgets a connection, leaves the old path silent: nothing refuses,
+    packets just vanish. libpq's defaults then wait on it for a very long
+    time: a connection attempt 130 s (psycopg's default), a statement sent on
+    an established connection until the kernel gives up retransmitting (about
+    15 minutes on Linux), an idle LISTEN connection until the first keepalive
+    (two hours). A worker meanwhile claims nothing. With these, a connection
+    attempt gives up after 10 s, data unacknowledged for 15 s breaks the
+    connection, and an idle connection is probed after 10 s; the worker's
+    retry loops then reconnect on a path that works. They only break
+    connections whose peer stopped answering: a long query on a live server
+    is unaffected (the server's kernel acknowledges at once). Settings the DSN
+    names win, as does ``PGCONNECT_TIMEOUT``; Unix-socket connections ignore
+    the TCP ones.
+    """
+    given = conninfo_to_dict(dsn)
+    if os.environ.get("PGCONNECT_TIMEOUT"):
+        given["connect_timeout"] = os.environ["PGCONNECT_TIMEOUT"]
+    return {name: value for name, value in LIVENESS_DEFAULTS.items() if name not in given}
+
+
+def connection_options(dsn: str, pooling: bool | None = None) -> dict[str, Any]:
+    """psycopg options for every connection Relay opens to ``dsn``.
+
+    Time limits on a dead network path (``liveness_options``). Behind a
+    transaction pooler (``pooling``; RELAY_TRANSACTION_POOLING when None)
+    nothing is prepared: ``prepare_threshold=None`` also overrides the
     ``prepare=True`` of Relay's hot statements. Elsewhere psycopg's defaults
     hold (those statements are prepared on first use).
     """
     pooling = transaction_pooling() if pooling is None else pooling
-    return {"prepare_threshold": None} if pooling else {}
+    options: dict[str, Any] = dict(liveness_options(dsn))
+    if pooling:
+        options["prepare_threshold"] = None
+    return options
 
 
 def configure_session(conn: psycopg.Connection) -> None:

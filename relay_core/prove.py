@@ -36,7 +36,7 @@ def record_execution(job: Job) -> None:
     global _pool
     if _pool is None:
         _pool = ConnectionPool(
-            app.dsn, min_size=1, max_size=8, open=True, name="relay-proof", kwargs=connection_options()
+            app.dsn, min_size=1, max_size=8, open=True, name="relay-proof", kwargs=connection_options(app.dsn)
         )
         atexit.register(_pool.close)
     with _pool.connection() as conn:
@@ -81,7 +81,7 @@ def run_proof(
     dsn: str, *, workers: int = 3, jobs: int = 5000, concurrency: int = 4, timeout: float = 300.0
 ) -> ProofResult:
     """Enqueue ``jobs`` proof jobs, drain them with ``workers`` processes, audit."""
-    with psycopg.connect(dsn, **connection_options()) as conn:
+    with psycopg.connect(dsn, **connection_options(dsn)) as conn:
         conn.execute(sql("proof_setup"))
     relay = Relay(dsn)
     try:
@@ -111,7 +111,7 @@ def run_proof(
     started = time.monotonic()
     procs = [subprocess.Popen(command, env=env) for _ in range(workers)]
     try:
-        with psycopg.connect(dsn, autocommit=True, **connection_options()) as conn:
+        with psycopg.connect(dsn, autocommit=True, **connection_options(dsn)) as conn:
             while time.monotonic() - started < timeout:
                 finished, _succeeded, total = conn.execute(sql("proof_progress")).fetchone()
                 if finished >= total:
@@ -129,7 +129,7 @@ def run_proof(
                 proc.wait(30)
             except subprocess.TimeoutExpired:
                 proc.kill()
-    with psycopg.connect(dsn, autocommit=True, **connection_options()) as conn:
+    with psycopg.connect(dsn, autocommit=True, **connection_options(dsn)) as conn:
         duplicates = [(r[0], r[1]) for r in conn.execute(sql("proof_duplicates")).fetchall()]
         _finished, succeeded, total = conn.execute(sql("proof_progress")).fetchone()
     return ProofResult(workers, total, duplicates, succeeded, total - succeeded, elapsed)

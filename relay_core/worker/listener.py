@@ -48,7 +48,7 @@ class Listener:
         while not self._stop.is_set():
             began = time.monotonic()  # a session broken by an outage that has since ended is its tail
             try:
-                with psycopg.connect(self._dsn, autocommit=True, **connection_options()) as conn:
+                with psycopg.connect(self._dsn, autocommit=True, **connection_options(self._dsn)) as conn:
                     conn.execute(f"LISTEN {CHANNEL}")
                     self.connected.set()
                     self._outage.succeeded()

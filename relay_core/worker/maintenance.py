@@ -183,7 +183,7 @@ class Maintenance:
         and a heartbeat waiting for one would let the leases expire.
         """
         if self._heartbeat_conn is None or self._heartbeat_conn.closed:
-            self._heartbeat_conn = psycopg.connect(self._dsn, connect_timeout=10, **connection_options())
+            self._heartbeat_conn = psycopg.connect(self._dsn, **connection_options(self._dsn))
             configure_session(self._heartbeat_conn)
         conn = self._heartbeat_conn
         held = self._held_leases()

@@ -68,6 +68,16 @@ class RelayPool(ReconnectingPool):
         super().putconn(conn)
 
 
+def all_in_use(pool: ConnectionPool) -> bool:
+    """Whether the pool is at its size limit with every connection checked out.
+
+    A PoolTimeout then means the connections are held, not that the database
+    is down (a pool whose connections broke has fewer, or is reconnecting).
+    """
+    stats = pool.get_stats()
+    return stats["pool_size"] >= stats["pool_max"] and stats["pool_available"] == 0
+
+
 def make_pool(
     dsn: str, *, name: str, min_size: int, max_size: int, timeout: float = 30.0, autocommit: bool = False
 ) -> RelayPool:

@@ -568,6 +568,47 @@ def test_transactional_handler_stopping_after_its_timeout_commits_nothing(relay:
         db.execute("DROP TABLE relay_test.report_rows")
 
 
+def test_a_pool_held_by_handlers_past_their_timeout_is_not_called_a_database_outage(
+    relay: Relay, db: psycopg.Connection, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Transactional handlers that hang past their timeout keep their connections, and the
+    worker runs other jobs meanwhile, until every pooled connection is held and claims wait.
+    The worker said "database unreachable", again and again, while the database answered:
+    an operator would look at the wrong thing. It now says what holds the connections."""
+    caplog.set_level("INFO", logger="relay")
+    release = threading.Event()
+
+    @relay.handler("hangs", timeout=0.2, max_attempts=1)
+    def hangs(job: Job, conn: psycopg.Connection) -> None:
+        conn.execute("SELECT 1")
+        release.wait(30)
+
+    relay.handler("quick")(lambda job: None)
+    hanging = [relay.enqueue("hangs") for _ in range(6)]
+    try:
+        with running_worker(relay, concurrency=1) as worker:
+            pool_max = worker.pool.max_size
+            wait_for(
+                lambda: any(r.getMessage().startswith("no free database connection") for r in caplog.records),
+                timeout=20,
+                what="the worker to say its pool is held",
+            )
+            quick = relay.enqueue("quick")
+            time.sleep(1.5)  # claims keep waiting on the pool
+            assert job_status(db, quick) == "queued"
+            release.set()
+            wait_for(lambda: job_status(db, quick) == "succeeded", timeout=15, what="the quick job")
+    finally:
+        release.set()
+    messages = [r.getMessage() for r in caplog.records if r.name == "relay" and r.levelname == "WARNING"]
+    assert not [m for m in messages if "unreachable" in m], messages
+    (held,) = [r for r in caplog.records if r.getMessage().startswith("no free database connection")]
+    assert held.during == "claim"
+    assert held.error.startswith(f"all {pool_max} connections are checked out; 5 job(s) past their timeout")
+    assert "a database connection is free again" in messages
+    assert {job_status(db, job_id) for job_id in hanging[:5]} == {"dead"}
+
+
 def test_a_stale_heartbeat_answer_does_not_flag_the_next_run_of_the_same_job(relay: Relay) -> None:
     """A heartbeat that renewed (job, token 1) may answer after the job was claimed again (token 2)."""
 

@@ -19,6 +19,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from ..logs import event
 
@@ -38,11 +39,35 @@ def next_retry_delay(delay: float) -> float:
     return min(delay * 2, RETRY_MAX_SECONDS)
 
 
+@dataclass(frozen=True)
+class Wording:
+    """What an outage log says when calls begin to fail, while they still fail, and when one gets through."""
+
+    begins: str
+    lasts: str
+    ends: str
+
+
+#: The database did not answer (refused, broken or timed-out connections).
+UNREACHABLE = Wording(
+    "database unreachable; retrying", "database still unreachable; retrying", "database reachable again"
+)
+#: The database answers, but every connection of the worker's pool is checked
+#: out: handlers past their timeout that still hold theirs, as a rule. Told
+#: apart so that an operator looks at the handlers, not at the database.
+POOL_EXHAUSTED = Wording(
+    "no free database connection: every pooled connection is in use; claims wait",
+    "still no free database connection; claims wait",
+    "a database connection is free again",
+)
+
+
 class OutageLog:
     """Whether the worker's database calls fail now, since when, and what has been said of it."""
 
-    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, clock: Callable[[], float] = time.monotonic, wording: Wording = UNREACHABLE) -> None:
         self._clock = clock
+        self._wording = wording
         self._lock = threading.Lock()
         self._since: float | None = None
         self._failures = 0
@@ -73,11 +98,11 @@ class OutageLog:
                 self._reported = now
             since, failures = self._since, self._failures
         if first:
-            event(logging.WARNING, "database unreachable; retrying", during=during, error=str(error))
+            event(logging.WARNING, self._wording.begins, during=during, error=str(error))
         elif again:
             event(
                 logging.WARNING,
-                "database still unreachable; retrying",
+                self._wording.lasts,
                 for_s=round(now - since, 1),
                 failed_calls=failures,
                 during=during,
@@ -95,4 +120,4 @@ class OutageLog:
             if since is not None:
                 self._ended = now
         if since is not None:
-            event(logging.WARNING, "database reachable again", after_s=round(now - since, 1), failed_calls=failures)
+            event(logging.WARNING, self._wording.ends, after_s=round(now - since, 1), failed_calls=failures)

@@ -27,7 +27,7 @@ from ..errors import ConfigurationError, JobTimeout
 from ..handlers import HandlerSpec
 from ..job import Job
 from ..logs import event
-from ..pools import make_pool, restore_transactions
+from ..pools import all_in_use, make_pool, restore_transactions
 from ..queries import sql
 from ..signals import ShutdownSignals
 from . import executor, limits, periodic
@@ -36,7 +36,7 @@ from .completer import Completer
 from .config import WorkerConfig
 from .listener import Listener
 from .maintenance import Maintenance, register
-from .outage import OutageLog, next_retry_delay
+from .outage import POOL_EXHAUSTED, OutageLog, next_retry_delay
 from .outcome import Kind, Outcome, describe
 from .retention import prune_once
 from .vacuum import vacuum_if_needed
@@ -131,8 +131,10 @@ class Worker:
         self.limits_exist = True
         # Moving average of handler run time; starts "long" so nothing is prefetched until jobs prove short.
         self._typical_run = PREFETCH_BELOW_SECONDS * 2
-        # One account of a database outage for all of this worker's threads.
+        # One account of a database outage for all of this worker's threads, and
+        # one of claims waiting on a pool whose every connection is checked out.
         self.outage = OutageLog()
+        self.pool_exhaustion = OutageLog(wording=POOL_EXHAUSTED)
         self.pool = make_pool(
             dsn, name=f"relay-worker-{self.id}", min_size=2, max_size=self.config.concurrency + 4, timeout=10.0
         )
@@ -607,8 +609,12 @@ class Worker:
                 jobs, sent = self._claim(free)
                 delay = 0.1
                 self.outage.succeeded()
+                self.pool_exhaustion.succeeded()
             except (psycopg.OperationalError, psycopg.InterfaceError, PoolTimeout) as exc:
-                self.outage.failed("claim", exc, began=began)
+                if isinstance(exc, PoolTimeout) and all_in_use(self.pool):
+                    self.pool_exhaustion.failed("claim", self._exhaustion_cause(), began=began)
+                else:
+                    self.outage.failed("claim", exc, began=began)
                 self.stopping.wait(delay)
                 delay = next_retry_delay(delay)
                 continue
@@ -616,6 +622,15 @@ class Worker:
                 self._dispatch(jobs, sent)
             if len(jobs) < free:
                 self._wake.wait(self.config.poll_interval)
+
+    def _exhaustion_cause(self) -> str:
+        """What holds the pool's connections, as far as the worker knows."""
+        with self._lock:
+            overdue = len(self._overdue)
+        return (
+            f"all {self.pool.max_size} connections are checked out; {overdue} job(s) past their timeout "
+            "are still running (a transactional handler keeps its connection until it returns)"
+        )
 
     # -- shutdown ----------------------------------------------------------
 

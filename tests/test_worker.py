@@ -632,6 +632,38 @@ def test_a_stale_heartbeat_answer_does_not_flag_the_next_run_of_the_same_job(rel
         worker.pool.close()
 
 
+def test_a_prefetched_job_whose_lease_ran_out_unrenewed_goes_back_with_its_attempt(
+    relay: Relay, db: psycopg.Connection
+) -> None:
+    """A job claimed ahead of a free slot whose lease ran out by the worker's own clock (no
+    heartbeat got through in time, so the lease watch flagged it) was dropped when a slot took
+    it, and waited for the sweeper, which counts the attempt it never used: a job with one
+    attempt ended dead without ever running. Nobody is known to have taken it, so the worker
+    gives it back, fenced, with the attempt."""
+    relay.handler("once", max_attempts=1)(lambda job: None)
+    job_id = relay.enqueue("once")
+    worker = Worker(relay.dsn, relay.handlers, WorkerConfig())
+    worker.pool.open(wait=True)
+    worker.completer.start()
+    try:
+        (job,) = worker.claim(1)
+        worker._dispatch([job])
+        with worker._lock:
+            worker._running[job_id].lease_expires = 0.0  # no renewal got through
+        worker._flag_unrenewed(time.monotonic())
+        assert job.lease_lost
+        assert not worker._bind(Slot(0), job)
+        wait_for(lambda: job_status(db, job_id) == "queued", timeout=10, what="the job back in the queue")
+        assert db.execute("SELECT attempts FROM relay.jobs WHERE id = %s", (job_id,)).fetchone()[0] == 0
+        wait_for(lambda: not worker.held_leases(), timeout=5, what="the lease to be let go")
+    finally:
+        worker.completer.stop()
+        worker.pool.close()
+    with running_worker(relay, concurrency=1):
+        wait_for(lambda: job_status(db, job_id) == "succeeded", timeout=15, what="the job's one run")
+    assert db.execute("SELECT attempts FROM relay.jobs WHERE id = %s", (job_id,)).fetchone()[0] == 1
+
+
 def test_a_run_whose_job_this_worker_claims_again_is_told_its_lease_is_lost(
     relay: Relay, db: psycopg.Connection
 ) -> None:

@@ -62,6 +62,8 @@ SHUTDOWN_WRITES_SECONDS = 3.0
 CLAIM_CONNECTION_WAIT_SECONDS = 1.0
 #: How long one try at registering waits for a connection before it logs and tries again.
 REGISTER_WAIT_SECONDS = 2.0
+#: Why a prefetched job went back to the queue unstarted (see ``_bind``).
+NOT_STARTED = "not started: its lease ran out unrenewed while it waited for a slot"
 #: How often the lease watch compares unrenewed leases with the local clock.
 LEASE_WATCH_SECONDS = 0.2
 
@@ -92,6 +94,8 @@ class Running:
     #: When the lease surely ran out (monotonic) unless a heartbeat renewed it since:
     #: counted from before the claim or the renewing heartbeat was sent.
     lease_expires: float = float("inf")
+    #: A heartbeat found the lease taken over (not merely unrenewed in time).
+    taken_over: bool = False
 
 
 @dataclass
@@ -214,6 +218,8 @@ class Worker:
             )
         elif outcome.kind is Kind.DEAD:
             self._count("dead", logging.ERROR, "job dead", outcome, duration_ms=duration_ms, error=outcome.message)
+        elif outcome.message == NOT_STARTED:
+            self._count("snoozed", logging.INFO, "job handed back", outcome, reason=NOT_STARTED)
         else:
             self._count("snoozed", logging.INFO, "job snoozed", outcome, snooze_s=outcome.delay)
 
@@ -240,15 +246,18 @@ class Worker:
         once its lease has surely ended even when every connection hangs.
         """
         while not self.stopped.wait(LEASE_WATCH_SECONDS):
-            now = time.monotonic()
-            expired: list[Job] = []
-            with self._lock:
-                for running in self._running.values():
-                    if now > running.lease_expires and not running.job._lease_lost.is_set():
-                        running.job._lease_lost.set()
-                        expired.append(running.job)
-            for job in expired:
-                event(logging.WARNING, "lease ran out without a renewal; told the handler to stop", job_id=job.id)
+            self._flag_unrenewed(time.monotonic())
+
+    def _flag_unrenewed(self, now: float) -> None:
+        """Set ``lease_lost`` on every run whose lease surely ended before ``now`` (monotonic)."""
+        expired: list[Job] = []
+        with self._lock:
+            for running in self._running.values():
+                if now > running.lease_expires and not running.job._lease_lost.is_set():
+                    running.job._lease_lost.set()
+                    expired.append(running.job)
+        for job in expired:
+            event(logging.WARNING, "lease ran out without a renewal; told the handler to stop", job_id=job.id)
 
     def _on_lost(self, lost: Mapping[int, int]) -> None:
         """Flag the runs whose leases (id -> token) a heartbeat found taken over.
@@ -263,6 +272,7 @@ class Worker:
                 running = self._running.get(jid)
                 overdue = self._overdue.get(jid)
                 if running is not None and running.job.lease_token == token:
+                    running.taken_over = True
                     running.job._lease_lost.set()
                     taken.append(jid)
                 elif overdue is not None and overdue[0].job.lease_token == token:
@@ -409,8 +419,15 @@ class Worker:
                 # since: the newer claim is bound when it leaves the inbox.
                 return False
             if job.lease_lost:
-                # Prefetched, and taken over by another worker before it started.
+                # Prefetched, and its lease lost before a slot took it.
                 del self._running[job.id]
+                if not running.taken_over:
+                    # No renewal got through in time (the lease watch), but nobody may have
+                    # taken the job either: give it back, fenced, with the attempt it never
+                    # used. Left to the sweeper, it would count that attempt, and a job with
+                    # one attempt would end dead without ever running.
+                    self._awaiting_write[job.id] = job.lease_token
+                    self.completer.put(Outcome(job, Kind.SNOOZED, 0.0, message=NOT_STARTED))
                 return False
             running.slot = slot
             running.started = now

@@ -11,6 +11,7 @@ every returned connection through the pool's worker thread.
 from __future__ import annotations
 
 import os
+import threading
 import time
 import weakref
 from typing import Any
@@ -56,26 +57,43 @@ class ReconnectingPool(ConnectionPool):
 
 
 class RelayPool(ReconnectingPool):
-    """A pool that remembers when each connection came back, and reconnects at a capped pace."""
+    """A pool that remembers when each connection came back, counts those checked out,
+    and reconnects at a capped pace."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self.returned_at: weakref.WeakKeyDictionary[psycopg.Connection, float] = weakref.WeakKeyDictionary()
+        self._checked_out = 0
+        self._checked_out_lock = threading.Lock()
         super().__init__(*args, **kwargs)
+
+    @property
+    def checked_out(self) -> int:
+        """Connections handed out and not yet returned."""
+        return self._checked_out
+
+    def getconn(self, timeout: float | None = None) -> psycopg.Connection:
+        """A connection, counted as checked out until ``putconn``."""
+        conn = super().getconn(timeout)
+        with self._checked_out_lock:
+            self._checked_out += 1
+        return conn
 
     def putconn(self, conn: psycopg.Connection) -> None:
         """Stamp the return time, then return the connection."""
         self.returned_at[conn] = time.monotonic()
+        with self._checked_out_lock:
+            self._checked_out -= 1
         super().putconn(conn)
 
 
-def all_in_use(pool: ConnectionPool) -> bool:
-    """Whether the pool is at its size limit with every connection checked out.
+def all_in_use(pool: RelayPool) -> bool:
+    """Whether every connection the pool may hold is checked out.
 
     A PoolTimeout then means the connections are held, not that the database
-    is down (a pool whose connections broke has fewer, or is reconnecting).
+    is down. The pool's own ``pool_size`` cannot tell: it counts connections
+    being (re)connected too, and stays at the maximum through an outage.
     """
-    stats = pool.get_stats()
-    return stats["pool_size"] >= stats["pool_max"] and stats["pool_available"] == 0
+    return pool.checked_out >= pool.max_size
 
 
 def make_pool(

@@ -20,7 +20,7 @@ from psycopg_pool import ConnectionPool, PoolTimeout
 from ..logs import event
 from ..pools import restore_transactions
 from ..queries import sql
-from .outage import OutageLog, next_retry_delay
+from .outage import OutageLog, PooledCallLog, next_retry_delay
 from .outcome import Kind, Outcome
 
 MAX_BATCH = 1000
@@ -38,7 +38,7 @@ class Completer:
         self,
         pool: ConnectionPool,
         on_written: Callable[[list[Outcome], dict[int, str]], None],
-        outage: OutageLog | None = None,
+        outage: OutageLog | PooledCallLog | None = None,
     ) -> None:
         self._pool = pool
         self._on_written = on_written

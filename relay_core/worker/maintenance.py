@@ -25,7 +25,7 @@ from ..monitor import fold_counters
 from ..pools import configure_session, connection_options
 from ..queries import sql
 from .limits import forget_old_starts
-from .outage import OutageLog
+from .outage import OutageLog, PooledCallLog
 from .retention import hit_cap
 
 SWEEP_BATCH = 1000
@@ -123,9 +123,12 @@ class Maintenance:
         prune_interval: float = 60.0,
         vacuum: Callable[[psycopg.Connection], list[str]] | None = None,
         outage: OutageLog | None = None,
+        pooled_calls: OutageLog | PooledCallLog | None = None,
     ) -> None:
         self._pool = pool
         self._outage = outage or OutageLog()
+        # The duties wait for pooled connections; the heartbeat has its own.
+        self._pooled_calls = pooled_calls or self._outage
         self._dsn = dsn
         self._heartbeat_conn: psycopg.Connection | None = None
         self._worker_id = worker_id
@@ -306,6 +309,6 @@ class Maintenance:
                     next_vacuum = now + VACUUM_CHECK_INTERVAL
                     self.vacuum()
             except (psycopg.OperationalError, psycopg.InterfaceError, PoolTimeout) as exc:
-                self._outage.failed("maintenance", exc, began=now)
+                self._pooled_calls.failed("maintenance", exc, began=now)
             except psycopg.Error as exc:  # a bug, not an outage: keep the worker alive and say so
                 event(logging.ERROR, "maintenance statement failed", error=str(exc))

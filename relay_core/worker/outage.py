@@ -21,6 +21,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from psycopg_pool import PoolTimeout
+
 from ..logs import event
 
 #: While an outage lasts, how often it is logged again.
@@ -60,6 +62,33 @@ POOL_EXHAUSTED = Wording(
     "still no free database connection; claims wait",
     "a database connection is free again",
 )
+
+
+class PooledCallLog:
+    """Failures of calls that wait for a pooled connection: a database outage, or a pool held.
+
+    A PoolTimeout while ``held`` names a cause (every connection checked
+    out) goes to the exhaustion log, anything else to the outage log; a call
+    that gets through ends both.
+    """
+
+    def __init__(self, outage: OutageLog, exhaustion: OutageLog, held: Callable[[], str | None]) -> None:
+        self.outage = outage
+        self.exhaustion = exhaustion
+        self._held = held
+
+    def failed(self, during: str, error: BaseException | str, began: float | None = None) -> None:
+        """As ``OutageLog.failed``, on the log the failure belongs to."""
+        cause = self._held() if isinstance(error, PoolTimeout) else None
+        if cause is not None:
+            self.exhaustion.failed(during, cause, began=began)
+        else:
+            self.outage.failed(during, error, began=began)
+
+    def succeeded(self) -> None:
+        """A pooled call got through: the database answers and a connection was free."""
+        self.outage.succeeded()
+        self.exhaustion.succeeded()
 
 
 class OutageLog:

@@ -36,7 +36,7 @@ from .completer import Completer
 from .config import WorkerConfig
 from .listener import Listener
 from .maintenance import Maintenance, register
-from .outage import POOL_EXHAUSTED, OutageLog, next_retry_delay
+from .outage import POOL_EXHAUSTED, OutageLog, PooledCallLog, next_retry_delay
 from .outcome import Kind, Outcome, describe
 from .retention import prune_once
 from .vacuum import vacuum_if_needed
@@ -135,14 +135,15 @@ class Worker:
         self.limits_exist = True
         # Moving average of handler run time; starts "long" so nothing is prefetched until jobs prove short.
         self._typical_run = PREFETCH_BELOW_SECONDS * 2
-        # One account of a database outage for all of this worker's threads, and
-        # one of claims waiting on a pool whose every connection is checked out.
-        self.outage = OutageLog()
-        self.pool_exhaustion = OutageLog(wording=POOL_EXHAUSTED)
         self.pool = make_pool(
             dsn, name=f"relay-worker-{self.id}", min_size=2, max_size=self.config.concurrency + 4, timeout=10.0
         )
-        self.completer = Completer(self.pool, self._on_written, self.outage)
+        # One account of a database outage for all of this worker's threads; the calls
+        # that wait for a pooled connection also tell a pool whose every connection
+        # is checked out apart from it.
+        self.outage = OutageLog()
+        self.pooled_calls = PooledCallLog(self.outage, OutageLog(wording=POOL_EXHAUSTED), self._exhaustion_cause)
+        self.completer = Completer(self.pool, self._on_written, self.pooled_calls)
         self.maintenance = Maintenance(
             self.pool,
             dsn=dsn,
@@ -161,6 +162,7 @@ class Worker:
             prune=(lambda conn: prune_once(conn, self.config.retention)) if self.config.retention else None,
             vacuum=vacuum_if_needed if self.config.self_vacuum else None,
             outage=self.outage,
+            pooled_calls=self.pooled_calls,
         )
         self.listener = Listener(dsn, self.config.queues, self._wake.set, self.outage) if self.config.listen else None
 
@@ -625,13 +627,9 @@ class Worker:
             try:
                 jobs, sent = self._claim(free)
                 delay = 0.1
-                self.outage.succeeded()
-                self.pool_exhaustion.succeeded()
+                self.pooled_calls.succeeded()
             except (psycopg.OperationalError, psycopg.InterfaceError, PoolTimeout) as exc:
-                if isinstance(exc, PoolTimeout) and all_in_use(self.pool):
-                    self.pool_exhaustion.failed("claim", self._exhaustion_cause(), began=began)
-                else:
-                    self.outage.failed("claim", exc, began=began)
+                self.pooled_calls.failed("claim", exc, began=began)
                 self.stopping.wait(delay)
                 delay = next_retry_delay(delay)
                 continue
@@ -640,8 +638,10 @@ class Worker:
             if len(jobs) < free:
                 self._wake.wait(self.config.poll_interval)
 
-    def _exhaustion_cause(self) -> str:
-        """What holds the pool's connections, as far as the worker knows."""
+    def _exhaustion_cause(self) -> str | None:
+        """What holds the pool's connections, as far as the worker knows; None while one is free."""
+        if not all_in_use(self.pool):
+            return None
         with self._lock:
             overdue = len(self._overdue)
         return (

@@ -358,9 +358,15 @@ class Relay:
         self.worker(**settings).run()
 
     def connection_options(self) -> dict[str, Any]:
-        """psycopg options for a connection of Relay's own (see ``transaction_pooling``)."""
-        return connection_options(self.dsn, self.transaction_pooling)
+        """psycopg options for the application's own connections to Relay's database.
+
+        Behind a transaction pooler (``transaction_pooling``), what keeps them
+        safe there; everywhere, a bound on waits on a dead network path
+        (``pools.liveness_options``), but not ``tcp_user_timeout``, which
+        would also break a bulk load queued behind a statement waiting on a lock.
+        """
+        return connection_options(self.dsn, self.transaction_pooling, user_timeout=False)
 
     def connect(self) -> psycopg.Connection:
-        """A new psycopg connection to Relay's database (the caller closes it)."""
-        return psycopg.connect(self.dsn, **self.connection_options())
+        """A new psycopg connection to Relay's database, for Relay's own statements (the caller closes it)."""
+        return psycopg.connect(self.dsn, **connection_options(self.dsn, self.transaction_pooling))

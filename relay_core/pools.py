@@ -10,10 +10,16 @@ every returned connection through the pool's worker thread.
 
 from __future__ import annotations
 
+import configparser
+import contextlib
 import os
+import socket
 import threading
 import time
 import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import psycopg
@@ -139,7 +145,7 @@ LIVENESS_DEFAULTS: dict[str, int] = {
 }
 
 
-def liveness_options(dsn: str) -> dict[str, int]:
+def liveness_options(dsn: str, *, user_timeout: bool = True) -> dict[str, int]:
     """Time limits on a dead network path, for the settings ``dsn`` leaves to libpq's defaults.
 
     A database that fails over to another address, or a proxy or NAT that
@@ -151,32 +157,100 @@ def liveness_options(dsn: str) -> dict[str, int]:
     (two hours). A worker meanwhile claims nothing. With these, a connection
     attempt gives up after 10 s, data unacknowledged for 15 s breaks the
     connection, and an idle connection is probed after 10 s; the worker's
-    retry loops then reconnect on a path that works. They only break
-    connections whose peer stopped answering: a long query on a live server
-    is unaffected (the server's kernel acknowledges at once). Settings the DSN
-    names win, as does ``PGCONNECT_TIMEOUT``; Unix-socket connections ignore
-    the TCP ones.
+    retry loops then reconnect on a path that works.
+
+    ``tcp_user_timeout`` also breaks a connection whose server stops reading
+    while the client still has data to send (a pipelined bulk insert queued
+    behind a statement waiting on a lock), so it is left out with
+    ``user_timeout=False``: for connections that carry other code's work.
+    Relay's own statements are short and read as soon as they arrive.
+
+    Settings the DSN names win, as do ``PGCONNECT_TIMEOUT`` and the service
+    file section a ``service`` names; when that section cannot be found here,
+    nothing is added. Unix-socket connections ignore the TCP settings.
     """
-    given = conninfo_to_dict(dsn)
+    given: dict[str, Any] = conninfo_to_dict(dsn)
     if os.environ.get("PGCONNECT_TIMEOUT"):
         given["connect_timeout"] = os.environ["PGCONNECT_TIMEOUT"]
-    return {name: value for name, value in LIVENESS_DEFAULTS.items() if name not in given}
+    service = given.get("service") or os.environ.get("PGSERVICE")
+    if service:
+        section = service_settings(str(service))
+        if section is None:
+            return {}
+        given = {**section, **given}
+    return {
+        name: value
+        for name, value in LIVENESS_DEFAULTS.items()
+        if name not in given and (user_timeout or name != "tcp_user_timeout")
+    }
 
 
-def connection_options(dsn: str, pooling: bool | None = None) -> dict[str, Any]:
+def service_settings(service: str) -> dict[str, str] | None:
+    """The settings of ``service`` in the connection service files libpq reads, or None if not found.
+
+    libpq looks in PGSERVICEFILE (else ~/.pg_service.conf), then in
+    PGSYSCONFDIR's pg_service.conf; the first file with the section wins.
+    """
+    files = [Path(os.environ.get("PGSERVICEFILE") or Path.home() / ".pg_service.conf")]
+    if os.environ.get("PGSYSCONFDIR"):
+        files.append(Path(os.environ["PGSYSCONFDIR"]) / "pg_service.conf")
+    for path in files:
+        parser = configparser.ConfigParser(interpolation=None)
+        try:
+            parser.read(path, encoding="utf-8")
+        except (OSError, configparser.Error):
+            continue
+        if parser.has_section(service):
+            return dict(parser.items(service))
+    return None
+
+
+def connection_options(dsn: str, pooling: bool | None = None, *, user_timeout: bool = True) -> dict[str, Any]:
     """psycopg options for every connection Relay opens to ``dsn``.
 
-    Time limits on a dead network path (``liveness_options``). Behind a
-    transaction pooler (``pooling``; RELAY_TRANSACTION_POOLING when None)
-    nothing is prepared: ``prepare_threshold=None`` also overrides the
-    ``prepare=True`` of Relay's hot statements. Elsewhere psycopg's defaults
-    hold (those statements are prepared on first use).
+    Time limits on a dead network path (``liveness_options``; without
+    ``tcp_user_timeout`` unless ``user_timeout``). Behind a transaction pooler
+    (``pooling``; RELAY_TRANSACTION_POOLING when None) nothing is prepared:
+    ``prepare_threshold=None`` also overrides the ``prepare=True`` of Relay's
+    hot statements. Elsewhere psycopg's defaults hold (those statements are
+    prepared on first use).
     """
     pooling = transaction_pooling() if pooling is None else pooling
-    options: dict[str, Any] = dict(liveness_options(dsn))
+    options: dict[str, Any] = dict(liveness_options(dsn, user_timeout=user_timeout))
     if pooling:
         options["prepare_threshold"] = None
     return options
+
+
+@contextmanager
+def without_user_timeout(conn: psycopg.Connection) -> Iterator[None]:
+    """Lift the ``tcp_user_timeout`` Relay set on ``conn``'s socket while other code's work runs on it.
+
+    A transactional handler gets a connection of the worker's pool, whose
+    Relay statements want the limit (see ``liveness_options``); the
+    handler's own work may queue more data than the socket holds behind a
+    statement that waits on a lock. Restored afterwards; nothing to do on a
+    Unix socket or where the platform has no such option.
+    """
+    option = getattr(socket, "TCP_USER_TIMEOUT", None)
+    sock: socket.socket | None = None
+    before = 0
+    if option is not None:
+        try:
+            sock = socket.fromfd(conn.fileno(), socket.AF_INET, socket.SOCK_STREAM)
+            before = sock.getsockopt(socket.IPPROTO_TCP, option)
+            sock.setsockopt(socket.IPPROTO_TCP, option, 0)
+        except OSError:  # a Unix socket, or a connection already closed
+            if sock is not None:
+                sock.close()
+            sock = None
+    try:
+        yield
+    finally:
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.IPPROTO_TCP, option, before)
+            sock.close()
 
 
 def configure_session(conn: psycopg.Connection) -> None:

@@ -23,7 +23,7 @@ from psycopg.abc import RV, PQGen
 from psycopg_pool import ConnectionPool
 
 from relay_core import Relay
-from relay_core.pools import ReconnectingPool
+from relay_core.pools import ReconnectingPool, connection_options
 
 EXTENSION = "relay.db"
 
@@ -96,7 +96,7 @@ class Database:
                     configure=self._configure,
                     check=ConnectionPool.check_connection,
                     timeout=self._wait,
-                    kwargs=self.relay.connection_options(),
+                    kwargs=connection_options(self.relay.dsn, self.relay.transaction_pooling),
                 )
                 self._pool.open(wait=False)
                 self._pid = os.getpid()

@@ -14,6 +14,7 @@ reach the same server. The tests skip where iptables cannot be used.
 from __future__ import annotations
 
 import os
+import shlex
 import shutil
 import socket
 import subprocess
@@ -21,17 +22,20 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import psycopg
 import pytest
 from psycopg import conninfo
 
-from relay_core import Relay
+from relay_core import Job, Relay
 from relay_core.pools import LIVENESS_DEFAULTS, connection_options
 
 from .helpers import job_status, running_worker, wait_for
 
 APPLICATION_NAME = "relay-dead-path-test"
+#: Every rule these tests add carries this comment, so one a killed run left behind is removed.
+RULE_COMMENT = "relay-dead-path-test"
 
 
 def iptables_usable() -> str | None:
@@ -46,11 +50,21 @@ def iptables_usable() -> str | None:
     return None
 
 
+def remove_leftover_rules() -> None:
+    """Delete the rules of an earlier run that was killed before it could."""
+    listed = subprocess.run(["iptables", "-S", "OUTPUT"], capture_output=True, text=True, check=True).stdout
+    for line in listed.splitlines():
+        if RULE_COMMENT in line and line.startswith("-A "):
+            subprocess.run(["iptables", "-D", *shlex.split(line)[1:]], check=False)
+
+
 @contextmanager
 def dropped(ports: list[int]) -> Iterator[None]:
     """Drop every packet to or from these local ports (both ends of a loopback connection pass OUTPUT)."""
+    remove_leftover_rules()
+    tag = ["-m", "comment", "--comment", RULE_COMMENT]
     rules = [
-        ["OUTPUT", "-p", "tcp", "-m", "multiport", "--ports", ",".join(map(str, ports[i : i + 15])), "-j", "DROP"]
+        ["OUTPUT", "-p", "tcp", "-m", "multiport", "--ports", ",".join(map(str, ports[i : i + 15])), *tag, "-j", "DROP"]
         for i in range(0, len(ports), 15)
     ]
     added: list[list[str]] = []
@@ -77,6 +91,8 @@ def test_a_worker_whose_connections_go_silent_reconnects_and_works_within_second
     reason = iptables_usable()
     if reason:
         pytest.skip(reason)
+    if db.execute("SELECT coalesce(family(inet_server_addr()), 0)").fetchone()[0] != 4:
+        pytest.skip("the test server is not reached over IPv4, where iptables drops the packets")
     worker_dsn = conninfo.make_conninfo(dsn, application_name=APPLICATION_NAME)
     relay = Relay(worker_dsn)
     producer = Relay(dsn)
@@ -90,8 +106,6 @@ def test_a_worker_whose_connections_go_silent_reconnects_and_works_within_second
                 "SELECT pid, client_port FROM pg_stat_activity WHERE application_name = %s", (APPLICATION_NAME,)
             ).fetchall()
             assert len(sessions) >= 3, sessions  # the pool's, the listener's and the heartbeat's
-            if any(port < 0 for _, port in sessions):
-                pytest.skip("the test server is reached over a Unix socket, which has no packets to drop")
             ran.clear()
             with dropped([port for _, port in sessions]):
                 # The old server is gone: its sessions end, and their goodbyes vanish too.
@@ -108,6 +122,8 @@ def test_a_worker_whose_connections_go_silent_reconnects_and_works_within_second
         producer.close()
     budget = LIVENESS_DEFAULTS["tcp_user_timeout"] / 1000 + LIVENESS_DEFAULTS["keepalives_idle"]
     assert resumed < budget, f"the worker ran a job {resumed:.1f} s after its connections went silent"
+    # Not at once, either: had the packets not vanished, it would have heard its sessions end.
+    assert resumed > LIVENESS_DEFAULTS["keepalives_idle"] / 2, f"resumed after {resumed:.1f} s: nothing was dropped"
 
 
 def test_a_connection_attempt_to_a_server_that_never_answers_gives_up_in_seconds() -> None:
@@ -126,9 +142,15 @@ def test_a_connection_attempt_to_a_server_that_never_answers_gives_up_in_seconds
     assert waited < LIVENESS_DEFAULTS["connect_timeout"] + 3, f"gave up after {waited:.1f} s"
 
 
-def test_time_limits_named_by_the_dsn_or_pgconnect_timeout_win(dsn: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Relay's limits only fill in what the operator left unset."""
-    monkeypatch.delenv("PGCONNECT_TIMEOUT", raising=False)
+def test_time_limits_named_by_the_dsn_or_pgconnect_timeout_win(
+    dsn: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Relay's limits only fill in what the operator left unset: in the DSN, PGCONNECT_TIMEOUT or
+    the service file section the DSN names. The application's own connections get no
+    tcp_user_timeout (it would also break a bulk load queued behind a lock)."""
+    for name in ("PGCONNECT_TIMEOUT", "PGSERVICE", "PGSERVICEFILE", "PGSYSCONFDIR"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))
     plain = connection_options("postgresql://u@db.example/app", pooling=False)
     assert {name: plain[name] for name in LIVENESS_DEFAULTS} == LIVENESS_DEFAULTS
     assert "prepare_threshold" not in plain
@@ -138,7 +160,57 @@ def test_time_limits_named_by_the_dsn_or_pgconnect_timeout_win(dsn: str, monkeyp
     assert named["tcp_user_timeout"] == LIVENESS_DEFAULTS["tcp_user_timeout"]
     assert named["prepare_threshold"] is None
 
+    apps = Relay("postgresql://u@db.example/app").connection_options()
+    assert "tcp_user_timeout" not in apps and apps["connect_timeout"] == LIVENESS_DEFAULTS["connect_timeout"]
+
+    services = tmp_path / "services.conf"
+    services.write_text("[prod]\nhost=db.example\nkeepalives=0\ntcp_user_timeout=0\n")
+    monkeypatch.setenv("PGSERVICEFILE", str(services))
+    from_service = connection_options("service=prod dbname=app", pooling=False)
+    assert "keepalives" not in from_service and "tcp_user_timeout" not in from_service
+    assert from_service["connect_timeout"] == LIVENESS_DEFAULTS["connect_timeout"]
+    monkeypatch.setenv("PGSERVICE", "prod")
+    assert "keepalives" not in connection_options("dbname=app", pooling=False)
+    assert connection_options("service=elsewhere", pooling=False) == {}  # a section not found here: add nothing
+    monkeypatch.delenv("PGSERVICE")
+
     monkeypatch.setenv("PGCONNECT_TIMEOUT", "4")
     assert "connect_timeout" not in connection_options("host=db.example dbname=app", pooling=False)
     with Relay(dsn).connect() as conn:  # libpq takes the environment's value
         assert conninfo.conninfo_to_dict(conn.info.dsn).get("connect_timeout") == "4"
+
+
+def test_a_transactional_handlers_bulk_work_queued_behind_a_lock_is_not_cut_off(
+    dsn: str, db: psycopg.Connection, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """tcp_user_timeout also breaks a connection whose server stops reading while the client
+    still has data to send: a handler's pipelined bulk insert queued behind a statement that
+    waits on a lock, on a server that is fine. A transactional handler's connection comes from
+    the worker's pool, which has the limit; it is lifted while the handler's work runs."""
+    if db.execute("SELECT inet_server_addr() IS NULL").fetchone()[0]:
+        pytest.skip("the test server is reached over a Unix socket, which has no TCP options")
+    monkeypatch.setitem(LIVENESS_DEFAULTS, "tcp_user_timeout", 2_000)  # the same, in seconds not minutes
+    relay = Relay(dsn)
+    big = "x" * 1_000_000
+
+    @relay.handler("bulk", max_attempts=1)
+    def bulk(job: Job, conn: psycopg.Connection) -> None:
+        with conn.pipeline():
+            conn.execute("SELECT pg_advisory_xact_lock(4242)")
+            for _ in range(40):  # 40 MB queued behind the lock: more than the sockets hold
+                conn.execute("SELECT length(%s)", (big,))
+
+    db.execute("SELECT pg_advisory_lock(4242)")
+    try:
+        with running_worker(relay, concurrency=1):
+            job_id = relay.enqueue("bulk")
+            wait_for(lambda: job_status(db, job_id) == "claimed", what="the handler to start")
+            time.sleep(5.0)  # well past the connection's 2 s tcp_user_timeout
+            db.execute("SELECT pg_advisory_unlock(4242)")
+            wait_for(lambda: job_status(db, job_id) in ("succeeded", "dead"), what="the job to end")
+    finally:
+        db.execute("SELECT pg_advisory_unlock_all()")
+        relay.close()
+    assert job_status(db, job_id) == "succeeded", db.execute(
+        "SELECT last_error FROM relay.jobs WHERE id = %s", (job_id,)
+    ).fetchone()[0]

@@ -11,16 +11,19 @@ when the success does.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import time
 from collections.abc import Mapping
 
+import psycopg
 from psycopg_pool import ConnectionPool
 
 from ..backoff import DEFAULT_BACKOFF
 from ..errors import HandlerNotFound, JobCancelled, LeaseLost, PermanentFailure, Snooze
 from ..handlers import HandlerSpec
 from ..job import Job
+from ..pools import without_user_timeout
 from ..queries import sql
 from .aio import SlotLoop
 from .outcome import Kind, Outcome, describe, result_json
@@ -68,7 +71,7 @@ def _run_transactional(job: Job, spec: HandlerSpec, pool: ConnectionPool) -> Non
     was told to (its lease was taken over, or it ran past its timeout), so its
     work is rolled back rather than committed as a success.
     """
-    with pool.connection() as conn, conn.transaction():
+    with pool.connection() as conn, _handlers_own(pool, conn), conn.transaction():
         value = spec.func(job, conn)
         if inspect.isawaitable(value):
             _discard(value)
@@ -92,3 +95,10 @@ def _discard(awaitable: object) -> None:
     close = getattr(awaitable, "close", None)
     if callable(close):
         close()
+
+
+def _handlers_own(pool: ConnectionPool, conn: psycopg.Connection) -> contextlib.AbstractContextManager[None]:
+    """``conn`` without the tcp_user_timeout Relay gave its pool, while a handler's work runs on it."""
+    if "tcp_user_timeout" in (pool.kwargs or {}):
+        return without_user_timeout(conn)
+    return contextlib.nullcontext()

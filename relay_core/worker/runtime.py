@@ -62,7 +62,7 @@ SHUTDOWN_WRITES_SECONDS = 3.0
 CLAIM_CONNECTION_WAIT_SECONDS = 1.0
 #: How long one try at registering waits for a connection before it logs and tries again.
 REGISTER_WAIT_SECONDS = 2.0
-#: Why a prefetched job went back to the queue unstarted (see ``_bind``).
+#: Why a prefetched job went back to the queue unstarted (see ``_flag_unrenewed``).
 NOT_STARTED = "not started: its lease ran out unrenewed while it waited for a slot"
 #: How often the lease watch compares unrenewed leases with the local clock.
 LEASE_WATCH_SECONDS = 0.2
@@ -94,8 +94,6 @@ class Running:
     #: When the lease surely ran out (monotonic) unless a heartbeat renewed it since:
     #: counted from before the claim or the renewing heartbeat was sent.
     lease_expires: float = float("inf")
-    #: A heartbeat found the lease taken over (not merely unrenewed in time).
-    taken_over: bool = False
 
 
 @dataclass
@@ -194,7 +192,9 @@ class Worker:
     def _tell(self, outcome: Outcome, status: str | None) -> None:
         """Count and log what was written for one run (``status`` None: the lease was taken over)."""
         duration_ms = round(outcome.duration * 1000, 3)
-        if status is None:
+        if status is None and outcome.message == NOT_STARTED:
+            self._count("lost", logging.WARNING, "unstarted job not handed back: its lease was taken over", outcome)
+        elif status is None:
             self._count(
                 "lost",
                 logging.WARNING,
@@ -251,15 +251,36 @@ class Worker:
             self._flag_unrenewed(time.monotonic())
 
     def _flag_unrenewed(self, now: float) -> None:
-        """Set ``lease_lost`` on every run whose lease surely ended before ``now`` (monotonic)."""
+        """Set ``lease_lost`` on every run whose lease surely ended before ``now`` (monotonic).
+
+        A job claimed ahead of a free slot goes back to the queue at once
+        instead: nobody is known to have taken it, so it is handed back,
+        fenced, with the attempt it never used. Left to the sweeper, that
+        attempt would count, and a job with one attempt would end dead
+        without ever running (unless another worker's sweeper gets to it
+        first, as it must when this worker is cut off).
+        """
         expired: list[Job] = []
+        unstarted: list[Job] = []
         with self._lock:
-            for running in self._running.values():
+            for jid, running in list(self._running.items()):
                 if now > running.lease_expires and not running.job._lease_lost.is_set():
                     running.job._lease_lost.set()
-                    expired.append(running.job)
+                    if running.slot is None:
+                        del self._running[jid]  # a slot that takes it from the inbox now skips it
+                        self._awaiting_write[jid] = running.job.lease_token
+                        self.completer.put(Outcome(running.job, Kind.SNOOZED, 0.0, message=NOT_STARTED))
+                        unstarted.append(running.job)
+                    else:
+                        expired.append(running.job)
         for job in expired:
             event(logging.WARNING, "lease ran out without a renewal; told the handler to stop", job_id=job.id)
+        if unstarted:
+            event(
+                logging.WARNING,
+                "lease ran out without a renewal before a slot was free; handing the jobs back",
+                job_ids=sorted(j.id for j in unstarted),
+            )
 
     def _on_lost(self, lost: Mapping[int, int]) -> None:
         """Flag the runs whose leases (id -> token) a heartbeat found taken over.
@@ -274,7 +295,6 @@ class Worker:
                 running = self._running.get(jid)
                 overdue = self._overdue.get(jid)
                 if running is not None and running.job.lease_token == token:
-                    running.taken_over = True
                     running.job._lease_lost.set()
                     taken.append(jid)
                 elif overdue is not None and overdue[0].job.lease_token == token:
@@ -421,15 +441,8 @@ class Worker:
                 # since: the newer claim is bound when it leaves the inbox.
                 return False
             if job.lease_lost:
-                # Prefetched, and its lease lost before a slot took it.
+                # Prefetched, and taken over by another worker before it started.
                 del self._running[job.id]
-                if not running.taken_over:
-                    # No renewal got through in time (the lease watch), but nobody may have
-                    # taken the job either: give it back, fenced, with the attempt it never
-                    # used. Left to the sweeper, it would count that attempt, and a job with
-                    # one attempt would end dead without ever running.
-                    self._awaiting_write[job.id] = job.lease_token
-                    self.completer.put(Outcome(job, Kind.SNOOZED, 0.0, message=NOT_STARTED))
                 return False
             running.slot = slot
             running.started = now

@@ -10,8 +10,9 @@ every returned connection through the pool's worker thread.
 
 from __future__ import annotations
 
-import configparser
 import contextlib
+import functools
+import logging
 import os
 import socket
 import threading
@@ -85,11 +86,11 @@ class RelayPool(ReconnectingPool):
         return conn
 
     def putconn(self, conn: psycopg.Connection) -> None:
-        """Stamp the return time, then return the connection."""
+        """Stamp the return time, then return the connection (not counted out once the pool took it)."""
         self.returned_at[conn] = time.monotonic()
+        super().putconn(conn)  # refuses a connection that is not this pool's, or returned twice
         with self._checked_out_lock:
             self._checked_out -= 1
-        super().putconn(conn)
 
 
 def all_in_use(pool: RelayPool) -> bool:
@@ -176,6 +177,7 @@ def liveness_options(dsn: str, *, user_timeout: bool = True) -> dict[str, int]:
     if service:
         section = service_settings(str(service))
         if section is None:
+            _warn_service_unread(str(service))
             return {}
         given = {**section, **given}
     return {
@@ -185,24 +187,64 @@ def liveness_options(dsn: str, *, user_timeout: bool = True) -> dict[str, int]:
     }
 
 
-def service_settings(service: str) -> dict[str, str] | None:
-    """The settings of ``service`` in the connection service files libpq reads, or None if not found.
+#: Where libpq builds commonly look for the system-wide service file when
+#: PGSYSCONFDIR is unset (Debian's packages and psycopg's bundled libpq use
+#: the first); a section found in one that libpq does not read would only make
+#: Relay add fewer defaults.
+SYSCONF_DIRS = ("/etc/postgresql-common", "/etc/postgresql", "/usr/local/pgsql/etc")
 
-    libpq looks in PGSERVICEFILE (else ~/.pg_service.conf), then in
-    PGSYSCONFDIR's pg_service.conf; the first file with the section wins.
+
+def service_settings(service: str) -> dict[str, str] | None:
+    """The settings of ``service`` in the connection service files, or None if no file has it.
+
+    Read as libpq reads them: PGSERVICEFILE (else ~/.pg_service.conf), then
+    the system-wide pg_service.conf; the first file with a ``[service]``
+    section wins; lines are stripped, ``#`` lines and blank ones skipped,
+    the section ends at the next ``[``, and each line in it is
+    ``key=value``.
     """
-    files = [Path(os.environ.get("PGSERVICEFILE") or Path.home() / ".pg_service.conf")]
-    if os.environ.get("PGSYSCONFDIR"):
-        files.append(Path(os.environ["PGSYSCONFDIR"]) / "pg_service.conf")
+    user_file = os.environ.get("PGSERVICEFILE")
+    files = [Path(user_file) if user_file is not None else Path.home() / ".pg_service.conf"]
+    sysconf = os.environ.get("PGSYSCONFDIR")
+    files += [Path(folder) / "pg_service.conf" for folder in ([sysconf] if sysconf else SYSCONF_DIRS)]
     for path in files:
-        parser = configparser.ConfigParser(interpolation=None)
         try:
-            parser.read(path, encoding="utf-8")
-        except (OSError, configparser.Error):
+            text = path.read_bytes().decode("utf-8", errors="replace")
+        except OSError:
             continue
-        if parser.has_section(service):
-            return dict(parser.items(service))
+        section = _service_section(text, service)
+        if section is not None:
+            return section
     return None
+
+
+def _service_section(text: str, service: str) -> dict[str, str] | None:
+    """The ``key=value`` lines of section ``[service]`` in a service file's text, or None."""
+    settings: dict[str, str] | None = None
+    for raw in text.splitlines():
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        if line.startswith("["):
+            if settings is not None:
+                break  # the next section: ours is over
+            if line == f"[{service}]":
+                settings = {}
+        elif settings is not None:
+            key, sep, value = line.partition("=")
+            if sep:
+                settings[key.strip()] = value.strip()
+    return settings
+
+
+@functools.cache
+def _warn_service_unread(service: str) -> None:
+    """Say once per process that a service's settings could not be read, so Relay added none of its own."""
+    logging.getLogger("relay").warning(
+        "connection service %r not found in the service files Relay reads; "
+        "its connections get no connect_timeout, keepalives or tcp_user_timeout of Relay's",
+        service,
+    )
 
 
 def connection_options(dsn: str, pooling: bool | None = None, *, user_timeout: bool = True) -> dict[str, Any]:
@@ -240,7 +282,7 @@ def without_user_timeout(conn: psycopg.Connection) -> Iterator[None]:
             sock = socket.fromfd(conn.fileno(), socket.AF_INET, socket.SOCK_STREAM)
             before = sock.getsockopt(socket.IPPROTO_TCP, option)
             sock.setsockopt(socket.IPPROTO_TCP, option, 0)
-        except OSError:  # a Unix socket, or a connection already closed
+        except (OSError, psycopg.Error):  # a Unix socket, or a connection already closed
             if sock is not None:
                 sock.close()
             sock = None

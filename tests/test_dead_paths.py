@@ -14,6 +14,7 @@ reach the same server. The tests skip where iptables cannot be used.
 from __future__ import annotations
 
 import os
+import re
 import shlex
 import shutil
 import socket
@@ -34,7 +35,8 @@ from relay_core.pools import LIVENESS_DEFAULTS, connection_options
 from .helpers import job_status, running_worker, wait_for
 
 APPLICATION_NAME = "relay-dead-path-test"
-#: Every rule these tests add carries this comment, so one a killed run left behind is removed.
+#: Every rule these tests add carries this comment and the adding process's id, so rules a
+#: killed run left behind are removed, and not those of a run going on at the same time.
 RULE_COMMENT = "relay-dead-path-test"
 
 
@@ -44,17 +46,21 @@ def iptables_usable() -> str | None:
         return "iptables is not installed"
     if os.geteuid() != 0:
         return "dropping packets needs root"
-    probe = subprocess.run(["iptables", "-S", "OUTPUT"], capture_output=True, text=True)
-    if probe.returncode != 0:
-        return f"iptables cannot be used here: {probe.stderr.strip()}"
+    tag = ["-m", "comment", "--comment", f"{RULE_COMMENT}-probe"]
+    probe = ["OUTPUT", "-p", "tcp", "--dport", "9", *tag, "-j", "ACCEPT"]
+    added = subprocess.run(["iptables", "-I", *probe], capture_output=True, text=True)
+    if added.returncode != 0:
+        return f"iptables cannot be used here: {added.stderr.strip()}"
+    subprocess.run(["iptables", "-D", *probe], check=False)
     return None
 
 
 def remove_leftover_rules() -> None:
-    """Delete the rules of an earlier run that was killed before it could."""
+    """Delete the rules of earlier runs that were killed before they could (their process is gone)."""
     listed = subprocess.run(["iptables", "-S", "OUTPUT"], capture_output=True, text=True, check=True).stdout
     for line in listed.splitlines():
-        if RULE_COMMENT in line and line.startswith("-A "):
+        found = re.search(rf"{RULE_COMMENT}-(\d+)", line)
+        if found and line.startswith("-A ") and not Path(f"/proc/{found.group(1)}").exists():
             subprocess.run(["iptables", "-D", *shlex.split(line)[1:]], check=False)
 
 
@@ -62,7 +68,7 @@ def remove_leftover_rules() -> None:
 def dropped(ports: list[int]) -> Iterator[None]:
     """Drop every packet to or from these local ports (both ends of a loopback connection pass OUTPUT)."""
     remove_leftover_rules()
-    tag = ["-m", "comment", "--comment", RULE_COMMENT]
+    tag = ["-m", "comment", "--comment", f"{RULE_COMMENT}-{os.getpid()}"]
     rules = [
         ["OUTPUT", "-p", "tcp", "-m", "multiport", "--ports", ",".join(map(str, ports[i : i + 15])), *tag, "-j", "DROP"]
         for i in range(0, len(ports), 15)
@@ -143,14 +149,15 @@ def test_a_connection_attempt_to_a_server_that_never_answers_gives_up_in_seconds
 
 
 def test_time_limits_named_by_the_dsn_or_pgconnect_timeout_win(
-    dsn: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+    dsn: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     """Relay's limits only fill in what the operator left unset: in the DSN, PGCONNECT_TIMEOUT or
     the service file section the DSN names. The application's own connections get no
     tcp_user_timeout (it would also break a bulk load queued behind a lock)."""
-    for name in ("PGCONNECT_TIMEOUT", "PGSERVICE", "PGSERVICEFILE", "PGSYSCONFDIR"):
+    for name in ("PGCONNECT_TIMEOUT", "PGSERVICE"):
         monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("PGSERVICEFILE", str(tmp_path / "none.conf"))
+    monkeypatch.setenv("PGSYSCONFDIR", str(tmp_path))
     plain = connection_options("postgresql://u@db.example/app", pooling=False)
     assert {name: plain[name] for name in LIVENESS_DEFAULTS} == LIVENESS_DEFAULTS
     assert "prepare_threshold" not in plain
@@ -164,15 +171,24 @@ def test_time_limits_named_by_the_dsn_or_pgconnect_timeout_win(
     assert "tcp_user_timeout" not in apps and apps["connect_timeout"] == LIVENESS_DEFAULTS["connect_timeout"]
 
     services = tmp_path / "services.conf"
-    services.write_text("[prod]\nhost=db.example\nkeepalives=0\ntcp_user_timeout=0\n")
+    # As libpq reads it: a comment in another encoding, blanks around lines, the section ending at the next.
+    services.write_bytes(
+        b"# Base de donn\xe9es\n[prod]\nhost=db.example\n   keepalives=0\ntcp_user_timeout = 0\n"
+        b"[other]\nconnect_timeout=3\n"
+    )
     monkeypatch.setenv("PGSERVICEFILE", str(services))
     from_service = connection_options("service=prod dbname=app", pooling=False)
     assert "keepalives" not in from_service and "tcp_user_timeout" not in from_service
     assert from_service["connect_timeout"] == LIVENESS_DEFAULTS["connect_timeout"]
     monkeypatch.setenv("PGSERVICE", "prod")
     assert "keepalives" not in connection_options("dbname=app", pooling=False)
-    assert connection_options("service=elsewhere", pooling=False) == {}  # a section not found here: add nothing
     monkeypatch.delenv("PGSERVICE")
+    # A section Relay cannot find (libpq may know another file): add nothing, and say so once.
+    caplog.set_level("WARNING", logger="relay")
+    assert connection_options("service=elsewhere", pooling=False) == {}
+    assert connection_options("service=elsewhere", pooling=False) == {}
+    said = [r.getMessage() for r in caplog.records if "elsewhere" in r.getMessage()]
+    assert len(said) == 1 and "not found" in said[0]
 
     monkeypatch.setenv("PGCONNECT_TIMEOUT", "4")
     assert "connect_timeout" not in connection_options("host=db.example dbname=app", pooling=False)

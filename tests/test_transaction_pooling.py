@@ -135,11 +135,17 @@ def test_relay_worker_process_cli_and_migrate_work_behind_a_transaction_pooler(p
     proc = start_worker_process(sys.executable, env, "--concurrency", "3", log=log)
     try:
         with psycopg.connect(pooled_dsn, autocommit=True, prepare_threshold=None) as conn:
-            wait_for(
-                lambda: conn.execute("SELECT count(*) FROM relay.jobs WHERE status = 'succeeded'").fetchone()[0] == 65,
-                timeout=60,
-                what="the worker process to run every job",
-            )
+            try:
+                wait_for(
+                    lambda: (
+                        conn.execute("SELECT count(*) FROM relay.jobs WHERE status = 'succeeded'").fetchone()[0] == 65
+                    ),
+                    timeout=60,
+                    what="the worker process to run every job",
+                )
+            except AssertionError as exc:
+                states = conn.execute("SELECT type, status, count(*) FROM relay.jobs GROUP BY 1, 2").fetchall()
+                raise AssertionError(f"{exc}; jobs: {states}; worker log:\n{log.read_text()}") from None
     finally:
         assert stop_process(proc) == 0, log.read_text()
     assert "prepared statement" not in log.read_text()

@@ -665,7 +665,8 @@ def test_a_stale_heartbeat_answer_does_not_flag_the_next_run_of_the_same_job(rel
         worker._on_lost({job_id: job.lease_token - 1})  # the lease of an earlier run
         assert not job.lease_lost and worker.held_leases() == {job_id: job.lease_token}
         worker._on_lost({job_id: job.lease_token})
-        assert job.lease_lost
+        assert job.lease_lost and worker.in_flight() == 0  # never started: no longer counted, nor renewed
+        assert worker.held_leases() == {}
         # Prefetched and never started: a slot drops it instead of running it.
         assert not worker._bind(Slot(0), job) and worker.in_flight() == 0
     finally:

@@ -290,6 +290,8 @@ class Maintenance:
         next_vacuum = now + VACUUM_CHECK_INTERVAL * spread
         while not self._stop_duties.wait(0.2):
             now = time.monotonic()
+            # Whether a duty that always sends a statement on a pooled connection runs now.
+            due = now >= min(next_sweep, next_periodic, next_prune, next_fold)
             try:
                 if now >= next_sweep:
                     next_sweep = now + self._sweep_interval
@@ -308,6 +310,8 @@ class Maintenance:
                 if now >= next_vacuum:
                     next_vacuum = now + VACUUM_CHECK_INTERVAL
                     self.vacuum()
+                if due:
+                    self._pooled_calls.succeeded()
             except (psycopg.OperationalError, psycopg.InterfaceError, PoolTimeout) as exc:
                 self._pooled_calls.failed("maintenance", exc, began=now)
             except psycopg.Error as exc:  # a bug, not an outage: keep the worker alive and say so

@@ -296,6 +296,8 @@ class Worker:
                 overdue = self._overdue.get(jid)
                 if running is not None and running.job.lease_token == token:
                     running.job._lease_lost.set()
+                    if running.slot is None:
+                        del self._running[jid]  # never started: a slot that takes it from the inbox skips it
                     taken.append(jid)
                 elif overdue is not None and overdue[0].job.lease_token == token:
                     del self._overdue[jid]  # the sweeper decided it; the thread's end changes nothing

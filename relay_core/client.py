@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import math
 import threading
 from collections.abc import Callable, Iterable, Mapping
 from datetime import datetime
@@ -16,12 +17,15 @@ from . import admin, inserts
 from . import migrate as migrator
 from .backoff import Backoff
 from .connections import run, run_async
-from .errors import InvalidJobError, RelayError
+from .errors import ConfigurationError, InvalidJobError, RelayError
 from .handlers import DEFAULT_MAX_ATTEMPTS, HandlerSpec, make_spec
 from .pools import connection_options, make_pool
-from .settings import database_url, env_bool, env_int, transaction_pooling
+from .settings import database_url, env_bool, env_float, env_int, transaction_pooling
 from .validation import DEFAULT_MAX_PAYLOAD_BYTES, NewJob, new_job
 from .worker import Worker, WorkerConfig
+
+#: How long an enqueue without ``conn`` waits for a pooled connection by default (RELAY_DB_WAIT_SECONDS).
+DEFAULT_DB_WAIT_SECONDS = 5.0
 
 
 class Relay:
@@ -40,6 +44,7 @@ class Relay:
         default_max_attempts: int = DEFAULT_MAX_ATTEMPTS,
         pool_size: int = 4,
         notify: bool | None = None,
+        db_wait: float | None = None,
     ) -> None:
         self._dsn = dsn
         self.max_payload_bytes = max_payload_bytes or env_int("RELAY_MAX_PAYLOAD_BYTES", DEFAULT_MAX_PAYLOAD_BYTES)
@@ -51,6 +56,15 @@ class Relay:
         #: Whether connections go through a pooler in transaction mode
         #: (``RELAY_TRANSACTION_POOLING``): nothing prepared, no session settings left behind.
         self.transaction_pooling = transaction_pooling()
+        #: How long an enqueue without ``conn`` (or an admin action) waits for a
+        #: connection before raising (``RELAY_DB_WAIT_SECONDS``, default 5): a
+        #: database that is down fails the caller's request in seconds, well
+        #: inside the 30 s a platform's router gives a web request.
+        self.db_wait = env_float("RELAY_DB_WAIT_SECONDS", DEFAULT_DB_WAIT_SECONDS) if db_wait is None else db_wait
+        if isinstance(self.db_wait, bool) or not (math.isfinite(self.db_wait) and self.db_wait > 0):
+            raise ConfigurationError(
+                f"db_wait (RELAY_DB_WAIT_SECONDS) must be a positive number of seconds, got {self.db_wait!r}"
+            )
         self.handlers: dict[str, HandlerSpec] = {}
         self._pool: ConnectionPool | None = None
         self._pool_size = pool_size
@@ -77,7 +91,12 @@ class Relay:
         with self._pool_lock:
             if self._pool is None:
                 self._pool = make_pool(
-                    self.dsn, name="relay-client", min_size=1, max_size=self._pool_size, autocommit=True
+                    self.dsn,
+                    name="relay-client",
+                    min_size=1,
+                    max_size=self._pool_size,
+                    timeout=self.db_wait,
+                    autocommit=True,
                 )
                 self._pool.open()
             return self._pool

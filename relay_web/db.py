@@ -56,7 +56,7 @@ class Database:
 
     def __init__(self, dsn: str, *, size: int, wait_seconds: float, statement_timeout_ms: int) -> None:
         self.dsn = dsn
-        self.relay = Relay(dsn)
+        self.relay = Relay(dsn, db_wait=wait_seconds)
         self._size = size
         self._wait = wait_seconds
         self._statement_timeout_ms = statement_timeout_ms

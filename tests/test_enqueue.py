@@ -377,6 +377,18 @@ def test_a_malformed_relay_notify_is_refused_clearly(monkeypatch: pytest.MonkeyP
         Relay("postgresql://unused")
 
 
+def test_the_wait_for_a_connection_comes_from_the_environment_and_is_checked(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("RELAY_DB_WAIT_SECONDS", raising=False)
+    assert Relay("postgresql://unused").db_wait == 5.0
+    monkeypatch.setenv("RELAY_DB_WAIT_SECONDS", "1.5")
+    assert Relay("postgresql://unused").db_wait == 1.5
+    assert Relay("postgresql://unused", db_wait=2).db_wait == 2, "the argument wins"
+    for bad in ("0", "-1", "nan", "inf", "soon"):
+        monkeypatch.setenv("RELAY_DB_WAIT_SECONDS", bad)
+        with pytest.raises(ConfigurationError, match="RELAY_DB_WAIT_SECONDS"):
+            Relay("postgresql://unused")
+
+
 def test_a_payload_nested_to_the_limit_is_kept(relay: Relay, db: psycopg.Connection) -> None:
     job_id = relay.enqueue("deep", nested(99))  # 100 levels
     assert relay.get_job(job_id).payload == nested(99)

@@ -20,6 +20,7 @@ import pytest
 from psycopg import conninfo
 
 from relay_core import Job, Relay
+from relay_core.client import DEFAULT_DB_WAIT_SECONDS
 from relay_core.demo import Demo
 from relay_core.migrate import migrate
 
@@ -84,6 +85,38 @@ def test_a_worker_works_again_within_seconds_of_a_long_outage_ending(
     assert warnings.count("database unreachable; retrying") == 1, warnings
     assert warnings.count("database reachable again") == 1, warnings
     assert len(warnings) <= 4, warnings
+
+
+def test_an_enqueue_while_the_database_is_down_fails_within_seconds(cluster: Cluster, outage_dsn: str) -> None:
+    """An enqueue without ``conn`` waited 30 s for a pooled connection when the database was down,
+    past the 30 s a platform's router gives a web request: the user saw the router's error page,
+    not the application's. It now raises after RELAY_DB_WAIT_SECONDS (5), and works again once
+    the database is back."""
+    relay = Relay(outage_dsn)
+    waits: list[float] = []
+    try:
+        relay.enqueue("echo")
+        cluster.stop("immediate")
+        for _ in range(3):  # a connection that broke fails at once; then the pool has none to give
+            started = time.monotonic()
+            with pytest.raises(psycopg.OperationalError):
+                relay.enqueue("echo")
+            waits.append(time.monotonic() - started)
+        cluster.start()
+        wait_for(lambda: _enqueued(relay), timeout=20, what="an enqueue to succeed again")
+    finally:
+        relay.close()
+    assert max(waits) >= DEFAULT_DB_WAIT_SECONDS - 0.5, waits  # the pool's wait, not a broken connection's error
+    assert max(waits) < DEFAULT_DB_WAIT_SECONDS + 2, waits
+
+
+def _enqueued(relay: Relay) -> bool:
+    """Whether an enqueue gets through now."""
+    try:
+        relay.enqueue("echo")
+    except psycopg.OperationalError:
+        return False
+    return True
 
 
 def test_a_job_finished_during_an_outage_longer_than_its_lease_is_recorded_not_run_again(

@@ -61,7 +61,8 @@ class Relay:
         #: database that is down fails the caller's request in seconds, well
         #: inside the 30 s a platform's router gives a web request.
         self.db_wait = env_float("RELAY_DB_WAIT_SECONDS", DEFAULT_DB_WAIT_SECONDS) if db_wait is None else db_wait
-        if isinstance(self.db_wait, bool) or not (math.isfinite(self.db_wait) and self.db_wait > 0):
+        wait = self.db_wait
+        if isinstance(wait, bool) or not isinstance(wait, int | float) or not (math.isfinite(wait) and wait > 0):
             raise ConfigurationError(
                 f"db_wait (RELAY_DB_WAIT_SECONDS) must be a positive number of seconds, got {self.db_wait!r}"
             )

@@ -387,6 +387,10 @@ def test_the_wait_for_a_connection_comes_from_the_environment_and_is_checked(mon
         monkeypatch.setenv("RELAY_DB_WAIT_SECONDS", bad)
         with pytest.raises(ConfigurationError, match="RELAY_DB_WAIT_SECONDS"):
             Relay("postgresql://unused")
+    monkeypatch.delenv("RELAY_DB_WAIT_SECONDS")
+    for given in (0, True, "5", [5]):
+        with pytest.raises(ConfigurationError, match="db_wait"):
+            Relay("postgresql://unused", db_wait=given)  # type: ignore[arg-type]
 
 
 def test_a_payload_nested_to_the_limit_is_kept(relay: Relay, db: psycopg.Connection) -> None:

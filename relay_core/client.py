@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import math
 import threading
 from collections.abc import Callable, Iterable, Mapping
 from datetime import datetime
@@ -21,7 +20,7 @@ from .errors import ConfigurationError, InvalidJobError, RelayError
 from .handlers import DEFAULT_MAX_ATTEMPTS, HandlerSpec, make_spec
 from .pools import connection_options, make_pool
 from .settings import database_url, env_bool, env_float, env_int, transaction_pooling
-from .validation import DEFAULT_MAX_PAYLOAD_BYTES, NewJob, new_job
+from .validation import DEFAULT_MAX_PAYLOAD_BYTES, NewJob, check_seconds, new_job
 from .worker import Worker, WorkerConfig
 
 #: How long an enqueue without ``conn`` waits for a pooled connection by default (RELAY_DB_WAIT_SECONDS).
@@ -60,12 +59,13 @@ class Relay:
         #: connection before raising (``RELAY_DB_WAIT_SECONDS``, default 5): a
         #: database that is down fails the caller's request in seconds, well
         #: inside the 30 s a platform's router gives a web request.
-        self.db_wait = env_float("RELAY_DB_WAIT_SECONDS", DEFAULT_DB_WAIT_SECONDS) if db_wait is None else db_wait
-        wait = self.db_wait
-        if isinstance(wait, bool) or not isinstance(wait, int | float) or not (math.isfinite(wait) and wait > 0):
+        wait = env_float("RELAY_DB_WAIT_SECONDS", DEFAULT_DB_WAIT_SECONDS) if db_wait is None else db_wait
+        try:
+            self.db_wait = check_seconds("db_wait", wait)
+        except InvalidJobError:
             raise ConfigurationError(
-                f"db_wait (RELAY_DB_WAIT_SECONDS) must be a positive number of seconds, got {self.db_wait!r}"
-            )
+                f"db_wait (RELAY_DB_WAIT_SECONDS) must be a positive number of seconds, got {wait!r}"
+            ) from None
         self.handlers: dict[str, HandlerSpec] = {}
         self._pool: ConnectionPool | None = None
         self._pool_size = pool_size

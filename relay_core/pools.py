@@ -67,11 +67,31 @@ class RelayPool(ReconnectingPool):
     """A pool that remembers when each connection came back, counts those checked out,
     and reconnects at a capped pace."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, transaction_pooling: bool = False, **kwargs: Any) -> None:
         self.returned_at: weakref.WeakKeyDictionary[psycopg.Connection, float] = weakref.WeakKeyDictionary()
         self._checked_out = 0
         self._checked_out_lock = threading.Lock()
+        #: Whether the connections go through a pooler in transaction mode (see ``pipeline``).
+        self.transaction_pooling = transaction_pooling
         super().__init__(*args, **kwargs)
+
+    def pipeline(self, conn: psycopg.Connection) -> contextlib.AbstractContextManager[object]:
+        """``conn.pipeline()``: a block's statements in one round trip; behind a transaction pooler, none.
+
+        psycopg ends a pipeline with a Sync and then, while results are still
+        on their way, a Flush. A pooler in transaction mode frees the server
+        connection at the ReadyForQuery that answers the Sync; a Flush that
+        arrives after that ties the server to this client again, and as a
+        Flush gets no ReadyForQuery, the pooler never frees it. Every other
+        client, the worker's own threads included, then waits until the
+        pooler gives up on it (PgBouncer 1.18: ``query_wait_timeout``, 120 s,
+        for each waiting statement). Whether the Flush comes late is a race: a
+        thread switch between the two sends is enough. Behind a pooler the
+        statements therefore go one round trip each.
+        """
+        if self.transaction_pooling:
+            return contextlib.nullcontext()
+        return conn.pipeline()
 
     @property
     def checked_out(self) -> int:
@@ -113,6 +133,7 @@ def make_pool(
     multi-statement work on them opens ``conn.transaction()`` explicitly.
     """
     pool: RelayPool | None = None
+    pooling = transaction_pooling()
 
     def check_if_idle(conn: psycopg.Connection) -> None:
         last = pool.returned_at.get(conn) if pool is not None else None
@@ -128,7 +149,8 @@ def make_pool(
         timeout=timeout,
         configure=configure_session,
         check=check_if_idle,
-        kwargs={"autocommit": autocommit, **connection_options(dsn)},
+        kwargs={"autocommit": autocommit, **connection_options(dsn, pooling)},
+        transaction_pooling=pooling,
     )
     return pool
 

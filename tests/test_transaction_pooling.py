@@ -10,19 +10,21 @@ behind is seen by the next.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import psycopg
 import pytest
 from psycopg import conninfo
 
-from relay_core import Relay, users
+from relay_core import Job, PermanentFailure, Relay, users
 from relay_core.errors import ConfigurationError
 from relay_core.worker.config import WorkerConfig
 from relay_web import create_app
@@ -40,13 +42,29 @@ SESSION_STATE = (
     "current_setting('statement_timeout'), (SELECT count(*) FROM pg_prepared_statements)"
 )
 
+STATUS_COUNTS = "SELECT status::text, count(*) FROM relay.jobs GROUP BY 1"
+
+#: What the test database's server sessions are doing (the pooler's one among them).
+SESSIONS = (
+    "SELECT pid, state, now() - xact_start, now() - state_change, wait_event_type, wait_event, left(query, 300) "
+    "FROM pg_stat_activity WHERE datname = current_database() AND pid <> pg_backend_pid()"
+)
+
 
 def _quote(value: str) -> str:
     return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
 
 
-@pytest.fixture
-def pooled_dsn(dsn: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+@dataclass
+class Pooler:
+    """A running PgBouncer: the test database through it, and the file its log goes to."""
+
+    dsn: str
+    log: Path
+
+
+@contextlib.contextmanager
+def pgbouncer(dsn: str, settings: str = "") -> Iterator[Pooler]:
     """The test database through PgBouncer in transaction pooling with one server connection."""
     if PGBOUNCER is None:
         pytest.skip("PgBouncer is not installed (apt-get install pgbouncer)")
@@ -65,12 +83,13 @@ def pooled_dsn(dsn: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
         "[pgbouncer]\n"
         f"listen_addr = 127.0.0.1\nlisten_port = {port}\nunix_socket_dir =\n"
         f"auth_type = trust\nauth_file = {folder / 'users.txt'}\n"
-        "pool_mode = transaction\ndefault_pool_size = 1\nmax_client_conn = 100\n"
+        "pool_mode = transaction\ndefault_pool_size = 1\nmax_client_conn = 100\n" + settings
     )
     command = [PGBOUNCER, str(folder / "pgbouncer.ini")]
     if os.geteuid() == 0:  # PgBouncer refuses to run as root
         command[1:1] = ["-u", "postgres"]
-    output = open(folder / "output.txt", "wb")  # noqa: SIM115 - closed with the pooler
+    log = folder / "output.txt"
+    output = open(log, "wb")  # noqa: SIM115 - closed with the pooler
     proc = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT)
     pooled = conninfo.make_conninfo(dsn, host="127.0.0.1", port=str(port), user=user, password="")
 
@@ -81,14 +100,23 @@ def pooled_dsn(dsn: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
         except psycopg.OperationalError:
             return proc.poll() is not None  # stop waiting for a pooler that exited
 
-    wait_for(answers, timeout=15, what="PgBouncer to accept connections")
-    assert proc.poll() is None, (folder / "output.txt").read_text()
-    monkeypatch.setenv("RELAY_TRANSACTION_POOLING", "true")
-    yield pooled
-    proc.terminate()
-    proc.wait(10)
-    output.close()
-    shutil.rmtree(folder, ignore_errors=True)
+    try:
+        wait_for(answers, timeout=15, what="PgBouncer to accept connections")
+        assert proc.poll() is None, log.read_text()
+        yield Pooler(pooled, log)
+    finally:
+        proc.terminate()
+        proc.wait(10)
+        output.close()
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.fixture
+def pooled_dsn(dsn: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """The test database through PgBouncer in transaction pooling with one server connection."""
+    with pgbouncer(dsn) as pooler:
+        monkeypatch.setenv("RELAY_TRANSACTION_POOLING", "true")
+        yield pooler.dsn
 
 
 def session_state(pooled: str) -> tuple:
@@ -117,7 +145,39 @@ def test_a_worker_behind_a_transaction_pooler_runs_every_job_and_leaves_no_sessi
     assert session_state(pooled_dsn) == before
 
 
-def test_relay_worker_process_cli_and_migrate_work_behind_a_transaction_pooler(pooled_dsn: str, tmp_path: Path) -> None:
+def test_a_worker_behind_a_transaction_pooler_sends_no_flush_the_pooler_could_read_too_late(
+    dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """psycopg ends a pipeline with a Sync, then a Flush while results are on their way: a Flush the
+    pooler reads after the Sync's ReadyForQuery freed the server ties that server to the client for
+    good, and every other client waits until query_wait_timeout (see RelayPool.pipeline)."""
+    with pgbouncer(dsn, "verbose = 2\n") as pooler:  # verbose 2 logs every packet
+        monkeypatch.setenv("RELAY_TRANSACTION_POOLING", "true")
+        relay = Relay(pooler.dsn)
+        # A limit makes each claim a transaction (limits lock, then claim); failures beside
+        # successes make completion batches of several statements in one transaction.
+        relay.handler("limited", concurrency=3)(lambda job: None)
+
+        @relay.handler("refused", max_attempts=1)
+        def refuse(job: Job) -> None:
+            raise PermanentFailure("refused")
+
+        relay.enqueue_many([{"type": "limited"}] * 40 + [{"type": "refused"}] * 20)
+        with running_worker(relay, concurrency=4, listen=False), psycopg.connect(dsn, autocommit=True) as conn:
+            wait_for(
+                lambda: dict(conn.execute(STATUS_COUNTS).fetchall()) == {"succeeded": 40, "dead": 20},
+                timeout=60,
+                what="every job to finish",
+            )
+        relay.close()
+        packets = [line for line in pooler.log.read_text().splitlines() if " C-0x" in line and " read pkt=" in line]
+    assert any("read pkt='S'" in line for line in packets), "the log shows no client's Sync: no packets were logged"
+    assert [line for line in packets if "read pkt='H'" in line] == []
+
+
+def test_relay_worker_process_cli_and_migrate_work_behind_a_transaction_pooler(
+    pooled_dsn: str, dsn: str, tmp_path: Path
+) -> None:
     env = {**os.environ, "DATABASE_URL": pooled_dsn, "RELAY_DATABASE_URL": pooled_dsn}
     relay_cmd = [sys.executable, "-m", "relay_core"]
     migrated = subprocess.run([*relay_cmd, "migrate"], env=env, capture_output=True, text=True, timeout=60)
@@ -134,7 +194,8 @@ def test_relay_worker_process_cli_and_migrate_work_behind_a_transaction_pooler(p
     log = tmp_path / "worker.log"
     proc = start_worker_process(sys.executable, env, "--concurrency", "3", log=log)
     try:
-        with psycopg.connect(pooled_dsn, autocommit=True, prepare_threshold=None) as conn:
+        # Watched past the pooler, so a worker that holds the one server connection shows as what it is.
+        with psycopg.connect(dsn, autocommit=True) as conn:
             try:
                 wait_for(
                     lambda: (
@@ -145,7 +206,10 @@ def test_relay_worker_process_cli_and_migrate_work_behind_a_transaction_pooler(p
                 )
             except AssertionError as exc:
                 states = conn.execute("SELECT type, status, count(*) FROM relay.jobs GROUP BY 1, 2").fetchall()
-                raise AssertionError(f"{exc}; jobs: {states}; worker log:\n{log.read_text()}") from None
+                sessions = conn.execute(SESSIONS).fetchall()
+                raise AssertionError(
+                    f"{exc}; jobs: {states}; server sessions: {sessions}; worker log:\n{log.read_text()}"
+                ) from None
     finally:
         assert stop_process(proc) == 0, log.read_text()
     assert "prepared statement" not in log.read_text()

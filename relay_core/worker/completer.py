@@ -15,10 +15,10 @@ import time
 from collections.abc import Callable
 
 import psycopg
-from psycopg_pool import ConnectionPool, PoolTimeout
+from psycopg_pool import PoolTimeout
 
 from ..logs import event
-from ..pools import restore_transactions
+from ..pools import RelayPool, restore_transactions
 from ..queries import sql
 from .outage import OutageLog, PooledCallLog, next_retry_delay
 from .outcome import Kind, Outcome
@@ -36,7 +36,7 @@ class Completer:
 
     def __init__(
         self,
-        pool: ConnectionPool,
+        pool: RelayPool,
         on_written: Callable[[list[Outcome], dict[int, str]], None],
         outage: OutageLog | PooledCallLog | None = None,
     ) -> None:
@@ -171,8 +171,9 @@ class Completer:
                 finally:
                     restore_transactions(conn)
                 return written
-            # BEGIN, the statements and COMMIT travel together: one round trip per batch.
-            with conn.pipeline(), conn.transaction():
+            # BEGIN, the statements and COMMIT travel together: one round trip per batch
+            # (behind a transaction pooler, one each: see RelayPool.pipeline).
+            with self._pool.pipeline(conn), conn.transaction():
                 cursors = [conn.execute(sql(name), params, prepare=True) for name, params in statements]
             for cur in cursors:
                 written.update(cur.fetchall())

@@ -460,7 +460,7 @@ class Worker:
         that itself refuses to claim once a limit exists. When limits exist
         (``limits_exist``, refreshed each second), the limits lock and the
         claim travel together in one pipelined transaction, still one round
-        trip.
+        trip (behind a transaction pooler, one each: see ``RelayPool.pipeline``).
         """
         return self._claim(limit)[0]
 
@@ -482,7 +482,7 @@ class Worker:
         with self.pool.connection(timeout=CLAIM_CONNECTION_WAIT_SECONDS) as conn:
             sent = time.monotonic()
             if self.limits_exist:
-                with conn.pipeline(), conn.transaction():
+                with self.pool.pipeline(conn), conn.transaction():
                     conn.execute(sql("claim_limits_lock"), prepare=True)
                     cur = conn.cursor(row_factory=dict_row)
                     cur.execute(sql("job_claim"), params, prepare=True)

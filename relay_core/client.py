@@ -385,7 +385,7 @@ class Relay:
         (``pools.liveness_options``), but not ``tcp_user_timeout``, which
         would also break a bulk load queued behind a statement waiting on a lock.
         """
-        return connection_options(self.dsn, self.transaction_pooling, user_timeout=False)
+        return connection_options(self.dsn, self.transaction_pooling, user_timeout=False, application_name=None)
 
     def connect(self) -> psycopg.Connection:
         """A new psycopg connection to Relay's database, for Relay's own statements (the caller closes it)."""

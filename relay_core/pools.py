@@ -124,13 +124,21 @@ def all_in_use(pool: RelayPool) -> bool:
 
 
 def make_pool(
-    dsn: str, *, name: str, min_size: int, max_size: int, timeout: float = 30.0, autocommit: bool = False
+    dsn: str,
+    *,
+    name: str,
+    min_size: int,
+    max_size: int,
+    timeout: float = 30.0,
+    autocommit: bool = False,
+    application_name: str = "relay",
 ) -> RelayPool:
     """An unopened pool whose connections are checked when idle for over a second.
 
     ``autocommit`` pools suit one-statement work (an enqueue is its own
     transaction): no BEGIN/COMMIT round trips and no switching per checkout;
     multi-statement work on them opens ``conn.transaction()`` explicitly.
+    ``application_name``: see ``connection_options``.
     """
     pool: RelayPool | None = None
     pooling = transaction_pooling()
@@ -149,7 +157,7 @@ def make_pool(
         timeout=timeout,
         configure=configure_session,
         check=check_if_idle,
-        kwargs={"autocommit": autocommit, **connection_options(dsn, pooling)},
+        kwargs={"autocommit": autocommit, **connection_options(dsn, pooling, application_name=application_name)},
         transaction_pooling=pooling,
     )
     return pool
@@ -269,7 +277,9 @@ def _warn_service_unread(service: str) -> None:
     )
 
 
-def connection_options(dsn: str, pooling: bool | None = None, *, user_timeout: bool = True) -> dict[str, Any]:
+def connection_options(
+    dsn: str, pooling: bool | None = None, *, user_timeout: bool = True, application_name: str | None = "relay"
+) -> dict[str, Any]:
     """psycopg options for every connection Relay opens to ``dsn``.
 
     Time limits on a dead network path (``liveness_options``; without
@@ -278,12 +288,28 @@ def connection_options(dsn: str, pooling: bool | None = None, *, user_timeout: b
     ``prepare_threshold=None`` also overrides the ``prepare=True`` of Relay's
     hot statements. Elsewhere psycopg's defaults hold (those statements are
     prepared on first use).
+
+    ``application_name`` names the connection in ``pg_stat_activity`` and a
+    pooler's client list, so a session holding a lock or a server connection
+    can be traced to its process. It is libpq's fallback: an
+    ``application_name`` the DSN, ``PGAPPNAME`` or a service file gives wins.
     """
     pooling = transaction_pooling() if pooling is None else pooling
     options: dict[str, Any] = dict(liveness_options(dsn, user_timeout=user_timeout))
     if pooling:
         options["prepare_threshold"] = None
+    if application_name:
+        options["fallback_application_name"] = application_name[:APPLICATION_NAME_MAX]
     return options
+
+
+#: The longest application_name PostgreSQL keeps (NAMEDATALEN - 1 bytes; Relay's names are ASCII).
+APPLICATION_NAME_MAX = 63
+
+
+def worker_application_name(worker_id: str) -> str:
+    """What a worker's connections are called: its registry id, as ``relay.workers`` and its log show it."""
+    return f"relay-worker {worker_id}"
 
 
 @contextmanager

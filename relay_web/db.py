@@ -76,7 +76,6 @@ class Database:
         # the answer timeout above still bounds every wait there.
         if not self.relay.transaction_pooling:
             conn.execute("SELECT set_config('statement_timeout', %s, false)", (str(self._statement_timeout_ms),))
-        conn.execute("SELECT set_config('application_name', 'relay-web', false)")
         # Times come back in UTC whatever the server's zone: see relay_core.pools.configure_session.
         conn.execute("SELECT set_config('TimeZone', 'UTC', false)")
         conn.autocommit = False
@@ -96,7 +95,9 @@ class Database:
                     configure=self._configure,
                     check=ConnectionPool.check_connection,
                     timeout=self._wait,
-                    kwargs=connection_options(self.relay.dsn, self.relay.transaction_pooling),
+                    kwargs=connection_options(
+                        self.relay.dsn, self.relay.transaction_pooling, application_name="relay-web"
+                    ),
                 )
                 self._pool.open(wait=False)
                 self._pid = os.getpid()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import threading
 import time
+import uuid
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -560,3 +561,39 @@ def test_rate_limit_starts_are_forgotten_even_where_retention_is_off(relay: Rela
         wait_for(lambda: db.execute("SELECT count(*) FROM relay.type_limits").fetchone()[0], what="limits published")
         worker.maintenance.prune()
     assert db.execute("SELECT count(*) FROM relay.rate_starts").fetchone()[0] == 1
+
+
+SESSION_NAMES = "SELECT application_name FROM pg_stat_activity WHERE datname = current_database()"
+
+
+def session_names(db: psycopg.Connection) -> list[str]:
+    """The application_name of every session on the test database."""
+    return [row[0] for row in db.execute(SESSION_NAMES).fetchall()]
+
+
+def test_each_relay_connection_names_its_process_in_pg_stat_activity(relay: Relay, dsn: str, db) -> None:
+    relay.handler("noop")(lambda job: None)
+    with running_worker(relay, heartbeat_interval=0.2) as worker:
+        job_id = relay.enqueue("noop")
+        wait_for(lambda: job_status(db, job_id) == "succeeded", what="the job to run")
+        # The pool's two standing connections, the heartbeat's and the listener's.
+        wait_for(lambda: session_names(db).count(f"relay-worker {worker.id}") >= 4, what="the worker's sessions")
+    with relay.pool.connection() as conn:  # the client's, which enqueued
+        assert conn.execute("SHOW application_name").fetchone() == ("relay",)
+    with psycopg.connect(dsn, **relay.connection_options()) as own:  # the application's own: not called Relay's
+        assert own.execute("SHOW application_name").fetchone() == ("",)
+
+
+def test_an_application_name_the_dsn_gives_wins_over_relays(dsn: str, db) -> None:
+    name = f"billing-{uuid.uuid4().hex[:8]}"
+    named = Relay(f"{dsn} application_name={name}")
+    try:
+        named.handler("noop")(lambda job: None)
+        with running_worker(named, heartbeat_interval=0.2) as worker:
+            job_id = named.enqueue("noop")
+            wait_for(lambda: job_status(db, job_id) == "succeeded", what="the job to run")
+            # The client's connection, the pool's two, the heartbeat's and the listener's.
+            wait_for(lambda: session_names(db).count(name) >= 5, what="the client's and the worker's sessions")
+            assert f"relay-worker {worker.id}" not in session_names(db)
+    finally:
+        named.close()

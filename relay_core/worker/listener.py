@@ -23,9 +23,16 @@ class Listener:
     """A thread holding one LISTEN connection."""
 
     def __init__(
-        self, dsn: str, queues: tuple[str, ...], wake: Callable[[], None], outage: OutageLog | None = None
+        self,
+        dsn: str,
+        queues: tuple[str, ...],
+        wake: Callable[[], None],
+        outage: OutageLog | None = None,
+        *,
+        application_name: str = "relay",
     ) -> None:
         self._dsn = dsn
+        self._application_name = application_name
         self._outage = outage or OutageLog()
         self._queues = frozenset(queues)
         self._wake = wake
@@ -48,7 +55,8 @@ class Listener:
         while not self._stop.is_set():
             began = time.monotonic()  # a session broken by an outage that has since ended is its tail
             try:
-                with psycopg.connect(self._dsn, autocommit=True, **connection_options(self._dsn)) as conn:
+                options = connection_options(self._dsn, application_name=self._application_name)
+                with psycopg.connect(self._dsn, autocommit=True, **options) as conn:
                     conn.execute(f"LISTEN {CHANNEL}")
                     self.connected.set()
                     self._outage.succeeded()

@@ -22,7 +22,7 @@ from psycopg_pool import ConnectionPool, PoolTimeout
 
 from ..logs import event
 from ..monitor import fold_counters
-from ..pools import configure_session, connection_options
+from ..pools import configure_session, connection_options, worker_application_name
 from ..queries import sql
 from .limits import forget_old_starts
 from .outage import OutageLog, PooledCallLog
@@ -186,7 +186,9 @@ class Maintenance:
         and a heartbeat waiting for one would let the leases expire.
         """
         if self._heartbeat_conn is None or self._heartbeat_conn.closed:
-            self._heartbeat_conn = psycopg.connect(self._dsn, **connection_options(self._dsn))
+            self._heartbeat_conn = psycopg.connect(
+                self._dsn, **connection_options(self._dsn, application_name=worker_application_name(self._worker_id))
+            )
             configure_session(self._heartbeat_conn)
         conn = self._heartbeat_conn
         held = self._held_leases()

@@ -27,7 +27,7 @@ from ..errors import ConfigurationError, JobTimeout
 from ..handlers import HandlerSpec
 from ..job import Job
 from ..logs import event
-from ..pools import all_in_use, make_pool, restore_transactions
+from ..pools import all_in_use, make_pool, restore_transactions, worker_application_name
 from ..queries import sql
 from ..signals import ShutdownSignals
 from . import executor, limits, periodic
@@ -134,7 +134,12 @@ class Worker:
         # Moving average of handler run time; starts "long" so nothing is prefetched until jobs prove short.
         self._typical_run = PREFETCH_BELOW_SECONDS * 2
         self.pool = make_pool(
-            dsn, name=f"relay-worker-{self.id}", min_size=2, max_size=self.config.concurrency + 4, timeout=10.0
+            dsn,
+            name=f"relay-worker-{self.id}",
+            min_size=2,
+            max_size=self.config.concurrency + 4,
+            timeout=10.0,
+            application_name=worker_application_name(self.id),
         )
         # One account of a database outage for all of this worker's threads; the calls
         # that wait for a pooled connection also tell a pool whose every connection
@@ -162,7 +167,13 @@ class Worker:
             outage=self.outage,
             pooled_calls=self.pooled_calls,
         )
-        self.listener = Listener(dsn, self.config.queues, self._wake.set, self.outage) if self.config.listen else None
+        self.listener = (
+            Listener(
+                dsn, self.config.queues, self._wake.set, self.outage, application_name=worker_application_name(self.id)
+            )
+            if self.config.listen
+            else None
+        )
 
     # -- bookkeeping -------------------------------------------------------
 

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+import uuid
 from pathlib import Path
 
 import pytest
@@ -67,6 +68,18 @@ def test_settings_come_from_the_environment(clean_env, dsn: str) -> None:
     assert app.config["JWT_COOKIE_SECURE"] is True
     clean_env.setenv("RELAY_DATABASE_URL", f"{dsn} application_name=relay-web-test")
     assert create_app().config["RELAY_DATABASE_URL"].endswith("application_name=relay-web-test")  # RELAY_ wins
+
+
+SESSION_NAMES = "SELECT application_name FROM pg_stat_activity WHERE datname = current_database()"
+
+
+def test_the_web_apps_sessions_are_named_unless_the_dsn_names_them(make_app, dsn: str, db) -> None:
+    assert make_app().test_client().get("/readyz").status_code == 200
+    assert "relay-web" in [row[0] for row in db.execute(SESSION_NAMES).fetchall()]
+    name = f"ops-console-{uuid.uuid4().hex[:8]}"
+    named = make_app(RELAY_DATABASE_URL=f"{dsn} application_name={name}")
+    assert named.test_client().get("/readyz").status_code == 200
+    assert name in [row[0] for row in db.execute(SESSION_NAMES).fetchall()]
 
 
 def _free_port() -> int:

@@ -43,6 +43,7 @@ from . import monitor, users
 from .client import Relay
 from .embedded import default_data_dir
 from .errors import ConfigurationError, RelayError
+from .pools import connection_options
 from .settings import database_url, database_url_set
 from .signals import ShutdownSignals
 
@@ -51,6 +52,11 @@ WORKERS = 2
 WORKER_SHUTDOWN_SECONDS = 10.0
 READY_TIMEOUT = 60.0
 SHOP_APP = "relay_shop.jobs:relay"
+
+
+def _connect(dsn: str) -> psycopg.Connection:
+    """An autocommit connection for the demo's own statements, named and bounded like Relay's (5 s to connect)."""
+    return psycopg.connect(dsn, autocommit=True, **{**connection_options(dsn), "connect_timeout": 5})
 
 
 class DemoError(RelayError):
@@ -173,7 +179,7 @@ class Demo:
             engine.dispose()
         self.step(2, f"schema: {len(applied)} migration(s) applied, shop tables ready")
         password = secrets.token_urlsafe(12)
-        with psycopg.connect(dsn, autocommit=True) as conn:
+        with _connect(dsn) as conn:
             try:
                 users.create_user(conn, ADMIN, password, "admin")
                 how = "created"
@@ -330,7 +336,7 @@ class Demo:
                 try:
                     # Connected again after a database restart: the demo rides it out like its workers do.
                     if conn is None or conn.closed:
-                        conn = psycopg.connect(dsn, autocommit=True, connect_timeout=5)
+                        conn = _connect(dsn)
                     counts = monitor.status_counts(conn)
                     line = "  ".join(f"{state} {n}" for state, n in counts.items())
                 except psycopg.OperationalError:
@@ -373,7 +379,7 @@ class Demo:
     def summary(self, dsn: str) -> None:
         """What the queue holds now that everything has stopped."""
         try:
-            with psycopg.connect(dsn, autocommit=True, connect_timeout=5) as conn:
+            with _connect(dsn) as conn:
                 counts = monitor.status_counts(conn)
         except psycopg.Error:
             return

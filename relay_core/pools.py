@@ -308,8 +308,21 @@ APPLICATION_NAME_MAX = 63
 
 
 def worker_application_name(worker_id: str) -> str:
-    """What a worker's connections are called: its registry id, as ``relay.workers`` and its log show it."""
-    return f"relay-worker {worker_id}"
+    """What a worker's connections are called: its registry id, as ``relay.workers`` and its log show it.
+
+    An id too long for the name keeps its start (the host) and its end (the
+    process id and the random suffix that tell workers on one host apart).
+    Behind a transaction pooler every worker shares one name: the pooler sets
+    a client's ``application_name`` on the server connection it lends
+    whenever it differs from the previous client's, a round trip each time.
+    """
+    prefix = "relay-worker"
+    if transaction_pooling():
+        return prefix
+    room = APPLICATION_NAME_MAX - len(prefix) - 1
+    if len(worker_id) > room:
+        worker_id = f"{worker_id[: room - 21]}~{worker_id[-20:]}"
+    return f"{prefix} {worker_id}"
 
 
 @contextmanager

@@ -183,10 +183,11 @@ def test_time_limits_named_by_the_dsn_or_pgconnect_timeout_win(
     monkeypatch.setenv("PGSERVICE", "prod")
     assert "keepalives" not in connection_options("dbname=app", pooling=False)
     monkeypatch.delenv("PGSERVICE")
-    # A section Relay cannot find (libpq may know another file): add nothing, and say so once.
+    # A section Relay cannot find (libpq may know another file): add no limits, and say so once.
     caplog.set_level("WARNING", logger="relay")
-    assert connection_options("service=elsewhere", pooling=False) == {}
-    assert connection_options("service=elsewhere", pooling=False) == {}
+    unread = {"fallback_application_name": "relay"}  # the name is libpq's fallback: any the service gives wins
+    assert connection_options("service=elsewhere", pooling=False) == unread
+    assert connection_options("service=elsewhere", pooling=False) == unread
     said = [r.getMessage() for r in caplog.records if "elsewhere" in r.getMessage()]
     assert len(said) == 1 and "not found" in said[0]
 

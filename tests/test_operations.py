@@ -14,6 +14,7 @@ import psycopg
 import pytest
 
 from relay_core import Backoff, IllegalTransition, Job, Relay, Snooze, admin, monitor
+from relay_core.pools import worker_application_name
 from relay_core.queries import sql
 from relay_core.worker.maintenance import sweep_once
 from relay_core.worker.periodic import enqueue_due, publish
@@ -571,17 +572,34 @@ def session_names(db: psycopg.Connection) -> list[str]:
     return [row[0] for row in db.execute(SESSION_NAMES).fetchall()]
 
 
-def test_each_relay_connection_names_its_process_in_pg_stat_activity(relay: Relay, dsn: str, db) -> None:
+def test_each_relay_connection_names_its_process_in_pg_stat_activity(
+    relay: Relay, dsn: str, db, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("PGAPPNAME", raising=False)
     relay.handler("noop")(lambda job: None)
     with running_worker(relay, heartbeat_interval=0.2) as worker:
         job_id = relay.enqueue("noop")
         wait_for(lambda: job_status(db, job_id) == "succeeded", what="the job to run")
         # The pool's two standing connections, the heartbeat's and the listener's.
-        wait_for(lambda: session_names(db).count(f"relay-worker {worker.id}") >= 4, what="the worker's sessions")
+        wait_for(lambda: session_names(db).count(worker_application_name(worker.id)) >= 4, what="the worker's sessions")
     with relay.pool.connection() as conn:  # the client's, which enqueued
         assert conn.execute("SHOW application_name").fetchone() == ("relay",)
     with psycopg.connect(dsn, **relay.connection_options()) as own:  # the application's own: not called Relay's
         assert own.execute("SHOW application_name").fetchone() == ("",)
+
+
+def test_a_worker_id_too_long_for_a_session_name_keeps_its_host_and_its_process(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("RELAY_TRANSACTION_POOLING", raising=False)
+    long_id = "ip-10-0-1-23.eu-west-1.compute.internal:123456:a1b2c3"
+    name = worker_application_name(long_id)
+    assert len(name) == 63
+    assert name.startswith("relay-worker ip-10-0-1-23.eu-west")
+    assert name.endswith(":123456:a1b2c3")
+    assert worker_application_name("vm:42:abcdef") == "relay-worker vm:42:abcdef"
+    monkeypatch.setenv("RELAY_TRANSACTION_POOLING", "true")
+    assert worker_application_name(long_id) == "relay-worker"
 
 
 def test_an_application_name_the_dsn_gives_wins_over_relays(dsn: str, db) -> None:
@@ -594,6 +612,6 @@ def test_an_application_name_the_dsn_gives_wins_over_relays(dsn: str, db) -> Non
             wait_for(lambda: job_status(db, job_id) == "succeeded", what="the job to run")
             # The client's connection, the pool's two, the heartbeat's and the listener's.
             wait_for(lambda: session_names(db).count(name) >= 5, what="the client's and the worker's sessions")
-            assert f"relay-worker {worker.id}" not in session_names(db)
+            assert worker_application_name(worker.id) not in session_names(db)
     finally:
         named.close()

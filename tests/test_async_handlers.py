@@ -162,7 +162,7 @@ def test_an_async_handler_on_its_last_attempt_is_dead_at_its_timeout(relay: Rela
     job_id = relay.enqueue("hang")
     with running_worker(relay, concurrency=1) as worker:
         wait_for(lambda: job_status(db, job_id) == "dead", timeout=15)
-        wait_for(lambda: worker.in_flight() == 0 and not worker._overdue, what="the stopped run to be let go")
+        wait_for(lambda: worker.in_flight() == 0 and not worker.ledger.overdue, what="the stopped run to be let go")
     job = relay.get_job(job_id)
     assert job.last_error.startswith("JobTimeout") and [e["type"] for e in job.errors] == ["JobTimeout"]
 

@@ -17,9 +17,9 @@ from relay_core import Backoff, ConfigurationError, Job, PermanentFailure, Relay
 from relay_core.pools import all_in_use, make_pool
 from relay_core.queries import sql
 from relay_core.worker.config import WorkerConfig
+from relay_core.worker.ledger import Slot
 from relay_core.worker.maintenance import sweep_once
 from relay_core.worker.outage import OutageLog
-from relay_core.worker.runtime import Slot
 
 from .helpers import TcpProxy, free_port, job_status, running_worker, wait_for
 
@@ -170,7 +170,7 @@ def test_handler_past_its_timeout_is_a_failed_attempt(relay: Relay, db: psycopg.
 
     job_id = relay.enqueue("hang")
     with running_worker(relay, concurrency=1, lease_seconds=1.5, heartbeat_interval=0.3) as worker:
-        wait_for(lambda: job_id in worker._overdue, timeout=15, what="the timeout to pass")
+        wait_for(lambda: job_id in worker.ledger.overdue, timeout=15, what="the timeout to pass")
         # The stuck thread does not eat the only slot: the next job still runs.
         next_id = relay.enqueue("after")
         wait_for(lambda: job_status(db, next_id) == "succeeded", timeout=15)
@@ -494,7 +494,7 @@ def test_json_log_lines_carry_job_fields(relay: Relay, python: str, worker_env: 
 
 
 def test_prefetch_holds_about_ten_milliseconds_of_short_work_per_slot_and_none_of_long() -> None:
-    from relay_core.worker.runtime import MAX_PREFETCH_PER_SLOT, prefetch_per_slot
+    from relay_core.worker.claim import MAX_PREFETCH_PER_SLOT, prefetch_per_slot
 
     assert prefetch_per_slot(0.00005) == MAX_PREFETCH_PER_SLOT  # no-op jobs: capped
     assert prefetch_per_slot(0.002) == 5  # 5 x 2 ms = 10 ms of waiting at most
@@ -534,7 +534,7 @@ def test_a_handler_hung_past_its_timeout_at_shutdown_spends_its_attempt(
     job_id = relay.enqueue("hangs")
     try:
         with running_worker(relay, concurrency=1) as worker:
-            wait_for(lambda: job_id in worker._overdue, timeout=15, what="the timeout to pass")
+            wait_for(lambda: job_id in worker.ledger.overdue, timeout=15, what="the timeout to pass")
         row = db.execute(
             "SELECT status::text, attempts, jsonb_array_length(errors), run_at > now() + interval '1 second' "
             "FROM relay.jobs WHERE id = %s",
@@ -663,10 +663,10 @@ def test_a_stale_heartbeat_answer_does_not_flag_the_next_run_of_the_same_job(rel
         (job,) = worker.claim(1)
         worker._dispatch([job])
         worker._on_lost({job_id: job.lease_token - 1})  # the lease of an earlier run
-        assert not job.lease_lost and worker.held_leases() == {job_id: job.lease_token}
+        assert not job.lease_lost and worker.ledger.held_leases() == {job_id: job.lease_token}
         worker._on_lost({job_id: job.lease_token})
         assert job.lease_lost and worker.in_flight() == 0  # never started: no longer counted, nor renewed
-        assert worker.held_leases() == {}
+        assert worker.ledger.held_leases() == {}
         # Prefetched and never started: a slot drops it instead of running it.
         assert not worker._bind(Slot(0), job) and worker.in_flight() == 0
     finally:
@@ -689,13 +689,13 @@ def test_a_prefetched_job_whose_lease_ran_out_unrenewed_goes_back_with_its_attem
     try:
         (job,) = worker.claim(1)
         worker._dispatch([job])
-        with worker._lock:
-            worker._running[job_id].lease_expires = 0.0  # no renewal got through
+        with worker.ledger.lock:
+            worker.ledger.running[job_id].lease_expires = 0.0  # no renewal got through
         worker._flag_unrenewed(time.monotonic())
         assert job.lease_lost
         wait_for(lambda: job_status(db, job_id) == "queued", timeout=10, what="the job back in the queue")
         assert db.execute("SELECT attempts FROM relay.jobs WHERE id = %s", (job_id,)).fetchone()[0] == 0
-        wait_for(lambda: not worker.held_leases(), timeout=5, what="the lease to be let go")
+        wait_for(lambda: not worker.ledger.held_leases(), timeout=5, what="the lease to be let go")
         assert not worker._bind(Slot(0), job)  # a slot that takes it from the inbox skips it
     finally:
         worker.completer.stop()
@@ -762,7 +762,7 @@ def test_a_prefetched_job_this_worker_claims_again_runs_under_its_new_claim(dsn:
     slot = Slot(0)
     assert worker._bind(slot, earlier) is False
     assert worker._bind(slot, newer) is True
-    assert worker.held_leases() == {7: 2}
+    assert worker.ledger.held_leases() == {7: 2}
     assert worker.in_flight() == 1
 
 
@@ -797,7 +797,7 @@ def test_a_bookkeeping_failure_after_a_write_does_not_stop_the_completer(relay: 
         return None
 
     with running_worker(relay, concurrency=1) as worker:
-        tell = worker._tell
+        tell = worker.counters.tell
         failures: list[int] = []
 
         def tell_failing_once(outcome, status):  # type: ignore[no-untyped-def]
@@ -806,7 +806,7 @@ def test_a_bookkeeping_failure_after_a_write_does_not_stop_the_completer(relay: 
                 raise RuntimeError("a log handler broke")
             tell(outcome, status)
 
-        worker._tell = tell_failing_once  # type: ignore[method-assign]
+        worker.counters.tell = tell_failing_once  # type: ignore[method-assign]
         first = relay.enqueue("plain")
         wait_for(lambda: failures == [first], what="the failing bookkeeping")
         second = relay.enqueue("plain")

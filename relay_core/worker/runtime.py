@@ -16,10 +16,8 @@ import signal
 import threading
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 
 import psycopg
-from psycopg.rows import dict_row
 from psycopg_pool import PoolTimeout
 
 from .. import migrate as migrator
@@ -27,86 +25,30 @@ from ..errors import ConfigurationError, JobTimeout
 from ..handlers import HandlerSpec
 from ..job import Job
 from ..logs import event
-from ..pools import all_in_use, make_pool, restore_transactions, worker_application_name
+from ..pools import all_in_use, make_pool, worker_application_name
 from ..queries import sql
 from ..signals import ShutdownSignals
 from . import executor, limits, periodic
 from .aio import SlotLoop
+from .claim import PREFETCH_BELOW_SECONDS, claim_rows, prefetch_per_slot
 from .completer import Completer
 from .config import WorkerConfig
+from .ledger import Ledger, Running, Slot
 from .listener import Listener
 from .maintenance import Maintenance, register
 from .outage import POOL_EXHAUSTED, OutageLog, PooledCallLog, next_retry_delay
 from .outcome import Kind, Outcome, describe
 from .retention import prune_once
+from .shutdown import SHUTDOWN_WRITES_SECONDS, hand_back, record_overdue
+from .tally import Counters
 from .vacuum import vacuum_if_needed
 
 #: How long the producer lets freed slots gather before claiming for them.
 CLAIM_COALESCE_SECONDS = 0.002
-#: Jobs that typically finish faster than this are prefetched; longer ones are not.
-PREFETCH_BELOW_SECONDS = 0.05
-#: A slot holds about this much prefetched work: how long a prefetched job may wait in it.
-PREFETCH_WORK_SECONDS = 0.01
-#: ... and never more than this many jobs beyond the one it runs.
-MAX_PREFETCH_PER_SLOT = 16
-#: A job handed back at shutdown while its handler thread still ran waits this
-#: long before another worker may start it: the thread stops only when the
-#: worker process exits, a moment after the hand-back.
-HAND_BACK_GRACE_SECONDS = 2.0
-#: After the in-flight wait of a shutdown, what is left to write (outcomes, hand-backs, the
-#: registry's stop) shares this many seconds: with the database down none of it can be
-#: written, and waiting for each in turn would outlast a platform's drain window.
-SHUTDOWN_WRITES_SECONDS = 3.0
-#: How long a claim waits for a pooled connection before the producer looks again whether
-#: it should stop: a stop during an outage must not wait out the pool's whole timeout.
-CLAIM_CONNECTION_WAIT_SECONDS = 1.0
 #: How long one try at registering waits for a connection before it logs and tries again.
 REGISTER_WAIT_SECONDS = 2.0
-#: Why a prefetched job went back to the queue unstarted (see ``_flag_unrenewed``).
-NOT_STARTED = "not started: its lease ran out unrenewed while it waited for a slot"
 #: How often the lease watch compares unrenewed leases with the local clock.
 LEASE_WATCH_SECONDS = 0.2
-
-
-def prefetch_per_slot(typical_run: float) -> int:
-    """Jobs a slot holds beyond the one it runs, for handlers that typically take ``typical_run`` s."""
-    if typical_run >= PREFETCH_BELOW_SECONDS:
-        return 0
-    return max(1, min(MAX_PREFETCH_PER_SLOT, int(PREFETCH_WORK_SECONDS / max(typical_run, 1e-6))))
-
-
-@dataclass
-class Slot:
-    """One handler thread; abandoned when its job timed out or was handed back."""
-
-    index: int
-    abandoned: threading.Event = field(default_factory=threading.Event)
-
-
-@dataclass
-class Running:
-    """A job in a slot, with its deadline (monotonic) if its handler has a timeout."""
-
-    job: Job
-    slot: Slot | None = None  # None until a slot thread takes the job
-    deadline: float | None = None
-    started: float = 0.0
-    #: When the lease surely ran out (monotonic) unless a heartbeat renewed it since:
-    #: counted from before the claim or the renewing heartbeat was sent.
-    lease_expires: float = float("inf")
-
-
-@dataclass
-class Counters:
-    """Totals since the worker started, for logs and exporters."""
-
-    claimed: int = 0
-    succeeded: int = 0
-    retried: int = 0
-    dead: int = 0
-    snoozed: int = 0
-    cancelled: int = 0
-    lost: int = 0
 
 
 class Worker:
@@ -121,12 +63,6 @@ class Worker:
         self.stopping = threading.Event()
         self.stopped = threading.Event()
         self._wake = threading.Event()
-        self._lock = threading.Lock()
-        self._running: dict[int, Running] = {}
-        self._awaiting_write: dict[int, int] = {}  # id -> token: finished, not yet recorded
-        # id -> (run, decided outcome): past their timeout, handler thread still running.
-        self._overdue: dict[int, tuple[Running, Outcome]] = {}
-        self._closing: dict[int, int] = {}  # id -> token: shutting down, not yet handed back
         self._inbox: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
         self._slots: list[Slot] = []
         # Whether any job type has a limit: decides how the claim runs (see claim()).
@@ -147,6 +83,7 @@ class Worker:
         self.outage = OutageLog()
         self.pooled_calls = PooledCallLog(self.outage, OutageLog(wording=POOL_EXHAUSTED), self._exhaustion_cause)
         self.completer = Completer(self.pool, self._on_written, self.pooled_calls)
+        self.ledger = Ledger(self.completer.put)
         self.maintenance = Maintenance(
             self.pool,
             dsn=dsn,
@@ -154,12 +91,12 @@ class Worker:
             lease_seconds=self.config.lease_seconds,
             heartbeat_interval=self.config.heartbeat_interval,
             sweep_interval=self.config.sweep_interval,
-            held_leases=self.held_leases,
+            held_leases=self.ledger.held_leases,
             on_lost=self._on_lost,
             on_cancel=self._on_cancel,
             on_renewed=self._on_renewed,
             on_limits=self._set_limits_exist,
-            in_flight=self.in_flight,
+            in_flight=self.ledger.in_flight,
             check_timeouts=self._check_timeouts,
             periodic=self._enqueue_periodic if any(s.cron for s in self.handlers.values()) else None,
             prune=(lambda conn: prune_once(conn, self.config.retention)) if self.config.retention else None,
@@ -178,76 +115,17 @@ class Worker:
     # -- bookkeeping -------------------------------------------------------
 
     def in_flight(self) -> int:
-        """Jobs whose handlers are running now."""
-        with self._lock:
-            return len(self._running)
-
-    def held_leases(self) -> dict[int, int]:
-        """Every lease this worker must keep alive: running, overdue or awaiting its write."""
-        with self._lock:
-            held = dict(self._awaiting_write)
-            held.update(self._closing)
-            held.update((jid, r.job.lease_token) for jid, (r, _) in self._overdue.items())
-            # Last, so a job claimed again has its newest lease renewed, not the earlier run's.
-            held.update((jid, r.job.lease_token) for jid, r in self._running.items())
-            return held
+        """Jobs claimed and not yet finished: waiting for a slot or running in one."""
+        return self.ledger.in_flight()
 
     def _on_written(self, batch: list[Outcome], written: dict[int, str]) -> None:
-        with self._lock:
-            for outcome in batch:
-                if self._awaiting_write.get(outcome.job.id) == outcome.job.lease_token:
-                    del self._awaiting_write[outcome.job.id]
+        self.ledger.written(batch)
         for outcome in batch:
-            self._tell(outcome, written.get(outcome.job.id))
-
-    def _tell(self, outcome: Outcome, status: str | None) -> None:
-        """Count and log what was written for one run (``status`` None: the lease was taken over)."""
-        duration_ms = round(outcome.duration * 1000, 3)
-        if status is None and outcome.message == NOT_STARTED:
-            self._count("lost", logging.WARNING, "unstarted job not handed back: its lease was taken over", outcome)
-        elif status is None:
-            self._count(
-                "lost",
-                logging.WARNING,
-                "job outcome discarded: lease was taken over",
-                outcome,
-                outcome=outcome.kind.value,
-            )
-        elif status == "cancelled":
-            self._count(
-                "cancelled", logging.INFO, "job cancelled", outcome, ended=outcome.kind.value, error=outcome.message
-            )
-        elif outcome.kind in (Kind.SUCCEEDED, Kind.COMMITTED):
-            self._count("succeeded", logging.INFO, "job succeeded", outcome, duration_ms=duration_ms)
-        elif outcome.kind is Kind.RETRY:
-            self._count(
-                "retried",
-                logging.WARNING,
-                "job failed; will retry",
-                outcome,
-                duration_ms=duration_ms,
-                retry_in_s=round(outcome.delay, 3),
-                error=outcome.message,
-            )
-        elif outcome.kind is Kind.DEAD:
-            self._count("dead", logging.ERROR, "job dead", outcome, duration_ms=duration_ms, error=outcome.message)
-        elif outcome.message == NOT_STARTED:
-            self._count("snoozed", logging.INFO, "job handed back", outcome, reason=NOT_STARTED)
-        else:
-            self._count("snoozed", logging.INFO, "job snoozed", outcome, snooze_s=outcome.delay)
-
-    def _count(self, counter: str, level: int, message: str, run: Outcome, **fields: object) -> None:
-        setattr(self.counters, counter, getattr(self.counters, counter) + 1)
-        event(level, message, job_id=run.job.id, type=run.job.type, attempt=run.job.attempt, **fields)
+            self.counters.tell(outcome, written.get(outcome.job.id))
 
     def _on_renewed(self, renewed: Mapping[int, int], sent: float) -> None:
         """A heartbeat sent at ``sent`` (monotonic) extended these leases (id -> token)."""
-        expires = sent + self.config.lease_seconds
-        with self._lock:
-            for jid, token in renewed.items():
-                running = self._running.get(jid)
-                if running is not None and running.job.lease_token == token:
-                    running.lease_expires = max(running.lease_expires, expires)
+        self.ledger.renewed(renewed, sent + self.config.lease_seconds)
 
     def _watch_leases(self) -> None:
         """Tell handlers whose leases ran out unrenewed to stop, by this process's own clock.
@@ -262,28 +140,8 @@ class Worker:
             self._flag_unrenewed(time.monotonic())
 
     def _flag_unrenewed(self, now: float) -> None:
-        """Set ``lease_lost`` on every run whose lease surely ended before ``now`` (monotonic).
-
-        A job claimed ahead of a free slot goes back to the queue at once
-        instead: nobody is known to have taken it, so it is handed back,
-        fenced, with the attempt it never used. Left to the sweeper, that
-        attempt would count, and a job with one attempt would end dead
-        without ever running (unless another worker's sweeper gets to it
-        first, as it must when this worker is cut off).
-        """
-        expired: list[Job] = []
-        unstarted: list[Job] = []
-        with self._lock:
-            for jid, running in list(self._running.items()):
-                if now > running.lease_expires and not running.job._lease_lost.is_set():
-                    running.job._lease_lost.set()
-                    if running.slot is None:
-                        del self._running[jid]  # a slot that takes it from the inbox now skips it
-                        self._awaiting_write[jid] = running.job.lease_token
-                        self.completer.put(Outcome(running.job, Kind.SNOOZED, 0.0, message=NOT_STARTED))
-                        unstarted.append(running.job)
-                    else:
-                        expired.append(running.job)
+        """Set ``lease_lost`` on every run whose lease surely ended before ``now``; hand back unstarted ones."""
+        expired, unstarted = self.ledger.take_unrenewed(now)
         for job in expired:
             event(logging.WARNING, "lease ran out without a renewal; told the handler to stop", job_id=job.id)
         if unstarted:
@@ -294,32 +152,8 @@ class Worker:
             )
 
     def _on_lost(self, lost: Mapping[int, int]) -> None:
-        """Flag the runs whose leases (id -> token) a heartbeat found taken over.
-
-        Matched by token, not id alone: between the heartbeat's snapshot and its
-        answer a job may have finished and been claimed again by this worker,
-        and that new run's lease is valid.
-        """
-        taken: list[int] = []
-        with self._lock:
-            for jid, token in lost.items():
-                running = self._running.get(jid)
-                overdue = self._overdue.get(jid)
-                if running is not None and running.job.lease_token == token:
-                    running.job._lease_lost.set()
-                    if running.slot is None:
-                        del self._running[jid]  # never started: a slot that takes it from the inbox skips it
-                    taken.append(jid)
-                elif overdue is not None and overdue[0].job.lease_token == token:
-                    del self._overdue[jid]  # the sweeper decided it; the thread's end changes nothing
-                    taken.append(jid)
-                elif self._awaiting_write.get(jid) == token:
-                    del self._awaiting_write[jid]
-                    taken.append(jid)
-                elif self._closing.get(jid) == token:
-                    del self._closing[jid]
-                    taken.append(jid)
-        # A job whose completion was written while the heartbeat ran is not lost: say nothing of it.
+        """Flag the runs whose leases (id -> token) a heartbeat found taken over."""
+        taken = self.ledger.lost(lost)
         if taken:
             event(logging.WARNING, "leases taken over by another worker", job_ids=sorted(taken))
 
@@ -327,12 +161,8 @@ class Worker:
         self.limits_exist = exist
 
     def _on_cancel(self, ids: set[int]) -> None:
-        with self._lock:
-            for jid in ids:
-                running = self._running.get(jid) or (self._overdue[jid][0] if jid in self._overdue else None)
-                if running is not None and not running.job.cancel_requested:
-                    running.job._cancel_requested.set()
-                    event(logging.INFO, "cancellation requested", job_id=jid, type=running.job.type)
+        for job in self.ledger.cancel(ids):
+            event(logging.INFO, "cancellation requested", job_id=job.id, type=job.type)
 
     def _enqueue_periodic(self, conn: psycopg.Connection) -> None:
         periodic.enqueue_due(conn, self.handlers.values())
@@ -349,38 +179,9 @@ class Worker:
         return row is not None
 
     def _finish(self, slot: Slot, job: Job, outcome: Outcome) -> None:
-        with self._lock:
-            overdue = self._overdue.get(job.id)
-            if overdue is not None and overdue[0].slot is slot:
-                self._finish_overdue(job, outcome, overdue[1])
-                return
-            running = self._running.get(job.id)
-            if slot.abandoned.is_set() or running is None or running.slot is not slot:
-                return  # handed back or taken over: there is nothing left to record
-            del self._running[job.id]
-            if outcome.kind is not Kind.COMMITTED:
-                self._awaiting_write[job.id] = job.lease_token
+        if self.ledger.finished(slot, job, outcome):
             self._typical_run = 0.9 * self._typical_run + 0.1 * outcome.duration
-            # Queued under the lock: once the job has left _running, a shutdown that sees
-            # nothing in flight stops the completer, and the outcome must be in its queue by then.
-            self.completer.put(outcome)
-        self._wake.set()
-
-    def _finish_overdue(self, job: Job, outcome: Outcome, decided: Outcome) -> None:
-        """A handler past its timeout has returned: record the timeout, now that it cannot run on.
-
-        Called with the lock held. What the handler returned does not count:
-        it was told to stop (``lease_lost``), and a cooperative handler that
-        stops early returns as if it had finished. A transactional handler
-        that committed its success anyway has already recorded it.
-        """
-        del self._overdue[job.id]
-        if outcome.kind is Kind.COMMITTED:
-            event(logging.INFO, "job past its timeout committed its success", job_id=job.id, type=job.type)
-            return
-        self._awaiting_write[job.id] = job.lease_token
-        self.completer.put(decided)
-        event(logging.INFO, "job past its timeout returned; its timeout is recorded", job_id=job.id, type=job.type)
+            self._wake.set()
 
     def _check_timeouts(self) -> None:
         """Give jobs past their timeout up, but keep their leases until their threads return.
@@ -392,26 +193,7 @@ class Worker:
         one's place. A handler that never returns holds its job until the
         worker stops.
         """
-        now = time.monotonic()
-        expired: list[Running] = []
-        with self._lock:
-            for jid, running in list(self._running.items()):
-                if running.slot is not None and running.deadline is not None and now > running.deadline:
-                    expired.append(running)
-                    del self._running[jid]
-                    running.slot.abandoned.set()
-            for running in expired:
-                job = running.job
-                spec = self.handlers.get(job.type)
-                exc = JobTimeout(f"handler ran past its timeout of {spec.timeout if spec else '?'}s")
-                message, entry = describe(exc, job, self.id)
-                entry["traceback"] = None
-                kind = Kind.DEAD if job.attempt >= job.max_attempts else Kind.RETRY
-                delay = spec.backoff.delay(job.attempt) if spec else 0.0
-                decided = Outcome(job, kind, now - running.started, delay=delay, message=message, error=entry)
-                self._overdue[job.id] = (running, decided)
-                job._lease_lost.set()  # tells a cooperative handler to stop
-        for running in expired:
+        for running in self.ledger.take_timed_out(time.monotonic(), self._timed_out):
             job = running.job
             self._start_slot()  # the stuck thread keeps its slot object; the worker gets a fresh one
             event(
@@ -421,6 +203,17 @@ class Worker:
                 type=job.type,
                 attempt=job.attempt,
             )
+
+    def _timed_out(self, running: Running, now: float) -> Outcome:
+        """The outcome of a run past its handler's timeout at ``now``: a failed attempt (JobTimeout)."""
+        job = running.job
+        spec = self.handlers.get(job.type)
+        exc = JobTimeout(f"handler ran past its timeout of {spec.timeout if spec else '?'}s")
+        message, entry = describe(exc, job, self.id)
+        entry["traceback"] = None
+        kind = Kind.DEAD if job.attempt >= job.max_attempts else Kind.RETRY
+        delay = spec.backoff.delay(job.attempt) if spec else 0.0
+        return Outcome(job, kind, now - running.started, delay=delay, message=message, error=entry)
 
     # -- slots -------------------------------------------------------------
 
@@ -446,43 +239,20 @@ class Worker:
     def _bind(self, slot: Slot, job: Job) -> bool:
         """Mark ``job`` as running in ``slot``; its timeout starts now."""
         spec = self.handlers.get(job.type)
-        now = time.monotonic()
-        with self._lock:
-            running = self._running.get(job.id)
-            if running is None or running.job is not job:
-                # Handed back, or an earlier claim of a job this worker has claimed again
-                # since: the newer claim is bound when it leaves the inbox.
-                return False
-            if job.lease_lost:
-                # Prefetched, and taken over by another worker before it started.
-                del self._running[job.id]
-                return False
-            running.slot = slot
-            running.started = now
-            running.deadline = now + spec.timeout if spec and spec.timeout else None
-            return True
+        return self.ledger.bind(slot, job, time.monotonic(), spec.timeout if spec else None)
 
     # -- the producer ------------------------------------------------------
 
     def claim(self, limit: int) -> list[Job]:
-        """Claim up to ``limit`` jobs in one statement (THE CLAIM in queries.sql).
+        """Claim up to ``limit`` jobs in one statement (THE CLAIM in queries.sql; see ``claim_rows``).
 
-        While no job type has a limit the claim is one autocommit statement
-        that itself refuses to claim once a limit exists. When limits exist
-        (``limits_exist``, refreshed each second), the limits lock and the
-        claim travel together in one pipelined transaction, still one round
-        trip (behind a transaction pooler, one each: see ``RelayPool.pipeline``).
+        ``limits_exist``, refreshed each second, decides whether the claim
+        takes the limits lock first.
         """
         return self._claim(limit)[0]
 
     def _claim(self, limit: int) -> tuple[list[Job], float]:
-        """:meth:`claim`, and when the claim was sent (monotonic), the start of its leases by this clock.
-
-        Taken once a pooled connection is in hand: after an outage, or while
-        handlers hold every connection, the wait for one can outlast the
-        lease, and a lease counted from before it would be told it had run
-        out the moment its handler started.
-        """
+        """:meth:`claim`, and when the claim was sent (monotonic): see ``claim_rows``."""
         params = {
             "queues": list(self.config.queues),
             "limit": limit,
@@ -490,21 +260,7 @@ class Worker:
             "lease_seconds": self.config.lease_seconds,
             "locked": self.limits_exist,
         }
-        with self.pool.connection(timeout=CLAIM_CONNECTION_WAIT_SECONDS) as conn:
-            sent = time.monotonic()
-            if self.limits_exist:
-                with self.pool.pipeline(conn), conn.transaction():
-                    conn.execute(sql("claim_limits_lock"), prepare=True)
-                    cur = conn.cursor(row_factory=dict_row)
-                    cur.execute(sql("job_claim"), params, prepare=True)
-                rows = cur.fetchall()
-            else:
-                conn.autocommit = True
-                try:
-                    with conn.cursor(row_factory=dict_row) as cur:
-                        rows = cur.execute(sql("job_claim"), params, prepare=True).fetchall()
-                finally:
-                    restore_transactions(conn)
+        rows, sent = claim_rows(self.pool, params)
         jobs = [Job.from_row(row) for row in rows]
         for job in jobs:
             job._report = self._report_progress
@@ -513,38 +269,13 @@ class Worker:
     def _dispatch(self, jobs: list[Job], sent: float | None = None) -> None:
         """Hand claimed jobs to the slots; ``sent`` is when the claim was sent (monotonic)."""
         lease_expires = (time.monotonic() if sent is None else sent) + self.config.lease_seconds
-        replaced = 0
-        with self._lock:
-            for job in jobs:
-                replaced += self._drop_earlier_run(job)
-                self._running[job.id] = Running(job, lease_expires=lease_expires)
+        replaced = self.ledger.claimed(jobs, lease_expires)
         for _ in range(replaced):
             self._start_slot()  # the earlier run's thread keeps its slot object; the worker gets a fresh one
         for job in jobs:
             self.counters.claimed += 1
             event(logging.INFO, "job claimed", job_id=job.id, type=job.type, attempt=job.attempt, queue=job.queue)
             self._inbox.put(job)
-
-    def _drop_earlier_run(self, job: Job) -> int:
-        """Tell an earlier run of ``job`` still in this worker that its lease is gone; 1 if its slot needs replacing.
-
-        Called with the lock held. This claim could only take the job because
-        the earlier run's lease ran out and the sweeper returned it; a
-        heartbeat would have said so, but the claim came first. Replacing the
-        entry silently would leave that run untold (``lease_lost``), uncounted
-        in flight and not waited for at shutdown.
-        """
-        earlier = self._running.get(job.id)
-        # An overdue run was told to stop at its timeout; the sweeper decided it, so its thread's end changes nothing.
-        self._overdue.pop(job.id, None)
-        if earlier is None:
-            return 0
-        earlier.job._lease_lost.set()
-        event(logging.WARNING, "lease taken over by a new claim of the same job", job_id=job.id, type=job.type)
-        if earlier.slot is None:
-            return 0
-        earlier.slot.abandoned.set()
-        return 1
 
     def run(self, install_signals: bool = True) -> None:
         """Run until :meth:`stop` (or SIGTERM/SIGINT), then shut down gracefully."""
@@ -624,15 +355,7 @@ class Worker:
         return "no pooled connection became free in time"
 
     def prefetch(self) -> int:
-        """How many jobs to hold beyond the slots: the next few, while jobs are short.
-
-        Short jobs would otherwise leave slots idle for every claim's round
-        trip, and larger claims cost less per job. Each slot holds about
-        PREFETCH_WORK_SECONDS of typical work (at least one job, at most
-        MAX_PREFETCH_PER_SLOT), so a prefetched job waits about that long at
-        most. Long jobs get no prefetch: a job held behind a long one while
-        another worker sits idle would only wait longer.
-        """
+        """How many jobs to hold beyond the slots: the next few, while jobs are short (``prefetch_per_slot``)."""
         return prefetch_per_slot(self._typical_run) * self.config.concurrency
 
     def _produce(self) -> None:
@@ -668,8 +391,7 @@ class Worker:
         """What holds the pool's connections, as far as the worker knows; None while one is free."""
         if not all_in_use(self.pool):
             return None
-        with self._lock:
-            overdue = len(self._overdue)
+        overdue = self.ledger.overdue_count()
         return (
             f"all {self.pool.max_size} connections are checked out; {overdue} job(s) past their timeout "
             "are still running (a transactional handler keeps its connection until it returns)"
@@ -707,16 +429,7 @@ class Worker:
         while self.in_flight() and time.monotonic() < deadline and self.config.shutdown_timeout > 0:
             time.sleep(0.02)
         self._check_timeouts()  # a job past its deadline has its timeout recorded, not its attempt refunded
-        with self._lock:
-            unfinished = list(self._running.values())
-            overdue = list(self._overdue.values())
-            self._running.clear()
-            self._overdue.clear()
-            for running in unfinished + [run for run, _ in overdue]:
-                if running.slot is not None:
-                    running.slot.abandoned.set()
-                running.job._lease_lost.set()
-                self._closing[running.job.id] = running.job.lease_token
+        unfinished, overdue = self.ledger.close()
         for _ in self._slots:
             self._inbox.put(None)
         writes_end = time.monotonic() + SHUTDOWN_WRITES_SECONDS
@@ -728,10 +441,10 @@ class Worker:
         handed_back = 0
         never_started = [r for r in unfinished if r.slot is None]
         if never_started:
-            handed_back += self._hand_back(never_started, left())
+            handed_back += hand_back(self.pool, self.ledger, never_started, left())
         self.completer.stop(left())  # writes the outcomes of the jobs that finished
         if overdue:
-            self._record_overdue([decided for _, decided in overdue], left())
+            record_overdue(self.completer, self.ledger, [decided for _, decided in overdue], left(), self._on_written)
         try:
             with self.pool.connection(timeout=left()) as conn:
                 conn.execute(sql("worker_stop"), {"id": self.id, "started_at": self.maintenance.registered_at})
@@ -740,7 +453,7 @@ class Worker:
         # The last write: from here to the process's exit must fit in the hand-back grace.
         still_running = [r for r in unfinished if r.slot is not None]
         if still_running:
-            handed_back += self._hand_back(still_running, left())
+            handed_back += hand_back(self.pool, self.ledger, still_running, left())
         # Bounded too: a heartbeat connecting to a database that is down must not hold up the exit.
         self.maintenance.stop_heartbeats(1.0)
         self.pool.close(timeout=1.0)
@@ -756,60 +469,3 @@ class Worker:
             timed_out_still_running=len(overdue),
         )
         self.stopped.set()
-
-    def _record_overdue(self, decided: list[Outcome], timeout: float) -> None:
-        """Write the timeouts of handlers that never returned: the attempt counts.
-
-        Handing them back would give the attempt back, and a handler that
-        hangs every time would then never reach dead. Their retry waits at
-        least the hand-back grace, like a handed-back job's.
-        """
-        for outcome in decided:
-            outcome.delay = max(outcome.delay, HAND_BACK_GRACE_SECONDS)
-        try:
-            written = self.completer.write(decided, timeout=timeout)
-        except (psycopg.Error, PoolTimeout) as exc:
-            event(
-                logging.ERROR,
-                "timeouts not written; the sweeper will return these jobs when their leases expire",
-                error=str(exc),
-                job_ids=[o.job.id for o in decided],
-            )
-            return
-        finally:
-            self._release([o.job for o in decided])
-        self._on_written(decided, written)
-
-    def _hand_back(self, unfinished: list[Running], timeout: float) -> int:
-        """Return unfinished jobs to the queue, fenced, with their attempt given back; how many went back.
-
-        Until then their leases are in ``_closing``, which heartbeats renew.
-        """
-        rows: list[tuple[int]] = []
-        jobs = [r.job for r in unfinished]
-        # A job that never left the prefetch can run elsewhere at once; one whose thread still runs waits.
-        delays = [0.0 if r.slot is None else HAND_BACK_GRACE_SECONDS for r in unfinished]
-        try:
-            with self.pool.connection(timeout=timeout) as conn:
-                rows = conn.execute(
-                    sql("job_hand_back_many"),
-                    {"ids": [j.id for j in jobs], "tokens": [j.lease_token for j in jobs], "delays": delays},
-                ).fetchall()
-            event(logging.WARNING, "handed back unfinished jobs", job_ids=sorted(r[0] for r in rows))
-        except (psycopg.Error, PoolTimeout) as exc:
-            event(
-                logging.ERROR,
-                "hand-back failed; the sweeper will return these jobs when their leases expire",
-                error=str(exc),
-                job_ids=[j.id for j in jobs],
-            )
-        finally:
-            self._release(jobs)
-        return len(rows)
-
-    def _release(self, jobs: list[Job]) -> None:
-        """Stop renewing the leases of jobs whose shutdown write is done (or failed)."""
-        with self._lock:
-            for job in jobs:
-                if self._closing.get(job.id) == job.lease_token:
-                    del self._closing[job.id]

@@ -1,0 +1,71 @@
+"""The claim (THE CLAIM in queries.sql) and how many jobs it asks for.
+
+One statement claims for every free slot and for the prefetch: short jobs
+would otherwise leave slots idle for every claim's round trip, and larger
+claims cost less per job.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from psycopg.rows import dict_row
+
+from ..pools import RelayPool, restore_transactions
+from ..queries import sql
+
+#: Jobs that typically finish faster than this are prefetched; longer ones are not.
+PREFETCH_BELOW_SECONDS = 0.05
+#: A slot holds about this much prefetched work: how long a prefetched job may wait in it.
+PREFETCH_WORK_SECONDS = 0.01
+#: ... and never more than this many jobs beyond the one it runs.
+MAX_PREFETCH_PER_SLOT = 16
+#: How long a claim waits for a pooled connection before the producer looks again whether
+#: it should stop: a stop during an outage must not wait out the pool's whole timeout.
+CLAIM_CONNECTION_WAIT_SECONDS = 1.0
+
+
+def prefetch_per_slot(typical_run: float) -> int:
+    """Jobs a slot holds beyond the one it runs, for handlers that typically take ``typical_run`` s.
+
+    Each slot holds about PREFETCH_WORK_SECONDS of typical work (at least one
+    job, at most MAX_PREFETCH_PER_SLOT), so a prefetched job waits about that
+    long at most. Long jobs get no prefetch: a job held behind a long one
+    while another worker sits idle would only wait longer.
+    """
+    if typical_run >= PREFETCH_BELOW_SECONDS:
+        return 0
+    return max(1, min(MAX_PREFETCH_PER_SLOT, int(PREFETCH_WORK_SECONDS / max(typical_run, 1e-6))))
+
+
+def claim_rows(pool: RelayPool, params: dict[str, Any]) -> tuple[list[dict[str, Any]], float]:
+    """The claimed jobs' rows, and when the claim was sent (monotonic), the start of its leases by this clock.
+
+    While no job type has a limit (``params["locked"]`` false) the claim is one
+    autocommit statement that itself refuses to claim once a limit exists.
+    When limits exist, the limits lock and the claim travel together in one
+    pipelined transaction, still one round trip (behind a transaction pooler,
+    one each: see ``RelayPool.pipeline``).
+
+    The send time is taken once a pooled connection is in hand: after an
+    outage, or while handlers hold every connection, the wait for one can
+    outlast the lease, and a lease counted from before it would be told it
+    had run out the moment its handler started.
+    """
+    with pool.connection(timeout=CLAIM_CONNECTION_WAIT_SECONDS) as conn:
+        sent = time.monotonic()
+        if params["locked"]:
+            with pool.pipeline(conn), conn.transaction():
+                conn.execute(sql("claim_limits_lock"), prepare=True)
+                cur = conn.cursor(row_factory=dict_row)
+                cur.execute(sql("job_claim"), params, prepare=True)
+            rows = cur.fetchall()
+        else:
+            conn.autocommit = True
+            try:
+                with conn.cursor(row_factory=dict_row) as cur:
+                    rows = cur.execute(sql("job_claim"), params, prepare=True).fetchall()
+            finally:
+                restore_transactions(conn)
+    return rows, sent

@@ -1,0 +1,91 @@
+"""The last writes of a worker that stops with jobs it could not finish.
+
+A job whose handler did not return within the shutdown timeout goes back to
+the queue with its attempt given back (a hand-back); one whose handler ran
+past its own timeout and never returned has that timeout recorded instead,
+so a handler that hangs every time still reaches dead. Both are fenced by
+the lease token, and both let go of the leases the ledger held for them,
+written or not: a failed write leaves the jobs to the sweeper.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import psycopg
+from psycopg_pool import PoolTimeout
+
+from ..logs import event
+from ..pools import RelayPool
+from ..queries import sql
+from .completer import Completer
+from .ledger import Ledger, Running
+from .outcome import Outcome
+
+#: A job handed back at shutdown while its handler thread still ran waits this
+#: long before another worker may start it: the thread stops only when the
+#: worker process exits, a moment after the hand-back.
+HAND_BACK_GRACE_SECONDS = 2.0
+#: After the in-flight wait of a shutdown, what is left to write (outcomes, hand-backs, the
+#: registry's stop) shares this many seconds: with the database down none of it can be
+#: written, and waiting for each in turn would outlast a platform's drain window.
+SHUTDOWN_WRITES_SECONDS = 3.0
+
+
+def hand_back(pool: RelayPool, ledger: Ledger, unfinished: list[Running], timeout: float) -> int:
+    """Return unfinished jobs to the queue, fenced, with their attempt given back; how many went back.
+
+    Until then their leases are in the ledger's ``closing``, which heartbeats renew.
+    """
+    rows: list[tuple[int]] = []
+    jobs = [r.job for r in unfinished]
+    # A job that never left the prefetch can run elsewhere at once; one whose thread still runs waits.
+    delays = [0.0 if r.slot is None else HAND_BACK_GRACE_SECONDS for r in unfinished]
+    try:
+        with pool.connection(timeout=timeout) as conn:
+            rows = conn.execute(
+                sql("job_hand_back_many"),
+                {"ids": [j.id for j in jobs], "tokens": [j.lease_token for j in jobs], "delays": delays},
+            ).fetchall()
+        event(logging.WARNING, "handed back unfinished jobs", job_ids=sorted(r[0] for r in rows))
+    except (psycopg.Error, PoolTimeout) as exc:
+        event(
+            logging.ERROR,
+            "hand-back failed; the sweeper will return these jobs when their leases expire",
+            error=str(exc),
+            job_ids=[j.id for j in jobs],
+        )
+    finally:
+        ledger.release(jobs)
+    return len(rows)
+
+
+def record_overdue(
+    completer: Completer,
+    ledger: Ledger,
+    decided: list[Outcome],
+    timeout: float,
+    on_written: Callable[[list[Outcome], dict[int, str]], None],
+) -> None:
+    """Write the timeouts of handlers that never returned: the attempt counts.
+
+    Handing them back would give the attempt back, and a handler that
+    hangs every time would then never reach dead. Their retry waits at
+    least the hand-back grace, like a handed-back job's.
+    """
+    for outcome in decided:
+        outcome.delay = max(outcome.delay, HAND_BACK_GRACE_SECONDS)
+    try:
+        written = completer.write(decided, timeout=timeout)
+    except (psycopg.Error, PoolTimeout) as exc:
+        event(
+            logging.ERROR,
+            "timeouts not written; the sweeper will return these jobs when their leases expire",
+            error=str(exc),
+            job_ids=[o.job.id for o in decided],
+        )
+        return
+    finally:
+        ledger.release([o.job for o in decided])
+    on_written(decided, written)

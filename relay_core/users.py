@@ -105,7 +105,7 @@ def normalize_username(username: Any) -> str:
     if not isinstance(username, str):
         raise InvalidUserError("username", "must be a string")
     name = username.lower()
-    if not USERNAME.match(name):
+    if not USERNAME.fullmatch(name):
         raise InvalidUserError("username", "use 1-150 of a-z, 0-9, '_', '.', '@', '-'")
     return name
 

@@ -71,7 +71,7 @@ def check_type(job_type: Any) -> str:
 
 def check_queue(queue: Any) -> str:
     """Queue names are lowercase letters, digits, '_', '.', '-' (1-63 chars)."""
-    if not isinstance(queue, str) or not QUEUE_NAME.match(queue):
+    if not isinstance(queue, str) or not QUEUE_NAME.fullmatch(queue):
         raise InvalidJobError(
             "queue",
             f"{queue!r} is not a valid queue name (use 1-63 of a-z, 0-9, '_', '.', '-', not starting with '.' or '-')",

@@ -164,6 +164,7 @@ BAD_INPUTS = [
     ({"job_type": "x", "queue": "Has Spaces"}, "queue"),
     ({"job_type": "x", "queue": "'; DROP TABLE relay.jobs; --"}, "queue"),
     ({"job_type": "x", "queue": ""}, "queue"),
+    ({"job_type": "x", "queue": "emails\n"}, "queue"),  # a regular expression's $ would let the newline through
     ({"job_type": "x", "priority": 10**6}, "priority"),
     ({"job_type": "x", "priority": "high"}, "priority"),
     ({"job_type": "x", "max_attempts": 0}, "max_attempts"),

@@ -63,6 +63,7 @@ def test_mismatched_prompts_are_asked_again(run, db) -> None:
     [
         (("user", "create", "a", "--role", "admin", "--password-stdin"), "short\n", "at least 8"),
         (("user", "create", "bad name", "--role", "admin", "--password-stdin"), "long-enough\n", "USERNAME"),
+        (("user", "create", "ops\n", "--role", "admin", "--password-stdin"), "long-enough\n", "USERNAME"),
         (("user", "create", "a", "--role", "root", "--password-stdin"), "long-enough\n", "root"),
         (("user", "create", "a", "--password-stdin"), "long-enough\n", "--role"),
     ],

@@ -202,8 +202,9 @@ def test_pause_and_resume_a_queue(admin: DashboardClient, jobs: Jobs, relay: Rel
     assert relay.paused_queues() == []
 
 
-def test_pausing_a_badly_named_queue_is_refused(admin: DashboardClient, relay: Relay) -> None:
-    response = admin.post("/queues/Bad%20Name/pause")
+@pytest.mark.parametrize("name", ["Bad%20Name", "mail%0A"])
+def test_pausing_a_badly_named_queue_is_refused(admin: DashboardClient, relay: Relay, name: str) -> None:
+    response = admin.post(f"/queues/{name}/pause")
     assert response.status_code == 400
     assert relay.paused_queues() == []
 

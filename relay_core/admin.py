@@ -74,7 +74,9 @@ def cancel(conn: psycopg.Connection, job_id: int) -> JobDetail:
     """queued -> cancelled; for a claimed job, ask its handler to stop.
 
     The running job stays ``claimed`` until its worker sees the request at a
-    heartbeat and the handler stops; then it becomes ``cancelled``.
+    heartbeat and the handler stops; then it becomes ``cancelled``. Asking
+    again while the request is pending (a second press, a retried request)
+    changes nothing and answers like the first: the stop is on its way.
     """
     with conn.transaction():
         if conn.execute(sql("job_cancel"), {"id": job_id}).fetchall():
@@ -82,6 +84,8 @@ def cancel(conn: psycopg.Connection, job_id: int) -> JobDetail:
         if conn.execute(sql("job_request_cancel"), {"id": job_id}).fetchall():
             return get_job(conn, job_id)
         current = get_job(conn, job_id)
+        if current.status == "claimed" and current.cancel_requested_at is not None:
+            return current
         raise IllegalTransition(job_id, current.status, "cancel", ("queued", "claimed"))
 
 

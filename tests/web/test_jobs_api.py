@@ -204,6 +204,9 @@ def test_cancel_running_job_asks_it_to_stop(client, admin, relay: Relay, db) -> 
     make_claimed(db, job_id)
     job = client.post(f"/api/admin/jobs/{job_id}/cancel", headers=admin).get_json()
     assert job["status"] == "claimed" and job["cancel_requested_at"] is not None
+    again = client.post(f"/api/admin/jobs/{job_id}/cancel", headers=admin)
+    assert again.status_code == 200, "asking again while the stop is pending is not a conflict"
+    assert again.get_json()["cancel_requested_at"] == job["cancel_requested_at"], "the first request's time is kept"
 
 
 def test_bulk_requeue_by_filter_answers_how_many_changed(client, admin, relay: Relay, db) -> None:

@@ -104,6 +104,8 @@ def test_cancel_of_a_running_job_requests_a_stop(admin: DashboardClient, jobs: J
     assert row is not None and row[0] is not None
     again = admin.get(f"/jobs/{job_id}")
     assert "Stop requested" in _text(again)
+    pressed_again = admin.post(f"/jobs/{job_id}/cancel")  # a stale page, or a double tap
+    assert pressed_again.status_code == 200 and "Stop requested" in _text(pressed_again)
 
 
 def test_actions_on_missing_jobs_are_404(admin: DashboardClient) -> None:

@@ -78,6 +78,11 @@ class Database:
             conn.execute("SELECT set_config('statement_timeout', %s, false)", (str(self._statement_timeout_ms),))
         # Times come back in UTC whatever the server's zone: see relay_core.pools.configure_session.
         conn.execute("SELECT set_config('TimeZone', 'UTC', false)")
+        # READ COMMITTED whatever the database's default, as every Relay connection: under a
+        # stricter level a cancel or bulk action that waited for a worker's row lock (a
+        # heartbeat, a claim) would fail with a serialization error. Asked for in each BEGIN,
+        # so nothing stays on a server connection behind a transaction pooler.
+        conn.isolation_level = psycopg.IsolationLevel.READ_COMMITTED
         conn.autocommit = False
 
     def pool(self) -> ConnectionPool:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import threading
 from datetime import UTC, datetime
 from urllib.parse import quote
 
@@ -12,7 +13,8 @@ import pytest
 from relay_core import Relay
 from relay_core.validation import QUEUE_NAME
 
-from ..helpers import publish_handlers
+from ..helpers import publish_handlers, wait_for
+from .conftest import AuthActions
 from .helpers import assert_problem
 from .states import make_claimed, make_dead, make_succeeded
 
@@ -207,6 +209,43 @@ def test_cancel_running_job_asks_it_to_stop(client, admin, relay: Relay, db) -> 
     again = client.post(f"/api/admin/jobs/{job_id}/cancel", headers=admin)
     assert again.status_code == 200, "asking again while the stop is pending is not a conflict"
     assert again.get_json()["cancel_requested_at"] == job["cancel_requested_at"], "the first request's time is kept"
+
+
+def test_a_cancel_that_waits_out_a_heartbeat_succeeds_where_the_database_defaults_to_repeatable_read(
+    make_app, relay: Relay, db, dsn: str
+) -> None:
+    """The web app's transactions read committed whatever the database's default, as every Relay connection's do.
+
+    The cancel's first statement finds the job claimed; its second waits for
+    the row lock of a heartbeat renewing the lease. Under REPEATABLE READ the
+    heartbeat's commit would make that second statement a serialization
+    failure, answered 503.
+    """
+    strict = psycopg.conninfo.make_conninfo(dsn, options="-c default_transaction_isolation=repeatable\\ read")
+    app = make_app(RELAY_DATABASE_URL=strict)
+    headers = AuthActions(app.test_client(), dsn).headers("admin")
+    job_id = relay.enqueue("t", {})
+    make_claimed(db, job_id)
+    answers: list = []
+    with psycopg.connect(dsn) as heartbeat:
+        heartbeat.execute("UPDATE relay.jobs SET claimed_until = now() + interval '1 minute' WHERE id = %s", (job_id,))
+        cancel = threading.Thread(
+            target=lambda: answers.append(app.test_client().post(f"/api/admin/jobs/{job_id}/cancel", headers=headers))
+        )
+        cancel.start()
+        wait_for(
+            lambda: (
+                db.execute("SELECT count(*) FROM pg_locks WHERE NOT granted AND locktype = 'transactionid'").fetchone()[
+                    0
+                ]
+                == 1
+            ),
+            what="the cancel to wait for the heartbeat's row lock",
+        )
+        heartbeat.commit()
+        cancel.join(15)
+    assert answers and answers[0].status_code == 200, answers and answers[0].get_json()
+    assert answers[0].get_json()["cancel_requested_at"] is not None
 
 
 def test_bulk_requeue_by_filter_answers_how_many_changed(client, admin, relay: Relay, db) -> None:

@@ -21,6 +21,7 @@ from .errors import (
     PermanentFailure,
     RelayError,
     Snooze,
+    SuccessNotRecorded,
 )
 from .job import Job
 from .states import TRANSITIONS, JobStatus
@@ -45,6 +46,7 @@ __all__ = [
     "Relay",
     "RelayError",
     "Snooze",
+    "SuccessNotRecorded",
     "Worker",
     "WorkerConfig",
 ]

@@ -71,6 +71,10 @@ class LeaseLost(RelayError):
     """This worker no longer holds the job's lease; another run owns it now."""
 
 
+class SuccessNotRecorded(RelayError):
+    """A transactional handler's success could not be written in its transaction; its work was rolled back."""
+
+
 class JobTimeout(RelayError):
     """A handler ran past its timeout; the attempt counts as failed."""
 

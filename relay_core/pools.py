@@ -368,8 +368,9 @@ def configure_session(conn: psycopg.Connection) -> None:
     SKIP LOCKED`` and the fenced updates fail with serialization errors under
     REPEATABLE READ whenever another worker got to a row first, and the
     limits lock must be followed by a fresh snapshot, not one taken before
-    the wait. A transactional handler that needs more can begin with
-    ``SET TRANSACTION ISOLATION LEVEL ...``.
+    the wait. A transactional handler can begin with ``SET TRANSACTION
+    ISOLATION LEVEL ...``, but only one that ends within a heartbeat
+    interval gets its success written (see ``executor.STRICTER_ISOLATION``).
 
     TimeZone UTC: psycopg reads a timestamptz in the session's time zone, and
     an instant Relay accepts (years 1 to 9999 in UTC) may fall outside what a

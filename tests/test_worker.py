@@ -244,6 +244,30 @@ def test_transactional_handler_commits_with_success_or_not_at_all(
         db.execute("DROP TABLE relay_test.orders_sent")
 
 
+def test_a_transactional_handler_at_a_stricter_isolation_level_is_told_why_its_success_was_not_written(
+    relay: Relay, dsn: str, db: psycopg.Connection
+) -> None:
+    """Heartbeats renew the job's row; REPEATABLE READ cannot then update it, and the error says so."""
+    db.execute("CREATE TABLE relay_test.strict_writes (job_id bigint)")
+    try:
+
+        @relay.handler("strict", max_attempts=1)
+        def strict(job: Job, conn: psycopg.Connection) -> None:
+            conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
+            conn.execute("INSERT INTO relay_test.strict_writes VALUES (%s)", (job.id,))  # the snapshot is taken
+            time.sleep(1.2)  # heartbeats every 0.3 s renew the lease meanwhile
+
+        job_id = relay.enqueue("strict")
+        with running_worker(relay, concurrency=1, lease_seconds=1.5, heartbeat_interval=0.3):
+            wait_for(lambda: job_status(db, job_id) == "dead", timeout=15)
+        job = relay.get_job(job_id)
+        assert job.last_error.startswith("SuccessNotRecorded"), job.last_error
+        assert "READ COMMITTED" in job.last_error and "heartbeat" in job.last_error
+        assert db.execute("SELECT count(*) FROM relay_test.strict_writes").fetchone()[0] == 0, "its work rolled back"
+    finally:
+        db.execute("DROP TABLE relay_test.strict_writes")
+
+
 def test_scheduled_job_waits_for_its_time(relay: Relay, db: psycopg.Connection) -> None:
     started: dict[int, float] = {}
 

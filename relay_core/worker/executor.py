@@ -20,7 +20,7 @@ import psycopg
 from psycopg_pool import ConnectionPool
 
 from ..backoff import DEFAULT_BACKOFF
-from ..errors import HandlerNotFound, JobCancelled, LeaseLost, PermanentFailure, Snooze
+from ..errors import HandlerNotFound, JobCancelled, LeaseLost, PermanentFailure, Snooze, SuccessNotRecorded
 from ..handlers import HandlerSpec
 from ..job import Job
 from ..pools import without_user_timeout
@@ -64,12 +64,26 @@ def run(job: Job, handlers: Mapping[str, HandlerSpec], pool: ConnectionPool, wor
         return Outcome(job, Kind.RETRY, time.monotonic() - started, delay=delay, message=message, error=entry)
 
 
+#: Why a transactional handler's success failed to be written under REPEATABLE READ or SERIALIZABLE.
+STRICTER_ISOLATION = (
+    "the success of job {job_id} could not be written in its handler's transaction, so its work was rolled back: "
+    "the job's row changed after the transaction's snapshot (a heartbeat renewing the lease, a progress report "
+    "or a cancel request), which only READ COMMITTED allows; keep a transactional handler at READ COMMITTED "
+    "(Relay's default) unless it finishes within one heartbeat interval"
+)
+
+
 def _run_transactional(job: Job, spec: HandlerSpec, pool: ConnectionPool) -> None:
     """Handler and fenced success in one transaction; LeaseLost rolls both back.
 
     A handler that returns once ``job.lease_lost`` is true stopped because it
     was told to (its lease was taken over, or it ran past its timeout), so its
     work is rolled back rather than committed as a success.
+
+    The success is an UPDATE of the job's row, which the worker's heartbeat
+    renews every ``lease / 3``: under a stricter isolation level the handler
+    set for its transaction, a renewal after its snapshot makes that UPDATE a
+    serialization failure, reported as such (SuccessNotRecorded).
     """
     with pool.connection() as conn, _handlers_own(pool, conn), conn.transaction():
         value = spec.func(job, conn)
@@ -82,10 +96,13 @@ def _run_transactional(job: Job, spec: HandlerSpec, pool: ConnectionPool) -> Non
             )
         if job.lease_lost:
             raise LeaseLost(f"job {job.id} was told to stop; its work was rolled back")
-        done = conn.execute(
-            sql("job_succeed_many"),
-            {"ids": [job.id], "tokens": [job.lease_token], "results": [result_json(value)]},
-        ).fetchall()
+        try:
+            done = conn.execute(
+                sql("job_succeed_many"),
+                {"ids": [job.id], "tokens": [job.lease_token], "results": [result_json(value)]},
+            ).fetchall()
+        except psycopg.errors.SerializationFailure as exc:
+            raise SuccessNotRecorded(STRICTER_ISOLATION.format(job_id=job.id)) from exc
         if not done:
             raise LeaseLost(f"job {job.id} is no longer this worker's; its work was rolled back")
 

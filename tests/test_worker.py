@@ -872,14 +872,17 @@ def test_an_outcome_queued_as_shutdown_begins_is_still_written(relay: Relay, db:
 
     with running_worker(relay, concurrency=1, listen=False) as worker:
         put = worker.completer.put
+        slowed: list[int] = []
 
         def slow_put(outcome):  # type: ignore[no-untyped-def]
+            slowed.append(outcome.job.id)
             time.sleep(1.0)  # the slot thread loses the processor between its bookkeeping and the queue
             put(outcome)
 
         worker.completer.put = slow_put  # type: ignore[method-assign]
         job_id = relay.enqueue("quick")
         assert returned.wait(10)
+    assert slowed == [job_id], "the outcome went to the completer through the slowed put"
     assert job_status(db, job_id) == "succeeded"
 
 

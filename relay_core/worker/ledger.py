@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 from ..job import Job
 from ..logs import event
+from .completer import Completer
 from .outcome import Kind, Outcome
 
 #: Why a prefetched job went back to the queue unstarted (see ``Ledger.take_unrenewed``).
@@ -53,10 +54,10 @@ class Running:
 
 
 class Ledger:
-    """The leases one worker holds; ``record`` queues an outcome for the completer."""
+    """The leases one worker holds; outcomes go to ``completer``'s queue."""
 
-    def __init__(self, record: Callable[[Outcome], None]) -> None:
-        self._record = record
+    def __init__(self, completer: Completer) -> None:
+        self._completer = completer
         self.lock = threading.Lock()
         self.running: dict[int, Running] = {}
         self.awaiting_write: dict[int, int] = {}  # id -> token: finished, not yet recorded
@@ -153,7 +154,7 @@ class Ledger:
             del self.running[job.id]
             if outcome.kind is not Kind.COMMITTED:
                 self.awaiting_write[job.id] = job.lease_token
-            self._record(outcome)
+            self._completer.put(outcome)
             return True
 
     def _finish_overdue(self, job: Job, outcome: Outcome, decided: Outcome) -> None:
@@ -169,7 +170,7 @@ class Ledger:
             event(logging.INFO, "job past its timeout committed its success", job_id=job.id, type=job.type)
             return
         self.awaiting_write[job.id] = job.lease_token
-        self._record(decided)
+        self._completer.put(decided)
         event(logging.INFO, "job past its timeout returned; its timeout is recorded", job_id=job.id, type=job.type)
 
     def take_timed_out(self, now: float, decide: Callable[[Running, float], Outcome]) -> list[Running]:
@@ -226,7 +227,7 @@ class Ledger:
                     if running.slot is None:
                         del self.running[jid]  # a slot that takes it from the inbox now skips it
                         self.awaiting_write[jid] = running.job.lease_token
-                        self._record(Outcome(running.job, Kind.SNOOZED, 0.0, message=NOT_STARTED))
+                        self._completer.put(Outcome(running.job, Kind.SNOOZED, 0.0, message=NOT_STARTED))
                         unstarted.append(running.job)
                     else:
                         expired.append(running.job)

@@ -83,7 +83,7 @@ class Worker:
         self.outage = OutageLog()
         self.pooled_calls = PooledCallLog(self.outage, OutageLog(wording=POOL_EXHAUSTED), self._exhaustion_cause)
         self.completer = Completer(self.pool, self._on_written, self.pooled_calls)
-        self.ledger = Ledger(self.completer.put)
+        self.ledger = Ledger(self.completer)
         self.maintenance = Maintenance(
             self.pool,
             dsn=dsn,

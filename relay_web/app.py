@@ -57,6 +57,11 @@ def create_app(config_overrides: Mapping[str, Any] | None = None) -> Flask:
     app.config.update(config.load(config_overrides))
     app.json.sort_keys = False  # type: ignore[attr-defined]
     app.url_map.strict_slashes = True
+    # No redirect from a path with an empty segment to the one without it: Werkzeug would
+    # send POST /api/admin/jobs//cancel (a script whose job id came out empty) to the bulk
+    # action POST /api/admin/jobs/cancel with a 308, which clients follow, method, body and
+    # credentials included: one job's cancel would cancel every queued job. Such a path is a 404.
+    app.url_map.merge_slashes = False
     errors.register(app)
     auth.init_app(app)
     database = db.init_app(app)

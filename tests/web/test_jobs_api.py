@@ -248,6 +248,20 @@ def test_a_cancel_that_waits_out_a_heartbeat_succeeds_where_the_database_default
     assert answers[0].get_json()["cancel_requested_at"] is not None
 
 
+@pytest.mark.parametrize(("action", "status"), [("cancel", "queued"), ("requeue", "dead")])
+def test_a_single_job_action_with_an_empty_id_changes_nothing(
+    client, admin, relay: Relay, db, action: str, status: str
+) -> None:
+    """``jobs//cancel`` (a script's empty job id) is not the bulk ``jobs/cancel``, not even after a redirect."""
+    ids = relay.enqueue_many([{"type": "t"} for _ in range(3)])
+    if status == "dead":
+        for job_id in ids:
+            make_dead(db, job_id)
+    response = client.post(f"/api/admin/jobs//{action}", headers=admin, json={}, follow_redirects=True)
+    assert_problem(response, 404)
+    assert {relay.get_job(job_id).status for job_id in ids} == {status}
+
+
 def test_bulk_requeue_by_filter_answers_how_many_changed(client, admin, relay: Relay, db) -> None:
     emails = relay.enqueue_many([{"type": "send_email"} for _ in range(5)])
     other = relay.enqueue("resize_image", {})

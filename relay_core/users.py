@@ -225,6 +225,24 @@ def delete_user(conn: psycopg.Connection, username: str) -> None:
         raise UserNotFound(f"no user {username!r}")
 
 
+# -- ended sessions --------------------------------------------------------------
+
+
+def end_session(conn: psycopg.Connection, session_id: str, expires_at: datetime) -> None:
+    """Refuse a session's tokens from now on (``expires_at``: when they would have run out anyway).
+
+    Also forgets a batch of ended sessions past that time, so the table holds
+    no more than the sessions that could still be used.
+    """
+    _rows(conn, "session_end_prune", {})
+    _rows(conn, "session_end", {"session_id": session_id, "expires_at": expires_at})
+
+
+def session_ended(conn: psycopg.Connection, session_id: str) -> bool:
+    """Whether the session was logged out."""
+    return bool(_rows(conn, "session_is_ended", {"session_id": session_id})[0]["ended"])
+
+
 # -- login throttle --------------------------------------------------------------
 
 

@@ -9,6 +9,7 @@ tokens are refused. Every failure is a 401 or 403 problem.
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any
 
 from flask import Flask, Response, current_app
@@ -24,6 +25,7 @@ from relay_core import users
 from relay_core.users import User
 from relay_core.validation import positive_number
 
+from .db import connection
 from .problems import Problem, unauthorized
 
 ROLES = ("viewer", "admin")
@@ -55,12 +57,31 @@ def _expired(header: dict[str, Any], payload: dict[str, Any]) -> Response:
     return unauthorized(f"The {what} token has expired; {hint}.", slug="token-expired", invalid_token=True).response()
 
 
+def session_id(csrf: str) -> str:
+    """The name a dashboard session is recorded under when it ends: a digest of its CSRF value.
+
+    Every token of one session (login, then each renewal) carries the same
+    CSRF value, and the value itself is a secret the page must present.
+    """
+    return hashlib.sha256(csrf.encode()).hexdigest()
+
+
+def _session_ended(header: dict[str, Any], payload: dict[str, Any]) -> bool:
+    """Whether a token belongs to a dashboard session that was logged out (API tokens never do)."""
+    csrf = payload.get("csrf")
+    if not isinstance(csrf, str) or "auth_time" not in payload:
+        return False
+    with connection() as conn:
+        return users.session_ended(conn, session_id(csrf))
+
+
 def init_app(app: Flask) -> JWTManager:
     """Attach flask-jwt-extended with problem-shaped failures."""
     jwt = JWTManager(app)
     jwt.unauthorized_loader(_missing)
     jwt.invalid_token_loader(_invalid)
     jwt.expired_token_loader(_expired)
+    jwt.token_in_blocklist_loader(_session_ended)
     jwt.revoked_token_loader(lambda header, payload: _invalid("revoked"))
     jwt.user_lookup_error_loader(lambda header, payload: _invalid("unknown user"))
     jwt.token_verification_failed_loader(lambda header, payload: _invalid("claims"))

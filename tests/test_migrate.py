@@ -115,7 +115,7 @@ def test_an_existing_database_gets_the_table_workers_publish_max_attempts_to(dat
             (old,) = conn.execute(
                 "INSERT INTO relay.jobs (status, type, payload) VALUES ('queued', 'send_email', '{}') RETURNING id"
             ).fetchone()
-        assert migrator.migrate(dsn) == ["0010_job_types"]
+        assert migrator.migrate(dsn)[0] == "0010_job_types"
         publish_handlers(dsn, send_email=3)
         bare = Relay(dsn)
         try:

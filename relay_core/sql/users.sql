@@ -84,3 +84,24 @@ WHERE key IN (
     LIMIT 100
     FOR UPDATE SKIP LOCKED
 );
+
+-- name: session_end
+-- A dashboard session logged out: its tokens are refused from now on.
+INSERT INTO relay.ended_sessions (session_id, expires_at)
+VALUES (%(session_id)s, %(expires_at)s)
+ON CONFLICT (session_id) DO NOTHING;
+
+-- name: session_end_prune
+-- Forget logged-out sessions past the time they would have ended anyway, a small batch at a time.
+DELETE FROM relay.ended_sessions
+WHERE session_id IN (
+    SELECT session_id FROM relay.ended_sessions
+    WHERE expires_at < now()
+    ORDER BY expires_at
+    LIMIT 100
+    FOR UPDATE SKIP LOCKED
+);
+
+-- name: session_is_ended
+-- Whether a dashboard session was logged out.
+SELECT EXISTS (SELECT FROM relay.ended_sessions WHERE session_id = %(session_id)s) AS ended;

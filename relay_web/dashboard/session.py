@@ -25,7 +25,7 @@ import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
@@ -97,7 +97,16 @@ def start(response: Response, user: users.User) -> None:
 
 
 def end(response: Response) -> None:
-    """Log out on ``response``: the cookie is removed (and not renewed by this request)."""
+    """Log out on ``response``: the session's tokens are refused from now on, and the cookie is removed.
+
+    Removing the cookie alone would end the session only in this browser; a
+    copy of the cookie would keep working until the session ran out.
+    """
+    claims = get_jwt()
+    _, longest = _lifetimes()
+    expires_at = datetime.fromtimestamp(float(claims["auth_time"]) + longest, UTC)
+    with connection() as conn:
+        users.end_session(conn, auth.session_id(str(claims["csrf"])), expires_at)
     g.relay_dashboard_ended = True
     config = current_app.config
     response.delete_cookie(

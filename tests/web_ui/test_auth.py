@@ -198,6 +198,30 @@ def test_logout_needs_the_csrf_token_and_ends_the_session(admin: DashboardClient
     assert admin.get("/").status_code == 303
 
 
+def test_a_copy_of_the_cookie_stops_working_when_its_session_logs_out(
+    app: Flask, admin: DashboardClient, jobs: Jobs, dsn: str
+) -> None:
+    """Logout ends the session on the server, not only in the browser that logged out."""
+    job_id = jobs.add()
+    cookie = admin.client.get_cookie("access_token_cookie")
+    assert cookie is not None
+    copy = DashboardClient(app.test_client(), dsn)
+    copy.client.set_cookie("access_token_cookie", cookie.value)
+    copy.csrf = admin.csrf
+    assert copy.get("/").status_code == 200, "the copy works while the session lasts"
+    assert (
+        app.test_client().get("/api/admin/jobs", headers={"Authorization": f"Bearer {cookie.value}"}).status_code == 200
+    )
+    assert admin.post("/logout", htmx=False).status_code == 303
+    assert copy.get("/").status_code == 303, "the copied cookie leads to the login page"
+    assert copy.post(f"/jobs/{job_id}/cancel").status_code in (303, 401), "and acts on nothing"
+    assert jobs.status(job_id) == "queued"
+    api = app.test_client().get("/api/admin/jobs", headers={"Authorization": f"Bearer {cookie.value}"})
+    assert api.status_code == 401 and api.mimetype == "application/problem+json"
+    again = DashboardClient(app.test_client(), dsn)
+    assert again.login("admin").status_code == 303 and again.get("/").status_code == 200, "a new login works"
+
+
 def test_an_api_token_in_the_cookie_is_not_a_dashboard_session(app: Flask, dsn: str) -> None:
     make_user(dsn, "ops", "admin")
     client = app.test_client()

@@ -56,6 +56,8 @@ class Endpoint:
     problems: tuple[int, ...] = ()
     response_headers: dict[int, dict[str, str]] = field(default_factory=dict)
     security: str | None = None
+    #: Probes and scrapers: a query string (an uptime checker's cache buster) is ignored, not refused.
+    ignores_query: bool = False
 
     def all_problems(self) -> list[int]:
         """Every error status this endpoint can answer, for the spec."""
@@ -151,7 +153,7 @@ def _parse_inputs(spec: Endpoint, view_args: dict[str, Any]) -> dict[str, Any]:
         values, repeated = _single_values(request.args, "query")
         errors.extend(repeated)
         sources.append(("query", spec.query, values))
-    elif request.args:
+    elif request.args and not spec.ignores_query:
         errors.extend({"field": name, "in": "query", "detail": "is not a known parameter"} for name in request.args)
     if spec.headers:
         names = [f.alias or n for n, f in spec.headers.model_fields.items()]

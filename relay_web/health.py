@@ -20,14 +20,14 @@ bp = Blueprint("health", __name__)
 
 
 @bp.get("/healthz")
-@endpoint(tag="health", responses={200: HealthRecord})
+@endpoint(tag="health", responses={200: HealthRecord}, ignores_query=True)
 def healthz() -> HealthRecord:
     """Liveness: the process is up. Never touches the database."""
     return HealthRecord()
 
 
 @bp.get("/readyz")
-@endpoint(tag="health", responses={200: ReadyRecord})
+@endpoint(tag="health", responses={200: ReadyRecord}, ignores_query=True)
 def readyz() -> ReadyRecord:
     """Readiness: the database answers and every migration is applied; 503 otherwise."""
     with connection() as conn:

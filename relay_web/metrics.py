@@ -94,7 +94,14 @@ def _check_token() -> None:
 
 
 @bp.get("/metrics")
-@endpoint(tag="metrics", responses={200: None}, media_type="text/plain", security="metricsToken", problems=(401,))
+@endpoint(
+    tag="metrics",
+    responses={200: None},
+    media_type="text/plain",
+    security="metricsToken",
+    problems=(401,),
+    ignores_query=True,
+)
 def metrics() -> Response:
     """Prometheus text format: queue depth by state, outcomes by type, failure ratio, oldest job age, workers."""
     _check_token()

@@ -151,6 +151,7 @@ def test_metrics_token(make_app) -> None:
     assert_problem(client.get("/metrics"), 401, "metrics-token")
     assert_problem(client.get("/metrics", headers={"Authorization": "Bearer wrong"}), 401)
     assert client.get("/metrics", headers={"Authorization": "Bearer scrape-me"}).status_code == 200
+    assert_problem(client.get("/metrics?x=1"), 401, "metrics-token")  # a query string does not get past the token
 
 
 def test_health_and_readiness(client, db) -> None:
@@ -166,6 +167,12 @@ def test_health_and_readiness(client, db) -> None:
         assert "relay migrate" in body["detail"]
     finally:
         db.execute("INSERT INTO relay.schema_migrations (version, name) VALUES (%s, %s)", (version, name))
+
+
+def test_probes_and_scrapes_ignore_a_cache_busting_query_string(client) -> None:
+    assert client.get("/healthz?_=1733030000").get_json() == {"status": "ok"}
+    assert client.get("/readyz?probe=render&probe=again").get_json()["status"] == "ready"
+    assert client.get("/metrics?cachebust=1").status_code == 200
 
 
 def test_database_outage_is_503_and_liveness_stays_up(make_app, admin) -> None:

@@ -98,19 +98,6 @@ def percent(value: float | None) -> str:
     return f"{value * 100:.1f}%"
 
 
-def parse_moment(value: Any) -> datetime | None:
-    """A timestamp from a job's stored error history (ISO text), or None."""
-    if isinstance(value, datetime):
-        return value
-    if not isinstance(value, str):
-        return None
-    try:
-        moment = datetime.fromisoformat(value)
-    except ValueError:
-        return None
-    return moment if moment.tzinfo else moment.replace(tzinfo=UTC)
-
-
 FILTERS = {
     "span": span,
     "ago": ago,

@@ -19,6 +19,7 @@ from relay_core import IllegalTransition, JobDetail, JobStatus, RelayError, admi
 from relay_core.validation import BIGINT_MAX, positive_number
 
 from ..db import connection
+from ..records.common import parse_moment
 from . import formatting
 from .blueprint import bp
 from .render import is_htmx, page
@@ -60,7 +61,7 @@ class Attempt:
 
         return cls(
             attempt=number if isinstance(number, int) and not isinstance(number, bool) else None,
-            at=formatting.parse_moment(entry.get("at")),
+            at=parse_moment(entry.get("at")),
             worker=text("worker"),
             type=text("type"),
             message=text("message") or "",

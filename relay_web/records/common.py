@@ -7,6 +7,7 @@ generated from these same classes, so the spec cannot drift from the code.
 
 from __future__ import annotations
 
+from datetime import UTC, datetime
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, StringConstraints
@@ -145,3 +146,28 @@ class ProblemRecord(Record):
     current_status: StatusName | None = Field(default=None, description="That job's state at the time.")
     allowed_from: list[StatusName] | None = Field(default=None, description="The states the action is allowed from.")
     retry_after: int | None = Field(default=None, description="Seconds to wait before trying again (also a header).")
+
+
+def parse_moment(value: Any) -> datetime | None:
+    """A timestamp from a job's stored error history, in UTC; None when it is not one.
+
+    Relay's workers write ISO 8601 text from the database clock, but the
+    history is JSON anyone with SQL access can write: text that is no
+    timestamp, or one a datetime cannot hold in UTC (9999-12-31 23:00 at
+    -05:00 is year 10000 there), is shown as unknown instead of failing the page.
+    """
+    if isinstance(value, datetime):
+        moment = value
+    elif isinstance(value, str):
+        try:
+            moment = datetime.fromisoformat(value)
+        except ValueError:
+            return None
+    else:
+        return None
+    if moment.tzinfo is None:
+        return moment.replace(tzinfo=UTC)
+    try:
+        return moment.astimezone(UTC)
+    except OverflowError:
+        return None

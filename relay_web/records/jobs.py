@@ -23,6 +23,7 @@ from .common import (
     StatusName,
     integer,
     parameter_integer,
+    parse_moment,
     text,
 )
 from .payload import Payload
@@ -121,7 +122,7 @@ class ErrorEntryRecord(Record):
         texts = {k: entry.get(k) for k in ("worker", "type", "message", "traceback")}
         return cls(
             attempt=attempt if isinstance(attempt, int) and not isinstance(attempt, bool) else None,
-            at=entry.get("at") if isinstance(entry.get("at"), str) else None,
+            at=parse_moment(entry.get("at")),
             **{k: v if v is None or isinstance(v, str) else str(v) for k, v in texts.items()},
         )
 

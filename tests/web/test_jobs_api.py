@@ -262,6 +262,19 @@ def test_a_single_job_action_with_an_empty_id_changes_nothing(
     assert {relay.get_job(job_id).status for job_id in ids} == {status}
 
 
+@pytest.mark.parametrize("at", ["last tuesday", "9999-12-31T23:59:59-05:00", 17])
+def test_an_error_entry_written_by_hand_is_shown_not_a_500(client, admin, relay: Relay, db, at) -> None:
+    """The history is JSON anyone with SQL access can write; a time that is none is shown as unknown."""
+    job_id = relay.enqueue("t", {})
+    make_dead(db, job_id)
+    entry = {"attempt": 1, "at": at, "type": "Boom", "message": "written by hand"}
+    db.execute("UPDATE relay.jobs SET errors = %s WHERE id = %s", (psycopg.types.json.Jsonb([entry]), job_id))
+    errors = client.get(f"/api/admin/jobs/{job_id}", headers=admin).get_json()["errors"]
+    assert errors == [
+        {"attempt": 1, "at": None, "worker": None, "type": "Boom", "message": "written by hand", "traceback": None}
+    ]
+
+
 def test_bulk_requeue_by_filter_answers_how_many_changed(client, admin, relay: Relay, db) -> None:
     emails = relay.enqueue_many([{"type": "send_email"} for _ in range(5)])
     other = relay.enqueue("resize_image", {})

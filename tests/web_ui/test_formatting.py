@@ -8,6 +8,7 @@ import pytest
 
 from relay_core.monitor import MinuteOutcomes
 from relay_web.dashboard import chart, formatting
+from relay_web.records.common import parse_moment
 
 NOW = datetime(2030, 1, 1, 12, 0, tzinfo=UTC)
 
@@ -47,10 +48,12 @@ def test_pretty_json_keeps_text_readable() -> None:
 
 
 def test_error_history_times_parse_or_are_dropped() -> None:
-    assert formatting.parse_moment("2030-01-01T12:00:00+00:00") == NOW
-    assert formatting.parse_moment("2030-01-01T12:00:00") == NOW
-    assert formatting.parse_moment("yesterday") is None
-    assert formatting.parse_moment(42) is None
+    assert parse_moment("2030-01-01T12:00:00+00:00") == NOW
+    assert parse_moment("2030-01-01T12:00:00") == NOW
+    assert parse_moment("2030-01-01T14:00:00+02:00") == NOW and parse_moment(NOW).tzinfo is UTC
+    assert parse_moment("yesterday") is None
+    assert parse_moment(42) is None
+    assert parse_moment("9999-12-31T23:59:59-05:00") is None, "year 10000 in UTC"
 
 
 @pytest.mark.parametrize(("value", "top"), [(0, 1), (1, 1), (3, 5), (7, 10), (11, 20), (480, 500), (501, 1000)])

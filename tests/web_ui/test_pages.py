@@ -241,6 +241,18 @@ def test_status_card_polls_announce_a_failed_attempt_that_left_the_state_as_it_w
     assert "HX-Trigger" not in viewer.get(f"/jobs/{job_id}?part=status&seen={again.group(1)}", htmx=True).headers
 
 
+@pytest.mark.parametrize("at", ["last tuesday", "9999-12-31T23:59:59-05:00"])
+def test_an_error_entry_written_by_hand_does_not_break_the_job_page(
+    viewer: DashboardClient, jobs: Jobs, db: psycopg.Connection, at: str
+) -> None:
+    job_id = jobs.dead(jobs.add())
+    history = [{"attempt": 1, "at": at, "type": "Boom", "message": "Boom: written by hand"}]
+    db.execute("UPDATE relay.jobs SET errors = %s::jsonb WHERE id = %s", (json.dumps(history), job_id))
+    response = viewer.get(f"/jobs/{job_id}")
+    assert response.status_code == 200
+    assert "Boom: written by hand" in _text(response)
+
+
 def test_missing_jobs_are_a_404_page(viewer: DashboardClient) -> None:
     for path in ("/jobs/424242", "/jobs/99999999999999999999"):
         response = viewer.get(path)

@@ -17,6 +17,8 @@ from typing import Any
 from flask import Response, json, request
 from pydantic import BaseModel, ValidationError
 
+from relay_core.validation import MAX_PAYLOAD_DEPTH
+
 from . import auth
 from .bodies import read_body
 from .problems import Problem, validation_problem
@@ -107,13 +109,19 @@ def _single_values(pairs: Any, where: str) -> tuple[dict[str, str], list[dict[st
     return values, errors
 
 
-def _number_too_long(reason: str) -> None:
-    # The JSON parser reads numbers of up to 4,300 digits (Python's own limit
-    # for int <-> str) and calls a longer one "out of range": the JSON is valid,
-    # the number is not one Relay takes.
+def _valid_but_refused(reason: str) -> None:
+    # Two limits of the JSON parser refuse valid JSON, and saying "not valid
+    # JSON" would send a client looking for a syntax error that is not there.
+    # Numbers of up to 4,300 digits are read (Python's own limit for
+    # int <-> str); a longer one is "out of range". Arrays and objects nested
+    # past the parser's recursion limit are refused before Relay's own
+    # payload depth check could name the limit, so it is named here.
     if reason.startswith("number out of range"):
         where = reason.removeprefix("number out of range").strip()
         detail = f"has a number with more than 4,300 digits ({where}); send it as a string"
+        raise validation_problem([{"field": "body", "in": "body", "detail": detail}])
+    if reason.startswith("recursion limit exceeded"):
+        detail = f"nests arrays and objects too deeply; a payload may nest at most {MAX_PAYLOAD_DEPTH} levels"
         raise validation_problem([{"field": "body", "in": "body", "detail": detail}])
 
 
@@ -136,7 +144,7 @@ def _parse_body(model: type[BaseModel]) -> BaseModel:
     except ValidationError as exc:
         invalid = [e for e in exc.errors(include_url=False) if e.get("type") == "json_invalid"]
         if invalid:
-            _number_too_long(str(invalid[0].get("ctx", {}).get("error", "")))
+            _valid_but_refused(str(invalid[0].get("ctx", {}).get("error", "")))
             raise Problem(400, "Bad Request", "The body is not valid JSON.") from None
         if any(e.get("type") == "model_type" and not e.get("loc") for e in exc.errors(include_url=False)):
             raise validation_problem([{"field": "body", "in": "body", "detail": "must be a JSON object"}]) from None

@@ -49,6 +49,16 @@ def test_a_number_too_long_to_read_is_named_not_called_invalid_json(client, admi
     assert db.execute("SELECT count(*) FROM relay.jobs").fetchone()[0] == 1
 
 
+@pytest.mark.parametrize("depth", [150, 300, 5000])
+def test_a_payload_nested_too_deeply_is_named_not_called_invalid_json(client, admin, db, depth: int) -> None:
+    """Past the parser's own recursion limit as well as past Relay's: the same 422 naming the limit."""
+    data = '{"type": "t", "payload": ' + "[" * depth + "]" * depth + "}"
+    response = client.post("/api/admin/jobs", headers=admin, data=data, content_type="application/json")
+    body = assert_problem(response, 422, "validation")
+    assert "100 levels" in json.dumps(body) and "not valid JSON" not in json.dumps(body), body
+    assert db.execute("SELECT count(*) FROM relay.jobs").fetchone()[0] == 0
+
+
 def test_a_compressed_body_is_415_not_invalid_json(client, admin, db) -> None:
     for coding in ("gzip", "br", "deflate, gzip"):
         response = client.post(

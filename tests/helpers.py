@@ -143,13 +143,18 @@ class TcpProxy:
     """A TCP proxy in front of the test PostgreSQL, listening on ``listen_port`` (else a free port).
 
     Clearing ``flowing`` stops it passing bytes while every connection stays
-    open: a database that stalls rather than refuses.
+    open: a database that stalls rather than refuses. Setting ``hold_answers_with``
+    holds back the database's answers that carry those bytes (the statements
+    still arrive and run), and :meth:`cut` then breaks every connection: those
+    answers are lost in transit.
     """
 
     def __init__(self, host: str, port: int, listen_port: int = 0) -> None:
         self.upstream = (host, port)
         self.flowing = threading.Event()
         self.flowing.set()
+        self.hold_answers_with: bytes | None = None
+        self._released = threading.Event()
         self.sockets: list[socket.socket] = []
         self.server = socket.create_server(("127.0.0.1", listen_port))
         self.port = self.server.getsockname()[1]
@@ -167,13 +172,16 @@ class TcpProxy:
                 client.close()
                 continue
             self.sockets += [client, upstream]
-            for src, dst in ((client, upstream), (upstream, client)):
-                threading.Thread(target=self._pipe, args=(src, dst), daemon=True).start()
+            for src, dst, answers in ((client, upstream, False), (upstream, client, True)):
+                threading.Thread(target=self._pipe, args=(src, dst, answers), daemon=True).start()
 
-    def _pipe(self, src: socket.socket, dst: socket.socket) -> None:
+    def _pipe(self, src: socket.socket, dst: socket.socket, answers: bool) -> None:
         try:
             while data := src.recv(65536):
                 self.flowing.wait()
+                if answers and self.hold_answers_with is not None and self.hold_answers_with in data:
+                    self._released.wait()
+                    return  # the answer is lost with its connection
                 dst.sendall(data)
         except OSError:
             pass
@@ -182,8 +190,17 @@ class TcpProxy:
                 with contextlib.suppress(OSError):
                     sock.shutdown(socket.SHUT_RDWR)
 
+    def cut(self) -> None:
+        """Break every open connection (their held answers are lost); new ones pass as before."""
+        for sock in self.sockets:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+        self.hold_answers_with = None
+        self._released.set()
+
     def close(self) -> None:
         self.flowing.set()
+        self._released.set()
         self.server.close()
         for sock in self.sockets:
             sock.close()

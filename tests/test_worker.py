@@ -16,6 +16,7 @@ from psycopg_pool import PoolTimeout
 from relay_core import Backoff, ConfigurationError, Job, PermanentFailure, Relay, Snooze, Worker, monitor
 from relay_core.pools import all_in_use, make_pool
 from relay_core.queries import sql
+from relay_core.worker.claim import hand_back_unheld
 from relay_core.worker.config import WorkerConfig
 from relay_core.worker.ledger import Slot
 from relay_core.worker.maintenance import sweep_once
@@ -1022,6 +1023,61 @@ def test_a_handler_hears_its_lease_ran_out_while_the_database_stalls(dsn: str, r
     record = relay.get_job(job_id)
     assert record.attempts == 2
     assert [e["type"] for e in record.errors] == ["LeaseLost"], record.errors
+
+
+def test_jobs_a_claim_took_whose_answer_was_lost_go_back_with_their_attempt(
+    dsn: str, relay: Relay, db: psycopg.Connection
+) -> None:
+    """The claim commits, its answer never arrives (the connection breaks on the way): the worker
+    never learns of the jobs. It returns them once it reaches the database again, before the lease
+    would have let the sweeper take them with their attempt spent: a job with one attempt runs,
+    instead of ending dead without having run."""
+    params = conninfo.conninfo_to_dict(dsn)
+    proxy = TcpProxy(str(params.get("host", "127.0.0.1")), int(params.get("port", 5432)))
+    through = Relay(conninfo.make_conninfo(dsn, host="127.0.0.1", port=str(proxy.port)))
+    ran: list[int] = []
+
+    @through.handler("once", max_attempts=1)
+    def once(job: Job) -> None:
+        ran.append(job.id)
+
+    settings = {"concurrency": 1, "lease_seconds": 60.0, "heartbeat_interval": 20.0, "listen": False}
+    try:
+        with running_worker(through, **settings) as worker:
+            warm = relay.enqueue("once")
+            wait_for(lambda: job_status(db, warm) == "succeeded", what="a first job through the proxy")
+            proxy.hold_answers_with = b"lost-answer-7f3a"  # only the claim's answer carries the payload
+            job_id = relay.enqueue("once", {"marker": "lost-answer-7f3a"})
+            wait_for(lambda: job_status(db, job_id) == "claimed", what="the claim to commit")
+            assert job_id not in worker.ledger.held_leases(), "its answer has not arrived"
+            proxy.cut()
+            wait_for(lambda: job_status(db, job_id) == "succeeded", timeout=20, what="the job to run")
+    finally:
+        through.close()
+        proxy.close()
+    record = relay.get_job(job_id)
+    assert (record.attempts, record.errors, ran.count(job_id)) == (1, [], 1)
+
+
+def test_only_unheld_jobs_claimed_under_the_workers_own_id_are_returned(relay: Relay, db: psycopg.Connection) -> None:
+    held, lost, newer, elsewhere = relay.enqueue_many([{"type": "t"} for _ in range(4)])
+    for job_id, worker in ((held, "w-1"), (lost, "w-1"), (newer, "w-1"), (elsewhere, "w-2")):
+        db.execute(
+            "UPDATE relay.jobs SET status = 'claimed', claimed_by = %s, claimed_until = now() + interval '1 minute', "
+            "attempts = attempts + 1, lease_token = lease_token + 1, started_at = now() WHERE id = %s",
+            (worker, job_id),
+        )
+    tokens = dict(db.execute("SELECT id, lease_token FROM relay.jobs").fetchall())
+    # The worker holds ``held``, and an earlier lease of ``newer``, which was claimed again since.
+    holding = {held: tokens[held], newer: tokens[newer] - 1}
+    assert sorted(hand_back_unheld(relay.pool, "w-1", holding)) == sorted([lost, newer])
+    rows = {row[0]: row[1:] for row in db.execute("SELECT id, status::text, attempts FROM relay.jobs")}
+    assert rows == {held: ("claimed", 1), lost: ("queued", 0), newer: ("queued", 0), elsewhere: ("claimed", 1)}
+
+
+def test_a_worker_id_given_in_the_settings_may_be_shared_one_made_for_the_process_is_not() -> None:
+    assert WorkerConfig().owns_worker_id and not WorkerConfig(worker_id="steady").owns_worker_id
+    assert WorkerConfig().worker_id != WorkerConfig().worker_id
 
 
 def test_a_claim_that_waited_for_a_pooled_connection_counts_its_lease_from_the_claim(

@@ -222,6 +222,25 @@ FROM unnest(%(ids)s::bigint[], %(tokens)s::integer[], %(delays)s::float8[]) AS h
 WHERE j.id = h.id AND j.lease_token = h.token AND j.status = 'claimed'
 RETURNING j.id;
 
+-- name: job_hand_back_unheld
+-- A claim whose answer never reached its worker (the connection broke after
+-- the claim committed) left jobs claimed under the worker's id that the worker
+-- does not know of: return them, fenced by every lease the worker does hold
+-- (id and token), with the attempt they never used. Left to the sweeper, the
+-- attempt would count, and a job on its last attempt would end dead without
+-- having run. Only for a worker id no other process shares, run by the
+-- worker's only claimer between its claims, so no claim of its own is in flight.
+-- transition: claimed -> queued, cancelled
+UPDATE relay.jobs AS j
+SET status = CASE WHEN j.cancel_requested_at IS NOT NULL THEN 'cancelled' ELSE 'queued' END::relay.job_status,
+    finished_at = CASE WHEN j.cancel_requested_at IS NOT NULL THEN now() END,
+    attempts = greatest(j.attempts - 1, 0), claimed_until = NULL
+WHERE j.status = 'claimed' AND j.claimed_by = %(worker_id)s
+  AND NOT EXISTS (
+      SELECT FROM unnest(%(ids)s::bigint[], %(tokens)s::integer[]) AS held(id, token)
+      WHERE held.id = j.id AND held.token = j.lease_token)
+RETURNING j.id;
+
 -- name: job_rescue_expired
 -- The sweeper, in one statement: jobs whose lease ran out (their worker died or
 -- hung) go back to queued, or to dead when their attempts are spent, or to

@@ -69,3 +69,17 @@ def claim_rows(pool: RelayPool, params: dict[str, Any]) -> tuple[list[dict[str, 
             finally:
                 restore_transactions(conn)
     return rows, sent
+
+
+def hand_back_unheld(pool: RelayPool, worker_id: str, held: dict[int, int]) -> list[int]:
+    """Return the jobs claimed under ``worker_id`` whose leases are not in ``held`` (id -> token); their ids.
+
+    After a claim failed on a broken connection: it may have committed, and
+    its jobs would wait for the sweeper with an attempt spent.
+    """
+    with pool.connection(timeout=CLAIM_CONNECTION_WAIT_SECONDS) as conn:
+        rows = conn.execute(
+            sql("job_hand_back_unheld"),
+            {"worker_id": worker_id, "ids": list(held), "tokens": list(held.values())},
+        ).fetchall()
+    return [row[0] for row in rows]

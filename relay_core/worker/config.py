@@ -38,13 +38,20 @@ class WorkerConfig:
     sweep_interval: float = 5.0
     shutdown_timeout: float = 25.0
     listen: bool = True
-    worker_id: str = field(default_factory=_worker_id)
+    #: Empty: one is made for this process (host:pid:random), which no other process shares.
+    worker_id: str = ""
     #: How long finished jobs are kept; None turns pruning off in this worker.
     retention: Retention | None = field(default_factory=Retention)
     #: Vacuum Relay's tables when the server's autovacuum is off (a no-op where it runs).
     self_vacuum: bool = True
+    #: Whether ``worker_id`` was made for this process, so every job claimed under it is this
+    #: process's (a given id may be shared, by a process starting while another drains).
+    owns_worker_id: bool = field(init=False, default=False)
 
     def __post_init__(self) -> None:
+        if not self.worker_id:
+            self.worker_id = _worker_id()
+            self.owns_worker_id = True
         if not self.queues:
             raise ConfigurationError("a worker needs at least one queue")
         for queue in self.queues:

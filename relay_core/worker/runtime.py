@@ -30,7 +30,7 @@ from ..queries import sql
 from ..signals import ShutdownSignals
 from . import executor, limits, periodic
 from .aio import SlotLoop
-from .claim import PREFETCH_BELOW_SECONDS, claim_rows, prefetch_per_slot
+from .claim import PREFETCH_BELOW_SECONDS, claim_rows, hand_back_unheld, prefetch_per_slot
 from .completer import Completer
 from .config import WorkerConfig
 from .ledger import Ledger, Running, Slot
@@ -360,6 +360,9 @@ class Worker:
 
     def _produce(self) -> None:
         delay = 0.1
+        # A claim that failed on a broken connection may have committed: its jobs are
+        # claimed under this worker's id, and the worker never saw them.
+        unanswered = False
         while not self.stopping.is_set():
             capacity = self.config.concurrency + self.prefetch()
             free = capacity - self.in_flight()
@@ -374,10 +377,15 @@ class Worker:
             self._wake.clear()
             began = time.monotonic()
             try:
+                if unanswered:
+                    self._return_unheld()
+                    unanswered = False
                 jobs, sent = self._claim(free)
                 delay = 0.1
                 self.pooled_calls.succeeded()
             except (psycopg.OperationalError, psycopg.InterfaceError, PoolTimeout) as exc:
+                # A PoolTimeout sent nothing; anything else may have lost a committed claim's answer.
+                unanswered = unanswered or not isinstance(exc, PoolTimeout)
                 self.pooled_calls.failed("claim", exc, began=began)
                 self.stopping.wait(delay)
                 delay = next_retry_delay(delay)
@@ -386,6 +394,19 @@ class Worker:
                 self._dispatch(jobs, sent)
             if len(jobs) < free:
                 self._wake.wait(self.config.poll_interval)
+
+    def _return_unheld(self) -> None:
+        """Return the jobs a claim took whose answer was lost, when no other process can hold them.
+
+        A worker id given in the settings may be another process's too (one
+        starting while the other drains), and the jobs it holds must not be
+        returned; those wait for the sweeper, their attempt spent.
+        """
+        if not self.config.owns_worker_id:
+            return
+        returned = hand_back_unheld(self.pool, self.id, self.ledger.held_leases())
+        if returned:
+            event(logging.WARNING, "returned jobs a claim took whose answer was lost", job_ids=sorted(returned))
 
     def _exhaustion_cause(self) -> str | None:
         """What holds the pool's connections, as far as the worker knows; None while one is free."""

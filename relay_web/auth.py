@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 from typing import Any
 
+import psycopg
 from flask import Flask, Response, current_app
 from flask_jwt_extended import (
     JWTManager,
@@ -66,13 +67,14 @@ def session_id(csrf: str) -> str:
     return hashlib.sha256(csrf.encode()).hexdigest()
 
 
-def _session_ended(header: dict[str, Any], payload: dict[str, Any]) -> bool:
-    """Whether a token belongs to a dashboard session that was logged out (API tokens never do)."""
-    csrf = payload.get("csrf")
-    if not isinstance(csrf, str) or "auth_time" not in payload:
-        return False
-    with connection() as conn:
-        return users.session_ended(conn, session_id(csrf))
+def is_session_token(claims: dict[str, Any]) -> bool:
+    """Whether verified claims are a dashboard session's (API tokens carry no login time)."""
+    return isinstance(claims.get("csrf"), str) and "auth_time" in claims
+
+
+def session_ended(conn: psycopg.Connection, claims: dict[str, Any]) -> bool:
+    """Whether a dashboard session's token belongs to a session that was logged out."""
+    return users.session_ended(conn, session_id(claims["csrf"]))
 
 
 def init_app(app: Flask) -> JWTManager:
@@ -81,7 +83,6 @@ def init_app(app: Flask) -> JWTManager:
     jwt.unauthorized_loader(_missing)
     jwt.invalid_token_loader(_invalid)
     jwt.expired_token_loader(_expired)
-    jwt.token_in_blocklist_loader(_session_ended)
     jwt.revoked_token_loader(lambda header, payload: _invalid("revoked"))
     jwt.user_lookup_error_loader(lambda header, payload: _invalid("unknown user"))
     jwt.token_verification_failed_loader(lambda header, payload: _invalid("claims"))
@@ -97,6 +98,10 @@ def require(role: str) -> dict[str, Any]:
     """
     verify_jwt_in_request(locations=["headers"])
     claims = get_jwt()
+    if is_session_token(claims):  # a dashboard cookie's token sent as a bearer token
+        with connection() as conn:
+            if session_ended(conn, claims):
+                raise invalid_token()
     held = claims.get("role")
     if held not in ROLES:
         raise unauthorized("The token carries no role Relay knows; log in again.", slug="token-invalid")

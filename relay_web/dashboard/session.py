@@ -155,7 +155,8 @@ def _load() -> Session | None:
     if user_id is None:
         return None
     with connection() as conn:
-        user = users.get_user(conn, user_id)
+        # The logout check shares the user's read: one pooled connection per request.
+        user = None if auth.session_ended(conn, claims) else users.get_user(conn, user_id)
     if user is None or claims["pwd"] != auth.session_mark(user):
         return None
     return Session(user=user, csrf=str(claims["csrf"]))

@@ -69,13 +69,14 @@ class Worker:
         self.limits_exist = True
         # Moving average of handler run time; starts "long" so nothing is prefetched until jobs prove short.
         self._typical_run = PREFETCH_BELOW_SECONDS * 2
+        application_name = worker_application_name(self.id)
         self.pool = make_pool(
             dsn,
             name=f"relay-worker-{self.id}",
             min_size=2,
             max_size=self.config.concurrency + 4,
             timeout=10.0,
-            application_name=worker_application_name(self.id),
+            application_name=application_name,
         )
         # One account of a database outage for all of this worker's threads; the calls
         # that wait for a pooled connection also tell a pool whose every connection
@@ -105,9 +106,7 @@ class Worker:
             pooled_calls=self.pooled_calls,
         )
         self.listener = (
-            Listener(
-                dsn, self.config.queues, self._wake.set, self.outage, application_name=worker_application_name(self.id)
-            )
+            Listener(dsn, self.config.queues, self._wake.set, self.outage, application_name=application_name)
             if self.config.listen
             else None
         )

@@ -18,6 +18,7 @@ import psycopg
 from psycopg.rows import dict_row
 
 from .inserts import Statement, Steps
+from .pools import RelayConnection
 
 T = TypeVar("T")
 
@@ -65,8 +66,14 @@ def fetch_all(conn: Any, sql: str, params: dict[str, Any]) -> list[dict[str, Any
 def fetch_first_value(conn: Any, sql: str, params: dict[str, Any]) -> Any:
     """The first column of the first row ``sql`` returns, or None when it returns no row.
 
-    The one-job enqueue's path: on psycopg it skips building a dict per row.
+    The one-job enqueue's path: on psycopg it skips building a dict per row,
+    and on a connection of Relay's pools it skips building a cursor.
     """
+    if isinstance(conn, RelayConnection):
+        cur = conn.kept_cursor()
+        cur.execute(sql, params, prepare=True)
+        row = cur.fetchone()
+        return None if row is None else row[0]
     if isinstance(conn, psycopg.Connection):
         row = conn.execute(sql, params, prepare=True).fetchone()
         return None if row is None else row[0]

@@ -52,15 +52,54 @@ class CappedAttempt(AttemptWithBackoff):
 
 
 class ReconnectingPool(ConnectionPool):
-    """A psycopg pool that tries to reconnect at least every RECONNECT_MAX_DELAY_SECONDS.
+    """A psycopg pool that tries to reconnect at least every RECONNECT_MAX_DELAY_SECONDS,
+    and hands out the idle connection returned last.
 
     Every pool of Relay's is one, the admin web app's too: a worker or a web
     process must notice a database that came back within seconds.
+
+    psycopg_pool hands out idle connections in turn (first returned, first
+    out), so a thread that enqueues one job after another alternated between
+    two server processes (the pool grows to two as soon as one request waits
+    for the first connection), each woken cold. Taking the connection returned
+    last keeps a steady load on as few server processes as it needs; the ones
+    left idle are those the pool closes after ``max_idle``, and those that
+    ``make_pool``'s check looks at before handing them out again.
     """
 
     def _add_connection(self, attempt: AttemptWithBackoff | None, growing: bool = False) -> None:
         # The pool's own hook for (re)connecting; its first try starts a capped attempt.
         super()._add_connection(attempt or CappedAttempt(timeout=self.reconnect_timeout), growing)
+
+    def _get_ready_connection(self, timeout: float | None) -> psycopg.Connection | None:
+        # The pool's own hook for taking an idle connection, called under its lock.
+        # It takes the leftmost of its deque and returns connections to the right,
+        # so idle connections serve in turn; moving the rightmost (the one
+        # returned last) to the left first makes it take that one instead.
+        self._pool.rotate(1)
+        return super()._get_ready_connection(timeout)
+
+
+class RelayConnection(psycopg.Connection[Any]):
+    """A connection of Relay's pools, keeping one cursor for Relay's one-row statements.
+
+    ``Connection.execute`` builds a new cursor, with its own copy of the
+    connection's adapters, for every statement. On the 2-core development
+    machine that was 20 us of the ~75 us of client CPU a one-job enqueue's
+    statement cost (psycopg alone, a held connection, 3,000 statements per
+    round, the least of five rounds: 73 us with ``conn.execute``, 53 us on a
+    kept cursor), and a one-job enqueue is that statement alone. A pooled
+    connection serves one thread at a time, and so does its cursor.
+    """
+
+    _kept_cursor: psycopg.Cursor[Any] | None = None
+
+    def kept_cursor(self) -> psycopg.Cursor[Any]:
+        """This connection's reusable cursor (tuple rows), made on first use or after it was closed."""
+        cur = self._kept_cursor
+        if cur is None or cur.closed:
+            cur = self._kept_cursor = self.cursor()
+        return cur
 
 
 class RelayPool(ReconnectingPool):
@@ -155,6 +194,7 @@ def make_pool(
         name=name,
         open=False,
         timeout=timeout,
+        connection_class=RelayConnection,
         configure=configure_session,
         check=check_if_idle,
         kwargs={"autocommit": autocommit, **connection_options(dsn, pooling, application_name=application_name)},

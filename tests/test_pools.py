@@ -1,0 +1,50 @@
+"""Relay's connection pools: which idle connection is handed out, and the kept cursor."""
+
+from __future__ import annotations
+
+import psycopg
+import pytest
+
+from relay_core.connections import fetch_first_value
+from relay_core.pools import RelayConnection, make_pool
+
+
+def test_the_pool_hands_out_the_connection_returned_last(dsn: str) -> None:
+    pool = make_pool(dsn, name="t", min_size=2, max_size=2, autocommit=True)
+    pool.open(wait=True)
+    try:
+        first, second = pool.getconn(), pool.getconn()
+        pool.putconn(first)
+        pool.putconn(second)
+        taken = [pool.getconn()]
+        pool.putconn(taken[0])
+        for _ in range(5):
+            taken.append(pool.getconn())
+            pool.putconn(taken[-1])
+        # In turn (psycopg_pool's own order) they would alternate: first, second, first, ...
+        assert all(conn is second for conn in taken)
+        # Two taken at once are still two connections, and the one returned last comes first.
+        a, b = pool.getconn(), pool.getconn()
+        assert a is not b
+        pool.putconn(b)
+        pool.putconn(a)
+        assert pool.getconn() is a
+    finally:
+        pool.close()
+
+
+def test_the_kept_cursor_serves_again_after_a_failed_statement_and_after_being_closed(dsn: str) -> None:
+    pool = make_pool(dsn, name="t", min_size=1, max_size=1, autocommit=True)
+    pool.open(wait=True)
+    try:
+        with pool.connection() as conn:
+            assert isinstance(conn, RelayConnection)
+            assert conn.kept_cursor() is conn.kept_cursor()
+            with pytest.raises(psycopg.errors.DivisionByZero):
+                fetch_first_value(conn, "SELECT 1 / %(zero)s", {"zero": 0})
+            assert fetch_first_value(conn, "SELECT %(n)s::int + 1", {"n": 1}) == 2
+            conn.kept_cursor().close()
+            assert fetch_first_value(conn, "SELECT %(n)s::int + 2", {"n": 1}) == 3
+            assert fetch_first_value(conn, "SELECT 1 WHERE false", {}) is None
+    finally:
+        pool.close()

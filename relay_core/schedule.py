@@ -6,6 +6,7 @@ this module only answers which tick is due and which comes next.
 
 from __future__ import annotations
 
+import re
 from datetime import UTC, datetime, timedelta
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
@@ -24,10 +25,31 @@ DST_REACH = timedelta(hours=3)
 SEARCH_REACH = timedelta(days=366 * 30)
 
 
+#: Cron fields: minute, hour, day of month, month, day of week, and optionally seconds.
+CRON_FIELDS = (5, 6)
+#: croniter's random field (``R``, ``R(0-29)``): a new value each time an
+#: expression is read, so every worker and every check would see other ticks.
+_RANDOM_FIELD = re.compile(r"(?:^|,)\s*R(?:$|[(/,])", re.IGNORECASE)
+
+
 def check_cron(expression: str, timezone: str) -> None:
-    """Refuse an invalid cron expression or an unknown time zone."""
+    """Refuse an invalid cron expression or an unknown time zone.
+
+    croniter reads more than cron: a 7th field for the year, which stops
+    matching once its years are past (and then fails every worker that reads
+    it), and ``R`` for a random value, drawn again on every read (so a worker
+    checking each second finds a new due tick each time). Neither is cron,
+    so both are refused here, at registration.
+    """
     if not isinstance(expression, str) or not croniter.is_valid(expression):
         raise InvalidJobError("cron", f"{expression!r} is not a valid cron expression")
+    fields = expression.split()
+    if not expression.lstrip().startswith("@") and len(fields) not in CRON_FIELDS:
+        raise InvalidJobError(
+            "cron", f"{expression!r} has {len(fields)} fields; cron has 5 (minute to day of week), or 6 with seconds"
+        )
+    if any(_RANDOM_FIELD.search(field) for field in fields):
+        raise InvalidJobError("cron", f"{expression!r} has a random (R) field, which gives no fixed tick")
     # A name, not a tzinfo: it is stored in relay.schedules and read by every worker.
     if not isinstance(timezone, str):
         raise InvalidJobError("timezone", f"must be an IANA time zone name such as 'Europe/Berlin', got {timezone!r}")
@@ -133,6 +155,17 @@ def _jump(before: datetime, after: datetime, zone: ZoneInfo) -> datetime:
         else:
             high = middle
     return high.replace(microsecond=0)
+
+
+def ticks_between(expression: str, timezone: str, after: datetime, before: datetime, most: int) -> int:
+    """How many ticks fall strictly between ``after`` and ``before``, counting no further than ``most``."""
+    count, tick = 0, after
+    while count < most:
+        tick = next_tick(expression, timezone, tick)
+        if tick >= before:
+            break
+        count += 1
+    return count
 
 
 def is_missed(tick: datetime, now: datetime) -> bool:

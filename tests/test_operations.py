@@ -190,6 +190,33 @@ def test_a_tick_that_fell_due_while_a_worker_ran_is_enqueued_however_late(relay:
     assert enqueue_due(db, specs, clock=late) == []
 
 
+def test_ticks_passed_between_two_late_checks_are_logged_and_only_the_latest_runs(
+    relay: Relay, db: psycopg.Connection, caplog: pytest.LogCaptureFixture
+) -> None:
+    @relay.handler("every_minute", cron="* * * * *")
+    def minute(job: Job) -> None:
+        return None
+
+    specs = list(relay.handlers.values())
+    publish(db, specs)
+    now = db.execute("SELECT now()").fetchone()[0].astimezone(UTC)
+    first = now.replace(second=0, microsecond=0) + timedelta(minutes=10)
+    later = first + timedelta(minutes=5)
+    db.execute(
+        "INSERT INTO relay.workers (id, host, pid, queues, concurrency, started_at, last_seen_at) "
+        "VALUES ('a', 'h', 1, '{default}', 8, %s, %s)",
+        (now - timedelta(hours=1), later + timedelta(minutes=1)),
+    )
+    assert enqueue_due(db, specs, clock=first + timedelta(seconds=5)) == [("every_minute", first.isoformat())]
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="relay"):
+        assert enqueue_due(db, specs, clock=later + timedelta(seconds=5)) == [("every_minute", later.isoformat())]
+    passed = [r for r in caplog.records if r.getMessage().startswith("periodic ticks passed")]
+    assert [(r.passed, r.since, r.tick) for r in passed] == [(4, first.isoformat(), later.isoformat())]
+    scheduled = db.execute("SELECT payload->>'scheduled_for' FROM relay.jobs ORDER BY id").fetchall()
+    assert scheduled == [(first.isoformat(),), (later.isoformat(),)]
+
+
 def test_a_schedules_last_run_is_the_last_tick_that_enqueued_a_job(relay: Relay, db: psycopg.Connection) -> None:
     """last_tick also moves when a schedule is registered and when a missed tick is skipped; the last run
     (last_enqueued_tick, last_job_id) moves only with the job a tick enqueued, in the same transaction."""
@@ -290,6 +317,30 @@ def test_invalid_cron_or_timezone_is_refused(relay: Relay) -> None:
         relay.handler("bad4", cron="*/10 2 * 3 0#2", timezone="America/New_York")(lambda job: None)
     assert "bad" not in relay.handlers and "bad3" not in relay.handlers
     relay.handler("leap_day", cron="0 0 29 2 *")(lambda job: None)  # rare, but it fires
+
+
+@pytest.mark.parametrize(
+    ("cron", "reason"),
+    [
+        ("R * * * *", "random"),  # croniter draws a new minute each time it reads this
+        ("0 R(0-23) * * *", "random"),
+        ("*/5 * * * * R", "random"),
+        ("0 0 1 1 * 0 2027", "7 fields"),  # croniter's year field: stops matching after 2027
+        ("0 0 1 1 * 0 2026,2027", "7 fields"),
+    ],
+)
+def test_croniter_extensions_that_are_not_cron_are_refused(relay: Relay, cron: str, reason: str) -> None:
+    from relay_core import InvalidJobError
+
+    with pytest.raises(InvalidJobError, match=reason):
+        relay.handler("not_cron", cron=cron)(lambda job: None)
+    assert "not_cron" not in relay.handlers
+
+
+@pytest.mark.parametrize("cron", ["0 0 * MAR,APR *", "0 9 * * THU", "0 0 L * *", "0 0 * * 5#3", "* * * * * */5"])
+def test_month_and_day_names_and_cron_extras_are_accepted(relay: Relay, cron: str) -> None:
+    relay.handler("named", cron=cron)(lambda job: None)
+    assert relay.handlers["named"].cron == cron
 
 
 def test_retention_prunes_old_finished_jobs_and_keeps_history(relay: Relay, db: psycopg.Connection) -> None:

@@ -72,11 +72,13 @@ RETURNING type, cron, timezone, queue, last_tick, next_tick;
 
 -- name: schedule_advance
 -- Claim one tick of a schedule: only the worker whose UPDATE moves last_tick
--- forward enqueues it (in the same transaction).
-UPDATE relay.schedules
+-- forward enqueues it (in the same transaction). Returns the tick it moved on
+-- from (as of the statement's snapshot), so the ticks passed in between can be told.
+UPDATE relay.schedules AS s
 SET last_tick = %(tick)s, next_tick = %(next_tick)s, updated_at = now()
-WHERE type = %(type)s AND (last_tick IS NULL OR last_tick < %(tick)s)
-RETURNING type;
+FROM (SELECT type, last_tick FROM relay.schedules WHERE type = %(type)s) AS before
+WHERE s.type = before.type AND (s.last_tick IS NULL OR s.last_tick < %(tick)s)
+RETURNING before.last_tick AS previous_tick;
 
 -- name: schedule_record_run
 -- The tick just enqueued is the schedule's last run, written in the transaction

@@ -20,7 +20,7 @@ import psycopg
 from ..handlers import HandlerSpec
 from ..logs import event
 from ..queries import sql
-from ..schedule import is_missed, next_tick, previous_tick
+from ..schedule import is_missed, next_tick, previous_tick, ticks_between
 
 
 def _db_now(conn: psycopg.Connection) -> datetime:
@@ -52,12 +52,39 @@ def publish(conn: psycopg.Connection, specs: Iterable[HandlerSpec]) -> None:
     conn.commit()
 
 
+#: How many passed ticks a warning counts exactly (an every-second schedule after a long outage passes thousands).
+PASSED_TICKS_COUNTED = 1000
+
+
+def _report_passed_ticks(spec: HandlerSpec, previous: datetime | None, tick: datetime) -> None:
+    """Warn when ticks fell due between the schedule's last tick and this one: they are not enqueued.
+
+    A check runs only the latest due tick. Ticks that passed while the check
+    was held up (a database outage, a long vacuum on the maintenance thread)
+    or while every worker was down are folded into it, not enqueued one by one.
+    """
+    if previous is None:
+        return
+    passed = ticks_between(spec.cron, spec.timezone, previous, tick, PASSED_TICKS_COUNTED)  # type: ignore[arg-type]
+    if passed:
+        event(
+            logging.WARNING,
+            "periodic ticks passed between two checks; only the latest is enqueued",
+            type=spec.type,
+            passed=passed if passed < PASSED_TICKS_COUNTED else f"{PASSED_TICKS_COUNTED} or more",
+            since=previous.isoformat(),
+            tick=tick.isoformat(),
+        )
+
+
 def enqueue_due(
     conn: psycopg.Connection, specs: Iterable[HandlerSpec], *, clock: datetime | None = None
 ) -> list[tuple[str, str]]:
-    """Enqueue every schedule's due tick that nobody enqueued yet; return (type, tick) pairs.
+    """Enqueue every schedule's latest due tick that nobody enqueued yet; return (type, tick) pairs.
 
-    A tick is missed (skipped unless the schedule catches up) only when it is
+    Only the latest due tick is enqueued: earlier ones that passed since the
+    schedule's last tick are logged (``_report_passed_ticks``), not run. That
+    tick is missed (skipped unless the schedule catches up) only when it is
     over MISSED_AFTER_SECONDS old and no worker serving its queue was running
     when it fell due, by the registry: a worker that was running saw it fall
     due, so it runs however late a check comes (a long prune or vacuum on a
@@ -78,6 +105,7 @@ def enqueue_due(
             ).fetchone()
             if not won:
                 continue
+            _report_passed_ticks(spec, won[0], tick)
             if is_missed(tick, now) and not spec.catch_up and not _worker_was_running(conn, spec.queue, tick):
                 event(
                     logging.WARNING,

@@ -11,11 +11,13 @@ import click
 import psycopg
 
 from . import admin, logs
+from . import migrate as migrator
 from .cli_users import MISSING_TABLES, connect, user
 from .client import Relay
 from .errors import ConfigurationError, InvalidJobError, MigrationError, RelayError
 from .settings import database_url, database_url_set
 from .validation import positive_number
+from .worker.config import MAX_CONCURRENCY
 
 
 def load_app(spec: str) -> Relay:
@@ -52,7 +54,22 @@ def _dsn_or_embedded() -> str:
     return start()
 
 
-@click.group()
+class RelayCommands(click.Group):
+    """The ``relay`` group: Relay's own configuration errors end any command with one line, not a traceback.
+
+    A ``RELAY_*`` setting is read where it is used, often when a ``Relay`` is
+    built, which for ``--app`` happens inside the user's module as it is
+    imported; wherever that is, the message names the setting.
+    """
+
+    def invoke(self, ctx: click.Context) -> object:
+        try:
+            return super().invoke(ctx)
+        except (ConfigurationError, MigrationError) as exc:
+            raise click.ClickException(str(exc)) from None
+
+
+@click.group(cls=RelayCommands)
 @click.option(
     "--log-level",
     default="info",
@@ -76,17 +93,31 @@ def main(log_level: str, log_format: str | None) -> None:
 @main.command()
 def migrate() -> None:
     """Apply pending migrations (safe to run concurrently)."""
+    dsn = _dsn()
     try:
-        applied = Relay(_dsn()).migrate()
+        applied = Relay(dsn).migrate()
+        unknown = migrator.unknown_applied(dsn)
     except MigrationError as exc:
         raise click.ClickException(str(exc)) from None
-    click.echo("applied: " + ", ".join(applied) if applied else "schema is up to date")
+    if unknown:
+        # Not an error: a rollback to this version must still deploy.
+        click.echo(
+            "warning: the database also has migrations this Relay does not ship, so a newer Relay "
+            f"migrated it: {', '.join(unknown)}. They were left as they are.",
+            err=True,
+        )
+    if applied:
+        click.echo("applied: " + ", ".join(applied))
+    else:
+        click.echo("every migration this Relay ships is applied" if unknown else "schema is up to date")
 
 
 @main.command()
 @click.option("--app", "app_spec", required=True, help="MODULE:ATTR of your Relay object.")
 @click.option("--queues", default=None, help="Comma-separated queues to serve (default: default).")
-@click.option("--concurrency", type=click.IntRange(1, 1000), default=None, help="Jobs run at once (default 8).")
+@click.option(
+    "--concurrency", type=click.IntRange(1, MAX_CONCURRENCY), default=None, help="Jobs run at once (default 8)."
+)
 @click.option(
     "--lease", "lease_seconds", type=click.FloatRange(min=1), default=None, help="Lease seconds (default 30)."
 )

@@ -31,7 +31,8 @@ def connect() -> psycopg.Connection:
         raise click.ClickException(str(exc)) from None
     try:
         return psycopg.connect(dsn, autocommit=True, **options)
-    except psycopg.OperationalError as exc:
+    except (psycopg.OperationalError, psycopg.ProgrammingError) as exc:
+        # ProgrammingError: a setting libpq cannot use, such as connect_timeout=abc.
         raise click.ClickException(f"cannot connect to the database: {exc}") from None
 
 

@@ -47,6 +47,11 @@ class Relay:
     ) -> None:
         self._dsn = dsn
         self.max_payload_bytes = max_payload_bytes or env_int("RELAY_MAX_PAYLOAD_BYTES", DEFAULT_MAX_PAYLOAD_BYTES)
+        if self.max_payload_bytes < 1:
+            # Else every enqueue would be refused as if its payload were too big.
+            raise ConfigurationError(
+                f"max_payload_bytes (RELAY_MAX_PAYLOAD_BYTES) must be at least 1, got {self.max_payload_bytes}"
+            )
         self.default_max_attempts = default_max_attempts
         #: Whether an enqueue NOTIFYs idle workers (``RELAY_NOTIFY``, default true).
         #: PostgreSQL serialises the commits of all notifying transactions, so

@@ -92,6 +92,19 @@ def migrate(dsn: str) -> list[str]:
     return applied
 
 
+def unknown_applied(dsn: str) -> list[str]:
+    """Migrations recorded on the database that this Relay does not ship (a newer Relay applied them)."""
+    shipped = {m.version for m in available()}
+    try:
+        with psycopg.connect(dsn, **connection_options(dsn)) as conn:
+            if not conn.execute("SELECT to_regclass('relay.schema_migrations') IS NOT NULL").fetchone()[0]:  # type: ignore[index]
+                return []
+            rows = conn.execute("SELECT version, name FROM relay.schema_migrations ORDER BY version").fetchall()
+    except psycopg.Error as exc:
+        raise MigrationError(f"cannot read the applied migrations: {exc}") from exc
+    return [f"{version:04d}_{name}" for version, name in rows if version not in shipped]
+
+
 def is_current(conn: psycopg.Connection) -> bool:
     """True when every shipped migration is applied (the readiness check)."""
     return not pending(conn)

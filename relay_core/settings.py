@@ -26,6 +26,14 @@ def database_url(explicit: str | None = None) -> str:
         raise ConfigurationError(
             "no database configured: pass a DSN to Relay(...) or set DATABASE_URL (or RELAY_DATABASE_URL)"
         )
+    if not dsn.strip():
+        # libpq reads a blank string as "every default": a database nobody named.
+        source = (
+            "the DSN passed to Relay"
+            if explicit
+            else ("RELAY_DATABASE_URL" if os.environ.get("RELAY_DATABASE_URL") else "DATABASE_URL")
+        )
+        raise ConfigurationError(f"{source} is blank: set it to a database URL (or unset it)")
     # Heroku-style URLs say postgres://, which libpq accepts; normalise for SQLAlchemy users too.
     if dsn.startswith("postgres://"):
         dsn = "postgresql://" + dsn[len("postgres://") :]

@@ -22,7 +22,7 @@ from argon2 import PasswordHasher, Type
 from argon2.exceptions import InvalidHashError, VerificationError
 from psycopg.rows import dict_row
 
-from .errors import RelayError
+from .errors import ConfigurationError, RelayError
 from .queries import sql
 
 ROLES = ("admin", "viewer")
@@ -76,18 +76,41 @@ class User:
 # -- hashing -------------------------------------------------------------------
 
 
+#: Argon2 parameters Relay accepts: name -> (its setting, smallest, largest).
+#: Time cost: argon2's own 32-bit bound. Memory (KiB): up to 4 GiB for one hash,
+#: which every login would allocate. Parallelism: threads per hash.
+ARGON2_BOUNDS: dict[str, tuple[str, int, int]] = {
+    "time_cost": ("RELAY_ARGON2_TIME_COST", 1, 2**32 - 1),
+    "memory_cost": ("RELAY_ARGON2_MEMORY_COST", 8, 4 * 1024 * 1024),
+    "parallelism": ("RELAY_ARGON2_PARALLELISM", 1, 64),
+}
+
+
 @lru_cache(maxsize=8)
 def make_hasher(
     time_cost: int | None = None, memory_cost: int | None = None, parallelism: int | None = None
 ) -> PasswordHasher:
-    """An Argon2id hasher; None keeps argon2-cffi's defaults (RFC 9106's low-memory profile)."""
+    """An Argon2id hasher; None keeps argon2-cffi's defaults (RFC 9106's low-memory profile).
+
+    Values out of bounds raise ConfigurationError here, where the settings are
+    read, rather than an OverflowError or HashingError at the first password.
+    """
     defaults = PasswordHasher()
-    return PasswordHasher(
-        time_cost=time_cost or defaults.time_cost,
-        memory_cost=memory_cost or defaults.memory_cost,
-        parallelism=parallelism or defaults.parallelism,
-        type=Type.ID,
-    )
+    chosen = {
+        "time_cost": time_cost or defaults.time_cost,
+        "memory_cost": memory_cost or defaults.memory_cost,
+        "parallelism": parallelism or defaults.parallelism,
+    }
+    for name, value in chosen.items():
+        setting, low, high = ARGON2_BOUNDS[name]
+        if not low <= value <= high:
+            raise ConfigurationError(f"{setting} must be between {low} and {high}, got {value}")
+    if chosen["memory_cost"] < 8 * chosen["parallelism"]:
+        raise ConfigurationError(
+            "RELAY_ARGON2_MEMORY_COST must be at least 8 KiB per lane "
+            f"(8 x RELAY_ARGON2_PARALLELISM = {8 * chosen['parallelism']}), got {chosen['memory_cost']}"
+        )
+    return PasswordHasher(**chosen, type=Type.ID)
 
 
 @lru_cache(maxsize=8)

@@ -66,7 +66,20 @@ def check_type(job_type: Any) -> str:
         raise InvalidJobError("type", f"must be at most {MAX_TYPE_LENGTH} characters, got {len(job_type)}")
     if "\x00" in job_type:
         raise InvalidJobError("type", "must not contain NUL characters")
+    if not is_unicode_text(job_type):
+        raise InvalidJobError("type", "contains a lone surrogate, which is not valid Unicode text")
     return job_type
+
+
+def is_unicode_text(text: str) -> bool:
+    """Whether ``text`` can be sent as UTF-8: no lone surrogates (which Python strings may hold)."""
+    if text.isascii():
+        return True
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def check_queue(queue: Any) -> str:
@@ -161,6 +174,8 @@ def check_idempotency_key(key: Any) -> str | None:
         raise InvalidJobError(
             "idempotency_key", f"must be a non-empty string of at most {MAX_IDEMPOTENCY_KEY_LENGTH} characters"
         )
+    if not is_unicode_text(key):
+        raise InvalidJobError("idempotency_key", "contains a lone surrogate, which is not valid Unicode text")
     return key
 
 

@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from datetime import timedelta
 from typing import Any
 
-from relay_core import ConfigurationError, Relay
+from relay_core import ConfigurationError, Relay, users
 
 log = logging.getLogger("relay.web")
 
@@ -95,6 +95,12 @@ def load(given: Mapping[str, Any] | None = None) -> dict[str, Any]:
     for name, (default, smallest) in INT_SETTINGS.items():
         raw = _pick(name, given)
         settings[name] = default if raw is None else _int(name, raw, smallest)
+    # Out-of-bounds Argon2 settings stop the app here, not at the first login.
+    users.make_hasher(
+        settings["RELAY_ARGON2_TIME_COST"] or None,
+        settings["RELAY_ARGON2_MEMORY_COST"] or None,
+        settings["RELAY_ARGON2_PARALLELISM"] or None,
+    )
     # Relay resolves the DSN as everywhere else (explicit, RELAY_DATABASE_URL, DATABASE_URL).
     settings["RELAY_DATABASE_URL"] = Relay(_pick("RELAY_DATABASE_URL", given, "DATABASE_URL")).dsn
     secret = _secret(given, production)

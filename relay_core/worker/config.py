@@ -14,6 +14,9 @@ from ..settings import env_bool, env_float, env_int, transaction_pooling
 from ..validation import InvalidJobError, check_queue
 from .retention import Retention
 
+#: The most jobs one worker process runs at once (one thread each), as ``relay worker --concurrency``.
+MAX_CONCURRENCY = 1000
+
 
 def _worker_id() -> str:
     return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
@@ -59,20 +62,23 @@ class WorkerConfig:
                 check_queue(queue)
             except InvalidJobError as exc:
                 raise ConfigurationError(str(exc)) from None
-        if self.concurrency < 1:
-            raise ConfigurationError("concurrency must be at least 1")
+        if not 1 <= self.concurrency <= MAX_CONCURRENCY:
+            raise ConfigurationError(f"concurrency must be between 1 and {MAX_CONCURRENCY}, got {self.concurrency}")
         for name in ("lease_seconds", "heartbeat_interval", "poll_interval", "sweep_interval"):
-            # NaN passes every comparison below, and a thread cannot wait an infinite time.
-            if not (math.isfinite(getattr(self, name)) and getattr(self, name) > 0):
-                raise ConfigurationError(f"{name} must be a positive number of seconds")
+            # NaN passes every comparison below, and a thread cannot wait an infinite time
+            # (nor longer than threading.TIMEOUT_MAX, about 292 years: an OverflowError mid-run).
+            if not (math.isfinite(getattr(self, name)) and 0 < getattr(self, name) <= MAX_DELAY_SECONDS):
+                raise ConfigurationError(
+                    f"{name} must be a positive number of seconds, at most {MAX_DELAY_SECONDS:.0f}"
+                )
         if self.heartbeat_interval >= self.lease_seconds:
             raise ConfigurationError("heartbeat_interval must be shorter than lease_seconds")
         if self.lease_seconds > MAX_DELAY_SECONDS:
             # PostgreSQL would store now() + lease, but a claimed job's claimed_until must stay readable.
             raise ConfigurationError(f"lease_seconds must be at most {MAX_DELAY_SECONDS:.0f}")
         # NaN would skip the wait for in-flight jobs; an infinite wait outlasts every drain window.
-        if not (math.isfinite(self.shutdown_timeout) and self.shutdown_timeout >= 0):
-            raise ConfigurationError("shutdown_timeout must be a finite number of seconds >= 0")
+        if not (math.isfinite(self.shutdown_timeout) and 0 <= self.shutdown_timeout <= MAX_DELAY_SECONDS):
+            raise ConfigurationError(f"shutdown_timeout must be a number of seconds from 0 to {MAX_DELAY_SECONDS:.0f}")
 
     @classmethod
     def from_env(cls, **overrides: object) -> WorkerConfig:

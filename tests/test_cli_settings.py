@@ -1,0 +1,122 @@
+"""Bad settings and inputs at the command line: one clear line naming what is wrong, exit 1, nothing written."""
+
+from __future__ import annotations
+
+import subprocess
+
+import psycopg
+import pytest
+from click.testing import CliRunner, Result
+from psycopg import conninfo
+
+from relay_core import ConfigurationError, InvalidJobError, Relay
+from relay_core.cli import main
+from relay_web import config as web_config
+
+from .helpers import ROOT
+
+
+def run(dsn: str, args: list[str], env: dict[str, str] | None = None, stdin: str | None = None) -> Result:
+    # catch_exceptions=False: an exception escaping the command would be a traceback for the user.
+    return CliRunner().invoke(
+        main, args, env={"RELAY_DATABASE_URL": dsn, **(env or {})}, input=stdin, catch_exceptions=False
+    )
+
+
+def job_count(db: psycopg.Connection) -> int:
+    return db.execute("SELECT count(*) FROM relay.jobs").fetchone()[0]
+
+
+@pytest.mark.parametrize(
+    ("args", "env", "named"),
+    [
+        (["migrate"], {"RELAY_NOTIFY": "x"}, "RELAY_NOTIFY"),
+        (["migrate"], {"RELAY_TRANSACTION_POOLING": "x"}, "RELAY_TRANSACTION_POOLING"),
+        (["enqueue", "t", "{}"], {"RELAY_DB_WAIT_SECONDS": "0"}, "RELAY_DB_WAIT_SECONDS"),
+        (["enqueue", "t", "{}"], {"RELAY_MAX_PAYLOAD_BYTES": "abc"}, "RELAY_MAX_PAYLOAD_BYTES"),
+        (["enqueue", "t", "{}"], {"RELAY_MAX_PAYLOAD_BYTES": "-1"}, "RELAY_MAX_PAYLOAD_BYTES"),
+        (["enqueue", "t", "{}"], {"RELAY_DATABASE_URL": " "}, "RELAY_DATABASE_URL is blank"),
+        (["user", "list"], {"RELAY_DATABASE_URL": "  "}, "RELAY_DATABASE_URL is blank"),
+    ],
+)
+def test_a_bad_setting_ends_the_command_with_one_line_naming_it(
+    dsn: str, db: psycopg.Connection, args: list[str], env: dict[str, str], named: str
+) -> None:
+    result = run(dsn, args, env)
+    assert result.exit_code == 1, result.output
+    assert named in result.output and "Traceback" not in result.output
+    assert job_count(db) == 0
+
+
+@pytest.mark.parametrize(
+    ("env", "named"),
+    [
+        ({"RELAY_ARGON2_TIME_COST": "-1"}, "RELAY_ARGON2_TIME_COST"),
+        ({"RELAY_ARGON2_MEMORY_COST": "99999999999999"}, "RELAY_ARGON2_MEMORY_COST"),
+        ({"RELAY_ARGON2_PARALLELISM": "100000000"}, "RELAY_ARGON2_PARALLELISM"),
+        ({"RELAY_ARGON2_PARALLELISM": "8", "RELAY_ARGON2_MEMORY_COST": "32"}, "RELAY_ARGON2_MEMORY_COST"),
+    ],
+)
+def test_argon2_settings_out_of_bounds_are_refused_before_any_password_is_set(
+    dsn: str, db: psycopg.Connection, env: dict[str, str], named: str
+) -> None:
+    create = ["user", "create", "carol", "--role", "admin", "--password-stdin"]
+    assert run(dsn, create, stdin="a long enough password\n").exit_code == 0
+    before = db.execute("SELECT password_hash FROM relay.users WHERE username = 'carol'").fetchone()
+    result = run(dsn, ["user", "set-password", "carol", "--password-stdin"], env, stdin="another password here\n")
+    assert result.exit_code == 1 and named in result.output, result.output
+    assert db.execute("SELECT password_hash FROM relay.users WHERE username = 'carol'").fetchone() == before
+    with pytest.raises(ConfigurationError, match=named):
+        web_config.load({"TESTING": True, "RELAY_DATABASE_URL": dsn, **env})
+
+
+def test_a_connection_setting_libpq_cannot_use_is_a_clear_error(dsn: str) -> None:
+    result = run(conninfo.make_conninfo(dsn, connect_timeout="abc"), ["user", "list"])
+    assert result.exit_code == 1
+    assert "cannot connect to the database" in result.output and "connect_timeout" in result.output
+
+
+@pytest.mark.parametrize(
+    "args",
+    [["enqueue", "t\udcff", "{}"], ["enqueue", "t", "{}", "--idempotency-key", "k\udcff"]],
+)
+def test_a_lone_surrogate_in_a_type_or_key_is_refused(dsn: str, db: psycopg.Connection, args: list[str]) -> None:
+    # What a shell hands Python for the byte 0xff in an argument.
+    result = run(dsn, args)
+    assert result.exit_code == 1 and "lone surrogate" in result.output, result.output
+    assert job_count(db) == 0
+
+
+def test_the_python_api_refuses_lone_surrogates_as_invalid_jobs(relay: Relay, db: psycopg.Connection) -> None:
+    with pytest.raises(InvalidJobError, match="type"):
+        relay.enqueue("t\ud800", {})
+    with pytest.raises(InvalidJobError, match="idempotency_key"):
+        relay.enqueue("t", {}, idempotency_key="k\ud800")
+    assert job_count(db) == 0
+
+
+def test_migrate_says_when_a_newer_relay_migrated_the_database(dsn: str, db: psycopg.Connection) -> None:
+    db.execute("INSERT INTO relay.schema_migrations (version, name) VALUES (9999, 'from_the_future')")
+    result = run(dsn, ["migrate"])
+    assert result.exit_code == 0, result.output  # a rollback to this version must still deploy
+    assert "9999_from_the_future" in result.output and "newer Relay" in result.output
+    assert "schema is up to date" not in result.output
+
+
+@pytest.mark.parametrize(
+    ("env", "named"),
+    [
+        ({"RELAY_NOTIFY": "x"}, "RELAY_NOTIFY"),  # read as the app module builds its Relay
+        ({"RELAY_CONCURRENCY": "100000"}, "concurrency"),
+        ({"RELAY_POLL_INTERVAL": "1e300"}, "poll_interval"),
+        ({"RELAY_SHUTDOWN_TIMEOUT": "1e300"}, "shutdown_timeout"),
+    ],
+)
+def test_a_worker_with_a_bad_setting_exits_with_one_line(
+    python: str, worker_env: dict[str, str], db: psycopg.Connection, env: dict[str, str], named: str
+) -> None:
+    command = [python, "-m", "relay_core", "worker", "--app", "tests.apps.worker_app:relay"]
+    done = subprocess.run(command, env={**worker_env, **env}, cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1, done.stderr
+    assert named in done.stderr and "Traceback" not in done.stderr, done.stderr
+    assert db.execute("SELECT count(*) FROM relay.workers").fetchone() == (0,)

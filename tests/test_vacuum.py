@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Iterator
 
 import psycopg
 import pytest
+from psycopg import conninfo
 
 from relay_core import Relay
-from relay_core.worker import maintenance
+from relay_core.worker import maintenance, vacuum
 from relay_core.worker.vacuum import VACUUM_THRESHOLD, vacuum_if_needed
 
 from .helpers import running_worker, wait_for
@@ -114,3 +116,28 @@ def test_a_running_worker_vacuums_and_one_told_not_to_does_not(
     with running_worker(relay, queues=("elsewhere",)):
         wait_for(lambda: _jobs_stats(db)[1] > vacuums_before, timeout=15, what="the worker's vacuum")
     assert _jobs_stats(db)[0] == 0
+
+
+@pytest.mark.usefixtures("jobs_without_autovacuum")
+def test_a_role_that_may_not_vacuum_says_so_instead_of_claiming_it_did(
+    relay: Relay, dsn: str, db: psycopg.Connection, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Workers running as a role that does not own Relay's tables (migrations ran as another)."""
+    _leave_dead_rows(relay, dsn, VACUUM_THRESHOLD * 3)
+    wait_for(lambda: _jobs_stats(db)[0] >= VACUUM_THRESHOLD * 3, timeout=10, what="dead rows counted")
+    role = f"relay_vacuum_test_{os.getpid()}"
+    db.execute(f"CREATE ROLE {role} LOGIN")
+    try:
+        db.execute(f"GRANT USAGE ON SCHEMA relay TO {role}")
+        db.execute(f"GRANT ALL ON ALL TABLES IN SCHEMA relay TO {role}")
+        vacuum._warned_not_allowed.clear()
+        as_role = conninfo.make_conninfo(dsn, user=role)
+        with caplog.at_level("WARNING", logger="relay"), psycopg.connect(as_role) as conn:
+            assert vacuum_if_needed(conn) == []
+            assert vacuum_if_needed(conn) == []
+        warnings = [r for r in caplog.records if r.getMessage().startswith("cannot vacuum")]
+        assert len(warnings) == 1 and "jobs" in warnings[0].tables.split(",")
+        assert _jobs_stats(db)[0] >= VACUUM_THRESHOLD * 3
+    finally:
+        db.execute(f"DROP OWNED BY {role}")
+        db.execute(f"DROP ROLE {role}")

@@ -150,8 +150,15 @@ RETURNING id;
 -- name: tables_needing_vacuum
 -- Relay's tables autovacuum would vacuum now but will not: it is off for the
 -- whole server, or for that table. The trigger is autovacuum's own rule
--- (dead rows over a threshold plus a fraction of the live rows).
-SELECT s.relname
+-- (dead rows over a threshold plus a fraction of the live rows). may_vacuum:
+-- whether this session's role may VACUUM the table (a superuser, a member of
+-- the table's or the database's owner role, or from PostgreSQL 17 a holder of
+-- MAINTAIN); for any other role VACUUM only warns and skips the table.
+SELECT s.relname,
+       pg_has_role(c.relowner, 'USAGE')
+       OR pg_has_role((SELECT datdba FROM pg_database WHERE datname = current_database()), 'USAGE')
+       OR CASE WHEN current_setting('server_version_num')::int >= 170000
+               THEN has_table_privilege(c.oid, 'MAINTAIN') ELSE false END AS may_vacuum
 FROM pg_stat_user_tables AS s
 JOIN pg_class AS c ON c.oid = s.relid
 WHERE s.schemaname = 'relay'

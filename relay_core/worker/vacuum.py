@@ -29,15 +29,31 @@ VACUUM_THRESHOLD = 1000
 VACUUM_SCALE_FACTOR = 0.05
 
 
+#: Tables this process already warned it may not vacuum (the check repeats every few seconds).
+_warned_not_allowed: set[str] = set()
+
+
 def vacuum_if_needed(conn: psycopg.Connection) -> list[str]:
-    """Vacuum every Relay table autovacuum should vacuum but will not; name them."""
-    tables = [
-        row[0]
-        for row in conn.execute(
-            sql("tables_needing_vacuum"), {"threshold": VACUUM_THRESHOLD, "scale_factor": VACUUM_SCALE_FACTOR}
-        ).fetchall()
-    ]
+    """Vacuum every Relay table autovacuum should vacuum but will not; name those vacuumed.
+
+    A table this session's role may not vacuum (it does not own it: migrations
+    ran as another role) is not vacuumed but named in a warning, once per
+    process: VACUUM itself would only warn on the server and skip it.
+    """
+    rows = conn.execute(
+        sql("tables_needing_vacuum"), {"threshold": VACUUM_THRESHOLD, "scale_factor": VACUUM_SCALE_FACTOR}
+    ).fetchall()
     conn.commit()
+    tables = [name for name, may_vacuum in rows if may_vacuum]
+    not_allowed = sorted(name for name, may_vacuum in rows if not may_vacuum and name not in _warned_not_allowed)
+    if not_allowed:
+        _warned_not_allowed.update(not_allowed)
+        event(
+            logging.WARNING,
+            "cannot vacuum tables autovacuum does not reach: this role does not own them; "
+            "turn autovacuum on for them, or run the workers as their owner",
+            tables=",".join(not_allowed),
+        )
     if not tables:
         return []
     conn.autocommit = True  # VACUUM cannot run inside a transaction

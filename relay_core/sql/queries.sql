@@ -87,23 +87,14 @@ SELECT type, max_attempts FROM relay.job_types WHERE type = ANY(%(types)s::text[
 
 -- name: job_claim
 -- THE CLAIM. Take up to %(limit)s runnable jobs from the worker's unpaused
--- queues in one statement, keep the best %(limit)s overall in (priority,
--- run_at, id) order, skipping rows another worker has locked, and mark them
--- claimed with a fresh lease and fencing token.
---
--- Without type limits (%(locked)s false) each queue's jobs_runnable_idx is
--- walked in claim order; the statement claims nothing once any limit exists.
--- With limits the worker runs claim_limits_lock first, in the same
--- transaction, and passes locked = true. Then each queue is walked per type,
--- in jobs_runnable_type_idx: the types with queued jobs are found by a skip
--- scan (one index probe per type), a type with no room is not read at all,
--- and one with room gives at most that many candidates. Walking the queue in
--- claim order instead read past every held-back job on every claim (200,000
--- held back: 115 ms a claim, under the lock every claim waits for), and a type
--- with room for one could fill the look-ahead so the claim took fewer jobs than
--- it had slots for.
+-- queues in one statement: for each queue walk jobs_runnable_idx in
+-- (priority, run_at, id) order, skip rows another worker has locked and types
+-- with no room under their limits, keep the best %(limit)s overall, and mark
+-- them claimed with a fresh lease and fencing token. When type limits exist the
+-- worker runs claim_limits_lock first, in the same transaction, and passes
+-- locked = true; unlocked, the statement claims nothing while any limit exists.
 -- transition: queued -> claimed
-WITH RECURSIVE room AS (
+WITH room AS (
     -- How many more jobs of each limited type may start now (no row: unlimited).
     SELECT l.type,
            least(
@@ -115,45 +106,21 @@ WITH RECURSIVE room AS (
                         2147483647)
            ) AS n
     FROM relay.type_limits AS l
-), served AS (
-    SELECT name FROM unnest(%(queues)s::text[]) AS u(name)
-    WHERE name NOT IN (SELECT name FROM relay.queues WHERE paused)
-), present (queue, type) AS (
-    -- Limited claims only: each served queue's types that have queued jobs, smallest first.
-    SELECT served.name, (SELECT min(j.type) FROM relay.jobs AS j
-                         WHERE j.queue = served.name AND j.status = 'queued')
-    FROM served WHERE %(locked)s
-    UNION ALL
-    SELECT present.queue, (SELECT min(j.type) FROM relay.jobs AS j
-                           WHERE j.queue = present.queue AND j.status = 'queued' AND j.type > present.type)
-    FROM present WHERE present.type IS NOT NULL
 ), candidates AS (
     SELECT c.id, c.type, c.priority, c.run_at
-    FROM served
+    FROM (SELECT name FROM unnest(%(queues)s::text[]) AS u(name)
+          WHERE name NOT IN (SELECT name FROM relay.queues WHERE paused)
+            -- Without the limits lock, claim nothing once any type has a limit.
+            AND (%(locked)s OR NOT EXISTS (SELECT 1 FROM relay.type_limits))) AS q
     CROSS JOIN LATERAL (
         SELECT id, type, priority, run_at FROM relay.jobs
-        WHERE queue = served.name AND status = 'queued' AND run_at <= now()
+        WHERE queue = q.name AND status = 'queued' AND run_at <= now()
+          AND type NOT IN (SELECT type FROM room WHERE n <= 0)
         ORDER BY priority, run_at, id
         LIMIT %(limit)s
         FOR UPDATE SKIP LOCKED
     ) AS c
-    -- Without the limits lock, claim nothing once any type has a limit.
-    WHERE NOT %(locked)s AND NOT EXISTS (SELECT 1 FROM relay.type_limits)
-    UNION ALL
-    SELECT c.id, c.type, c.priority, c.run_at
-    FROM (SELECT present.queue, present.type, least(coalesce(room.n, %(limit)s), %(limit)s) AS take
-          FROM present LEFT JOIN room ON room.type = present.type
-          WHERE present.type IS NOT NULL) AS p
-    CROSS JOIN LATERAL (
-        SELECT id, type, priority, run_at FROM relay.jobs
-        WHERE queue = p.queue AND type = p.type AND status = 'queued' AND run_at <= now()
-        ORDER BY priority, run_at, id
-        LIMIT greatest(p.take, 0)
-        FOR UPDATE SKIP LOCKED
-    ) AS c
-    WHERE p.take > 0
 ), chosen AS (
-    -- A type with room for n takes at most n, however many queues offered it.
     SELECT ranked.id
     FROM (SELECT candidates.*,
                  row_number() OVER (PARTITION BY type ORDER BY priority, run_at, id) AS nth
@@ -171,9 +138,8 @@ WITH RECURSIVE room AS (
         claimed_until = now() + make_interval(secs => %(lease_seconds)s),
         started_at = now(),
         progress = NULL
-    -- By id, as an array: joined to chosen instead, a generic plan (the statement
-    -- is prepared) could hash-join every queued row (200 ms with 200,000 queued).
-    WHERE j.id = ANY(ARRAY(SELECT id FROM chosen)) AND j.status = 'queued'
+    FROM chosen
+    WHERE j.id = chosen.id AND j.status = 'queued'
     RETURNING j.id, j.type, j.queue, j.priority, j.payload, j.attempts, j.max_attempts,
               j.lease_token, j.run_at, j.created_at
 ), rate_logged AS (

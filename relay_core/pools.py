@@ -88,17 +88,23 @@ class RelayConnection(psycopg.Connection[Any]):
     machine that was 20 us of the ~75 us of client CPU a one-job enqueue's
     statement cost (psycopg alone, a held connection, 3,000 statements per
     round, the least of five rounds: 73 us with ``conn.execute``, 53 us on a
-    kept cursor), and a one-job enqueue is that statement alone. A pooled
-    connection serves one thread at a time, and so does its cursor.
+    kept cursor), and a one-job enqueue is that statement alone.
+
+    One cursor per thread: a psycopg connection may be shared by threads (a
+    transactional handler's, passed as ``conn=`` to enqueues from several
+    threads), but a cursor's results are read after its statement, and another
+    thread's statement in between would replace them.
     """
 
-    _kept_cursor: psycopg.Cursor[Any] | None = None
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._kept = threading.local()
 
     def kept_cursor(self) -> psycopg.Cursor[Any]:
-        """This connection's reusable cursor (tuple rows), made on first use or after it was closed."""
-        cur = self._kept_cursor
+        """This thread's reusable cursor on this connection (tuple rows), made on first use or after it was closed."""
+        cur: psycopg.Cursor[Any] | None = getattr(self._kept, "cursor", None)
         if cur is None or cur.closed:
-            cur = self._kept_cursor = self.cursor()
+            cur = self._kept.cursor = self.cursor()
         return cur
 
 

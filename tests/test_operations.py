@@ -217,6 +217,33 @@ def test_ticks_passed_between_two_late_checks_are_logged_and_only_the_latest_run
     assert scheduled == [(first.isoformat(),), (later.isoformat(),)]
 
 
+def test_a_worker_that_waited_for_another_workers_tick_counts_no_tick_as_passed(
+    dsn: str, db: psycopg.Connection
+) -> None:
+    """Worker A advances an every-second schedule to T1; worker B's advance to T2 waits for A's commit.
+    B's answer names T1, so B reports no tick passed (A enqueued T1)."""
+    t0, t1, t2 = (datetime(2030, 1, 1, 0, 0, s, tzinfo=UTC) for s in (0, 1, 2))
+    db.execute("INSERT INTO relay.schedules (type, cron, last_tick) VALUES ('each_second', '* * * * * *', %s)", (t0,))
+    advance = sql("schedule_advance")
+    with psycopg.connect(dsn) as a, psycopg.connect(dsn) as b:
+        assert a.execute(advance, {"type": "each_second", "tick": t1, "next_tick": t2}).fetchone() == (t0,)
+        answer: list[object] = []
+        waiting = threading.Thread(
+            target=lambda: answer.append(
+                b.execute(advance, {"type": "each_second", "tick": t2, "next_tick": t2}).fetchone()
+            )
+        )
+        waiting.start()
+        wait_for(
+            lambda: db.execute("SELECT count(*) FROM pg_locks WHERE NOT granted").fetchone()[0] > 0,
+            what="B waiting on A's row",
+        )
+        a.commit()
+        waiting.join(10)
+        b.commit()
+    assert answer == [(t1,)]
+
+
 def test_a_schedules_last_run_is_the_last_tick_that_enqueued_a_job(relay: Relay, db: psycopg.Connection) -> None:
     """last_tick also moves when a schedule is registered and when a missed tick is skipped; the last run
     (last_enqueued_tick, last_job_id) moves only with the job a tick enqueued, in the same transaction."""

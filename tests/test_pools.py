@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import sys
+import threading
+
 import psycopg
 import pytest
 
@@ -47,4 +50,35 @@ def test_the_kept_cursor_serves_again_after_a_failed_statement_and_after_being_c
             assert fetch_first_value(conn, "SELECT %(n)s::int + 2", {"n": 1}) == 3
             assert fetch_first_value(conn, "SELECT 1 WHERE false", {}) is None
     finally:
+        pool.close()
+
+
+def test_threads_sharing_one_pooled_connection_each_read_their_own_results(dsn: str) -> None:
+    """A transactional handler's connection, passed as conn= to enqueues from several threads."""
+    pool = make_pool(dsn, name="t", min_size=1, max_size=1, autocommit=True)
+    pool.open(wait=True)
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads as often as possible, between a statement and its fetch
+    try:
+        with pool.connection() as conn:
+            wrong: list[tuple[int, object]] = []
+
+            def work(me: int) -> None:
+                for i in range(5000):
+                    expected = me * 100_000 + i
+                    try:
+                        got = fetch_first_value(conn, "SELECT %(v)s::int", {"v": expected})
+                    except psycopg.Error as exc:
+                        got = exc
+                    if got != expected:
+                        wrong.append((expected, got))
+
+            threads = [threading.Thread(target=work, args=(n,)) for n in (1, 2)]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join()
+        assert wrong == []
+    finally:
+        sys.setswitchinterval(interval)
         pool.close()

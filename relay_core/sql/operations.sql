@@ -73,10 +73,11 @@ RETURNING type, cron, timezone, queue, last_tick, next_tick;
 -- name: schedule_advance
 -- Claim one tick of a schedule: only the worker whose UPDATE moves last_tick
 -- forward enqueues it (in the same transaction). Returns the tick it moved on
--- from (as of the statement's snapshot), so the ticks passed in between can be told.
+-- from, so the ticks passed in between can be told: read FOR UPDATE, so a worker
+-- that waited for another's advance sees that tick, not its snapshot's.
 UPDATE relay.schedules AS s
 SET last_tick = %(tick)s, next_tick = %(next_tick)s, updated_at = now()
-FROM (SELECT type, last_tick FROM relay.schedules WHERE type = %(type)s) AS before
+FROM (SELECT type, last_tick FROM relay.schedules WHERE type = %(type)s FOR UPDATE) AS before
 WHERE s.type = before.type AND (s.last_tick IS NULL OR s.last_tick < %(tick)s)
 RETURNING before.last_tick AS previous_tick;
 

@@ -54,12 +54,17 @@ def available() -> list[Migration]:
     return found
 
 
-def applied_versions(conn: psycopg.Connection) -> set[int]:
-    """Versions recorded as applied (empty if Relay was never migrated here)."""
+def applied(conn: psycopg.Connection) -> dict[int, str]:
+    """Migrations recorded as applied, version -> name (empty if Relay was never migrated here)."""
     exists = conn.execute("SELECT to_regclass('relay.schema_migrations') IS NOT NULL").fetchone()
     if not exists or not exists[0]:
-        return set()
-    return {row[0] for row in conn.execute("SELECT version FROM relay.schema_migrations")}
+        return {}
+    return dict(conn.execute("SELECT version, name FROM relay.schema_migrations").fetchall())
+
+
+def applied_versions(conn: psycopg.Connection) -> set[int]:
+    """Versions recorded as applied (empty if Relay was never migrated here)."""
+    return set(applied(conn))
 
 
 def pending(conn: psycopg.Connection) -> list[Migration]:
@@ -97,12 +102,10 @@ def unknown_applied(dsn: str) -> list[str]:
     shipped = {m.version for m in available()}
     try:
         with psycopg.connect(dsn, **connection_options(dsn)) as conn:
-            if not conn.execute("SELECT to_regclass('relay.schema_migrations') IS NOT NULL").fetchone()[0]:  # type: ignore[index]
-                return []
-            rows = conn.execute("SELECT version, name FROM relay.schema_migrations ORDER BY version").fetchall()
+            recorded = applied(conn)
     except psycopg.Error as exc:
         raise MigrationError(f"cannot read the applied migrations: {exc}") from exc
-    return [f"{version:04d}_{name}" for version, name in rows if version not in shipped]
+    return [f"{version:04d}_{name}" for version, name in sorted(recorded.items()) if version not in shipped]
 
 
 def is_current(conn: psycopg.Connection) -> bool:

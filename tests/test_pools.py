@@ -43,6 +43,8 @@ def test_the_kept_cursor_serves_again_after_a_failed_statement_and_after_being_c
         with pool.connection() as conn:
             assert isinstance(conn, RelayConnection)
             assert conn.kept_cursor() is conn.kept_cursor()
+            assert fetch_first_value(conn, "SELECT %(n)s::int", {"n": 41}) == 41
+            assert conn.kept_cursor().pgresult is not None, "the statement ran on the kept cursor"
             with pytest.raises(psycopg.errors.DivisionByZero):
                 fetch_first_value(conn, "SELECT 1 / %(zero)s", {"zero": 0})
             assert fetch_first_value(conn, "SELECT %(n)s::int + 1", {"n": 1}) == 2

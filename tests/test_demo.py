@@ -26,10 +26,13 @@ from typing import Any
 import psycopg
 import pytest
 from aiosmtpd.controller import Controller
+from relay_shop import producer
 from relay_shop.jobs import relay as shop
 from relay_shop.models import create_schema, make_engine
 from relay_shop.orders import place_order
 from relay_shop.producer import CATALOGUE, CUSTOMERS
+from sqlalchemy import event
+from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session
 
 from .helpers import ROOT, call, free_port, running_worker, wait_for
@@ -231,3 +234,36 @@ def test_a_confirmation_email_goes_out_once_when_its_job_runs_twice(
         sink.controller.stop()
         engine.dispose()
         shop.close()
+
+
+def test_the_producer_looks_for_an_order_whose_commit_went_unanswered_before_placing_it_again(
+    dsn: str, db: psycopg.Connection, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A database restart can land after the server committed an order and before the answer
+    reached the producer; the producer took every error for a rollback and placed it twice."""
+    monkeypatch.setenv("RELAY_DATABASE_URL", dsn)
+    monkeypatch.delenv("SHOP_WEBHOOK_URL", raising=False)
+    answers_lost: list[int] = []
+
+    def lose_the_first_answer(session: Session) -> None:
+        if not answers_lost:  # committed on the server; the client hears only a broken connection
+            answers_lost.append(1)
+            raise OperationalError("COMMIT", None, psycopg.OperationalError("server closed the connection"))
+
+    engine = make_engine(dsn)
+    try:
+        create_schema(engine)
+    finally:
+        engine.dispose()
+    before = db.execute("SELECT count(*) FROM shop.orders").fetchone()[0]
+    event.listen(Session, "after_commit", lose_the_first_answer)
+    try:
+        assert producer.run(per_minute=60_000, limit=3) == 3
+    finally:
+        event.remove(Session, "after_commit", lose_the_first_answer)
+    out = capsys.readouterr().out
+    assert answers_lost == [1]
+    assert "the database went away while order" in out, out
+    assert "did commit before the database went away" in out, out
+    assert db.execute("SELECT count(*) FROM shop.orders").fetchone()[0] == before + 3
+    assert db.execute("SELECT count(*) FROM relay.jobs WHERE type = 'send_confirmation_email'").fetchone()[0] == 3

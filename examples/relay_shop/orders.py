@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 
+from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session
 
 from relay_core import IllegalTransition
@@ -43,6 +44,20 @@ class Customer:
     country: str
 
 
+class OrderOutcomeUnknown(Exception):
+    """The connection broke while the order's COMMIT was in flight.
+
+    The server may have committed the order (and its jobs) before the answer
+    was lost, or not: only a look at ``shop.orders`` for :attr:`order_id`,
+    once the database answers again, tells which. Placing the order again
+    without that look would place it twice.
+    """
+
+    def __init__(self, order_id: int) -> None:
+        super().__init__(f"the database went away while order {order_id} was committing")
+        self.order_id = order_id
+
+
 @dataclass(frozen=True)
 class PlacedOrder:
     """An order that committed, and the ids of the jobs that committed with it."""
@@ -62,6 +77,8 @@ def place_order(
 
     If anything raises before ``commit`` (a bad item, a refused job, the
     database going away), the session rolls back: no order and no jobs.
+    If the database goes away during the commit itself, the order may have
+    committed: :class:`OrderOutcomeUnknown` says so, with the order's id.
     """
     if not items:
         raise ValueError("an order needs at least one item")
@@ -108,8 +125,17 @@ def place_order(
             conn=session,
             idempotency_key=f"{key}:webhook",
         )
-    session.commit()
+    order_id = order.id
+    try:
+        session.commit()
+    except OperationalError as exc:
+        raise OrderOutcomeUnknown(order_id) from exc
     return PlacedOrder(order, jobs)
+
+
+def order_exists(session: Session, order_id: int) -> bool:
+    """Whether an order committed: the check after :class:`OrderOutcomeUnknown`."""
+    return session.get(Order, order_id) is not None
 
 
 def cancel_order(session: Session, placed: PlacedOrder) -> bool:

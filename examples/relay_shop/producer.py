@@ -6,7 +6,9 @@ customer in six typed a postcode the carrier rejects, so the demo always has
 dead jobs to inspect and requeue; one order in eight is cancelled a moment
 later, which cancels its scheduled review request. SIGTERM or Ctrl-C stops it between orders,
 so no order is ever half placed. While the database does not answer, it waits and tries again
-(an order whose transaction failed was not placed at all), as a shop's front end would.
+(an order whose transaction failed was not placed at all), as a shop's front end would. An
+order whose COMMIT went unanswered may have been placed: it looks for that order before it
+places another, so a database restart never places one twice.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from sqlalchemy.orm import Session
 from relay_core.signals import ShutdownSignals
 
 from .models import create_schema, make_engine
-from .orders import Customer, PlacedOrder, Product, cancel_order, place_order
+from .orders import Customer, OrderOutcomeUnknown, PlacedOrder, Product, cancel_order, order_exists, place_order
 
 #: One order in this many is cancelled by its customer a moment later.
 CANCEL_EVERY = 8
@@ -64,30 +66,48 @@ def run(per_minute: float, limit: int | None = None) -> int:
     interval = 60.0 / per_minute
     placed = 0
     regretted: PlacedOrder | None = None
+    #: An order whose COMMIT went unanswered: it may exist, so look before placing it again.
+    unsure: int | None = None
     try:
         while not stop.is_set() and (limit is None or placed < limit):
             customer = CUSTOMERS[placed % len(CUSTOMERS)]
+            new: PlacedOrder | None = None
             try:
                 if regretted is not None:  # the previous order's customer changed their mind
                     with Session(engine) as session:
                         cancelled = cancel_order(session, regretted)
                     print(f"order {regretted.order.id} cancelled; review request cancelled: {cancelled}", flush=True)
                     regretted = None
-                with Session(engine) as session:
-                    new = place_order(session, customer, random_items(rng))
-                    order = new.order
-                    print(
-                        f"order {order.id} placed for {customer.email}: {len(order.lines)} item(s), "
-                        f"{order.total_cents / 100:.2f} {order.currency}",
-                        flush=True,
-                    )
+                if unsure is not None:
+                    with Session(engine) as session:
+                        committed = order_exists(session, unsure)
+                    outcome = "did" if committed else "did not"
+                    print(f"order {unsure} {outcome} commit before the database went away", flush=True)
+                    unsure = None
+                    if not committed:
+                        continue  # place it again
+                else:
+                    with Session(engine) as session:
+                        new = place_order(session, customer, random_items(rng))
+                        order = new.order
+                        print(
+                            f"order {order.id} placed for {customer.email}: {len(order.lines)} item(s), "
+                            f"{order.total_cents / 100:.2f} {order.currency}",
+                            flush=True,
+                        )
+            except OrderOutcomeUnknown as exc:
+                # Placing the order again now could place it twice: look for it first.
+                unsure = exc.order_id
+                print(f"{exc}; looking for it in {RETRY_SECONDS:g} s", flush=True)
+                stop.wait(RETRY_SECONDS)
+                continue
             except OperationalError as exc:
                 # The transaction rolled back: nothing was placed or cancelled; try again shortly.
                 reason = str(exc.orig).splitlines()[0] if exc.orig else str(exc)
                 print(f"database unreachable ({reason}); trying again in {RETRY_SECONDS:g} s", flush=True)
                 stop.wait(RETRY_SECONDS)
                 continue
-            if placed % CANCEL_EVERY == CANCEL_EVERY - 1:
+            if new is not None and placed % CANCEL_EVERY == CANCEL_EVERY - 1:
                 regretted = new
             placed += 1
             # Poisson-like arrivals look like real traffic; the mean stays at `interval`.

@@ -175,8 +175,8 @@ class Relay:
         max_attempts: int | None,
         idempotency_key: str | None,
     ) -> NewJob:
-        # Without a local handler, the default stands in until inserts.with_published
-        # replaces it by what workers published for the type, if anything.
+        # Without a local handler, the default stands in for what workers published for
+        # the type, if anything: the insert reads that (inserts.enqueue_one, inserts.with_published).
         if max_attempts is None:
             spec = self.handlers.get(job_type) if isinstance(job_type, str) else None
             max_attempts = spec.max_attempts if spec else self.default_max_attempts
@@ -213,8 +213,8 @@ class Relay:
 
         Without ``max_attempts``, the job gets the ``max_attempts`` of this
         Relay's handler for the type; with no such handler, the one workers
-        published for the type (one more statement, on the insert's
-        connection), else ``default_max_attempts``.
+        published for the type (read by the insert itself), else
+        ``default_max_attempts``.
         """
         job = self._validated(
             job_type, {} if payload is None else payload, queue, priority, run_at, max_attempts, idempotency_key

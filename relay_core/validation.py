@@ -46,7 +46,8 @@ class NewJob:
     idempotency_key: str | None
 
     def params(self) -> dict[str, Any]:
-        """Parameters of the ``job_insert`` / ``job_insert_keyed`` statements, but ``notify``, which the client adds."""
+        """Parameters of the ``job_insert`` / ``job_insert_keyed`` statements, but ``notify`` and ``published``,
+        which the client adds."""
         return {
             "type": self.type,
             "payload": self.payload_json,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import select
 import time
 from datetime import UTC, datetime, timedelta, timezone
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import psycopg
 import pytest
@@ -423,19 +423,37 @@ def stored_attempts(db: psycopg.Connection, ids: list[int]) -> list[int]:
 
 @pytest.fixture
 def lookups(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """The types of every max_attempts lookup an enqueue sends (the statements still run on PostgreSQL)."""
+    """The types of every read of published max_attempts an enqueue sends: a lookup statement of
+    its own, or an insert asked to read it (the statements still run on PostgreSQL)."""
     from relay_core import connections
     from relay_core.queries import sql
 
     seen: list[str] = []
-    real = connections.fetch_all
+    real_all, real_first = connections.fetch_all, connections.fetch_first_value
 
-    def counting(conn, text, params):  # type: ignore[no-untyped-def]
+    def note(text: str, params: Any) -> None:
         if text == sql("job_type_max_attempts_many"):
             seen.append(",".join(params["types"]))
-        return real(conn, text, params)
+        elif isinstance(params, dict) and params.get("published"):
+            seen.append(params["type"])
 
-    monkeypatch.setattr(connections, "fetch_all", counting)
+    inside_first: list[bool] = []  # fetch_first_value reads SQLAlchemy connections through fetch_all
+
+    def counting_all(conn, text, params):  # type: ignore[no-untyped-def]
+        if not inside_first:
+            note(text, params)
+        return real_all(conn, text, params)
+
+    def counting_first(conn, text, params):  # type: ignore[no-untyped-def]
+        note(text, params)
+        inside_first.append(True)
+        try:
+            return real_first(conn, text, params)
+        finally:
+            inside_first.pop()
+
+    monkeypatch.setattr(connections, "fetch_all", counting_all)
+    monkeypatch.setattr(connections, "fetch_first_value", counting_first)
     return seen
 
 
@@ -446,8 +464,11 @@ def test_a_relay_without_the_handler_takes_the_max_attempts_workers_published(
     bare = Relay(dsn)  # like a web process or script that only enqueues: no handlers registered
     try:
         own = bare.enqueue("send_email", {"to": "a@b.c"})
-        with psycopg.connect(dsn) as conn, conn.transaction():
+        CountingCursor.executed = []
+        with psycopg.connect(dsn, cursor_factory=CountingCursor) as conn, conn.transaction():
             joined = bare.enqueue("send_email", conn=conn)
+        # The insert reads what was published: one statement, no lookup round trip of its own.
+        assert [q.split()[0] for q in CountingCursor.executed] == ["INSERT"], CountingCursor.executed
         with Session(sa_engine(dsn)) as session, session.begin():
             via_sqlalchemy = bare.enqueue("send_email", conn=session)
         keyed = bare.enqueue("send_email", idempotency_key="k1")

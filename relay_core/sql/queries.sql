@@ -11,19 +11,31 @@
 -- an extra WAL record and index probe on every enqueue.
 -- The NOTIFY is sent in the caller's transaction, so it fires only on commit;
 -- %(notify)s is false for producers configured not to wake workers (RELAY_NOTIFY).
+-- With %(published)s, the job takes the max_attempts workers published for its
+-- type, if any (an enqueue that gave none, from a Relay without the handler):
+-- read here rather than by a statement of its own, it costs no round trip; the
+-- function reads relay.job_types only when called (migration 0012).
 -- transition: (new) -> queued
 INSERT INTO relay.jobs (status, type, payload, queue, priority, run_at, max_attempts)
 VALUES ('queued', %(type)s, %(payload)s::jsonb, %(queue)s, %(priority)s,
-        coalesce(%(run_at)s::timestamptz, now()), %(max_attempts)s)
+        coalesce(%(run_at)s::timestamptz, now()),
+        CASE WHEN %(published)s
+             THEN relay.published_max_attempts(%(type)s, %(max_attempts)s)
+             ELSE %(max_attempts)s END)
 RETURNING id, CASE WHEN %(notify)s AND run_at <= now() THEN pg_notify('relay_jobs', queue) END AS notified;
 
 -- name: job_insert_keyed
 -- Insert one job with an idempotency key; on a conflict insert nothing and return no row.
+-- %(published)s as in job_insert.
 -- transition: (new) -> queued
 WITH inserted AS (
     INSERT INTO relay.jobs (status, type, payload, queue, priority, run_at, max_attempts, idempotency_key)
     VALUES ('queued', %(type)s, %(payload)s::jsonb, %(queue)s, %(priority)s,
-            coalesce(%(run_at)s::timestamptz, now()), %(max_attempts)s, %(idempotency_key)s)
+            coalesce(%(run_at)s::timestamptz, now()),
+            CASE WHEN %(published)s
+                 THEN relay.published_max_attempts(%(type)s, %(max_attempts)s)
+                 ELSE %(max_attempts)s END,
+            %(idempotency_key)s)
     ON CONFLICT (idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING
     RETURNING id, queue, run_at <= now() AS due
 )

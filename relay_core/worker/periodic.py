@@ -126,6 +126,7 @@ def enqueue_due(
                     "max_attempts": spec.max_attempts,
                     "idempotency_key": key,
                     "notify": True,
+                    "published": False,
                 },
             )
             conn.execute(sql("schedule_record_run"), {"type": spec.type, "tick": tick, "idempotency_key": key})

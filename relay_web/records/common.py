@@ -7,10 +7,11 @@ generated from these same classes, so the spec cannot drift from the code.
 
 from __future__ import annotations
 
+import re
 from datetime import UTC, datetime
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, StringConstraints
+from pydantic import AfterValidator, AwareDatetime, BaseModel, BeforeValidator, ConfigDict, Field, StringConstraints
 
 from relay_core.monitor import QUEUE_NAME_PATTERN
 from relay_core.validation import BIGINT_MAX, CANONICAL_NUMBER
@@ -86,6 +87,25 @@ NewJobType = Annotated[
 ]
 
 JobId = Annotated[int, Field(ge=1, le=BIGINT_MAX, examples=[42])]
+
+
+#: RFC 3339's date-time: a full date, a time, and a UTC offset.
+DATE_TIME = re.compile(r"\d{4}-\d{2}-\d{2}[Tt ]\d{2}:\d{2}:\d{2}(\.\d+)?([Zz]|[+-]\d{2}:\d{2})")
+
+
+def _date_time_text(value: Any) -> Any:
+    # pydantic reads a string of digits as Unix seconds (or milliseconds, when
+    # large), so "1700000000" would schedule a job at a moment the client never
+    # wrote. Text must be a date-time, read here; other JSON types fail the strict check.
+    if not isinstance(value, str):
+        return value
+    if not DATE_TIME.fullmatch(value):
+        raise ValueError("must be an RFC 3339 date-time with a UTC offset, such as 2026-12-01T09:30:00Z")
+    return datetime.fromisoformat(value.upper())
+
+
+#: A moment given by a client: RFC 3339 text with its UTC offset.
+Moment = Annotated[AwareDatetime, BeforeValidator(_date_time_text)]
 
 
 def _canonical_digits(value: Any) -> Any:

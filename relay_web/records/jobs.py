@@ -5,7 +5,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Annotated, Any, Literal
 
-from pydantic import AwareDatetime, Field, JsonValue, field_validator
+from pydantic import Field, JsonValue, field_validator
 
 from relay_core import JobDetail
 from relay_core.monitor import MAX_PAGE, JobSummary
@@ -16,6 +16,7 @@ from .common import (
     JobId,
     JobIdParameter,
     JobType,
+    Moment,
     NewJobType,
     QueryRecord,
     QueueName,
@@ -167,7 +168,7 @@ class EnqueueBody(BodyRecord):
 
     type: NewJobType
     payload: Payload = Field(default_factory=dict, description="Any JSON value; the handler's input. null means {}.")
-    run_at: AwareDatetime | None = Field(default=None, description="Earliest run time, with a UTC offset; now if null.")
+    run_at: Moment | None = Field(default=None, description="Earliest run time, with a UTC offset; now if null.")
     queue: QueueName = "default"
     priority: Priority = Field(default=0, description="Lower runs first.")
     max_attempts: MaxAttempts | None = Field(

@@ -369,6 +369,12 @@ def test_idempotency_key_returns_the_first_job(client, admin, db) -> None:
         ({"type": "t", "payload": {"blob": "x" * 300_000}}, "payload"),
         ({"type": "t", "run_at": "0001-01-01T00:00:00+14:00"}, "run_at"),
         ({"type": "t", "run_at": "9999-12-31T23:59:59-14:00"}, "run_at"),
+        # Digits in a string would be read as Unix seconds (or milliseconds): no offset was written.
+        ({"type": "t", "run_at": "1700000000"}, "run_at"),
+        ({"type": "t", "run_at": "-1"}, "run_at"),
+        ({"type": "t", "run_at": "17000000000000"}, "run_at"),
+        ({"type": "t", "run_at": 1700000000}, "run_at"),
+        ({"type": "t", "run_at": "2030-01-01"}, "run_at"),
     ],
 )
 def test_enqueue_refuses_bad_input_and_writes_nothing(client, admin, db, body: dict, field: str) -> None:

@@ -93,6 +93,11 @@ def check_queue(queue: Any) -> str:
     return queue
 
 
+#: A NUL character as the JSON encoder writes it: ``\u0000`` whose backslash is not itself
+#: escaped (``"C:\\u0000"`` in JSON is a backslash followed by "u0000", which jsonb stores).
+ESCAPED_NUL = re.compile(r"(?<!\\)(?:\\\\)*\\u0000")
+
+
 def check_payload(payload: Any, max_bytes: int) -> str:
     """Serialise the payload to JSON, refusing what JSON cannot carry or what is too big."""
     try:
@@ -104,7 +109,7 @@ def check_payload(payload: Any, max_bytes: int) -> str:
     # Depth can only exceed the limit if there are more containers than the limit (a C-speed count).
     if text.count("[") + text.count("{") > MAX_PAYLOAD_DEPTH and nesting_depth(payload) > MAX_PAYLOAD_DEPTH:
         raise InvalidJobError("payload", f"is nested deeper than {MAX_PAYLOAD_DEPTH} levels")
-    if "\\u0000" in text:
+    if "\\u0000" in text and ESCAPED_NUL.search(text):
         raise InvalidJobError("payload", "must not contain NUL characters (PostgreSQL jsonb cannot store them)")
     try:
         encoded = text.encode("utf-8")

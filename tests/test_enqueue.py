@@ -146,6 +146,8 @@ BAD_INPUTS = [
     ({"job_type": "x", "payload": {"when": datetime.now(UTC)}}, "payload"),
     ({"job_type": "x", "payload": {"f": float("nan")}}, "payload"),
     ({"job_type": "x", "payload": {"s": "a\x00b"}}, "payload"),
+    ({"job_type": "x", "payload": {"s": "C:\\\x00"}}, "payload"),  # a backslash, then a NUL
+    ({"job_type": "x", "payload": {"a\x00": 1}}, "payload"),
     ({"job_type": "x", "payload": {"s": "\ud800"}}, "payload"),
     ({"job_type": "x", "payload": {"\ud800": 1}}, "payload"),
     ({"job_type": "x", "payload": {"blob": "x" * 300_000}}, "payload"),
@@ -170,6 +172,14 @@ BAD_INPUTS = [
     ({"job_type": "x", "max_attempts": 0}, "max_attempts"),
     ({"job_type": "x", "idempotency_key": ""}, "idempotency_key"),
 ]
+
+
+def test_a_backslash_before_u0000_is_text_not_a_nul(relay: Relay, db: psycopg.Connection) -> None:
+    """JSON writes the text ``C:\\u0000dir`` as ``"C:\\\\u0000dir"``; jsonb stores it. The NUL check
+    looked for ``\\u0000`` anywhere in the JSON, and refused it as a NUL character."""
+    payload = {"path": "C:\\u0000dir", "odd": "\\\\\\u0000"}
+    job_id = relay.enqueue("x", payload)
+    assert db.execute("SELECT payload FROM relay.jobs WHERE id = %s", (job_id,)).fetchone()[0] == payload
 
 
 @pytest.mark.parametrize(("kwargs", "field"), BAD_INPUTS)

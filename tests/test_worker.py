@@ -1059,6 +1059,34 @@ def test_jobs_a_claim_took_whose_answer_was_lost_go_back_with_their_attempt(
     assert (record.attempts, record.errors, ran.count(job_id)) == (1, [], 1)
 
 
+def test_a_worker_stopped_while_a_claims_answer_is_lost_returns_that_claims_jobs(
+    dsn: str, relay: Relay, db: psycopg.Connection
+) -> None:
+    """A stop (a deploy's SIGTERM) between a claim whose answer was lost and the next claim: the
+    jobs that claim took stayed claimed under the stopped worker's id, and once their leases ran
+    out the sweeper spent their attempt: a job with one attempt ended dead without having run."""
+    params = conninfo.conninfo_to_dict(dsn)
+    proxy = TcpProxy(str(params.get("host", "127.0.0.1")), int(params.get("port", 5432)))
+    through = Relay(conninfo.make_conninfo(dsn, host="127.0.0.1", port=str(proxy.port)))
+    through.handler("once", max_attempts=1)(lambda job: None)
+    settings = {"concurrency": 1, "lease_seconds": 60.0, "heartbeat_interval": 20.0, "listen": False}
+    try:
+        with running_worker(through, **settings) as worker:
+            warm = relay.enqueue("once")
+            wait_for(lambda: job_status(db, warm) == "succeeded", what="a first job through the proxy")
+            proxy.hold_answers_with = b"lost-answer-51e0"  # only the claim's answer carries the payload
+            job_id = relay.enqueue("once", {"marker": "lost-answer-51e0"})
+            wait_for(lambda: job_status(db, job_id) == "claimed", what="the claim to commit")
+            worker.stop()
+            proxy.cut()
+        assert worker.stopped.is_set()
+    finally:
+        through.close()
+        proxy.close()
+    record = relay.get_job(job_id)
+    assert (record.status, record.attempts, record.errors) == ("queued", 0, [])
+
+
 def test_only_unheld_jobs_claimed_under_the_workers_own_id_are_returned(relay: Relay, db: psycopg.Connection) -> None:
     held, lost, newer, elsewhere = relay.enqueue_many([{"type": "t"} for _ in range(4)])
     for job_id, worker in ((held, "w-1"), (lost, "w-1"), (newer, "w-1"), (elsewhere, "w-2")):

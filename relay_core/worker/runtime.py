@@ -49,6 +49,8 @@ CLAIM_COALESCE_SECONDS = 0.002
 REGISTER_WAIT_SECONDS = 2.0
 #: How often the lease watch compares unrenewed leases with the local clock.
 LEASE_WATCH_SECONDS = 0.2
+#: At shutdown, the pause between tries to return the jobs of a claim whose answer was lost.
+RETURN_UNHELD_RETRY_SECONDS = 0.1
 
 
 class Worker:
@@ -63,6 +65,9 @@ class Worker:
         self.stopping = threading.Event()
         self.stopped = threading.Event()
         self._wake = threading.Event()
+        #: A claim failed on a broken connection and may have committed: its jobs are claimed
+        #: under this worker's id, and the worker never saw them (see ``_return_unheld``).
+        self._unanswered_claim = False
         self._inbox: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
         self._slots: list[Slot] = []
         # Whether any job type has a limit: decides how the claim runs (see claim()).
@@ -359,9 +364,6 @@ class Worker:
 
     def _produce(self) -> None:
         delay = 0.1
-        # A claim that failed on a broken connection may have committed: its jobs are
-        # claimed under this worker's id, and the worker never saw them.
-        unanswered = False
         while not self.stopping.is_set():
             capacity = self.config.concurrency + self.prefetch()
             free = capacity - self.in_flight()
@@ -376,15 +378,15 @@ class Worker:
             self._wake.clear()
             began = time.monotonic()
             try:
-                if unanswered:
+                if self._unanswered_claim:
                     self._return_unheld()
-                    unanswered = False
+                    self._unanswered_claim = False
                 jobs, sent = self._claim(free)
                 delay = 0.1
                 self.pooled_calls.succeeded()
             except (psycopg.OperationalError, psycopg.InterfaceError, PoolTimeout) as exc:
                 # A PoolTimeout sent nothing; anything else may have lost a committed claim's answer.
-                unanswered = unanswered or not isinstance(exc, PoolTimeout)
+                self._unanswered_claim = self._unanswered_claim or not isinstance(exc, PoolTimeout)
                 self.pooled_calls.failed("claim", exc, began=began)
                 self.stopping.wait(delay)
                 delay = next_retry_delay(delay)
@@ -406,6 +408,26 @@ class Worker:
         returned = hand_back_unheld(self.pool, self.id, self.ledger.held_leases())
         if returned:
             event(logging.WARNING, "returned jobs a claim took whose answer was lost", job_ids=sorted(returned))
+
+    def _return_unheld_while_stopping(self, seconds: float) -> None:
+        """``_return_unheld``, tried again for up to ``seconds``: the connection the claim's answer
+        was lost on is seldom the only pooled one that broke, and the pool hands out one returned
+        within the last second unchecked."""
+        end = time.monotonic() + seconds
+        while True:
+            try:
+                self._return_unheld()
+                return
+            except (psycopg.Error, PoolTimeout) as exc:
+                if time.monotonic() + RETURN_UNHELD_RETRY_SECONDS >= end:
+                    event(
+                        logging.WARNING,
+                        "could not return jobs a claim took whose answer was lost; "
+                        "the sweeper returns them when their leases expire",
+                        error=str(exc),
+                    )
+                    return
+                time.sleep(RETURN_UNHELD_RETRY_SECONDS)
 
     def _exhaustion_cause(self) -> str | None:
         """What holds the pool's connections, as far as the worker knows; None while one is free."""
@@ -446,6 +468,10 @@ class Worker:
             self.listener.stop()
         # Within the shutdown timeout, however long a duty waits for a database that is down.
         self.maintenance.stop_duties(max(deadline - time.monotonic(), 0.5))
+        if self._unanswered_claim:
+            # A stop between a lost claim answer and the next claim: nothing else would return
+            # those jobs before their leases ran out, and the sweeper would spend their attempt.
+            self._return_unheld_while_stopping(min(max(deadline - time.monotonic(), 1.0), SHUTDOWN_WRITES_SECONDS))
         while self.in_flight() and time.monotonic() < deadline and self.config.shutdown_timeout > 0:
             time.sleep(0.02)
         self._check_timeouts()  # a job past its deadline has its timeout recorded, not its attempt refunded

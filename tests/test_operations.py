@@ -416,6 +416,39 @@ def test_running_job_is_cancelled_cooperatively(relay: Relay, db: psycopg.Connec
     assert relay.requeue(job_id).status == "queued"
 
 
+def test_a_job_cancelled_while_it_waits_in_the_worker_for_a_slot_never_starts(
+    relay: Relay, db: psycopg.Connection
+) -> None:
+    """A prefetched job is claimed before a slot is free, so a cancel can only ask it to stop.
+    The worker learned of the request at its next heartbeat, and started the handler anyway:
+    one that does its work without checking (sends the e-mail) ended the job succeeded."""
+    release = threading.Event()
+    started: list[str] = []
+    relay.handler("short")(lambda job: None)
+
+    @relay.handler("blocker")
+    def blocker(job: Job) -> None:
+        release.wait(20)
+
+    @relay.handler("victim")
+    def victim(job: Job) -> None:
+        started.append("victim")
+
+    with running_worker(relay, concurrency=1, heartbeat_interval=0.2) as worker:
+        relay.enqueue_many([{"type": "short"} for _ in range(100)])
+        wait_for(lambda: job_counts(db).get("succeeded") == 100, what="short jobs: the worker prefetches")
+        assert worker.prefetch() > 0
+        blocking, waiting = relay.enqueue_many([{"type": "blocker", "priority": -1}, {"type": "victim"}])
+        held = worker.ledger.running
+        wait_for(lambda: waiting in held and held[waiting].slot is None, what="the victim claimed, waiting")
+        assert relay.cancel(waiting).cancel_requested_at is not None
+        wait_for(lambda: held[waiting].job.cancel_requested, what="the heartbeat to bring the request")
+        release.set()
+        wait_for(lambda: job_status(db, waiting) != "claimed", what="the victim's end")
+    assert (job_status(db, waiting), started) == ("cancelled", [])
+    assert job_status(db, blocking) == "succeeded"
+
+
 @pytest.mark.parametrize("ending", ["raises", "snoozes", "is handed back"])
 def test_cancel_requested_while_running_is_not_carried_to_another_attempt(
     relay: Relay, db: psycopg.Connection, ending: str

@@ -34,6 +34,10 @@ def run(job: Job, handlers: Mapping[str, HandlerSpec], pool: ConnectionPool, wor
     started = time.monotonic()
     spec = handlers.get(job.type)
     try:
+        if job.cancel_requested:
+            # Cancelled while it waited in this worker for a slot (claimed, so the cancel could
+            # only ask): it ends cancelled without starting, as a handler checking first would.
+            raise JobCancelled(f"job {job.id} was cancelled before its handler started")
         if spec is None:
             registered = ", ".join(sorted(handlers)) or "none"
             raise HandlerNotFound(

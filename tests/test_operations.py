@@ -530,6 +530,20 @@ def test_progress_is_visible_while_running_and_the_result_is_kept(relay: Relay, 
     assert relay.get_job(odd).result == {"unstored_result": "not JSON-serializable: set"}
 
 
+def test_a_result_with_a_backslash_before_u0000_is_kept_one_with_a_nul_is_not(
+    relay: Relay, db: psycopg.Connection
+) -> None:
+    """The NUL check read ``\\u0000`` anywhere in the result's JSON as a NUL character, so the text
+    ``C:\\u0000dir`` (which jsonb stores) was replaced by a note that it held one."""
+    relay.handler("path")(lambda job: {"path": "C:\\u0000dir"})
+    relay.handler("nul")(lambda job: {"path": "C:\\\x00"})
+    kept, dropped = relay.enqueue("path"), relay.enqueue("nul")
+    with running_worker(relay):
+        wait_for(lambda: {job_status(db, kept), job_status(db, dropped)} == {"succeeded"})
+    assert relay.get_job(kept).result == {"path": "C:\\u0000dir"}
+    assert relay.get_job(dropped).result == {"unstored_result": "contains NUL characters"}
+
+
 def test_requeue_of_a_queued_job_is_refused_naming_its_state(relay: Relay) -> None:
     job_id = relay.enqueue("x", run_at=datetime.now(UTC) + timedelta(hours=1))
     with pytest.raises(IllegalTransition, match="it is queued"):

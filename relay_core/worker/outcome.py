@@ -9,6 +9,7 @@ from enum import StrEnum
 from typing import Any
 
 from ..job import Job
+from ..validation import ESCAPED_NUL
 
 MAX_TRACEBACK_CHARS = 8000
 MAX_MESSAGE_CHARS = 2000
@@ -53,7 +54,7 @@ def result_json(value: Any, limit: int = MAX_RESULT_BYTES) -> str | None:
         return json.dumps({"unstored_result": f"not JSON-serializable: {type(value).__name__}"})
     except RecursionError:
         return json.dumps({"unstored_result": "nested too deeply"})
-    if "\\u0000" in text:
+    if "\\u0000" in text and ESCAPED_NUL.search(text):
         return json.dumps({"unstored_result": "contains NUL characters"})
     try:
         size = len(text.encode("utf-8"))

@@ -38,9 +38,14 @@ def is_htmx() -> bool:
     return bool(request.headers.get("HX-Request")) and not request.headers.get("HX-History-Restore-Request")
 
 
-def page(template: str, *, partial: str | None = None, status: int = 200, **context: Any) -> Response:
-    """Render ``dashboard/<template>.html``, or for htmx its partial (``_<template>.html`` unless named)."""
-    name = f"dashboard/_{partial or template}.html" if is_htmx() else f"dashboard/{template}.html"
+def page(
+    template: str, *, partial: str | None = None, status: int = 200, whole: bool = False, **context: Any
+) -> Response:
+    """Render ``dashboard/<template>.html``, or for htmx its partial (``_<template>.html`` unless named).
+
+    ``whole``: a page with no partial (the login form), rendered whole even for htmx.
+    """
+    name = f"dashboard/_{partial or template}.html" if is_htmx() and not whole else f"dashboard/{template}.html"
     session = current()
     body = render_template(
         name,

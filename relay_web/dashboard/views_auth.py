@@ -16,7 +16,7 @@ from .render import page
 
 def _form(error: str | None = None, status: int = 200, username: str = "") -> Response:
     next_url = session.safe_next(request.values.get("next"))
-    return page("login", status=status, error=error, username=username, next_url=next_url)
+    return page("login", whole=True, status=status, error=error, username=username, next_url=next_url)
 
 
 @bp.get("/login")

@@ -149,6 +149,10 @@ def seen(job: JobDetail) -> str:
     return f"{job.status}-{job.attempts}"
 
 
+#: The parts of a job's page htmx asks for by name (``?part=``).
+JOB_PARTS = ("status", "history")
+
+
 def _job_context(job: JobDetail, notice: str | None = None) -> dict[str, Any]:
     return {
         "job": job,
@@ -167,8 +171,10 @@ def _job_context(job: JobDetail, notice: str | None = None) -> dict[str, Any]:
 def job(job_id: int) -> Response:
     """One job: state and actions, progress, timings, lease, payload and every attempt's error."""
     found = _job_or_404(job_id)
-    part = request.args.get("part", "status") if is_htmx() else None
-    response = page("job", partial=f"job_{part}" if part in ("status", "history") else "job", **_job_context(found))
+    part = request.args.get("part") if is_htmx() else None
+    if is_htmx() and part not in JOB_PARTS:
+        part = "status"  # the part htmx polls; any other name would be a template that does not exist
+    response = page("job", partial=f"job_{part}" if part else "job", **_job_context(found))
     shown = request.args.get("seen")
     if part == "status" and shown and shown != seen(found):
         response.headers["HX-Trigger"] = CHANGED_EVENT

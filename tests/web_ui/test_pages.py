@@ -67,6 +67,23 @@ def test_htmx_requests_get_the_partial_alone(viewer: DashboardClient, busy: dict
     assert html.strip()
 
 
+def test_htmx_asking_for_a_job_part_or_the_login_form_never_gets_a_missing_template(
+    viewer: DashboardClient, anonymous: DashboardClient, relay: Relay
+) -> None:
+    """An htmx request for a part of a job's page other than the two it polls, or for the login
+    form (which has no partial), rendered a template that does not exist: a 500."""
+    job_id = relay.enqueue("t")
+    for part in ("evil", "", "job"):
+        response = viewer.get(f"/jobs/{job_id}?part={part}", htmx=True)
+        assert response.status_code == 200, part
+        assert 'class="panel status-card"' in _text(response)
+        assert "<html" not in _text(response)
+    assert anonymous.get("/login", htmx=True).status_code == 200
+    assert "<form" in _text(anonymous.get("/login", htmx=True))
+    wrong = anonymous.client.post("/login", data={"username": "nobody", "password": "x"}, headers={"HX-Request": "1"})
+    assert wrong.status_code == 401 and "Wrong username or password." in _text(wrong)
+
+
 def test_history_restore_gets_the_whole_page(viewer: DashboardClient) -> None:
     response = viewer.client.get("/jobs", headers={"HX-Request": "true", "HX-History-Restore-Request": "true"})
     assert "<html" in _text(response)

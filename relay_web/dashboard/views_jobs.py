@@ -81,10 +81,16 @@ def actions(job: JobDetail) -> list[str]:
 
 
 def _filters() -> dict[str, str]:
-    """The non-empty filters of the request, trimmed."""
+    """The non-empty filters of the request: the search text trimmed, the rest exactly as given.
+
+    A job type may end in a space (the API takes ``"mail "``), and the dead
+    view links to its jobs by type: trimmed, the link listed ``mail``'s jobs.
+    """
     found = {}
     for name in FILTERS:
-        value = request.args.get(name, "").strip()
+        value = request.args.get(name, "")
+        if name == "q":
+            value = value.strip()
         if value:
             found[name] = value
     return found

@@ -151,6 +151,20 @@ def test_jobs_filters_live_in_the_url(
     assert _rows(html) == [busy[name] for name in expected]
 
 
+def test_a_type_ending_in_a_space_is_its_own_filter_from_the_dead_view(
+    viewer: DashboardClient, relay: Relay, db: psycopg.Connection
+) -> None:
+    """The API takes a job type such as ``"mail "``; the dead view links to its jobs by type,
+    and the jobs list trimmed the filter: it listed the dead jobs of ``mail`` instead."""
+    spaced, plain = relay.enqueue_many([{"type": "mail "}, {"type": "mail"}])
+    db.execute("UPDATE relay.jobs SET status = 'dead', finished_at = now(), last_error = 'boom'")
+    links = sorted(set(re.findall(r'href="(/jobs\?state=dead&amp;type=mail[^"]*)"', _text(viewer.get("/dead")))))
+    assert links == ["/jobs?state=dead&amp;type=mail", "/jobs?state=dead&amp;type=mail+"]
+    assert _rows(_text(viewer.get("/jobs?state=dead&type=mail+"))) == [spaced]
+    assert _rows(_text(viewer.get("/jobs?state=dead&type=mail"))) == [plain]
+    assert _rows(_text(viewer.get("/jobs?q=%20boom%20"))) == [plain, spaced]
+
+
 @pytest.mark.parametrize(
     ("query", "message"),
     [

@@ -20,7 +20,7 @@ from pydantic import BaseModel, ValidationError
 from relay_core.validation import MAX_PAYLOAD_DEPTH
 
 from . import auth
-from .bodies import read_body
+from .bodies import read_body, repeated_keys
 from .problems import Problem, validation_problem
 from .records.common import NO_NUL, VISIBLE
 
@@ -140,7 +140,7 @@ def _parse_body(model: type[BaseModel]) -> BaseModel:
         )
     raw = read_body()
     try:
-        return model.model_validate_json(raw or b"null")
+        body = model.model_validate_json(raw or b"null")
     except ValidationError as exc:
         invalid = [e for e in exc.errors(include_url=False) if e.get("type") == "json_invalid"]
         if invalid:
@@ -149,6 +149,14 @@ def _parse_body(model: type[BaseModel]) -> BaseModel:
         if any(e.get("type") == "model_type" and not e.get("loc") for e in exc.errors(include_url=False)):
             raise validation_problem([{"field": "body", "in": "body", "detail": "must be a JSON object"}]) from None
         raise validation_problem(_field_errors(exc, "body")) from None
+    top_level, nested = repeated_keys(raw)
+    if top_level or nested:
+        errors = [{"field": key, "in": "body", "detail": "give it once"} for key in top_level]
+        if nested:
+            named = ", ".join(json.dumps(key) for key in nested)
+            errors.append({"field": "body", "in": "body", "detail": f"repeats a key within one object: {named}"})
+        raise validation_problem(errors)
+    return body
 
 
 def _parse_inputs(spec: Endpoint, view_args: dict[str, Any]) -> dict[str, Any]:

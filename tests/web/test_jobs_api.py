@@ -305,6 +305,25 @@ def test_bulk_bodies_are_validated(client, admin) -> None:
     assert_problem(client.post("/api/admin/jobs/cancel", headers=admin, json=[]), 422)
 
 
+def test_a_body_that_repeats_a_key_is_refused_and_changes_nothing(client, admin, relay: Relay, db) -> None:
+    """The JSON parser keeps the last of two equal keys: {"type": "no_such_type", "type": "keep_me"}
+    cancelled keep_me's jobs, while a proxy or audit log in between may read the first."""
+    kept = relay.enqueue("keep_me")
+    headers = {**admin, "Content-Type": "application/json"}
+    twice = '{"type": "no_such_type", "type": "keep_me"}'
+    repeated = client.post("/api/admin/jobs/cancel", headers=headers, data=twice)
+    problem = assert_problem(repeated, 422, "validation")
+    assert problem["errors"] == [{"field": "type", "in": "body", "detail": "give it once"}]
+    nested = client.post("/api/admin/jobs", headers=headers, data='{"type": "t", "payload": {"to": "a", "to": "b"}}')
+    problem = assert_problem(nested, 422, "validation")
+    assert problem["errors"] == [{"field": "body", "in": "body", "detail": 'repeats a key within one object: "to"'}]
+    assert relay.get_job(kept).status == "queued"
+    assert db.execute("SELECT count(*) FROM relay.jobs").fetchone()[0] == 1
+    same_key_in_two_objects = '{"type": "t", "payload": {"a": {"k": 1}, "b": {"k": 2}}}'
+    alike = client.post("/api/admin/jobs", headers=headers, data=same_key_in_two_objects)
+    assert alike.status_code == 201, alike.get_json()
+
+
 def test_enqueue_over_http(client, admin, relay: Relay) -> None:
     response = client.post(
         "/api/admin/jobs",

@@ -18,7 +18,7 @@ from .backoff import Backoff
 from .connections import run, run_async
 from .errors import ConfigurationError, InvalidJobError, RelayError
 from .handlers import DEFAULT_MAX_ATTEMPTS, HandlerSpec, make_spec
-from .pools import connection_options, make_pool
+from .pools import RelayConnection, connection_options, make_pool
 from .settings import database_url, env_bool, env_float, env_int, transaction_pooling
 from .validation import DEFAULT_MAX_PAYLOAD_BYTES, NewJob, check_seconds, new_job
 from .worker import Worker, WorkerConfig
@@ -394,4 +394,4 @@ class Relay:
 
     def connect(self) -> psycopg.Connection:
         """A new psycopg connection to Relay's database, for Relay's own statements (the caller closes it)."""
-        return psycopg.connect(self.dsn, **connection_options(self.dsn, self.transaction_pooling))
+        return RelayConnection.connect(self.dsn, **connection_options(self.dsn, self.transaction_pooling))

@@ -28,6 +28,7 @@ from psycopg.conninfo import conninfo_to_dict
 from psycopg_pool import ConnectionPool
 from psycopg_pool.base import AttemptWithBackoff
 
+from .jsonb import read_any_number
 from .settings import transaction_pooling
 
 #: A connection idle longer than this is checked before it is handed out.
@@ -94,11 +95,14 @@ class RelayConnection(psycopg.Connection[Any]):
     transactional handler's, passed as ``conn=`` to enqueues from several
     threads), but a cursor's results are read after its statement, and another
     thread's statement in between would replace them.
+
+    It reads json and jsonb numbers of any length (see ``relay_core.jsonb``).
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._kept = threading.local()
+        read_any_number(self)
 
     def kept_cursor(self) -> psycopg.Cursor[Any]:
         """This thread's reusable cursor on this connection (tuple rows), made on first use or after it was closed."""

@@ -7,6 +7,7 @@ import os
 import threading
 import time
 from datetime import UTC, datetime, timedelta
+from decimal import Decimal
 
 import psycopg
 import pytest
@@ -1085,6 +1086,23 @@ def test_a_worker_stopped_while_a_claims_answer_is_lost_returns_that_claims_jobs
         proxy.close()
     record = relay.get_job(job_id)
     assert (record.status, record.attempts, record.errors) == ("queued", 0, [])
+
+
+def test_a_job_holding_a_number_too_long_for_int_runs_and_the_worker_carries_on(
+    relay: Relay, db: psycopg.Connection
+) -> None:
+    """jsonb writes 1e5000 out in full, and Python reads no integer of over 4,300 digits from text:
+    a claim that returned such a job (inserted with SQL by another program) raised in the producer
+    thread, the worker stopped claiming for good, and the next worker to claim the job likewise."""
+    seen: list[object] = []
+    relay.handler("big")(lambda job: seen.append(job.payload["n"]))
+    insert = """INSERT INTO relay.jobs (type, payload) VALUES ('big', '{"n": 1e5000}') RETURNING id"""
+    (big,) = db.execute(insert).fetchone()
+    with running_worker(relay, concurrency=2):
+        wait_for(lambda: job_status(db, big) == "succeeded", what="the job with the long number")
+        after = relay.enqueue("big", {"n": 7})
+        wait_for(lambda: job_status(db, after) == "succeeded", what="a job after it")
+    assert seen == [Decimal("1e5000"), 7]
 
 
 def test_only_unheld_jobs_claimed_under_the_workers_own_id_are_returned(relay: Relay, db: psycopg.Connection) -> None:

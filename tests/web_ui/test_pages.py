@@ -13,6 +13,7 @@ from relay_core import Relay
 from relay_core.worker import periodic
 
 from .conftest import TRACEBACK, DashboardClient, Jobs
+from .support import PASSWORD
 
 PAGES = ["/", "/jobs", "/jobs?state=dead", "/dead", "/queues", "/workers", "/schedules"]
 SCRIPT = "<script>alert(1)</script>"
@@ -356,6 +357,25 @@ def test_everything_a_job_carries_is_escaped(viewer: DashboardClient, jobs: Jobs
         assert "<img src=x" not in html, path
         assert "&lt;script&gt;alert(1)&lt;/script&gt;" in html, path
         assert "&lt;img src=x onerror=alert(1)&gt;" in html, path
+
+
+def test_a_number_too_long_for_int_is_shown_as_its_digits(
+    viewer: DashboardClient, anonymous: DashboardClient, db: psycopg.Connection, dsn: str
+) -> None:
+    """A job a program wrote with SQL may hold a number of over 4,300 digits (jsonb writes 1e5000
+    out in full); Python reads no such integer from text, and the job's pages answered 500."""
+    (job_id,) = db.execute(
+        "INSERT INTO relay.jobs (type, payload, status, finished_at, result) "
+        """VALUES ('big', '{"n": 1e5000}', 'succeeded', now(), '{"r": -1e4400}') RETURNING id"""
+    ).fetchone()
+    digits = "1" + "0" * 5000
+    page = viewer.get(f"/jobs/{job_id}")
+    assert page.status_code == 200 and digits in _text(page)
+    token = anonymous.client.post("/api/auth/login", json={"username": "viewer", "password": PASSWORD})
+    headers = {"Authorization": f"Bearer {token.get_json()['access_token']}"}
+    job = anonymous.client.get(f"/api/admin/jobs/{job_id}", headers=headers)
+    assert job.status_code == 200, job.get_json()
+    assert (job.get_json()["payload"], job.get_json()["result"]) == ({"n": digits}, {"r": "-1" + "0" * 4400})
 
 
 def test_dead_view_groups_by_type_with_counts(viewer: DashboardClient, jobs: Jobs) -> None:

@@ -1,0 +1,53 @@
+"""How Relay reads jsonb: every number PostgreSQL can store, however long.
+
+Python refuses to read an integer of more than 4,300 digits from text
+(``sys.get_int_max_str_digits``, a guard against slow conversions), and
+jsonb writes a number such as ``1e5000`` out in full. psycopg's default
+loader then raised ValueError on the row: a worker whose claim returned such
+a job (one inserted with SQL, by another program) lost its producer thread,
+and every worker that claimed the job after it went the same way. Relay's
+connections read such an integer as a ``decimal.Decimal`` instead: exact,
+and nothing else changes, since only a document that fails is read again.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from collections.abc import Callable
+from decimal import Decimal
+from typing import Any
+
+import psycopg
+from psycopg.types.json import set_json_loads
+
+#: The longest integer text Python reads by default (sys.get_int_max_str_digits()).
+INT_MAX_STR_DIGITS = 4300
+
+
+def _integer(digits: str) -> int | Decimal:
+    return int(digits) if len(digits.lstrip("-")) <= INT_MAX_STR_DIGITS else Decimal(digits)
+
+
+def _integer_or_text(digits: str) -> int | str:
+    return int(digits) if len(digits.lstrip("-")) <= INT_MAX_STR_DIGITS else digits
+
+
+def loads(data: str | bytes, integer: Callable[[str], Any] = _integer) -> Any:
+    """``json.loads``, reading integers too long for ``int`` with ``integer`` (as Decimal, by default)."""
+    try:
+        return json.loads(data)
+    except ValueError as exc:
+        if "integer string conversion" not in str(exc):
+            raise
+        return json.loads(data, parse_int=integer)
+
+
+def read_any_number(conn: psycopg.Connection[Any], *, as_text: bool = False) -> None:
+    """Make ``conn`` read json and jsonb with :func:`loads`.
+
+    ``as_text``: such an integer is read as its digits in a string, for
+    display (the admin API's records and the dashboard hold only JSON's
+    own types), instead of as a Decimal.
+    """
+    set_json_loads(functools.partial(loads, integer=_integer_or_text) if as_text else loads, conn)

@@ -1105,6 +1105,29 @@ def test_a_job_holding_a_number_too_long_for_int_runs_and_the_worker_carries_on(
     assert seen == [Decimal("1e5000"), 7]
 
 
+def test_a_job_with_times_no_datetime_holds_runs_and_the_worker_carries_on(
+    relay: Relay, db: psycopg.Connection
+) -> None:
+    """A program writing with SQL can store run_at '-infinity' (run first) or a year BC; Python's
+    datetime holds neither, and the claim that returned such a job failed, stopping the worker."""
+    seen: dict[int, tuple[datetime, datetime]] = {}
+    relay.handler("odd_times")(lambda job: seen.update({job.id: (job.run_at, job.created_at)}))
+    ids = [
+        row[0]
+        for row in db.execute(
+            "INSERT INTO relay.jobs (type, run_at, created_at) VALUES "
+            "('odd_times', '-infinity', now()), ('odd_times', '4713-01-01 BC', 'infinity') RETURNING id"
+        )
+    ]
+    with running_worker(relay, concurrency=2):
+        wait_for(lambda: {job_status(db, i) for i in ids} == {"succeeded"}, what="the jobs with odd times")
+        after = relay.enqueue("odd_times")
+        wait_for(lambda: job_status(db, after) == "succeeded", what="a job after them")
+    earliest, latest = datetime(1, 1, 1, tzinfo=UTC), datetime(9999, 12, 31, 23, 59, 59, 999999, tzinfo=UTC)
+    assert seen[ids[0]][0] == seen[ids[1]][0] == earliest
+    assert seen[ids[1]][1] == latest
+
+
 def test_only_unheld_jobs_claimed_under_the_workers_own_id_are_returned(relay: Relay, db: psycopg.Connection) -> None:
     held, lost, newer, elsewhere = relay.enqueue_many([{"type": "t"} for _ in range(4)])
     for job_id, worker in ((held, "w-1"), (lost, "w-1"), (newer, "w-1"), (elsewhere, "w-2")):

@@ -152,8 +152,12 @@ WITH room AS (
         progress = NULL
     FROM chosen
     WHERE j.id = chosen.id AND j.status = 'queued'
-    RETURNING j.id, j.type, j.queue, j.priority, j.payload, j.attempts, j.max_attempts,
-              j.lease_token, j.run_at, j.created_at
+    -- run_at and created_at within the years a Python datetime holds (1-9999): a
+    -- program writing with SQL can store '-infinity' or a year BC, and a row the
+    -- worker cannot read would fail the whole claim, again at every worker.
+    RETURNING j.id, j.type, j.queue, j.priority, j.payload, j.attempts, j.max_attempts, j.lease_token,
+              least(greatest(j.run_at, '0001-01-01 00:00:00+00'), '9999-12-31 23:59:59.999999+00') AS run_at,
+              least(greatest(j.created_at, '0001-01-01 00:00:00+00'), '9999-12-31 23:59:59.999999+00') AS created_at
 ), rate_logged AS (
     INSERT INTO relay.rate_starts (type)
     SELECT claimed.type FROM claimed

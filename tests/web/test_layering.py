@@ -7,10 +7,12 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 #: What relay_web may import from relay_core (validation: the input rules both share, such as what a job id is;
-#: pools: the connection pool that reconnects at a capped pace after an outage).
+#: pools: the connection pool that reconnects at a capped pace after an outage; jsonb: how a connection
+#: reads numbers too long for int).
 ALLOWED = {
     "relay_core",
     "relay_core.admin",
+    "relay_core.jsonb",
     "relay_core.monitor",
     "relay_core.pools",
     "relay_core.users",

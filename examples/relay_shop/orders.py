@@ -60,9 +60,16 @@ class OrderOutcomeUnknown(Exception):
 
 @dataclass(frozen=True)
 class PlacedOrder:
-    """An order that committed, and the ids of the jobs that committed with it."""
+    """An order that committed, and the ids of the jobs that committed with it.
 
-    order: Order
+    Plain values read before the commit: the ORM object expires at commit,
+    and reading it again afterwards is a query that can fail on its own.
+    """
+
+    order_id: int
+    lines: int
+    total_cents: int
+    currency: str
     jobs: dict[str, int]
 
 
@@ -125,12 +132,12 @@ def place_order(
             conn=session,
             idempotency_key=f"{key}:webhook",
         )
-    order_id = order.id
+    placed = PlacedOrder(order.id, len(order.lines), order.total_cents, order.currency, jobs)
     try:
         session.commit()
     except OperationalError as exc:
-        raise OrderOutcomeUnknown(order_id) from exc
-    return PlacedOrder(order, jobs)
+        raise OrderOutcomeUnknown(order.id) from exc
+    return placed
 
 
 def order_exists(session: Session, order_id: int) -> bool:
@@ -146,7 +153,7 @@ def cancel_order(session: Session, placed: PlacedOrder) -> bool:
     order's status too, so a review request never goes out for a cancelled
     order whichever step wins the race. Returns whether the job was cancelled.
     """
-    order = session.get(Order, placed.order.id, with_for_update=True)
+    order = session.get(Order, placed.order_id, with_for_update=True)
     if order is None:
         return False
     order.status = "cancelled"

@@ -76,7 +76,7 @@ def run(per_minute: float, limit: int | None = None) -> int:
                 if regretted is not None:  # the previous order's customer changed their mind
                     with Session(engine) as session:
                         cancelled = cancel_order(session, regretted)
-                    print(f"order {regretted.order.id} cancelled; review request cancelled: {cancelled}", flush=True)
+                    print(f"order {regretted.order_id} cancelled; review request cancelled: {cancelled}", flush=True)
                     regretted = None
                 if unsure is not None:
                     with Session(engine) as session:
@@ -88,25 +88,29 @@ def run(per_minute: float, limit: int | None = None) -> int:
                         continue  # place it again
                 else:
                     with Session(engine) as session:
-                        new = place_order(session, customer, random_items(rng))
-                        order = new.order
-                        print(
-                            f"order {order.id} placed for {customer.email}: {len(order.lines)} item(s), "
-                            f"{order.total_cents / 100:.2f} {order.currency}",
-                            flush=True,
-                        )
-            except OrderOutcomeUnknown as exc:
-                # Placing the order again now could place it twice: look for it first.
-                unsure = exc.order_id
-                print(f"{exc}; looking for it in {RETRY_SECONDS:g} s", flush=True)
-                stop.wait(RETRY_SECONDS)
-                continue
+                        try:
+                            new = place_order(session, customer, random_items(rng))
+                        except OrderOutcomeUnknown as exc:
+                            # Placing the order again now could place it twice: look for it first
+                            # (noted here, so that an error closing the session cannot lose it).
+                            unsure = exc.order_id
+                            print(f"{exc}; looking for it in {RETRY_SECONDS:g} s", flush=True)
+                    if unsure is not None:
+                        stop.wait(RETRY_SECONDS)
+                        continue
             except OperationalError as exc:
-                # The transaction rolled back: nothing was placed or cancelled; try again shortly.
                 reason = str(exc.orig).splitlines()[0] if exc.orig else str(exc)
                 print(f"database unreachable ({reason}); trying again in {RETRY_SECONDS:g} s", flush=True)
                 stop.wait(RETRY_SECONDS)
-                continue
+                if new is None:  # the transaction rolled back: nothing was placed or cancelled
+                    continue
+                # The order committed; only closing its session met the outage.
+            if new is not None:
+                print(
+                    f"order {new.order_id} placed for {customer.email}: {new.lines} item(s), "
+                    f"{new.total_cents / 100:.2f} {new.currency}",
+                    flush=True,
+                )
             if new is not None and placed % CANCEL_EVERY == CANCEL_EVERY - 1:
                 regretted = new
             placed += 1

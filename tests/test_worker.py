@@ -6,6 +6,8 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 
@@ -1026,22 +1028,16 @@ def test_a_handler_hears_its_lease_ran_out_while_the_database_stalls(dsn: str, r
     assert [e["type"] for e in record.errors] == ["LeaseLost"], record.errors
 
 
-def test_jobs_a_claim_took_whose_answer_was_lost_go_back_with_their_attempt(
-    dsn: str, relay: Relay, db: psycopg.Connection
-) -> None:
-    """The claim commits, its answer never arrives (the connection breaks on the way): the worker
-    never learns of the jobs. It returns them once it reaches the database again, before the lease
-    would have let the sweeper take them with their attempt spent: a job with one attempt runs,
-    instead of ending dead without having run."""
+@contextmanager
+def a_claim_whose_answer_is_held(
+    dsn: str, relay: Relay, db: psycopg.Connection, ran: list[int]
+) -> Iterator[tuple[Worker, TcpProxy, int]]:
+    """A worker behind a proxy whose claim of a fresh one-attempt job ("once", noted in ``ran`` when it
+    runs) has committed, and whose answer the proxy holds: (the worker, the proxy, the job's id)."""
     params = conninfo.conninfo_to_dict(dsn)
     proxy = TcpProxy(str(params.get("host", "127.0.0.1")), int(params.get("port", 5432)))
     through = Relay(conninfo.make_conninfo(dsn, host="127.0.0.1", port=str(proxy.port)))
-    ran: list[int] = []
-
-    @through.handler("once", max_attempts=1)
-    def once(job: Job) -> None:
-        ran.append(job.id)
-
+    through.handler("once", max_attempts=1)(lambda job: ran.append(job.id))
     settings = {"concurrency": 1, "lease_seconds": 60.0, "heartbeat_interval": 20.0, "listen": False}
     try:
         with running_worker(through, **settings) as worker:
@@ -1050,12 +1046,24 @@ def test_jobs_a_claim_took_whose_answer_was_lost_go_back_with_their_attempt(
             proxy.hold_answers_with = b"lost-answer-7f3a"  # only the claim's answer carries the payload
             job_id = relay.enqueue("once", {"marker": "lost-answer-7f3a"})
             wait_for(lambda: job_status(db, job_id) == "claimed", what="the claim to commit")
-            assert job_id not in worker.ledger.held_leases(), "its answer has not arrived"
-            proxy.cut()
-            wait_for(lambda: job_status(db, job_id) == "succeeded", timeout=20, what="the job to run")
+            yield worker, proxy, job_id
     finally:
         through.close()
         proxy.close()
+
+
+def test_jobs_a_claim_took_whose_answer_was_lost_go_back_with_their_attempt(
+    dsn: str, relay: Relay, db: psycopg.Connection
+) -> None:
+    """The claim commits, its answer never arrives (the connection breaks on the way): the worker
+    never learns of the jobs. It returns them once it reaches the database again, before the lease
+    would have let the sweeper take them with their attempt spent: a job with one attempt runs,
+    instead of ending dead without having run."""
+    ran: list[int] = []
+    with a_claim_whose_answer_is_held(dsn, relay, db, ran) as (worker, proxy, job_id):
+        assert job_id not in worker.ledger.held_leases(), "its answer has not arrived"
+        proxy.cut()
+        wait_for(lambda: job_status(db, job_id) == "succeeded", timeout=20, what="the job to run")
     record = relay.get_job(job_id)
     assert (record.attempts, record.errors, ran.count(job_id)) == (1, [], 1)
 
@@ -1066,26 +1074,13 @@ def test_a_worker_stopped_while_a_claims_answer_is_lost_returns_that_claims_jobs
     """A stop (a deploy's SIGTERM) between a claim whose answer was lost and the next claim: the
     jobs that claim took stayed claimed under the stopped worker's id, and once their leases ran
     out the sweeper spent their attempt: a job with one attempt ended dead without having run."""
-    params = conninfo.conninfo_to_dict(dsn)
-    proxy = TcpProxy(str(params.get("host", "127.0.0.1")), int(params.get("port", 5432)))
-    through = Relay(conninfo.make_conninfo(dsn, host="127.0.0.1", port=str(proxy.port)))
-    through.handler("once", max_attempts=1)(lambda job: None)
-    settings = {"concurrency": 1, "lease_seconds": 60.0, "heartbeat_interval": 20.0, "listen": False}
-    try:
-        with running_worker(through, **settings) as worker:
-            warm = relay.enqueue("once")
-            wait_for(lambda: job_status(db, warm) == "succeeded", what="a first job through the proxy")
-            proxy.hold_answers_with = b"lost-answer-51e0"  # only the claim's answer carries the payload
-            job_id = relay.enqueue("once", {"marker": "lost-answer-51e0"})
-            wait_for(lambda: job_status(db, job_id) == "claimed", what="the claim to commit")
-            worker.stop()
-            proxy.cut()
-        assert worker.stopped.is_set()
-    finally:
-        through.close()
-        proxy.close()
+    ran: list[int] = []
+    with a_claim_whose_answer_is_held(dsn, relay, db, ran) as (worker, proxy, job_id):
+        worker.stop()
+        proxy.cut()
+    assert worker.stopped.is_set()
     record = relay.get_job(job_id)
-    assert (record.status, record.attempts, record.errors) == ("queued", 0, [])
+    assert (record.status, record.attempts, record.errors, ran.count(job_id)) == ("queued", 0, [], 0)
 
 
 def test_a_job_holding_a_number_too_long_for_int_runs_and_the_worker_carries_on(

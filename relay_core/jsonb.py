@@ -25,22 +25,18 @@ from psycopg.types.json import set_json_loads
 INT_MAX_STR_DIGITS = 4300
 
 
-def _integer(digits: str) -> int | Decimal:
-    return int(digits) if len(digits.lstrip("-")) <= INT_MAX_STR_DIGITS else Decimal(digits)
+def _integer(digits: str, too_long: Callable[[str], Any]) -> Any:
+    return int(digits) if len(digits.lstrip("-")) <= INT_MAX_STR_DIGITS else too_long(digits)
 
 
-def _integer_or_text(digits: str) -> int | str:
-    return int(digits) if len(digits.lstrip("-")) <= INT_MAX_STR_DIGITS else digits
-
-
-def loads(data: str | bytes, integer: Callable[[str], Any] = _integer) -> Any:
-    """``json.loads``, reading integers too long for ``int`` with ``integer`` (as Decimal, by default)."""
+def loads(data: str | bytes, too_long: Callable[[str], Any] = Decimal) -> Any:
+    """``json.loads``, reading integers too long for ``int`` with ``too_long`` (as Decimal, by default)."""
     try:
         return json.loads(data)
     except ValueError as exc:
         if "integer string conversion" not in str(exc):
             raise
-        return json.loads(data, parse_int=integer)
+        return json.loads(data, parse_int=functools.partial(_integer, too_long=too_long))
 
 
 def read_any_number(conn: psycopg.Connection[Any], *, as_text: bool = False) -> None:
@@ -50,4 +46,4 @@ def read_any_number(conn: psycopg.Connection[Any], *, as_text: bool = False) -> 
     display (the admin API's records and the dashboard hold only JSON's
     own types), instead of as a Decimal.
     """
-    set_json_loads(functools.partial(loads, integer=_integer_or_text) if as_text else loads, conn)
+    set_json_loads(functools.partial(loads, too_long=str) if as_text else loads, conn)

@@ -111,8 +111,8 @@ def run(per_minute: float, limit: int | None = None) -> int:
                     f"{new.total_cents / 100:.2f} {new.currency}",
                     flush=True,
                 )
-            if new is not None and placed % CANCEL_EVERY == CANCEL_EVERY - 1:
-                regretted = new
+                if placed % CANCEL_EVERY == CANCEL_EVERY - 1:
+                    regretted = new
             placed += 1
             # Poisson-like arrivals look like real traffic; the mean stays at `interval`.
             stop.wait(rng.expovariate(1.0 / interval))

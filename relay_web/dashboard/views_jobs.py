@@ -177,9 +177,10 @@ def _job_context(job: JobDetail, notice: str | None = None) -> dict[str, Any]:
 def job(job_id: int) -> Response:
     """One job: state and actions, progress, timings, lease, payload and every attempt's error."""
     found = _job_or_404(job_id)
-    part = request.args.get("part") if is_htmx() else None
-    if is_htmx() and part not in JOB_PARTS:
-        part = "status"  # the part htmx polls; any other name would be a template that does not exist
+    part = None
+    if is_htmx():
+        # The part htmx polls unless it names the other; any other name would be a template that does not exist.
+        part = request.args.get("part") if request.args.get("part") in JOB_PARTS else "status"
     response = page("job", partial=f"job_{part}" if part else "job", **_job_context(found))
     shown = request.args.get("seen")
     if part == "status" and shown and shown != seen(found):

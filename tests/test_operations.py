@@ -391,6 +391,38 @@ def test_retention_prunes_old_finished_jobs_and_keeps_history(relay: Relay, db: 
     assert prune_once(db, Retention(succeeded=7 * 86400, dead=9 * 86400))["dead"] == 1
 
 
+def test_a_retention_pass_reads_the_expired_jobs_and_not_the_history_it_keeps(db: psycopg.Connection) -> None:
+    # 20,000 succeeded jobs kept, then 3 that expired long ago: among the newest
+    # ids, where a search in id order finds them last.
+    db.execute(
+        "INSERT INTO relay.jobs (type, status, attempts, lease_token, started_at, finished_at)"
+        " SELECT 'kept', 'succeeded', 1, 1, now(), now() - interval '1 second' * g"
+        " FROM generate_series(1, 20000) AS g"
+    )
+    db.execute(
+        "INSERT INTO relay.jobs (type, status, attempts, lease_token, started_at, finished_at)"
+        " SELECT 'expired', 'succeeded', 1, 1, now(), now() - interval '8 days' - interval '1 hour' * g"
+        " FROM generate_series(1, 3) AS g"
+    )
+    (finished_last,) = db.execute(
+        "SELECT id FROM relay.jobs WHERE type = 'expired' ORDER BY finished_at DESC LIMIT 1"
+    ).fetchone()
+    db.execute("ANALYZE relay.jobs")
+    params = {"status": "succeeded", "older_than_seconds": 7 * 86400, "limit": 2}
+    with db.transaction(force_rollback=True):
+        (plan,) = db.execute("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) " + sql("job_prune_finished"), params).fetchone()
+        left = db.execute("SELECT type, count(*) FROM relay.jobs GROUP BY type ORDER BY type").fetchall()
+        expired_left = db.execute("SELECT id FROM relay.jobs WHERE type = 'expired'").fetchall()
+    root = plan[0]["Plan"]
+    touched = root["Shared Hit Blocks"] + root["Shared Read Blocks"]
+    # Testing the kept jobs' finished_at reads every block that holds them (over 400).
+    assert touched < 100, f"the prune touched {touched} blocks to delete 2 jobs of 20,003"
+    assert left == [("expired", 1), ("kept", 20000)]
+    assert expired_left == [(finished_last,)], "the two that finished first were deleted"
+    assert prune_once(db, Retention(succeeded=7 * 86400)) == {"succeeded": 3, "cancelled": 0, "dead": 0}
+    assert db.execute("SELECT count(*) FROM relay.jobs WHERE type = 'expired'").fetchone()[0] == 0
+
+
 def test_running_job_is_cancelled_cooperatively(relay: Relay, db: psycopg.Connection) -> None:
     saw_request = threading.Event()
 

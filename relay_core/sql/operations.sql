@@ -114,14 +114,15 @@ SELECT now();
 
 -- name: job_prune_finished
 -- Retention: delete up to %(limit)s finished jobs of one status older than the
--- cutoff, oldest ids first, skipping rows anyone holds. Per-minute history
--- lives in relay.job_outcomes and is not touched.
+-- cutoff, those that finished first first, skipping rows anyone holds. It reads
+-- jobs_finished_idx (migration 0013), so it never reads the jobs it keeps.
+-- Per-minute history lives in relay.job_outcomes and is not touched.
 DELETE FROM relay.jobs
 WHERE id IN (
     SELECT id FROM relay.jobs
     WHERE status = %(status)s::relay.job_status
       AND finished_at < now() - make_interval(secs => %(older_than_seconds)s)
-    ORDER BY id
+    ORDER BY finished_at
     LIMIT %(limit)s
     FOR UPDATE SKIP LOCKED
 )

@@ -12,6 +12,7 @@ import contextvars
 import functools
 import os
 import threading
+import time
 
 import psycopg
 import pytest
@@ -152,6 +153,28 @@ def test_an_awaiting_async_handler_is_stopped_at_its_timeout_and_the_attempt_fai
     job = relay.get_job(job_id)
     assert job.attempts == 2 and job.result == "answered"
     assert [e["type"] for e in job.errors] == ["JobTimeout"]
+
+
+def test_a_timed_out_async_handlers_thread_work_ends_before_its_retry_starts(
+    relay: Relay, dsn: str, db: psycopg.Connection
+) -> None:
+    """Cancelling the task leaves asyncio.to_thread's thread running: the lease is kept until it returns."""
+
+    def blocking_call(job: Job) -> None:  # a sync client library, in a thread of its own
+        time.sleep(1.5 if job.attempt == 1 else 0)
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            conn.execute(RECORD, (job.id, os.getpid(), job.attempt, job.lease_token, "thread done"))
+
+    @relay.handler("sync_sdk", timeout=0.3, max_attempts=2, backoff=FAST)
+    async def sync_sdk(job: Job) -> None:
+        await record(dsn, job, "start")
+        await asyncio.to_thread(blocking_call, job)
+
+    job_id = relay.enqueue("sync_sdk")
+    with running_worker(relay, concurrency=2, poll_interval=0.05, lease_seconds=3.0, heartbeat_interval=0.5):
+        wait_for(lambda: job_status(db, job_id) == "succeeded", timeout=20)
+    assert phases(db, job_id) == [(1, "start"), (1, "thread done"), (2, "start"), (2, "thread done")]
+    assert [e["type"] for e in relay.get_job(job_id).errors] == ["JobTimeout"]
 
 
 def test_an_async_handler_on_its_last_attempt_is_dead_at_its_timeout(relay: Relay, db: psycopg.Connection) -> None:

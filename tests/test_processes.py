@@ -77,7 +77,7 @@ def terminate(worker: subprocess.Popen, log: Path, within: float) -> None:
     assert code == 0, log.read_text()
 
 
-@pytest.mark.parametrize("job_type", ["record", "record_async"])
+@pytest.mark.parametrize("job_type", ["record", "record_async", "record_to_thread"])
 def test_sigterm_hands_back_unfinished_jobs_at_once(
     relay: Relay, db: psycopg.Connection, python: str, worker_env: dict, tmp_path: Path, job_type: str
 ) -> None:

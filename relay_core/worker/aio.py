@@ -14,6 +14,14 @@ or shutdown is handing it back) or ``job.cancel_requested``, the handler's
 task is cancelled: it stops at its next ``await``. The CancelledError that
 ends it is reported as what happened (``JobCancelled``, ``LeaseLost``), so the
 outcome is what a sync handler that stopped by raising would get.
+
+Cancelling a task does not stop a thread it handed work to
+(``asyncio.to_thread``, ``loop.run_in_executor(None, ...)``): that work goes
+on. So each job gets a default executor of its own, and its run ends only
+when the executor's threads have returned. Until then the slot is busy and
+the job's lease is kept, as for a sync handler that has not returned, so the
+retry of a timed-out job, or another job of a type with a concurrency limit,
+cannot start beside work still running.
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ import asyncio
 import contextlib
 import contextvars
 from collections.abc import Awaitable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from ..errors import JobCancelled, LeaseLost
@@ -38,9 +47,14 @@ class SlotLoop:
         """Await ``awaitable`` (what ``job``'s handler returned) to its end; return its result or raise."""
         if self._runner is None:
             self._runner = asyncio.Runner()
-        # A context of its own per job: the runner would otherwise carry context
-        # variables one job set (a tenant, a trace span) into the next job on this slot.
-        return self._runner.run(_supervised(job, awaitable), context=contextvars.copy_context())
+        threads = ThreadPoolExecutor(thread_name_prefix=f"relay-job-{job.id}")
+        self._runner.get_loop().set_default_executor(threads)
+        try:
+            # A context of its own per job: the runner would otherwise carry context
+            # variables one job set (a tenant, a trace span) into the next job on this slot.
+            return self._runner.run(_supervised(job, awaitable), context=contextvars.copy_context())
+        finally:
+            threads.shutdown(wait=True)  # the job's work is over only when its threads are
 
     def close(self) -> None:
         """Close the loop (cancelling whatever the handlers left running on it)."""

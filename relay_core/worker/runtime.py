@@ -68,6 +68,9 @@ class Worker:
         #: A claim failed on a broken connection and may have committed: its jobs are claimed
         #: under this worker's id, and the worker never saw them (see ``_return_unheld``).
         self._unanswered_claim = False
+        #: Handlers still running when shutdown ended (their jobs handed back or timed out):
+        #: they stop only when the process exits, which must come within the hand-back grace.
+        self.handlers_left_running = 0
         self._inbox: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
         self._slots: list[Slot] = []
         # Whether any job type has a limit: decides how the claim runs (see claim()).
@@ -498,6 +501,7 @@ class Worker:
             event(logging.WARNING, "could not record worker stop", error=str(exc))
         # The last write: from here to the process's exit must fit in the hand-back grace.
         still_running = [r for r in unfinished if r.slot is not None]
+        self.handlers_left_running = len(still_running) + len(overdue)
         if still_running:
             handed_back += hand_back(self.pool, self.ledger, still_running, left())
         # Bounded too: a heartbeat connecting to a database that is down must not hold up the exit.

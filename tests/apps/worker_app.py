@@ -55,6 +55,14 @@ async def record_run_async(job: Job) -> str:
     return "recorded"
 
 
+@relay.handler("record_to_thread", max_attempts=5)
+async def record_run_to_thread(job: Job) -> None:
+    """``record``, its sleep in a thread of its own (``asyncio.to_thread``), as a sync client library's call."""
+    record(job, "start")
+    await asyncio.to_thread(time.sleep, float((job.payload or {}).get("sleep", 0)))
+    record(job, "end")
+
+
 @relay.handler("record_tx", max_attempts=5)
 def record_run_tx(job: Job, conn) -> None:  # type: ignore[no-untyped-def]
     """Sleep, then record the run in the completion's own transaction (exactly once)."""

@@ -63,9 +63,9 @@ def is_async(func: Callable[..., Any]) -> bool:
     return any(inspect.iscoroutinefunction(f) for f in _call_targets(func))
 
 
-def is_async_generator(func: Callable[..., Any]) -> bool:
-    """Whether ``func`` is an async generator function (or a partial or ``__call__`` of one)."""
-    return any(inspect.isasyncgenfunction(f) for f in _call_targets(func))
+def is_generator(func: Callable[..., Any]) -> bool:
+    """Whether ``func`` is a generator function, sync or async (or a partial or ``__call__`` of one)."""
+    return any(inspect.isgeneratorfunction(f) or inspect.isasyncgenfunction(f) for f in _call_targets(func))
 
 
 def _call_targets(func: Callable[..., Any]) -> list[Callable[..., Any]]:
@@ -111,9 +111,11 @@ def make_spec(
         rate_limit = (rate_limit[0], period)
     if cron is not None:
         check_cron(cron, timezone)
-    if is_async_generator(func):
+    if is_generator(func):
         raise InvalidJobError(
-            "handler", "an async generator cannot be a handler: calling it runs none of its body; use async def"
+            "handler",
+            "a generator function cannot be a handler: calling it runs none of its body "
+            "(it only makes a generator); use def or async def, and return the result",
         )
     if transactional is None:
         # The worker passes (job, conn) by position: a keyword-only parameter (as a

@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
+from .validation import storable_text
+
 
 class Flag(threading.Event):
     """An Event that also calls back: how a flag reaches a handler waiting in an event loop.
@@ -116,7 +118,9 @@ class Job:
         if percent is not None:
             value["percent"] = max(0.0, min(100.0, float(percent)))
         if message is not None:
-            value["message"] = str(message)[:500]
+            # Text PostgreSQL cannot store (NUL, an undecodable file name's lone surrogates)
+            # would fail the report, and with it the attempt: escape it, as error text is.
+            value["message"] = storable_text(str(message)[:500])
         return self._report(self, value)
 
     @classmethod

@@ -225,3 +225,13 @@ def positive_number(text: str) -> int | None:
         return None
     number = int(text)
     return number if 1 <= number <= BIGINT_MAX else None
+
+
+def storable_text(text: str) -> str:
+    """``text`` with what PostgreSQL text cannot hold escaped: NUL, and lone surrogates."""
+    text = text.replace("\x00", "\\x00")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        text = text.encode("utf-8", "backslashreplace").decode("utf-8")
+    return text

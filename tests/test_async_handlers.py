@@ -291,7 +291,7 @@ def test_an_async_generator_is_refused_as_a_handler(relay: Relay) -> None:
     async def pages(job: Job):  # type: ignore[no-untyped-def]
         yield 1
 
-    with pytest.raises(InvalidJobError, match="async generator"):
+    with pytest.raises(InvalidJobError, match="a generator function cannot be a handler"):
         relay.handler("pages")(pages)
 
 

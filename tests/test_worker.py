@@ -16,7 +16,17 @@ import pytest
 from psycopg import conninfo
 from psycopg_pool import PoolTimeout
 
-from relay_core import Backoff, ConfigurationError, Job, PermanentFailure, Relay, Snooze, Worker, monitor
+from relay_core import (
+    Backoff,
+    ConfigurationError,
+    InvalidJobError,
+    Job,
+    PermanentFailure,
+    Relay,
+    Snooze,
+    Worker,
+    monitor,
+)
 from relay_core.pools import all_in_use, make_pool
 from relay_core.queries import sql
 from relay_core.worker.claim import hand_back_unheld
@@ -437,6 +447,67 @@ def test_error_text_with_nul_characters_is_recorded(relay: Relay, db: psycopg.Co
     with running_worker(relay):
         wait_for(lambda: job_status(db, bad) == "dead" and job_status(db, good) == "succeeded")
     assert relay.get_job(bad).last_error == "ValueError: bad byte \\x00 in input"
+
+
+class Unprintable(Exception):
+    """An error whose text cannot be read: its ``__str__`` raises, and not an Exception."""
+
+    def __str__(self) -> str:
+        raise KeyboardInterrupt("from __str__")
+
+
+def test_an_error_whose_text_cannot_be_read_fails_its_job_and_the_slot_goes_on(
+    relay: Relay, db: psycopg.Connection
+) -> None:
+    @relay.handler("unprintable", max_attempts=1)
+    def unprintable(job: Job) -> None:
+        raise Unprintable
+
+    @relay.handler("fine")
+    def fine(job: Job) -> None:
+        return None
+
+    bad = relay.enqueue("unprintable")
+    good = [relay.enqueue("fine") for _ in range(3)]
+    with running_worker(relay, concurrency=1):
+        wait_for(lambda: job_status(db, bad) == "dead" and all(job_status(db, j) == "succeeded" for j in good))
+    assert relay.get_job(bad).last_error == "Unprintable: <unprintable Unprintable>"
+
+
+def test_a_handler_that_returns_a_generator_is_dead_not_a_success(relay: Relay, db: psycopg.Connection) -> None:
+    """Registration refuses a generator function; a callable that returns a generator is caught at run time."""
+    ran: list[int] = []
+
+    def rows(job: Job):  # type: ignore[no-untyped-def]
+        ran.append(job.id)
+        yield job.id
+
+    with pytest.raises(InvalidJobError, match="a generator function cannot be a handler"):
+        relay.handler("rows")(rows)
+    assert "rows" not in relay.handlers
+    relay.handler("rows_later", max_attempts=5)(lambda job: rows(job))
+    job_id = relay.enqueue("rows_later")
+    with running_worker(relay):
+        wait_for(lambda: job_status(db, job_id) == "dead")
+    job = relay.get_job(job_id)
+    assert job.attempts == 1 and ran == []
+    assert job.last_error.startswith("PermanentFailure: the handler of 'rows_later' returned a generator")
+
+
+def test_progress_with_text_postgresql_cannot_store_is_kept_escaped(relay: Relay, db: psycopg.Connection) -> None:
+    reported: list[bool] = []
+
+    @relay.handler("import_file")
+    def import_file(job: Job) -> None:
+        reported.append(job.progress(10, "reading b\x00d.csv"))
+        reported.append(job.progress(20, "reading \udcff.csv"))  # an undecodable file name's byte
+
+    job_id = relay.enqueue("import_file")
+    with running_worker(relay):
+        wait_for(lambda: job_status(db, job_id) == "succeeded")
+    job = relay.get_job(job_id)
+    assert reported == [True, True] and job.attempts == 1
+    assert job.progress == {"percent": 20.0, "message": "reading \\udcff.csv"}
 
 
 def test_worker_refuses_to_start_on_an_unmigrated_database(database_url: str, python: str, worker_env: dict) -> None:

@@ -49,6 +49,12 @@ def run(job: Job, handlers: Mapping[str, HandlerSpec], pool: ConnectionPool, wor
         value = spec.func(job)
         if inspect.isawaitable(value):
             value = loop.run(job, value)
+        elif inspect.isgenerator(value) or inspect.isasyncgen(value):
+            _discard(value)
+            raise PermanentFailure(
+                f"the handler of {job.type!r} returned a generator, so none of its body ran: "
+                "make it return its result instead of yielding"
+            )
         if job.lease_lost:
             # Told to stop (its lease ran out unrenewed or was taken over): a handler
             # that stops early returns as if it had finished, so no return is a success.

@@ -9,7 +9,7 @@ from enum import StrEnum
 from typing import Any
 
 from ..job import Job
-from ..validation import ESCAPED_NUL
+from ..validation import ESCAPED_NUL, storable_text
 
 MAX_TRACEBACK_CHARS = 8000
 MAX_MESSAGE_CHARS = 2000
@@ -65,22 +65,12 @@ def result_json(value: Any, limit: int = MAX_RESULT_BYTES) -> str | None:
     return text
 
 
-def storable_text(text: str) -> str:
-    """``text`` with what PostgreSQL text cannot hold escaped: NUL, and lone surrogates."""
-    text = text.replace("\x00", "\\x00")
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        text = text.encode("utf-8", "backslashreplace").decode("utf-8")
-    return text
-
-
 def describe(exc: BaseException, job: Job, worker_id: str) -> tuple[str, dict[str, Any]]:
     """A failed attempt's last_error line and its error-history entry."""
     name = type(exc).__name__
     try:
         text = str(exc)
-    except Exception:
+    except BaseException:  # even a KeyboardInterrupt from __str__ must not end the slot
         text = f"<unprintable {name}>"
     message = f"{name}: {text}" if text else name
     if len(message) > MAX_MESSAGE_CHARS:

@@ -7,6 +7,8 @@ import itertools
 import threading
 import time
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -217,31 +219,78 @@ def test_ticks_passed_between_two_late_checks_are_logged_and_only_the_latest_run
     assert scheduled == [(first.isoformat(),), (later.isoformat(),)]
 
 
-def test_a_worker_that_waited_for_another_workers_tick_counts_no_tick_as_passed(
+def test_a_schedule_another_transaction_holds_is_skipped_then_moves_on_from_its_latest_tick(
     dsn: str, db: psycopg.Connection
 ) -> None:
-    """Worker A advances an every-second schedule to T1; worker B's advance to T2 waits for A's commit.
-    B's answer names T1, so B reports no tick passed (A enqueued T1)."""
+    """Worker A advances an every-second schedule to T1 and has not committed. Worker B's advance to T2
+    skips the row rather than wait (every other maintenance duty of B's, the sweeper among them, would
+    wait behind it). B's next check, after A's commit, names T1: B reports no tick passed (A enqueued T1)."""
     t0, t1, t2 = (datetime(2030, 1, 1, 0, 0, s, tzinfo=UTC) for s in (0, 1, 2))
     db.execute("INSERT INTO relay.schedules (type, cron, last_tick) VALUES ('each_second', '* * * * * *', %s)", (t0,))
     advance = sql("schedule_advance")
     with psycopg.connect(dsn) as a, psycopg.connect(dsn) as b:
+        b.execute("SET lock_timeout = '5s'")
         assert a.execute(advance, {"type": "each_second", "tick": t1, "next_tick": t2}).fetchone() == (t0,)
-        answer: list[object] = []
-        waiting = threading.Thread(
-            target=lambda: answer.append(
-                b.execute(advance, {"type": "each_second", "tick": t2, "next_tick": t2}).fetchone()
-            )
-        )
-        waiting.start()
-        wait_for(
-            lambda: db.execute("SELECT count(*) FROM pg_locks WHERE NOT granted").fetchone()[0] > 0,
-            what="B waiting on A's row",
-        )
+        assert b.execute(advance, {"type": "each_second", "tick": t2, "next_tick": t2}).fetchone() is None
+        b.rollback()
         a.commit()
-        waiting.join(10)
+        assert b.execute(advance, {"type": "each_second", "tick": t2, "next_tick": t2}).fetchone() == (t1,)
         b.commit()
-    assert answer == [(t1,)]
+    assert db.execute("SELECT last_tick FROM relay.schedules").fetchone() == (t2,)
+
+
+REFUSE_JOBS_OF_B_BROKEN = """
+CREATE FUNCTION relay_test.refuse_b_broken() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN RAISE EXCEPTION 'the application refuses % jobs', NEW.type; END $$;
+CREATE TRIGGER refuse_b_broken BEFORE INSERT ON relay.jobs
+    FOR EACH ROW WHEN (NEW.type = 'b_broken') EXECUTE FUNCTION relay_test.refuse_b_broken();
+"""
+ALLOW_JOBS_OF_B_BROKEN = (
+    "DROP TRIGGER IF EXISTS refuse_b_broken ON relay.jobs; DROP FUNCTION IF EXISTS relay_test.refuse_b_broken()"
+)
+
+
+@contextmanager
+def jobs_of_b_broken_refused(db: psycopg.Connection) -> Iterator[None]:
+    """A trigger (standing in for any lasting per-schedule error) makes every insert of a b_broken job fail."""
+    db.execute(REFUSE_JOBS_OF_B_BROKEN)
+    try:
+        yield
+    finally:
+        db.execute(ALLOW_JOBS_OF_B_BROKEN)
+
+
+def test_a_schedule_that_keeps_failing_does_not_stop_the_schedules_after_it(
+    relay: Relay, db: psycopg.Connection, caplog: pytest.LogCaptureFixture
+) -> None:
+    for name in ("a_first", "b_broken", "c_after"):
+        relay.handler(name, cron="* * * * *")(lambda job: None)
+    specs = list(relay.handlers.values())
+    publish(db, specs)
+    now = db.execute("SELECT now()").fetchone()[0].astimezone(UTC)
+    tick = now.replace(second=0, microsecond=0) + timedelta(minutes=10)
+    with jobs_of_b_broken_refused(db), caplog.at_level("ERROR", logger="relay"):
+        enqueued = enqueue_due(db, specs, clock=tick + timedelta(seconds=5))
+    assert enqueued == [("a_first", tick.isoformat()), ("c_after", tick.isoformat())]
+    failed = [r for r in caplog.records if r.getMessage() == "periodic schedule failed"]
+    assert [r.type for r in failed] == ["b_broken"] and "refuses b_broken jobs" in failed[0].error
+    # Its tick was not used up: the next check, with the trigger gone, enqueues it.
+    assert enqueue_due(db, specs, clock=tick + timedelta(seconds=6)) == [("b_broken", tick.isoformat())]
+
+
+def test_a_failing_schedule_does_not_keep_a_worker_from_learning_a_limit_appeared(
+    relay: Relay, db: psycopg.Connection
+) -> None:
+    """Until a worker learns that a limit exists, its claims (which skip the limits lock) find nothing."""
+    relay.handler("b_broken", cron="* * * * * *")(lambda job: None)
+    relay.handler("plain")(lambda job: None)
+    with jobs_of_b_broken_refused(db), running_worker(relay, poll_interval=0.1) as worker:
+        wait_for(lambda: db.execute("SELECT count(*) FROM relay.schedules").fetchone()[0] == 1)
+        assert not worker.limits_exist
+        # Another application's worker (or a deploy) declares the first limit.
+        db.execute("INSERT INTO relay.type_limits (type, max_running) VALUES ('elsewhere', 1)")
+        job_id = relay.enqueue("plain")
+        wait_for(lambda: job_status(db, job_id) == "succeeded", timeout=10)
 
 
 def test_a_schedules_last_run_is_the_last_tick_that_enqueued_a_job(relay: Relay, db: psycopg.Connection) -> None:

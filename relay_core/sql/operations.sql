@@ -73,11 +73,14 @@ RETURNING type, cron, timezone, queue, last_tick, next_tick;
 -- name: schedule_advance
 -- Claim one tick of a schedule: only the worker whose UPDATE moves last_tick
 -- forward enqueues it (in the same transaction). Returns the tick it moved on
--- from, so the ticks passed in between can be told: read FOR UPDATE, so a worker
--- that waited for another's advance sees that tick, not its snapshot's.
+-- from, so the ticks passed in between can be told: read FOR UPDATE, so the
+-- latest committed tick, not the snapshot's. SKIP LOCKED: a row another
+-- transaction holds (a worker enqueuing this tick, an operator's open
+-- transaction) is skipped until the next check, rather than waited for with
+-- every other maintenance duty of the worker (the sweeper among them) behind it.
 UPDATE relay.schedules AS s
 SET last_tick = %(tick)s, next_tick = %(next_tick)s, updated_at = now()
-FROM (SELECT type, last_tick FROM relay.schedules WHERE type = %(type)s FOR UPDATE) AS before
+FROM (SELECT type, last_tick FROM relay.schedules WHERE type = %(type)s FOR UPDATE SKIP LOCKED) AS before
 WHERE s.type = before.type AND (s.last_tick IS NULL OR s.last_tick < %(tick)s)
 RETURNING before.last_tick AS previous_tick;
 

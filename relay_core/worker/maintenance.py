@@ -226,12 +226,16 @@ class Maintenance:
         return counts
 
     def run_periodic(self) -> None:
-        """Enqueue due periodic ticks once, and learn whether any job type has a limit."""
+        """Learn whether any job type has a limit, and enqueue due periodic ticks once.
+
+        The limits first: a worker that missed the first limit row of a
+        deploy would claim nothing at all, so no schedule may hold it up.
+        """
         with self._pool.connection() as conn:
-            if self._periodic is not None:
-                self._periodic(conn)
             if self._on_limits is not None:
                 self._on_limits(bool(conn.execute(sql("type_limits_exist")).fetchone()[0]))
+            if self._periodic is not None:
+                self._periodic(conn)
 
     def prune(self) -> dict[str, int]:
         """Run retention once (if this worker prunes) and forget rate-limit starts past every window."""

@@ -96,40 +96,56 @@ def enqueue_due(
     for spec in specs:
         if not spec.cron:
             continue
-        with conn.transaction():
-            now = clock or _db_now(conn)
-            tick = previous_tick(spec.cron, spec.timezone, now)
-            following = next_tick(spec.cron, spec.timezone, now)
-            won = conn.execute(
-                sql("schedule_advance"), {"type": spec.type, "tick": tick, "next_tick": following}
-            ).fetchone()
-            if not won:
-                continue
-            _report_passed_ticks(spec, won[0], tick)
-            if is_missed(tick, now) and not spec.catch_up and not _worker_was_running(conn, spec.queue, tick):
-                event(
-                    logging.WARNING,
-                    "skipped a periodic tick missed while no worker ran",
-                    type=spec.type,
-                    tick=tick.isoformat(),
-                )
-                continue
-            key = f"cron:{spec.type}:{tick.isoformat()}"
-            conn.execute(
-                sql("job_insert_keyed"),
-                {
-                    "type": spec.type,
-                    "payload": json.dumps({"scheduled_for": tick.isoformat()}),
-                    "queue": spec.queue,
-                    "priority": 0,
-                    "run_at": None,
-                    "max_attempts": spec.max_attempts,
-                    "idempotency_key": key,
-                    "notify": True,
-                    "published": False,
-                },
-            )
-            conn.execute(sql("schedule_record_run"), {"type": spec.type, "tick": tick, "idempotency_key": key})
+        try:
+            tick = _enqueue_latest_tick(conn, spec, clock)
+        except psycopg.Error as exc:
+            if conn.broken or conn.closed:
+                raise  # the database is out of reach: every schedule waits for it (the caller's outage handling)
+            # One schedule's failure (a trigger or constraint of the application's that refuses
+            # its job, say) must not keep the schedules after it from running; it is retried
+            # at the next check.
+            event(logging.ERROR, "periodic schedule failed", type=spec.type, error=str(exc))
+            continue
+        if tick is not None:
             enqueued.append((spec.type, tick.isoformat()))
-            event(logging.INFO, "periodic job enqueued", type=spec.type, tick=tick.isoformat())
     return enqueued
+
+
+def _enqueue_latest_tick(conn: psycopg.Connection, spec: HandlerSpec, clock: datetime | None) -> datetime | None:
+    """Enqueue ``spec``'s latest due tick if nobody has and it is not missed, in one transaction; that tick."""
+    with conn.transaction():
+        now = clock or _db_now(conn)
+        tick = previous_tick(spec.cron, spec.timezone, now)
+        following = next_tick(spec.cron, spec.timezone, now)
+        won = conn.execute(
+            sql("schedule_advance"), {"type": spec.type, "tick": tick, "next_tick": following}
+        ).fetchone()
+        if not won:
+            return None
+        _report_passed_ticks(spec, won[0], tick)
+        if is_missed(tick, now) and not spec.catch_up and not _worker_was_running(conn, spec.queue, tick):
+            event(
+                logging.WARNING,
+                "skipped a periodic tick missed while no worker ran",
+                type=spec.type,
+                tick=tick.isoformat(),
+            )
+            return None
+        key = f"cron:{spec.type}:{tick.isoformat()}"
+        conn.execute(
+            sql("job_insert_keyed"),
+            {
+                "type": spec.type,
+                "payload": json.dumps({"scheduled_for": tick.isoformat()}),
+                "queue": spec.queue,
+                "priority": 0,
+                "run_at": None,
+                "max_attempts": spec.max_attempts,
+                "idempotency_key": key,
+                "notify": True,
+                "published": False,
+            },
+        )
+        conn.execute(sql("schedule_record_run"), {"type": spec.type, "tick": tick, "idempotency_key": key})
+    event(logging.INFO, "periodic job enqueued", type=spec.type, tick=tick.isoformat())
+    return tick

@@ -32,7 +32,7 @@ from relay_core.queries import sql
 from relay_core.worker.claim import hand_back_unheld
 from relay_core.worker.config import WorkerConfig
 from relay_core.worker.ledger import Slot
-from relay_core.worker.maintenance import sweep_once
+from relay_core.worker.maintenance import Maintenance, heartbeat_once, sweep_once
 from relay_core.worker.outage import OutageLog
 
 from .helpers import TcpProxy, free_port, job_status, running_worker, wait_for
@@ -508,6 +508,61 @@ def test_progress_with_text_postgresql_cannot_store_is_kept_escaped(relay: Relay
     job = relay.get_job(job_id)
     assert reported == [True, True] and job.attempts == 1
     assert job.progress == {"percent": 20.0, "message": "reading \\udcff.csv"}
+
+
+def test_a_heartbeat_renews_what_it_can_and_skips_a_row_another_transaction_holds(
+    relay: Relay, db: psycopg.Connection, dsn: str
+) -> None:
+    """Waiting for one held row held up every other lease's renewal until they ran out, and the
+    sweeper took those jobs from a live worker."""
+    held_elsewhere, free, taken_over = relay.enqueue_many([{"type": "h"}] * 3)
+    db.execute(
+        "UPDATE relay.jobs SET status = 'claimed', attempts = 1, lease_token = 1, claimed_by = 'w-1',"
+        " claimed_until = now() + interval '5 seconds'"
+    )
+    db.execute("UPDATE relay.jobs SET lease_token = 2, claimed_by = 'w-2' WHERE id = %s", (taken_over,))
+    with psycopg.connect(dsn) as operator, psycopg.connect(dsn, autocommit=True) as conn:
+        operator.execute("SELECT 1 FROM relay.jobs WHERE id = %s FOR UPDATE", (held_elsewhere,))
+        conn.execute("SET lock_timeout = '5s'")  # the heartbeat used to wait for the row
+        renewed, lost, cancel = heartbeat_once(conn, {held_elsewhere: 1, free: 1, taken_over: 1}, 60.0)
+        operator.rollback()
+    assert renewed == {free: 1}
+    assert lost == {taken_over: 1}, "the held row is still this worker's: not lost, just not renewed yet"
+    assert cancel == set()
+    leases = dict(
+        db.execute(
+            "SELECT id, claimed_until > now() + interval '30 seconds' FROM relay.jobs WHERE id = ANY(%s)",
+            ([held_elsewhere, free],),
+        ).fetchall()
+    )
+    assert leases == {held_elsewhere: False, free: True}
+
+
+def test_a_handlers_timeout_is_acted_on_while_the_heartbeat_hangs(
+    relay: Relay, db: psycopg.Connection, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The stuck job's slot is replaced at its timeout, so the next job runs, though no heartbeat returns."""
+    release = threading.Event()
+    monkeypatch.setattr(Maintenance, "heartbeat", lambda self: release.wait(30))  # a stalled network path
+
+    @relay.handler("stuck", timeout=0.3, max_attempts=1)
+    def stuck(job: Job) -> None:
+        release.wait(30)
+
+    @relay.handler("next")
+    def next_job(job: Job) -> None:
+        return None
+
+    stuck_id = relay.enqueue("stuck")
+    with running_worker(relay, concurrency=1, heartbeat_interval=0.1, poll_interval=0.05):
+        wait_for(lambda: job_status(db, stuck_id) == "claimed")
+        next_id = relay.enqueue("next")
+        try:
+            wait_for(lambda: job_status(db, next_id) == "succeeded", timeout=10)
+        finally:
+            release.set()
+        wait_for(lambda: job_status(db, stuck_id) == "dead")
+    assert relay.get_job(stuck_id).last_error.startswith("JobTimeout")
 
 
 def test_worker_refuses_to_start_on_an_unmigrated_database(database_url: str, python: str, worker_env: dict) -> None:

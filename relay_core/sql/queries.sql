@@ -166,13 +166,31 @@ WITH room AS (
 SELECT * FROM claimed;
 
 -- name: job_heartbeat_many
--- Extend the leases a worker still holds; returns the ids that are still its
--- own and whether an admin asked each to stop.
-UPDATE relay.jobs AS j
-SET claimed_until = now() + make_interval(secs => %(lease_seconds)s)
-FROM unnest(%(ids)s::bigint[], %(tokens)s::integer[]) AS held(id, token)
-WHERE j.id = held.id AND j.lease_token = held.token AND j.status = 'claimed'
-RETURNING j.id, j.cancel_requested_at IS NOT NULL AS cancel_requested;
+-- Extend the leases a worker still holds. Returns a row per lease still its
+-- own: whether it was renewed, and whether an admin asked the job to stop.
+-- A row another transaction holds right now (an operator's SELECT ... FOR
+-- UPDATE, an admin action inside a longer transaction) is skipped, not waited
+-- for: one such wait held up the renewal of every other lease until they ran
+-- out, and the sweeper took those jobs from a live worker. The skipped row
+-- comes back as still the worker's, not renewed, and is tried again at the
+-- next heartbeat (the sweeper skips it too while it is held).
+WITH held AS (
+    SELECT * FROM unnest(%(ids)s::bigint[], %(tokens)s::integer[]) AS held(id, token)
+), free_to_renew AS (
+    SELECT j.id FROM relay.jobs AS j JOIN held ON held.id = j.id
+    WHERE j.lease_token = held.token AND j.status = 'claimed'
+    FOR UPDATE OF j SKIP LOCKED
+), renewed AS (
+    UPDATE relay.jobs AS j
+    SET claimed_until = now() + make_interval(secs => %(lease_seconds)s)
+    FROM free_to_renew WHERE j.id = free_to_renew.id
+    RETURNING j.id, j.cancel_requested_at IS NOT NULL AS cancel_requested
+)
+SELECT id, cancel_requested, true AS renewed FROM renewed
+UNION ALL
+SELECT j.id, j.cancel_requested_at IS NOT NULL, false
+FROM relay.jobs AS j JOIN held ON held.id = j.id
+WHERE j.lease_token = held.token AND j.status = 'claimed' AND j.id NOT IN (SELECT id FROM renewed);
 
 -- name: job_succeed_many
 -- Record successes in one statement, fenced by status and lease token; returns

@@ -1,10 +1,12 @@
-"""Periodic duties of a worker: heartbeats, the sweeper, timeouts, the registry.
+"""Periodic duties of a worker: heartbeats, the sweeper, the registry.
 
 Each duty is a plain function or method that tests call directly
-(``run_once``); the threads only decide when to call them. Heartbeats and
-timeouts have a thread and a connection of their own: a long prune, fold or
-vacuum, or handlers holding every pooled connection, must never delay the
-lease renewals that keep other workers from taking running jobs.
+(``run_once``); the threads only decide when to call them. Heartbeats have a
+thread and a connection of their own: a long prune, fold or vacuum, or
+handlers holding every pooled connection, must never delay the lease
+renewals that keep other workers from taking running jobs. (Handlers'
+timeouts are checked by the worker's lease watch, which waits on no
+connection: a heartbeat that hangs must not delay them either.)
 """
 
 from __future__ import annotations
@@ -65,22 +67,26 @@ def sweep_once(conn: psycopg.Connection, limit: int = SWEEP_BATCH, restart_grace
 
 def heartbeat_once(
     conn: psycopg.Connection, held: dict[int, int], lease_seconds: float
-) -> tuple[dict[int, int], set[int]]:
+) -> tuple[dict[int, int], dict[int, int], set[int]]:
     """Extend the leases in ``held`` (id -> token).
 
-    Returns the leases (id -> token) no longer ours and the ids an admin asked
-    to cancel.
+    Returns the leases renewed, the leases no longer ours, and the ids an
+    admin asked to cancel. A lease whose row another transaction holds just
+    now is neither renewed nor lost: it is tried again next time
+    (``job_heartbeat_many``).
     """
     if not held:
-        return {}, set()
+        return {}, {}, set()
     ids = list(held)
     rows = conn.execute(
         sql("job_heartbeat_many"),
         {"ids": ids, "tokens": [held[i] for i in ids], "lease_seconds": lease_seconds},
     ).fetchall()
     conn.commit()
-    renewed = {row[0] for row in rows}
-    return {jid: token for jid, token in held.items() if jid not in renewed}, {row[0] for row in rows if row[1]}
+    ours = {row[0] for row in rows}
+    renewed = {row[0]: held[row[0]] for row in rows if row[2]}
+    lost = {jid: token for jid, token in held.items() if jid not in ours}
+    return renewed, lost, {row[0] for row in rows if row[1]}
 
 
 def register(conn: psycopg.Connection, worker_id: str, queues: tuple[str, ...], concurrency: int) -> datetime:
@@ -117,7 +123,6 @@ class Maintenance:
         on_renewed: Callable[[dict[int, int], float], None] | None = None,
         on_limits: Callable[[bool], None] | None = None,
         in_flight: Callable[[], int],
-        check_timeouts: Callable[[], None],
         periodic: Callable[[psycopg.Connection], object] | None = None,
         prune: Callable[[psycopg.Connection], dict[str, int]] | None = None,
         prune_interval: float = 60.0,
@@ -145,7 +150,6 @@ class Maintenance:
         self._prune_interval = prune_interval
         self._vacuum = vacuum
         self._in_flight = in_flight
-        self._check_timeouts = check_timeouts
         self._stop_heartbeats = threading.Event()
         self._stop_duties = threading.Event()
         self._heartbeat_thread = threading.Thread(target=self._heartbeat_loop, name="relay-heartbeat", daemon=True)
@@ -194,7 +198,7 @@ class Maintenance:
         held = self._held_leases()
         sent = time.monotonic()  # the renewed leases run at least lease_seconds from here
         try:
-            lost, cancel = heartbeat_once(conn, held, self._lease_seconds)
+            renewed, lost, cancel = heartbeat_once(conn, held, self._lease_seconds)
             conn.execute(
                 sql("worker_heartbeat"),
                 {"id": self._worker_id, "started_at": self.registered_at, "in_flight": self._in_flight()},
@@ -204,7 +208,7 @@ class Maintenance:
             conn.close()  # reconnect next time rather than reuse a connection in an unknown state
             raise
         if self._on_renewed is not None:
-            self._on_renewed({jid: token for jid, token in held.items() if jid not in lost}, sent)
+            self._on_renewed(renewed, sent)
         if lost:
             self._on_lost(lost)
         if cancel:
@@ -268,10 +272,6 @@ class Maintenance:
     def _heartbeat_until_stopped(self) -> None:
         next_heartbeat = time.monotonic() + self._heartbeat_interval
         while not self._stop_heartbeats.wait(0.2):
-            try:
-                self._check_timeouts()
-            except Exception as exc:  # this thread keeps every lease alive: it must outlive any bug
-                event(logging.ERROR, "timeout check failed", error=repr(exc))
             now = time.monotonic()
             if now < next_heartbeat:
                 continue

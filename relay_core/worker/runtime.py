@@ -106,7 +106,6 @@ class Worker:
             on_renewed=self._on_renewed,
             on_limits=self._set_limits_exist,
             in_flight=self.ledger.in_flight,
-            check_timeouts=self._check_timeouts,
             periodic=self._enqueue_periodic if any(s.cron for s in self.handlers.values()) else None,
             prune=(lambda conn: prune_once(conn, self.config.retention)) if self.config.retention else None,
             vacuum=vacuum_if_needed if self.config.self_vacuum else None,
@@ -135,16 +134,22 @@ class Worker:
         self.ledger.renewed(renewed, sent + self.config.lease_seconds)
 
     def _watch_leases(self) -> None:
-        """Tell handlers whose leases ran out unrenewed to stop, by this process's own clock.
+        """Tell handlers whose leases ran out unrenewed, or whose timeouts passed, to stop.
 
         A heartbeat that hangs (a database that stalls, a network path that
         drops packets) learns nothing until its socket gives up, minutes later,
         while another worker's sweeper returns the job and runs it again. This
         thread waits on nothing but a lock, so a handler hears ``lease_lost``
-        once its lease has surely ended even when every connection hangs.
+        once its lease has surely ended, by this process's own clock, even when
+        every connection hangs; and a timed-out handler's slot is replaced on
+        time, which a check on the heartbeat's thread could not promise.
         """
         while not self.stopped.wait(LEASE_WATCH_SECONDS):
-            self._flag_unrenewed(time.monotonic())
+            try:
+                self._check_timeouts()
+                self._flag_unrenewed(time.monotonic())
+            except Exception as exc:  # this thread stops handlers that must stop: it must outlive any bug
+                event(logging.ERROR, "lease watch failed", error=repr(exc))
 
     def _flag_unrenewed(self, now: float) -> None:
         """Set ``lease_lost`` on every run whose lease surely ended before ``now``; hand back unstarted ones."""

@@ -110,6 +110,36 @@ def test_rate_limit_holds_back_without_failing(
     assert starts[-1] - starts[0] >= timedelta(seconds=4.0)
 
 
+def test_a_rate_limited_start_is_stamped_when_its_claim_ran_not_when_it_began_to_wait_for_the_lock(
+    relay: Relay, db: psycopg.Connection, dsn: str
+) -> None:
+    """A start stamped before the wait for the limits lock left the window that much early: a claim
+    that waited 1 s under a limit of 1 per 2 s let the next start come 1 s after it."""
+    db.execute("INSERT INTO relay.type_limits (type, rate_limit, rate_period_seconds) VALUES ('rl', 1, 2.0)")
+    relay.enqueue("rl")
+    params = {"queues": ["default"], "limit": 1, "worker_id": "w-1", "lease_seconds": 30.0, "locked": True}
+    claimed: list[list[tuple]] = []
+
+    def claim_behind_the_lock(conn: psycopg.Connection) -> None:
+        conn.execute(sql("claim_limits_lock"))
+        claimed.append(conn.execute(sql("job_claim"), params).fetchall())
+        conn.commit()
+
+    with psycopg.connect(dsn) as other_claim, psycopg.connect(dsn) as waiting:
+        other_claim.execute(sql("claim_limits_lock"))
+        claimer = threading.Thread(target=claim_behind_the_lock, args=(waiting,))
+        claimer.start()
+        waiting_for_lock = "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted"
+        wait_for(lambda: db.execute(waiting_for_lock).fetchone()[0], what="the claim to wait for the limits lock")
+        time.sleep(1.0)  # the other claim holds the lock a while
+        (released,) = other_claim.execute("SELECT clock_timestamp()").fetchone()
+        other_claim.commit()
+        claimer.join(10)
+    assert [len(rows) for rows in claimed] == [1]
+    (started,) = db.execute("SELECT started_at FROM relay.rate_starts").fetchone()
+    assert started >= released
+
+
 def test_cron_enqueues_exactly_one_job_per_tick_across_workers(relay: Relay, db: psycopg.Connection) -> None:
     @relay.handler("every_two_seconds", cron="* * * * * */2")
     def tick(job: Job) -> None:

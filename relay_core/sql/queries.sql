@@ -114,7 +114,8 @@ WITH room AS (
                                          WHERE r.status = 'claimed' AND r.type = l.type), 2147483647),
                coalesce(l.rate_limit - (SELECT count(*) FROM relay.rate_starts AS s
                                         WHERE s.type = l.type
-                                          AND s.started_at > now() - make_interval(secs => l.rate_period_seconds)),
+                                          AND s.started_at > statement_timestamp()
+                                                             - make_interval(secs => l.rate_period_seconds)),
                         2147483647)
            ) AS n
     FROM relay.type_limits AS l
@@ -159,8 +160,11 @@ WITH room AS (
               least(greatest(j.run_at, '0001-01-01 00:00:00+00'), '9999-12-31 23:59:59.999999+00') AS run_at,
               least(greatest(j.created_at, '0001-01-01 00:00:00+00'), '9999-12-31 23:59:59.999999+00') AS created_at
 ), rate_logged AS (
-    INSERT INTO relay.rate_starts (type)
-    SELECT claimed.type FROM claimed
+    -- Starts are stamped, and the window above is measured, by this statement's
+    -- clock: now() is when the transaction began, before a wait for the limits
+    -- lock, and a start stamped that early would leave the window that much early.
+    INSERT INTO relay.rate_starts (type, started_at)
+    SELECT claimed.type, statement_timestamp() FROM claimed
     JOIN relay.type_limits AS l ON l.type = claimed.type AND l.rate_limit IS NOT NULL
 )
 SELECT * FROM claimed;

@@ -502,6 +502,26 @@ def test_a_retention_pass_reads_the_expired_jobs_and_not_the_history_it_keeps(db
     assert db.execute("SELECT count(*) FROM relay.jobs WHERE type = 'expired'").fetchone()[0] == 0
 
 
+def test_the_registry_forgets_workers_last_heard_from_over_a_week_ago(relay: Relay, db: psycopg.Connection) -> None:
+    add = (
+        "INSERT INTO relay.workers (id, host, pid, queues, concurrency, started_at, last_seen_at, stopped_at)"
+        " VALUES (%s, 'h', 1, '{default}', 8, now() - %s::interval, now() - %s::interval, now() - %s::interval)"
+    )
+    for worker_id, started, seen, stopped in [
+        ("stopped-8d", "9 days", "8 days", "8 days"),
+        ("gone-8d", "9 days", "8 days", None),
+        ("stopped-6d", "9 days", "6 days", "6 days"),
+        ("gone-6d", "9 days", "6 days", None),
+        ("alive-since-9d", "9 days", "1 second", None),
+    ]:
+        db.execute(add, (worker_id, started, seen, stopped))
+    with running_worker(relay, retention=None) as worker:
+        wait_for(lambda: worker.maintenance.registered_at is not None, what="the worker to register")
+        worker.maintenance.prune()  # also where retention is off
+        kept = {row[0] for row in db.execute("SELECT id FROM relay.workers")}
+    assert kept == {"stopped-6d", "gone-6d", "alive-since-9d", worker.id}
+
+
 def test_running_job_is_cancelled_cooperatively(relay: Relay, db: psycopg.Connection) -> None:
     saw_request = threading.Event()
 

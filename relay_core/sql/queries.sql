@@ -374,6 +374,14 @@ WHERE id = %(id)s AND started_at = %(started_at)s;
 UPDATE relay.workers SET stopped_at = now(), in_flight = 0, last_seen_at = now()
 WHERE id = %(id)s AND started_at = %(started_at)s;
 
+-- name: worker_registry_prune
+-- Forget workers that stopped, or went quiet without stopping (killed, their
+-- machine gone), over %(keep_seconds)s ago: every start of a worker process adds
+-- a row, so without this the registry grew with every deploy and restart.
+DELETE FROM relay.workers
+WHERE last_seen_at < now() - make_interval(secs => %(keep_seconds)s)
+  AND coalesce(stopped_at, last_seen_at) < now() - make_interval(secs => %(keep_seconds)s);
+
 -- name: proof_setup
 -- `relay prove`: a fresh executions log and no proof jobs left from an earlier run.
 CREATE SCHEMA IF NOT EXISTS relay_proof;

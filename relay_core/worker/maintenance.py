@@ -42,6 +42,8 @@ VACUUM_CHECK_INTERVAL = 15.0
 #: and retry every second: live workers renew within seconds of the return. A
 #: whole long lease (hours are allowed) would hold dead workers' jobs that long.
 RESTART_GRACE_MAX_SECONDS = 60.0
+#: How long the registry keeps a worker that stopped or went quiet (a week of deploys to look back on).
+REGISTRY_KEEP_SECONDS = 7 * 86400.0
 
 
 def sweep_once(conn: psycopg.Connection, limit: int = SWEEP_BATCH, restart_grace: float = 0.0) -> dict[str, int]:
@@ -87,6 +89,17 @@ def heartbeat_once(
     renewed = {row[0]: held[row[0]] for row in rows if row[2]}
     lost = {jid: token for jid, token in held.items() if jid not in ours}
     return renewed, lost, {row[0] for row in rows if row[1]}
+
+
+def forget_old_workers(conn: psycopg.Connection, keep_seconds: float = REGISTRY_KEEP_SECONDS) -> int:
+    """Delete the registry rows of workers last heard from over ``keep_seconds`` ago; how many.
+
+    Apart from retention, which a worker may have switched off: the registry
+    is the workers' bookkeeping, not the jobs' history.
+    """
+    deleted = conn.execute(sql("worker_registry_prune"), {"keep_seconds": keep_seconds}).rowcount
+    conn.commit()
+    return deleted
 
 
 def register(conn: psycopg.Connection, worker_id: str, queues: tuple[str, ...], concurrency: int) -> datetime:
@@ -242,10 +255,11 @@ class Maintenance:
                 self._periodic(conn)
 
     def prune(self) -> dict[str, int]:
-        """Run retention once (if this worker prunes) and forget rate-limit starts past every window."""
+        """Run retention once (if this worker prunes); forget old rate-limit starts and long-gone workers."""
         with self._pool.connection() as conn:
             deleted = self._prune(conn) if self._prune is not None else {}
             forget_old_starts(conn)
+            forget_old_workers(conn)
         if any(deleted.values()):
             event(logging.INFO, "pruned finished jobs", **deleted)
         return deleted

@@ -221,6 +221,19 @@ def test_a_tick_that_fell_due_while_a_worker_ran_is_enqueued_however_late(relay:
     )
     assert enqueue_due(db, specs, clock=late) == []
 
+    # Unless that worker is the one checking: alive now and registered before the tick, it was
+    # running then, though its heartbeats (every lease / 3) came too seldom for the registry to show it.
+    # Not so for a checker that serves only another queue, or that registered after the tick.
+    db.execute("UPDATE relay.schedules SET last_tick = last_tick - interval '1 hour'")
+    since = tick - timedelta(hours=1)
+    assert enqueue_due(db, specs, clock=late, running_since=since, queues=["mail"]) == []
+    db.execute("UPDATE relay.schedules SET last_tick = last_tick - interval '1 hour'")
+    assert enqueue_due(db, specs, clock=late, running_since=tick + timedelta(seconds=1), queues=["default"]) == []
+    db.execute("UPDATE relay.schedules SET last_tick = last_tick - interval '1 hour'")
+    assert enqueue_due(db, specs, clock=late, running_since=since, queues=["default"]) == [
+        ("hourly_rollup", tick.isoformat())
+    ]
+
 
 def test_ticks_passed_between_two_late_checks_are_logged_and_only_the_latest_runs(
     relay: Relay, db: psycopg.Connection, caplog: pytest.LogCaptureFixture

@@ -78,7 +78,12 @@ def _report_passed_ticks(spec: HandlerSpec, previous: datetime | None, tick: dat
 
 
 def enqueue_due(
-    conn: psycopg.Connection, specs: Iterable[HandlerSpec], *, clock: datetime | None = None
+    conn: psycopg.Connection,
+    specs: Iterable[HandlerSpec],
+    *,
+    clock: datetime | None = None,
+    running_since: datetime | None = None,
+    queues: Iterable[str] = (),
 ) -> list[tuple[str, str]]:
     """Enqueue every schedule's latest due tick that nobody enqueued yet; return (type, tick) pairs.
 
@@ -91,13 +96,21 @@ def enqueue_due(
     maintenance thread, a database outage), whichever worker gets to it.
     ``clock`` stands in for the database's ``now()``, so tests can walk
     through a night the clocks change in; workers never pass it.
+
+    A worker passes its own registration (``running_since``) and the
+    ``queues`` it serves: alive now and registered before a tick, it was
+    running when the tick fell due, whatever its last heartbeat says (they
+    come every lease / 3, which a long lease makes longer than the registry
+    check's reach).
     """
+    serving = frozenset(queues)
     enqueued: list[tuple[str, str]] = []
     for spec in specs:
         if not spec.cron:
             continue
         try:
-            tick = _enqueue_latest_tick(conn, spec, clock)
+            checker_was_running = running_since is not None and spec.queue in serving
+            tick = _enqueue_latest_tick(conn, spec, clock, running_since if checker_was_running else None)
         except psycopg.Error as exc:
             if conn.broken or conn.closed:
                 raise  # the database is out of reach: every schedule waits for it (the caller's outage handling)
@@ -111,8 +124,13 @@ def enqueue_due(
     return enqueued
 
 
-def _enqueue_latest_tick(conn: psycopg.Connection, spec: HandlerSpec, clock: datetime | None) -> datetime | None:
-    """Enqueue ``spec``'s latest due tick if nobody has and it is not missed, in one transaction; that tick."""
+def _enqueue_latest_tick(
+    conn: psycopg.Connection, spec: HandlerSpec, clock: datetime | None, checker_since: datetime | None
+) -> datetime | None:
+    """Enqueue ``spec``'s latest due tick if nobody has and it is not missed, in one transaction; that tick.
+
+    ``checker_since``: when the worker checking, which serves the schedule's queue, registered.
+    """
     with conn.transaction():
         now = clock or _db_now(conn)
         tick = previous_tick(spec.cron, spec.timezone, now)
@@ -123,7 +141,12 @@ def _enqueue_latest_tick(conn: psycopg.Connection, spec: HandlerSpec, clock: dat
         if not won:
             return None
         _report_passed_ticks(spec, won[0], tick)
-        if is_missed(tick, now) and not spec.catch_up and not _worker_was_running(conn, spec.queue, tick):
+        if (
+            is_missed(tick, now)
+            and not spec.catch_up
+            and not (checker_since is not None and checker_since <= tick)
+            and not _worker_was_running(conn, spec.queue, tick)
+        ):
             event(
                 logging.WARNING,
                 "skipped a periodic tick missed while no worker ran",

@@ -177,7 +177,9 @@ class Worker:
             event(logging.INFO, "cancellation requested", job_id=job.id, type=job.type)
 
     def _enqueue_periodic(self, conn: psycopg.Connection) -> None:
-        periodic.enqueue_due(conn, self.handlers.values())
+        periodic.enqueue_due(
+            conn, self.handlers.values(), running_since=self.maintenance.registered_at, queues=self.config.queues
+        )
 
     def _report_progress(self, job: Job, progress: dict) -> bool:  # type: ignore[type-arg]
         try:

@@ -108,9 +108,9 @@ def enqueue_due(
     for spec in specs:
         if not spec.cron:
             continue
+        checker_since = running_since if spec.queue in serving else None
         try:
-            checker_was_running = running_since is not None and spec.queue in serving
-            tick = _enqueue_latest_tick(conn, spec, clock, running_since if checker_was_running else None)
+            tick = _enqueue_latest_tick(conn, spec, clock, checker_since)
         except psycopg.Error as exc:
             if conn.broken or conn.closed:
                 raise  # the database is out of reach: every schedule waits for it (the caller's outage handling)

@@ -15,6 +15,7 @@ from psycopg.rows import dict_row
 
 from .errors import IllegalTransition, JobNotFound
 from .queries import sql
+from .timestamps import read_any_timestamp
 from .validation import check_queue
 
 
@@ -46,11 +47,19 @@ class JobDetail:
 
 
 def get_job(conn: psycopg.Connection, job_id: int) -> JobDetail:
-    """Load one job; raise :class:`JobNotFound` if there is none."""
+    """Load one job; raise :class:`JobNotFound` if there is none.
+
+    A job a program wrote with SQL may hold times no datetime holds (read as
+    the nearest one that does, see ``relay_core.timestamps``) and an error
+    history that is not an array (read as an array of that one value).
+    """
     with conn.cursor(row_factory=dict_row) as cur:
+        read_any_timestamp(cur)
         row = cur.execute(sql("job_get"), {"id": job_id}).fetchone()
     if row is None:
         raise JobNotFound(job_id)
+    errors = row["errors"]
+    row["errors"] = errors if isinstance(errors, list) else [] if errors is None else [errors]
     return JobDetail(**row)
 
 

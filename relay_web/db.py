@@ -25,6 +25,7 @@ from psycopg_pool import ConnectionPool
 from relay_core import Relay
 from relay_core.jsonb import read_any_number
 from relay_core.pools import ReconnectingPool, connection_options
+from relay_core.timestamps import read_any_timestamp
 
 EXTENSION = "relay.db"
 
@@ -71,8 +72,10 @@ class Database:
     def _configure(self, conn: psycopg.Connection) -> None:
         if isinstance(conn, BoundedConnection):
             conn.answer_timeout = self._answer_timeout
-        # A job a program wrote with SQL may hold numbers too long for int: shown as their digits.
+        # A job a program wrote with SQL may hold numbers too long for int (shown as their
+        # digits) and times no datetime holds (shown as the nearest one that does).
         read_any_number(conn, as_text=True)
+        read_any_timestamp(conn)
         conn.autocommit = True
         # Behind a transaction pooler a session's statement_timeout would stay on the
         # server connection for whoever uses it next (workers, the application);

@@ -884,3 +884,15 @@ def test_an_application_name_the_dsn_gives_wins_over_relays(dsn: str, db) -> Non
             assert worker_application_name(worker.id) not in session_names(db)
     finally:
         named.close()
+
+
+def test_get_job_reads_a_job_a_program_wrote_with_sql(relay: Relay, db: psycopg.Connection) -> None:
+    """Times no datetime holds are read as the nearest that does; a history that is not an array, as one entry."""
+    (job_id,) = db.execute(
+        "INSERT INTO relay.jobs (type, status, run_at, created_at, finished_at, errors)"
+        " VALUES ('odd', 'cancelled', '-infinity', '0044-03-15 00:00:00+00 BC', 'infinity', '\"oops\"') RETURNING id"
+    ).fetchone()
+    job = relay.get_job(job_id)
+    assert (job.run_at, job.created_at) == (datetime(1, 1, 2, tzinfo=UTC), datetime(1, 1, 2, tzinfo=UTC))
+    assert job.finished_at == datetime(9999, 12, 30, tzinfo=UTC)
+    assert job.errors == ["oops"]

@@ -98,6 +98,19 @@ def percent(value: float | None) -> str:
     return f"{value * 100:.1f}%"
 
 
+def progress_percent(value: int | float) -> float:
+    """A handler's reported percent, between 0 and 100.
+
+    Job.progress() clamps what it sends, but a program writing with SQL can
+    store any JSON number: one too large for a float failed the job's page.
+    """
+    try:
+        number = float(value)
+    except OverflowError:
+        number = 100.0 if value > 0 else 0.0
+    return max(0.0, min(100.0, number))
+
+
 FILTERS = {
     "span": span,
     "ago": ago,
@@ -108,4 +121,5 @@ FILTERS = {
     "pretty_json": pretty_json,
     "number": number,
     "percent": percent,
+    "progress_percent": progress_percent,
 }

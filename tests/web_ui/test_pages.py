@@ -378,6 +378,40 @@ def test_a_number_too_long_for_int_is_shown_as_its_digits(
     assert (job.get_json()["payload"], job.get_json()["result"]) == ({"n": digits}, {"r": "-1" + "0" * 4400})
 
 
+def test_a_job_holding_what_a_program_wrote_with_sql_is_listed_and_shown(
+    viewer: DashboardClient, anonymous: DashboardClient, db: psycopg.Connection
+) -> None:
+    """Times no datetime holds ('-infinity', a year BC, 'infinity'), an error history that is not an
+    array and a progress percent too large for a float each made the pages that read them answer 500:
+    the job lists (every page holding the job), the job's own page, the queues and /metrics."""
+    odd = db.execute(
+        "INSERT INTO relay.jobs (type, status, run_at, created_at) VALUES"
+        " ('odd', 'queued', '-infinity', '0044-03-15 00:00:00+00 BC'),"
+        " ('odd', 'queued', 'infinity', now())"
+        " RETURNING id"
+    ).fetchall()
+    (dead,) = db.execute(
+        "INSERT INTO relay.jobs (type, status, attempts, finished_at, errors, last_error, progress)"
+        " VALUES ('odd', 'dead', 1, 'infinity', '5', 'X: y', %s) RETURNING id",
+        ('{"percent": 1' + "0" * 400 + ', "message": "nearly"}',),
+    ).fetchone()
+    token = anonymous.client.post("/api/auth/login", json={"username": "viewer", "password": PASSWORD})
+    headers = {"Authorization": f"Bearer {token.get_json()['access_token']}"}
+    for path in ("/api/admin/jobs", "/api/admin/jobs?status=dead", "/api/admin/queues", "/api/admin/stats"):
+        answer = anonymous.client.get(path, headers=headers)
+        assert answer.status_code == 200, (path, answer.get_json())
+    listed = anonymous.client.get("/api/admin/jobs", headers=headers).get_json()["jobs"]
+    assert sorted(job["id"] for job in listed) == sorted([dead, *(row[0] for row in odd)])
+    first = anonymous.client.get(f"/api/admin/jobs/{odd[0][0]}", headers=headers).get_json()
+    assert (first["run_at"], first["created_at"]) == ("0001-01-02T00:00:00Z", "0001-01-02T00:00:00Z")
+    last = anonymous.client.get(f"/api/admin/jobs/{dead}", headers=headers).get_json()
+    assert last["finished_at"] == "9999-12-30T00:00:00Z"
+    assert [entry["message"] for entry in last["errors"]] == ["5"]
+    for path in ("/", "/jobs", "/dead", "/queues", "/metrics", *(f"/jobs/{row[0]}" for row in odd), f"/jobs/{dead}"):
+        assert viewer.get(path).status_code == 200, path
+    assert "100%" in _text(viewer.get(f"/jobs/{dead}"))
+
+
 def test_dead_view_groups_by_type_with_counts(viewer: DashboardClient, jobs: Jobs) -> None:
     for _ in range(3):
         jobs.dead(jobs.add("send_email"), "ConnectionError: refused")

@@ -98,11 +98,11 @@ def require(role: str) -> dict[str, Any]:
     """
     verify_jwt_in_request(locations=["headers"])
     claims = get_jwt()
-    if is_session_token(claims):  # a dashboard cookie's token sent as a bearer token
-        with connection() as conn:
-            if session_ended(conn, claims):
-                raise invalid_token()
     held = claims.get("role")
+    if is_session_token(claims):
+        # A dashboard cookie's token sent as a bearer token: checked as the dashboard checks
+        # it, so a logout, a deleted user, a changed password or role takes effect at once.
+        held = _session_role(claims)
     if held not in ROLES:
         raise unauthorized("The token carries no role Relay knows; log in again.", slug="token-invalid")
     if ROLES.index(held) < ROLES.index(role):
@@ -113,6 +113,16 @@ def require(role: str) -> dict[str, Any]:
             slug="forbidden",
         )
     return claims
+
+
+def _session_role(claims: dict[str, Any]) -> str:
+    """The current role of a dashboard session's user; a 401 problem once the session no longer holds."""
+    account = user_id(claims)
+    with connection() as conn:
+        user = None if account is None or session_ended(conn, claims) else users.get_user(conn, account)
+    if user is None or claims.get("pwd") != session_mark(user):
+        raise invalid_token()
+    return user.role
 
 
 def refresh_claims() -> dict[str, Any]:

@@ -244,7 +244,7 @@ def test_a_changed_password_ends_the_session(admin: DashboardClient, dsn: str) -
 
 
 def test_a_demoted_admin_loses_the_buttons_and_the_actions_at_once(
-    admin: DashboardClient, jobs: Jobs, dsn: str
+    app: Flask, admin: DashboardClient, jobs: Jobs, dsn: str
 ) -> None:
     job_id = jobs.dead(jobs.add())
     assert "Requeue</button>" in admin.get(f"/jobs/{job_id}").get_data(as_text=True)
@@ -252,7 +252,17 @@ def test_a_demoted_admin_loses_the_buttons_and_the_actions_at_once(
         users.set_role(conn, "admin", "viewer")
     assert "Requeue</button>" not in admin.get(f"/jobs/{job_id}").get_data(as_text=True)
     assert admin.post(f"/jobs/{job_id}/requeue").status_code == 403
+    # The session's cookie sent to the API as a bearer token: the role it carries is not the user's any more.
+    cookie = admin.client.get_cookie("access_token_cookie")
+    assert cookie is not None
+    bearer = {"Authorization": f"Bearer {cookie.value}"}
+    api = app.test_client().post(f"/api/admin/jobs/{job_id}/requeue", headers=bearer)
+    assert api.status_code == 403, api.get_json()
+    assert app.test_client().get("/api/admin/jobs", headers=bearer).status_code == 200
     assert jobs.status(job_id) == "dead"
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        users.delete_user(conn, "admin")
+    assert app.test_client().get("/api/admin/jobs", headers=bearer).status_code == 401
 
 
 def _session_token(app: Flask, user: users.User, csrf: str, *, age: float, logged_in_ago: float) -> str:

@@ -59,14 +59,22 @@ class NewJob:
         }
 
 
+#: Control characters (C0 and DEL): no job type holds one on purpose, and a newline in one
+#: would not survive a form (browsers send it back as CRLF).
+CONTROL_CHARACTER = re.compile(r"[\x00-\x1f\x7f]")
+
+
 def check_type(job_type: Any) -> str:
-    """A job type is a non-empty string of at most 200 characters."""
+    """A job type is a non-empty string of at most 200 characters, with no control characters."""
     if not isinstance(job_type, str) or not job_type.strip():
         raise InvalidJobError("type", "must be a non-empty string")
     if len(job_type) > MAX_TYPE_LENGTH:
         raise InvalidJobError("type", f"must be at most {MAX_TYPE_LENGTH} characters, got {len(job_type)}")
-    if "\x00" in job_type:
-        raise InvalidJobError("type", "must not contain NUL characters")
+    control = CONTROL_CHARACTER.search(job_type)
+    if control:
+        raise InvalidJobError(
+            "type", f"must not contain control characters (a newline, a tab, NUL), found {control.group()!r}"
+        )
     if not is_unicode_text(job_type):
         raise InvalidJobError("type", "contains a lone surrogate, which is not valid Unicode text")
     return job_type

@@ -382,6 +382,9 @@ def test_idempotency_key_returns_the_first_job(client, admin, db) -> None:
         ({"type": "t", "priority": "5"}, "priority"),
         ({"type": "t", "priority": 40000}, "priority"),
         ({"type": ""}, "type"),
+        # A newline would come back from a form as CRLF, and "Requeue all" of the type would match nothing.
+        ({"type": "mail\nsend"}, "type"),
+        ({"type": "mail\t"}, "type"),
         ({"type": "t", "max_attempts": 0}, "max_attempts"),
         ({"type": "t", "colour": "red"}, "colour"),
         ({"payload": {}}, "type"),

@@ -22,7 +22,7 @@ from relay_core.validation import MAX_PAYLOAD_DEPTH
 from . import auth
 from .bodies import read_body, repeated_keys
 from .problems import Problem, validation_problem
-from .records.common import NO_NUL, VISIBLE
+from .records.common import JOB_TYPE_TEXT, NO_NUL
 
 #: The view keyword argument each input arrives as.
 KWARGS = {"path": "path", "query": "query", "header": "headers"}
@@ -85,8 +85,8 @@ def _detail(error: dict[str, Any]) -> str:
         pattern = error.get("ctx", {}).get("pattern")
         if pattern == NO_NUL:
             message = "must not contain NUL characters"
-        elif pattern == VISIBLE:
-            message = "must contain a visible character and no NUL characters"
+        elif pattern == JOB_TYPE_TEXT:
+            message = "must contain a visible character and no control characters (a newline, a tab, NUL)"
     return message
 
 

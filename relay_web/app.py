@@ -71,5 +71,6 @@ def create_app(config_overrides: Mapping[str, Any] | None = None) -> Flask:
     _register_dashboard(app)
     app.after_request(_no_sniffing_no_caching)
     _trust_proxies(app)
+    app.wsgi_app = auth.AnyCaseBearer(app.wsgi_app)  # type: ignore[method-assign]
     app.extensions["relay.close"] = database.close
     return app

@@ -10,6 +10,7 @@ tokens are refused. Every failure is a 401 or 403 problem.
 from __future__ import annotations
 
 import hashlib
+import re
 from typing import Any
 
 import psycopg
@@ -88,6 +89,28 @@ def init_app(app: Flask) -> JWTManager:
     jwt.token_verification_failed_loader(lambda header, payload: _invalid("claims"))
     jwt.needs_fresh_token_loader(lambda header, payload: _invalid("not fresh"))
     return jwt
+
+
+#: The Bearer scheme, however it is capitalised, at the start of an Authorization header.
+_BEARER = re.compile(r"^\s*bearer(?=\s)", re.IGNORECASE)
+
+
+class AnyCaseBearer:
+    """WSGI middleware: ``bearer <token>`` and ``BEARER <token>`` are ``Bearer <token>``.
+
+    HTTP's authentication schemes are case-insensitive (RFC 9110, 11.1), but
+    flask-jwt-extended compares the scheme as written, and answered a client
+    that wrote it in lower case that it sent no token.
+    """
+
+    def __init__(self, wsgi_app: Any) -> None:
+        self.wsgi_app = wsgi_app
+
+    def __call__(self, environ: dict[str, Any], start_response: Any) -> Any:
+        header = environ.get("HTTP_AUTHORIZATION")
+        if header and not header.startswith("Bearer "):
+            environ["HTTP_AUTHORIZATION"] = _BEARER.sub("Bearer", header, count=1)
+        return self.wsgi_app(environ, start_response)
 
 
 def require(role: str) -> dict[str, Any]:

@@ -67,6 +67,16 @@ def test_admin_routes_need_a_token(client, auth: AuthActions) -> None:
     assert_problem(client.get("/api/admin/jobs", headers={"Authorization": "Bearer"}), 401)
 
 
+def test_the_bearer_scheme_is_read_in_any_case(client, auth: AuthActions) -> None:
+    """HTTP's authentication schemes are case-insensitive (RFC 9110, 11.1)."""
+    token = auth.headers("viewer")["Authorization"].removeprefix("Bearer ")
+    for scheme in ("Bearer", "bearer", "BEARER", "  bEaReR"):
+        answer = client.get("/api/admin/jobs", headers={"Authorization": f"{scheme} {token}"})
+        assert answer.status_code == 200, (scheme, answer.get_json())
+    assert client.get("/api/admin/jobs", headers={"Authorization": f"Basic {token}"}).status_code == 401
+    assert client.get("/api/admin/jobs", headers={"Authorization": f"bearertoken {token}"}).status_code == 401
+
+
 def test_expired_token_is_refused(app: Flask, client, auth: AuthActions) -> None:
     user = auth.create_user("dave", "admin")
     with app.app_context():

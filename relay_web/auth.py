@@ -125,7 +125,10 @@ def require(role: str) -> dict[str, Any]:
     if is_session_token(claims):
         # A dashboard cookie's token sent as a bearer token: checked as the dashboard checks
         # it, so a logout, a deleted user, a changed password or role takes effect at once.
-        held = _session_role(claims)
+        user = session_user(claims)
+        if user is None:
+            raise invalid_token()
+        held = user.role
     if held not in ROLES:
         raise unauthorized("The token carries no role Relay knows; log in again.", slug="token-invalid")
     if ROLES.index(held) < ROLES.index(role):
@@ -138,14 +141,22 @@ def require(role: str) -> dict[str, Any]:
     return claims
 
 
-def _session_role(claims: dict[str, Any]) -> str:
-    """The current role of a dashboard session's user; a 401 problem once the session no longer holds."""
+def session_user(claims: dict[str, Any]) -> User | None:
+    """The user of a dashboard session's token as stored now; None once the session no longer holds.
+
+    It no longer holds after a logout, once the user is deleted, or once their
+    password changed. The dashboard reads it on every request, and so does the
+    API for such a token sent as a bearer token, so both act with the current role.
+    """
     account = user_id(claims)
+    if account is None:
+        return None
     with connection() as conn:
-        user = None if account is None or session_ended(conn, claims) else users.get_user(conn, account)
+        # The logout check shares the user's read: one pooled connection per request.
+        user = None if session_ended(conn, claims) else users.get_user(conn, account)
     if user is None or claims.get("pwd") != session_mark(user):
-        raise invalid_token()
-    return user.role
+        return None
+    return user
 
 
 def refresh_claims() -> dict[str, Any]:

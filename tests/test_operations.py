@@ -155,6 +155,26 @@ def test_cron_enqueues_exactly_one_job_per_tick_across_workers(relay: Relay, db:
     assert schedule["type"] == "every_two_seconds" and schedule["next_tick"] > schedule["last_tick"]
 
 
+def test_an_every_second_schedule_gets_each_tick_just_after_it_falls_due(relay: Relay, db: psycopg.Connection) -> None:
+    @relay.handler("every_second", cron="* * * * * *")
+    def tick(job: Job) -> None:
+        return None
+
+    # Start mid-second by the database clock: checks that kept the start's phase, or
+    # drifted from it, would enqueue each tick half a second or more after it fell due.
+    phase = "SELECT (extract(epoch FROM clock_timestamp()) % 1)::float8"
+    wait_for(lambda: 0.45 <= db.execute(phase).fetchone()[0] <= 0.55, timeout=5, interval=0.01, what="mid-second")
+    with running_worker(relay):
+        wait_for(lambda: db.execute("SELECT count(*) FROM relay.jobs").fetchone()[0] >= 6, timeout=15)
+    rows = db.execute(
+        "SELECT (payload->>'scheduled_for')::timestamptz AS tick, created_at FROM relay.jobs ORDER BY tick"
+    ).fetchall()
+    ticks = [tick for tick, _created in rows]
+    assert all(b - a == timedelta(seconds=1) for a, b in itertools.pairwise(ticks)), ticks  # none passed over
+    lags = [(created - tick).total_seconds() for tick, created in rows]
+    assert all(0 <= lag < 0.4 for lag in lags), lags
+
+
 @pytest.mark.parametrize("catch_up", [False, True])
 def test_ticks_missed_while_no_worker_ran_are_enqueued_once_only_when_configured(
     relay: Relay, db: psycopg.Connection, catch_up: bool

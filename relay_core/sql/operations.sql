@@ -11,6 +11,13 @@ SELECT pg_advisory_xact_lock(7265108723) FROM relay.type_limits LIMIT 1;
 -- Whether any job type has a limit (workers check each second to pick the claim's path).
 SELECT EXISTS (SELECT 1 FROM relay.type_limits);
 
+-- name: periodic_check
+-- A worker's check each second: whether any job type has a limit (to pick the
+-- claim's path), and how long until the database clock's next whole second,
+-- when the next check is due (cron ticks fall on the database's whole seconds).
+SELECT EXISTS (SELECT 1 FROM relay.type_limits) AS limits_exist,
+       (1 - extract(epoch FROM clock_timestamp()) % 1)::float8 AS until_next_second;
+
 -- name: queue_set_paused
 -- Pause or resume a queue; workers skip paused queues at their next claim.
 INSERT INTO relay.queues (name, paused, paused_at, updated_at)

@@ -35,6 +35,12 @@ SWEEP_BATCH = 1000
 FOLD_INTERVAL = 30.0
 #: Seconds to the next retention pass while expired jobs are still piled up.
 PRUNE_CATCH_UP_SECONDS = 1.0
+#: How far past the database clock's whole second each periodic check runs: a
+#: check's ``now()`` must fall inside the second it is meant for, after the
+#: round trip and the other duties of the same wake.
+PERIODIC_CHECK_PHASE = 0.1
+#: The longest the duties thread sleeps between looks at its duties.
+DUTY_WAKE_SECONDS = 0.2
 #: Seconds between checks whether Relay's tables need a vacuum autovacuum will not run.
 VACUUM_CHECK_INTERVAL = 15.0
 #: The longest the sweeper holds off after the server starts. Leases only run out
@@ -242,17 +248,24 @@ class Maintenance:
             )
         return counts
 
-    def run_periodic(self) -> None:
+    def run_periodic(self) -> float:
         """Learn whether any job type has a limit, and enqueue due periodic ticks once.
 
         The limits first: a worker that missed the first limit row of a
         deploy would claim nothing at all, so no schedule may hold it up.
+        Returns when (``time.monotonic()``) the database clock reaches its next
+        whole second: the loop runs the next check just after it, so each
+        second of the database's clock gets one check and an every-second
+        schedule has none of its ticks passed over.
         """
         with self._pool.connection() as conn:
+            started = time.monotonic()
+            limits_exist, until_next_second = conn.execute(sql("periodic_check")).fetchone()
             if self._on_limits is not None:
-                self._on_limits(bool(conn.execute(sql("type_limits_exist")).fetchone()[0]))
+                self._on_limits(bool(limits_exist))
             if self._periodic is not None:
                 self._periodic(conn)
+        return started + until_next_second
 
     def prune(self) -> dict[str, int]:
         """Run retention once (if this worker prunes); forget old rate-limit starts and long-gone workers."""
@@ -308,7 +321,12 @@ class Maintenance:
         next_periodic = now
         next_fold = now + FOLD_INTERVAL * spread
         next_vacuum = now + VACUUM_CHECK_INTERVAL * spread
-        while not self._stop_duties.wait(0.2):
+        while True:
+            # Wake when the next duty is due (a periodic check must not drift
+            # past its second), and at least every DUTY_WAKE_SECONDS.
+            next_duty = min(next_sweep, next_periodic, next_prune, next_fold, next_vacuum)
+            if self._stop_duties.wait(min(DUTY_WAKE_SECONDS, max(0.0, next_duty - time.monotonic()))):
+                return
             now = time.monotonic()
             # Whether a duty that always sends a statement on a pooled connection runs now.
             due = now >= min(next_sweep, next_periodic, next_prune, next_fold)
@@ -317,8 +335,8 @@ class Maintenance:
                     next_sweep = now + self._sweep_interval
                     self.sweep()
                 if now >= next_periodic:
-                    next_periodic = now + 1.0
-                    self.run_periodic()
+                    next_periodic = now + 1.0  # if the check fails
+                    next_periodic = self.run_periodic() + PERIODIC_CHECK_PHASE
                 if now >= next_prune:
                     next_prune = now + self._prune_interval
                     if hit_cap(self.prune()):

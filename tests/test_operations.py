@@ -535,6 +535,31 @@ def test_a_retention_pass_reads_the_expired_jobs_and_not_the_history_it_keeps(db
     assert db.execute("SELECT count(*) FROM relay.jobs WHERE type = 'expired'").fetchone()[0] == 0
 
 
+@pytest.mark.parametrize("status", ["succeeded", "dead", "cancelled"])
+def test_a_finished_state_is_listed_from_its_index_whatever_newer_jobs_the_table_holds(
+    db: psycopg.Connection, status: str
+) -> None:
+    # Three jobs of the state, then 20,000 newer ones of the others: the newest
+    # first through the primary key would read all of them before the three.
+    finished = "INSERT INTO relay.jobs (type, status, attempts, lease_token, started_at, finished_at)"
+    db.execute(finished + " SELECT 'listed', %s, 1, 1, now(), now() FROM generate_series(1, 3)", (status,))
+    others = [s for s in ("succeeded", "dead", "cancelled") if s != status]
+    db.execute(
+        finished + " SELECT 'newer', (%s::relay.job_status[])[1 + g %% 2], 1, 1, now(), now()"
+        " FROM generate_series(1, 10000) AS g",
+        (others,),
+    )
+    db.execute("INSERT INTO relay.jobs (type) SELECT 'newer' FROM generate_series(1, 10000)")
+    db.execute("ANALYZE relay.jobs")
+    params = monitor.JobFilter(status=status).params() | {"limit": 51, "before": None, "error_chars": 200}
+    (plan,) = db.execute("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) " + sql("job_list"), params).fetchone()
+    listed = db.execute(sql("job_list"), params).fetchall()
+    root = plan[0]["Plan"]
+    touched = root["Shared Hit Blocks"] + root["Shared Read Blocks"]
+    assert touched < 50, f"listing 3 {status} jobs touched {touched} blocks"
+    assert [row[1] for row in listed] == ["listed"] * 3
+
+
 def test_the_registry_forgets_workers_last_heard_from_over_a_week_ago(relay: Relay, db: psycopg.Connection) -> None:
     add = (
         "INSERT INTO relay.workers (id, host, pid, queues, concurrency, started_at, last_seen_at, stopped_at)"

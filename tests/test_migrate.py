@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import subprocess
+import threading
 import uuid
 
 import psycopg
@@ -11,7 +12,7 @@ from psycopg import conninfo
 from relay_core import Relay
 from relay_core import migrate as migrator
 
-from .helpers import publish_handlers
+from .helpers import publish_handlers, wait_for
 
 
 def fresh_database(server_dsn: str) -> str:
@@ -125,5 +126,33 @@ def test_an_existing_database_gets_the_table_workers_publish_max_attempts_to(dat
         with psycopg.connect(dsn) as conn:
             rows = conn.execute("SELECT id, max_attempts FROM relay.jobs ORDER BY id").fetchall()
         assert rows == [(old, 20), (new, 3)]
+    finally:
+        drop_database(dsn)
+
+
+def test_the_newest_migration_runs_beside_a_transaction_that_reads_jobs_then_writes_them(database_url: str) -> None:
+    """An application transaction that read relay.jobs before a deploy's migration began and
+    writes it after must wait for the migration, or the migration for it: neither is aborted.
+    A migration that took a weaker lock on the table and then a stronger one deadlocked with it."""
+    newest = migrator.available()[-1]
+    dsn = fresh_database(database_url)
+    try:
+        migrate_to(dsn, newest.version - 1)
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            (job_id,) = conn.execute("INSERT INTO relay.jobs (type) VALUES ('t') RETURNING id").fetchone()
+        migrated: list[object] = []
+        with psycopg.connect(dsn) as app:
+            app.execute("SELECT status FROM relay.jobs WHERE id = %s", (job_id,)).fetchone()
+            deploy = threading.Thread(target=lambda: migrated.append(migrator.migrate(dsn)))
+            deploy.start()
+            with psycopg.connect(dsn, autocommit=True) as watch:
+                waiting = "SELECT count(*) FROM pg_locks WHERE relation = 'relay.jobs'::regclass AND NOT granted"
+                wait_for(lambda: watch.execute(waiting).fetchone()[0], what="the migration to wait for the table")
+            app.execute("UPDATE relay.jobs SET priority = 1 WHERE id = %s", (job_id,))
+            app.commit()
+        deploy.join(30)
+        assert migrated == [[f"{newest.version:04d}_{newest.name}"]]
+        with psycopg.connect(dsn) as conn:
+            assert conn.execute("SELECT priority FROM relay.jobs WHERE id = %s", (job_id,)).fetchone() == (1,)
     finally:
         drop_database(dsn)

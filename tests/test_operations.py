@@ -162,7 +162,7 @@ def test_an_every_second_schedule_gets_each_tick_just_after_it_falls_due(relay: 
 
     # Start mid-second by the database clock: checks that kept the start's phase, or
     # drifted from it, would enqueue each tick half a second or more after it fell due.
-    phase = "SELECT (extract(epoch FROM clock_timestamp()) % 1)::float8"
+    phase = "SELECT mod(extract(epoch FROM clock_timestamp())::numeric, 1)::float8"
     wait_for(lambda: 0.45 <= db.execute(phase).fetchone()[0] <= 0.55, timeout=5, interval=0.01, what="mid-second")
     with running_worker(relay):
         wait_for(lambda: db.execute("SELECT count(*) FROM relay.jobs").fetchone()[0] >= 6, timeout=15)

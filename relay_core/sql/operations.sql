@@ -16,7 +16,7 @@ SELECT EXISTS (SELECT 1 FROM relay.type_limits);
 -- claim's path), and how long until the database clock's next whole second,
 -- when the next check is due (cron ticks fall on the database's whole seconds).
 SELECT EXISTS (SELECT 1 FROM relay.type_limits) AS limits_exist,
-       (1 - extract(epoch FROM clock_timestamp()) % 1)::float8 AS until_next_second;
+       (1 - mod(extract(epoch FROM clock_timestamp())::numeric, 1))::float8 AS until_next_second;
 
 -- name: queue_set_paused
 -- Pause or resume a queue; workers skip paused queues at their next claim.

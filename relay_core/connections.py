@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Any, TypeVar
 
 import psycopg
-from psycopg.rows import dict_row
+from psycopg.rows import dict_row, tuple_row
 
 from .inserts import Statement, Steps
 from .pools import RelayConnection
@@ -46,7 +46,9 @@ def _sqlalchemy_connection(conn: Any) -> Any | None:
 def fetch_all(conn: Any, sql: str, params: dict[str, Any]) -> list[dict[str, Any]]:
     """Run ``sql`` on a caller's connection and return its rows as dicts."""
     if isinstance(conn, psycopg.Connection):
-        with conn.cursor(row_factory=dict_row) as cur:
+        # A plain Cursor, whatever the caller's connection makes by default: its
+        # cursor_factory may bind differently (RawCursor takes $1, not %(name)s).
+        with psycopg.Cursor(conn, row_factory=dict_row) as cur:
             cur.execute(sql, params, prepare=True)
             return cur.fetchall() if cur.description else []
     if is_async_connection(conn):
@@ -75,7 +77,11 @@ def fetch_first_value(conn: Any, sql: str, params: dict[str, Any]) -> Any:
         row = cur.fetchone()
         return None if row is None else row[0]
     if isinstance(conn, psycopg.Connection):
-        row = conn.execute(sql, params, prepare=True).fetchone()
+        # Tuples, whatever row_factory the caller's connection has (dict_row is common):
+        # the insert has run by the time the row is read, so reading it must not fail.
+        with psycopg.Cursor(conn, row_factory=tuple_row) as cur:
+            cur.execute(sql, params, prepare=True)
+            row = cur.fetchone()
         return None if row is None else row[0]
     rows = fetch_all(conn, sql, params)
     return next(iter(rows[0].values())) if rows else None
@@ -115,7 +121,7 @@ async def run_async(conn: Any, steps: Steps[T]) -> T:
 
 async def _fetch_all_async(conn: Any, statement: Statement) -> list[dict[str, Any]]:
     if isinstance(conn, psycopg.AsyncConnection):
-        async with conn.cursor(row_factory=dict_row) as cur:
+        async with psycopg.AsyncCursor(conn, row_factory=dict_row) as cur:
             await cur.execute(statement.sql, statement.params, prepare=True)
             return await cur.fetchall() if cur.description else []
     result = await conn.exec_driver_sql(statement.sql, statement.params)

@@ -42,6 +42,28 @@ def test_psycopg_transaction_that_commits_leaves_one_job(relay: Relay, dsn: str,
     assert relay.get_job(job_id).payload == {"to": "a@b.c"}
 
 
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"row_factory": psycopg.rows.dict_row},
+        {"row_factory": psycopg.rows.scalar_row},
+        {"cursor_factory": psycopg.RawCursor},
+    ],
+    ids=["dict_row", "scalar_row", "RawCursor"],
+)
+def test_a_callers_connection_makes_rows_and_cursors_its_own_way(
+    relay: Relay, dsn: str, db: psycopg.Connection, options: dict[str, Any]
+) -> None:
+    with psycopg.connect(dsn, autocommit=True, **options) as conn:
+        plain = relay.enqueue("send_email", {"n": 1}, conn=conn)
+        keyed = relay.enqueue("send_email", {"n": 2}, conn=conn, idempotency_key="order-7")
+        again = relay.enqueue("send_email", {"n": 3}, conn=conn, idempotency_key="order-7")
+        many = relay.enqueue_many([{"type": "send_email", "payload": {"n": 4}}], conn=conn)
+    assert again == keyed
+    rows = db.execute("SELECT id, payload->>'n' FROM relay.jobs ORDER BY id").fetchall()
+    assert rows == [(plain, "1"), (keyed, "2"), (many[0], "4")]
+
+
 def test_sqlalchemy_connection_joins_the_transaction(relay: Relay, dsn: str, db: psycopg.Connection) -> None:
     engine = sa_engine(dsn)
     try:

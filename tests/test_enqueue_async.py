@@ -71,6 +71,26 @@ def test_enqueue_async_commits_with_the_callers_transaction(
     assert row == ("send_email", {"to": "a@b.c"}, -1, "queued")
 
 
+@pytest.mark.parametrize(
+    "options",
+    [{"row_factory": psycopg.rows.dict_row}, {"cursor_factory": psycopg.AsyncRawCursor}],
+    ids=["dict_row", "AsyncRawCursor"],
+)
+def test_a_callers_async_connection_makes_rows_and_cursors_its_own_way(
+    relay: Relay, dsn: str, db: psycopg.Connection, options: dict[str, Any]
+) -> None:
+    async def enqueue() -> tuple[int, int, int]:
+        async with await psycopg.AsyncConnection.connect(dsn, autocommit=True, **options) as conn:
+            plain = await relay.enqueue_async("send_email", {"n": 1}, conn=conn)
+            keyed = await relay.enqueue_async("send_email", {"n": 2}, conn=conn, idempotency_key="order-7")
+            again = await relay.enqueue_async("send_email", {"n": 3}, conn=conn, idempotency_key="order-7")
+            return plain, keyed, again
+
+    plain, keyed, again = asyncio.run(enqueue())
+    assert again == keyed
+    assert db.execute("SELECT id, payload->>'n' FROM relay.jobs ORDER BY id").fetchall() == [(plain, "1"), (keyed, "2")]
+
+
 @pytest.mark.parametrize("kind", TRANSACTIONS)
 def test_enqueue_async_rolls_back_with_the_callers_transaction(
     relay: Relay, dsn: str, db: psycopg.Connection, kind: str

@@ -43,12 +43,24 @@ def _sqlalchemy_connection(conn: Any) -> Any | None:
     return None
 
 
+def _cursor(conn: Any, row_factory: Any) -> Any:
+    """A cursor on the caller's psycopg connection that makes the rows Relay reads.
+
+    The connection's own kind of cursor, so what the caller built into it (a
+    tracing or logging subclass) sees Relay's statements too; its row factory
+    is the caller's choice (dict_row is common), so Relay names its own. A
+    raw cursor takes $1 placeholders, not Relay's %(name)s: a plain one then.
+    """
+    if issubclass(conn.cursor_factory, (psycopg.RawCursor, psycopg.AsyncRawCursor)):
+        plain = psycopg.AsyncCursor if isinstance(conn, psycopg.AsyncConnection) else psycopg.Cursor
+        return plain(conn, row_factory=row_factory)
+    return conn.cursor(row_factory=row_factory)
+
+
 def fetch_all(conn: Any, sql: str, params: dict[str, Any]) -> list[dict[str, Any]]:
     """Run ``sql`` on a caller's connection and return its rows as dicts."""
     if isinstance(conn, psycopg.Connection):
-        # A plain Cursor, whatever the caller's connection makes by default: its
-        # cursor_factory may bind differently (RawCursor takes $1, not %(name)s).
-        with psycopg.Cursor(conn, row_factory=dict_row) as cur:
+        with _cursor(conn, dict_row) as cur:
             cur.execute(sql, params, prepare=True)
             return cur.fetchall() if cur.description else []
     if is_async_connection(conn):
@@ -77,9 +89,8 @@ def fetch_first_value(conn: Any, sql: str, params: dict[str, Any]) -> Any:
         row = cur.fetchone()
         return None if row is None else row[0]
     if isinstance(conn, psycopg.Connection):
-        # Tuples, whatever row_factory the caller's connection has (dict_row is common):
-        # the insert has run by the time the row is read, so reading it must not fail.
-        with psycopg.Cursor(conn, row_factory=tuple_row) as cur:
+        # The insert has run by the time its row is read: reading it must not fail.
+        with _cursor(conn, tuple_row) as cur:
             cur.execute(sql, params, prepare=True)
             row = cur.fetchone()
         return None if row is None else row[0]
@@ -121,7 +132,7 @@ async def run_async(conn: Any, steps: Steps[T]) -> T:
 
 async def _fetch_all_async(conn: Any, statement: Statement) -> list[dict[str, Any]]:
     if isinstance(conn, psycopg.AsyncConnection):
-        async with psycopg.AsyncCursor(conn, row_factory=dict_row) as cur:
+        async with _cursor(conn, dict_row) as cur:
             await cur.execute(statement.sql, statement.params, prepare=True)
             return await cur.fetchall() if cur.description else []
     result = await conn.exec_driver_sql(statement.sql, statement.params)

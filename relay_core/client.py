@@ -20,7 +20,14 @@ from .errors import ConfigurationError, InvalidJobError, RelayError
 from .handlers import DEFAULT_MAX_ATTEMPTS, HandlerSpec, make_spec
 from .pools import RelayConnection, connection_options, make_pool
 from .settings import database_url, env_bool, env_float, env_int, transaction_pooling
-from .validation import DEFAULT_MAX_PAYLOAD_BYTES, NewJob, check_seconds, new_job
+from .validation import (
+    DEFAULT_MAX_PAYLOAD_BYTES,
+    NewJob,
+    check_idempotency_key,
+    check_payload,
+    check_seconds,
+    new_job,
+)
 from .worker import Worker, WorkerConfig
 
 #: How long an enqueue without ``conn`` waits for a pooled connection by default (RELAY_DB_WAIT_SECONDS).
@@ -260,29 +267,59 @@ class Relay:
             return run(own, steps)
 
     def _validated_many(self, jobs: Iterable[Mapping[str, Any]]) -> tuple[list[NewJob], list[bool]]:
-        """Every item of an ``enqueue_many`` validated, and whether each takes the published max_attempts."""
+        """Every item of an ``enqueue_many`` validated, and whether each takes the published max_attempts.
+
+        The items of a bulk enqueue mostly share their type, queue, priority,
+        run_at and max_attempts, so those are checked once per combination
+        that passed (keyed by class and value: 1 and True, or 1 and 1.0, are
+        told apart); each item's payload and idempotency key are checked
+        every time. The errors are the same as checking each item whole.
+        """
         allowed = {"type", "payload", "queue", "priority", "run_at", "max_attempts", "idempotency_key"}
         validated: list[NewJob] = []
         unresolved: list[bool] = []
+        passed: dict[tuple[tuple[type, Any], ...], tuple[NewJob, bool]] = {}
         for index, item in enumerate(jobs):
-            unknown = set(item) - allowed
-            if unknown:
-                raise InvalidJobError(f"jobs[{index}]", f"unknown fields {sorted(unknown)}")
+            if not allowed.issuperset(item):
+                raise InvalidJobError(f"jobs[{index}]", f"unknown fields {sorted(set(item) - allowed)}")
+            get = item.get
+            job_type, queue, priority = get("type"), get("queue", "default"), get("priority", 0)
+            run_at, max_attempts, idempotency_key = get("run_at"), get("max_attempts"), get("idempotency_key")
+            payload = get("payload")
+            if payload is None:
+                payload = {}
+            key = (
+                (job_type.__class__, job_type),
+                (queue.__class__, queue),
+                (priority.__class__, priority),
+                (run_at.__class__, run_at),
+                (max_attempts.__class__, max_attempts),
+            )
             try:
-                validated.append(
-                    self._validated(
-                        item.get("type"),
-                        {} if item.get("payload") is None else item["payload"],
-                        item.get("queue", "default"),
-                        item.get("priority", 0),
-                        item.get("run_at"),
-                        item.get("max_attempts"),
-                        item.get("idempotency_key"),
+                seen = passed.get(key)
+            except TypeError:  # an unhashable value: checked whole below, and refused there
+                key, seen = None, None
+            try:
+                if seen is None:
+                    job = self._validated(job_type, payload, queue, priority, run_at, max_attempts, idempotency_key)
+                    takes = self._takes_published(job, max_attempts)
+                    if key is not None:
+                        passed[key] = (job, takes)
+                else:
+                    like, takes = seen
+                    job = NewJob(
+                        type=like.type,
+                        payload_json=check_payload(payload, self.max_payload_bytes),
+                        queue=like.queue,
+                        priority=like.priority,
+                        run_at=run_at,
+                        max_attempts=like.max_attempts,
+                        idempotency_key=check_idempotency_key(idempotency_key),
                     )
-                )
             except InvalidJobError as exc:
                 raise InvalidJobError(f"jobs[{index}].{exc.field}", exc.message) from None
-            unresolved.append(self._takes_published(validated[-1], item.get("max_attempts")))
+            validated.append(job)
+            unresolved.append(takes)
         return validated, unresolved
 
     # -- enqueue from asyncio ----------------------------------------------

@@ -231,6 +231,21 @@ def test_bad_input_in_a_batch_is_refused_by_position_and_writes_nothing(
     assert job_count(db) == 0
 
 
+@pytest.mark.parametrize(
+    ("field", "good", "bad"),
+    [("priority", 1, True), ("priority", 0, False), ("max_attempts", 3, 3.0), ("max_attempts", 1, True)],
+)
+def test_a_batch_tells_a_good_value_from_an_equal_one_of_another_kind(
+    relay: Relay, db: psycopg.Connection, field: str, good: object, bad: object
+) -> None:
+    # A batch checks each combination of type, queue, priority, run_at and max_attempts
+    # once; True == 1 and 3.0 == 3 in Python, but they are not what these fields take.
+    with pytest.raises(InvalidJobError) as caught:
+        relay.enqueue_many([{"type": "x", field: good}, {"type": "x", field: good}, {"type": "x", field: bad}])
+    assert caught.value.field == f"jobs[2].{field}"
+    assert job_count(db) == 0
+
+
 def test_a_mixed_batch_keeps_every_field_and_the_input_order(relay: Relay, db: psycopg.Connection) -> None:
     later = datetime(2030, 1, 1, tzinfo=UTC)
     batch = [

@@ -10,11 +10,10 @@ import sys
 from datetime import datetime
 
 import click
-import psycopg
 
 from . import admin, logs
 from . import migrate as migrator
-from .cli_users import MISSING_TABLES, connect, user
+from .cli_users import connect, database_errors, user
 from .client import Relay
 from .errors import ConfigurationError, InvalidJobError, MigrationError, RelayError
 from .settings import database_url, database_url_set
@@ -219,7 +218,7 @@ def enqueue(
             raise click.BadParameter(f"{run_at!r} is not an ISO 8601 time", param_hint="--run-at") from None
     # One plain connection, not the Relay's pool: a database that cannot be
     # reached is a one-line error at once, not a traceback after the pool's wait.
-    with connect() as conn:
+    with connect() as conn, database_errors():
         try:
             job_id = Relay(_dsn()).enqueue(
                 job_type,
@@ -233,8 +232,6 @@ def enqueue(
             )
         except InvalidJobError as exc:
             raise click.ClickException(f"refused: {exc}") from None
-        except psycopg.errors.UndefinedTable:
-            raise click.ClickException(MISSING_TABLES) from None
     click.echo(job_id)
 
 
@@ -276,13 +273,11 @@ class JobIdType(click.ParamType):
 @click.argument("job_id", type=JobIdType())
 def requeue(job_id: int) -> None:
     """Requeue a dead or cancelled job."""
-    with connect() as conn:
+    with connect() as conn, database_errors():
         try:
             job = admin.requeue(conn, job_id)
         except RelayError as exc:
             raise click.ClickException(str(exc)) from None
-        except psycopg.errors.UndefinedTable:
-            raise click.ClickException(MISSING_TABLES) from None
     click.echo(f"job {job.id} is {job.status}")
 
 

@@ -9,6 +9,8 @@ command line, where ``ps`` and shell history would show it.
 from __future__ import annotations
 
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import click
 import psycopg
@@ -36,6 +38,22 @@ def connect() -> psycopg.Connection:
         raise click.ClickException(f"cannot connect to the database: {exc}") from None
 
 
+@contextmanager
+def database_errors() -> Iterator[None]:
+    """A statement the database refused as one line, not a traceback.
+
+    A read-only replica behind DATABASE_URL, a statement timeout or a lost
+    connection is the operator's to fix, not a bug of the command.
+    """
+    try:
+        yield
+    except psycopg.errors.UndefinedTable:
+        raise click.ClickException(MISSING_TABLES) from None
+    except psycopg.Error as exc:
+        detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise click.ClickException(f"the database refused: {detail}") from None
+
+
 def _hasher() -> users.PasswordHasher:
     """The same Argon2id parameters the web app uses (RELAY_ARGON2_* settings)."""
     try:
@@ -56,13 +74,11 @@ def _read_password(from_stdin: bool) -> str:
 
 
 def _run(action: str, func: object, *args: object) -> None:
-    with connect() as conn:
+    with connect() as conn, database_errors():
         try:
             func(conn, *args)  # type: ignore[operator]
         except users.InvalidUserError as exc:
             raise click.BadParameter(exc.message, param_hint=exc.field) from None
-        except psycopg.errors.UndefinedTable:
-            raise click.ClickException(MISSING_TABLES) from None
         except RelayError as exc:
             raise click.ClickException(f"{action} failed: {exc}") from None
 
@@ -117,11 +133,8 @@ def delete(username: str) -> None:
 @user.command("list")
 def list_() -> None:
     """Show every user and their role."""
-    with connect() as conn:
-        try:
-            found = users.list_users(conn)
-        except psycopg.errors.UndefinedTable:
-            raise click.ClickException(MISSING_TABLES) from None
+    with connect() as conn, database_errors():
+        found = users.list_users(conn)
     for u in found:
         seen = u.last_login_at.isoformat(timespec="seconds") if u.last_login_at else "never"
         click.echo(f"{u.username}\t{u.role}\tlast login: {seen}")

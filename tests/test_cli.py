@@ -135,6 +135,23 @@ def test_a_database_that_is_unreachable_malformed_or_unmigrated_is_a_clear_error
     assert time.monotonic() - started < 10
 
 
+@pytest.mark.parametrize(
+    "command",
+    [("enqueue", "t", "{}"), ("requeue", "1"), ("user", "delete", "nobody"), ("user", "set-role", "nobody", "viewer")],
+    ids=lambda c: " ".join(c[:2]),
+)
+def test_a_statement_the_database_refuses_is_one_line_not_a_traceback(
+    dsn: str, db: psycopg.Connection, command: tuple[str, ...]
+) -> None:
+    """A DATABASE_URL that points at a read-only replica, say."""
+    read_only = conninfo.make_conninfo(dsn, options="-c default_transaction_read_only=on")
+    result = CliRunner().invoke(main, list(command), env={"RELAY_DATABASE_URL": read_only}, catch_exceptions=False)
+    assert result.exit_code == 1, result.output
+    assert "the database refused: cannot execute" in result.output, result.output
+    assert "read-only transaction" in result.output and "Traceback" not in result.output
+    assert job_count(db) == 0
+
+
 @pytest.mark.parametrize("spelling", ["jsno", "logfmt"])
 def test_an_unknown_log_format_is_refused_before_anything_runs(dsn: str, spelling: str) -> None:
     """A log pipeline that expects JSON must not be fed text because of a typo in RELAY_LOG_FORMAT."""

@@ -24,6 +24,7 @@ from .validation import (
     DEFAULT_MAX_PAYLOAD_BYTES,
     NewJob,
     check_idempotency_key,
+    check_max_attempts,
     check_payload,
     check_seconds,
     new_job,
@@ -53,13 +54,21 @@ class Relay:
         db_wait: float | None = None,
     ) -> None:
         self._dsn = dsn
-        self.max_payload_bytes = max_payload_bytes or env_int("RELAY_MAX_PAYLOAD_BYTES", DEFAULT_MAX_PAYLOAD_BYTES)
-        if self.max_payload_bytes < 1:
+        if max_payload_bytes is None:
+            max_payload_bytes = env_int("RELAY_MAX_PAYLOAD_BYTES", DEFAULT_MAX_PAYLOAD_BYTES)
+        self.max_payload_bytes = max_payload_bytes
+        if isinstance(max_payload_bytes, bool) or not isinstance(max_payload_bytes, int) or max_payload_bytes < 1:
             # Else every enqueue would be refused as if its payload were too big.
             raise ConfigurationError(
                 f"max_payload_bytes (RELAY_MAX_PAYLOAD_BYTES) must be at least 1, got {self.max_payload_bytes}"
             )
-        self.default_max_attempts = default_max_attempts
+        try:
+            self.default_max_attempts = check_max_attempts(default_max_attempts)
+        except InvalidJobError as exc:
+            # Else every enqueue that gives none would be refused, naming a field it did not give.
+            raise ConfigurationError(f"default_max_attempts {exc.message}, got {default_max_attempts!r}") from None
+        if isinstance(pool_size, bool) or not isinstance(pool_size, int) or pool_size < 1:
+            raise ConfigurationError(f"pool_size must be a whole number of connections, at least 1, got {pool_size!r}")
         #: Whether an enqueue NOTIFYs idle workers (``RELAY_NOTIFY``, default true).
         #: PostgreSQL serialises the commits of all notifying transactions, so
         #: many concurrent producers may prefer to let workers poll instead.
@@ -279,7 +288,11 @@ class Relay:
         validated: list[NewJob] = []
         unresolved: list[bool] = []
         passed: dict[tuple[tuple[type, Any], ...], tuple[NewJob, bool]] = {}
+        if isinstance(jobs, (Mapping, str, bytes)) or not isinstance(jobs, Iterable):
+            raise InvalidJobError("jobs", f"must be a list of mappings (one per job), got {type(jobs).__name__}")
         for index, item in enumerate(jobs):
+            if not isinstance(item, Mapping):
+                raise InvalidJobError(f"jobs[{index}]", f"must be a mapping with a type, got {type(item).__name__}")
             if not allowed.issuperset(item):
                 raise InvalidJobError(f"jobs[{index}]", f"unknown fields {sorted(set(item) - allowed)}")
             get = item.get

@@ -302,6 +302,42 @@ def test_one_bad_item_refuses_the_whole_batch(relay: Relay, db: psycopg.Connecti
     assert job_count(db) == 0
 
 
+@pytest.mark.parametrize(
+    ("setting", "value", "message"),
+    [
+        ("max_payload_bytes", 0, "max_payload_bytes (RELAY_MAX_PAYLOAD_BYTES) must be at least 1, got 0"),
+        ("default_max_attempts", 0, "default_max_attempts must be an integer between 1 and 1000, got 0"),
+        ("default_max_attempts", True, "default_max_attempts must be an integer between 1 and 1000, got True"),
+        ("pool_size", 0, "pool_size must be a whole number of connections, at least 1, got 0"),
+    ],
+)
+def test_a_setting_no_enqueue_could_work_with_is_refused_when_the_relay_is_made(
+    dsn: str, setting: str, value: object, message: str
+) -> None:
+    with pytest.raises(ConfigurationError) as caught:
+        Relay(dsn, **{setting: value})
+    assert str(caught.value) == message
+
+
+@pytest.mark.parametrize(
+    ("jobs", "field", "message"),
+    [
+        ({"type": "a"}, "jobs", "must be a list of mappings (one per job), got dict"),
+        (None, "jobs", "must be a list of mappings (one per job), got NoneType"),
+        ("a", "jobs", "must be a list of mappings (one per job), got str"),
+        ([{"type": "a"}, 5], "jobs[1]", "must be a mapping with a type, got int"),
+        ([None], "jobs[0]", "must be a mapping with a type, got NoneType"),
+    ],
+)
+def test_a_batch_that_is_not_a_list_of_mappings_is_refused(
+    relay: Relay, db: psycopg.Connection, jobs: Any, field: str, message: str
+) -> None:
+    with pytest.raises(InvalidJobError) as caught:
+        relay.enqueue_many(jobs)
+    assert (caught.value.field, caught.value.message) == (field, message)
+    assert job_count(db) == 0
+
+
 def test_payload_limit_is_configurable(dsn: str, db: psycopg.Connection) -> None:
     small = Relay(dsn, max_payload_bytes=100)
     try:

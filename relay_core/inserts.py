@@ -134,31 +134,23 @@ def insert_many(jobs: list[NewJob], notify: bool) -> Steps[list[int]]:
         "notify": notify,
     }
     row = (yield Statement(sql("job_insert_many"), params))[0]
-    inserted_ids: list[int] = list(row["ids"])
-    inserted_keys = {key for key in row["keys"] if key is not None}
-    conflicted = sorted(
-        {j.idempotency_key for j in jobs if j.idempotency_key and j.idempotency_key not in inserted_keys}
-    )
-    existing: dict[str, int] = {}
+    # Jobs without a key were inserted first, in input order: their ids ascend with
+    # their positions. A job with a key gets its key's job: the one inserted now
+    # (a key repeated within one call resolves to that same job) or its holder.
+    unkeyed_ids: list[int] = []
+    by_key: dict[str, int] = {}
+    for job_id, key in zip(row["ids"], row["keys"], strict=True):
+        if key is None:
+            unkeyed_ids.append(job_id)
+        else:
+            by_key[key] = job_id
+    conflicted = sorted({j.idempotency_key for j in jobs if j.idempotency_key and j.idempotency_key not in by_key})
     if conflicted:
         holders = yield Statement(sql("job_ids_by_idempotency_keys"), {"idempotency_keys": conflicted})
         for found in holders:
-            existing[found["idempotency_key"]] = found["id"]
+            by_key[found["idempotency_key"]] = found["id"]
     for key in conflicted:
-        if key not in existing:  # its holder was deleted between the two statements: insert it now
-            existing[key] = yield from insert_one(next(j for j in jobs if j.idempotency_key == key), notify)
-    # Rows were inserted in input order, so fresh ids ascend with input position;
-    # a key repeated within one call resolves to the job its first use created.
-    fresh = iter(inserted_ids)
-    by_key: dict[str, int] = dict(existing)
-    result: list[int] = []
-    for job in jobs:
-        key = job.idempotency_key
-        if key is not None and key in by_key:
-            result.append(by_key[key])
-            continue
-        job_id = next(fresh)
-        if key is not None:
-            by_key[key] = job_id
-        result.append(job_id)
-    return result
+        if key not in by_key:  # its holder was deleted between the two statements: insert it now
+            by_key[key] = yield from insert_one(next(j for j in jobs if j.idempotency_key == key), notify)
+    fresh = iter(unkeyed_ids)
+    return [next(fresh) if job.idempotency_key is None else by_key[job.idempotency_key] for job in jobs]

@@ -9,6 +9,7 @@ enqueue inserts its job after all, and never hands out another job's id.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 
 import psycopg
@@ -73,3 +74,39 @@ def test_bulk_enqueue_gives_each_job_its_own_id_when_a_holder_vanished(
         ("other", {"n": 3}),
         ("charge", {"n": 1}),
     ]
+
+
+def test_two_batches_whose_keys_overlap_in_opposite_orders_never_deadlock(relay: Relay, db: psycopg.Connection) -> None:
+    """Each batch takes its keys' locks as it inserts them; in input order, one batch
+    waiting for a key the other holds while the other waits for one it holds
+    was a deadlock, and PostgreSQL aborted one of them."""
+    rounds, size = 8, 400
+    barrier = threading.Barrier(2)
+    failures: list[BaseException] = []
+    results: dict[tuple[int, bool], list[int]] = {}
+
+    def enqueue(reverse: bool) -> None:
+        for r in range(rounds):
+            keys = [f"r{r}-k{n:04d}" for n in range(size)]
+            batch = [{"type": "charge", "payload": {"n": n}, "idempotency_key": k} for n, k in enumerate(keys)]
+            barrier.wait(timeout=30)
+            try:
+                ids = relay.enqueue_many(batch[::-1] if reverse else batch)
+            except psycopg.Error as exc:
+                failures.append(exc)
+                continue
+            results[(r, reverse)] = ids[::-1] if reverse else ids
+
+    threads = [threading.Thread(target=enqueue, args=(reverse,)) for reverse in (False, True)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    assert failures == []
+    for r in range(rounds):
+        # Both batches name the same jobs, key by key, and each key has one job.
+        assert results[(r, False)] == results[(r, True)]
+        stored = db.execute(
+            "SELECT id FROM relay.jobs WHERE idempotency_key LIKE %s ORDER BY idempotency_key", (f"r{r}-%",)
+        ).fetchall()
+        assert [row[0] for row in stored] == results[(r, False)]

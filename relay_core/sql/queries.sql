@@ -47,7 +47,10 @@ SELECT id FROM relay.jobs WHERE idempotency_key = %(idempotency_key)s;
 
 -- name: job_insert_many
 -- Insert many jobs in one round trip from parallel arrays; returns the new ids
--- in input order and the keys that already existed.
+-- with their keys (in id order) and how many queues were woken. Jobs without a
+-- key go in first, in input order, so their ids ascend with their positions;
+-- jobs with one follow in key order, so two batches whose keys overlap take
+-- the keys' locks in the same order and never deadlock each other.
 -- transition: (new) -> queued
 WITH input AS (
     SELECT * FROM unnest(%(types)s::text[], %(payloads)s::text[], %(queues)s::text[],
@@ -57,7 +60,7 @@ WITH input AS (
 ), inserted AS (
     INSERT INTO relay.jobs (status, type, payload, queue, priority, run_at, max_attempts, idempotency_key)
     SELECT 'queued', type, payload::jsonb, queue, priority, coalesce(run_at, now()), max_attempts, idempotency_key
-    FROM input ORDER BY ord
+    FROM input ORDER BY idempotency_key IS NOT NULL, idempotency_key, ord
     ON CONFLICT (idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING
     RETURNING id, queue, run_at <= now() AS due, idempotency_key
 ), notified AS (

@@ -18,7 +18,7 @@ from .backoff import Backoff
 from .connections import run, run_async
 from .errors import ConfigurationError, InvalidJobError, RelayError
 from .handlers import DEFAULT_MAX_ATTEMPTS, HandlerSpec, make_spec
-from .pools import RelayConnection, connection_options, make_pool
+from .pools import RelayConnection, RelayPool, connection_options, make_pool
 from .settings import database_url, env_bool, env_float, env_int, transaction_pooling
 from .validation import (
     DEFAULT_MAX_PAYLOAD_BYTES,
@@ -88,7 +88,7 @@ class Relay:
                 f"db_wait (RELAY_DB_WAIT_SECONDS) must be a positive number of seconds, got {wait!r}"
             ) from None
         self.handlers: dict[str, HandlerSpec] = {}
-        self._pool: ConnectionPool | None = None
+        self._pool: RelayPool | None = None
         self._pool_size = pool_size
         self._pool_lock = threading.Lock()
 
@@ -108,10 +108,11 @@ class Relay:
         statements open ``conn.transaction()`` themselves.
         """
         pool = self._pool
-        if pool is not None:
+        if pool is not None and not pool.inherited:
             return pool
         with self._pool_lock:
-            if self._pool is None:
+            # A process forked after the pool opened makes its own: the parent's connections are the parent's.
+            if self._pool is None or self._pool.inherited:
                 self._pool = make_pool(
                     self.dsn,
                     name="relay-client",
@@ -126,9 +127,9 @@ class Relay:
     def close(self) -> None:
         """Close the connection pool (a new one opens if Relay is used again)."""
         with self._pool_lock:
-            if self._pool is not None:
+            if self._pool is not None and not self._pool.inherited:
                 self._pool.close()
-                self._pool = None
+            self._pool = None
 
     # -- handlers ----------------------------------------------------------
 

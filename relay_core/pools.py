@@ -25,7 +25,7 @@ from typing import Any
 
 import psycopg
 from psycopg.conninfo import conninfo_to_dict
-from psycopg_pool import ConnectionPool
+from psycopg_pool import ConnectionPool, PoolClosed
 from psycopg_pool.base import AttemptWithBackoff
 
 from .jsonb import read_any_number
@@ -67,6 +67,23 @@ class ReconnectingPool(ConnectionPool):
     left idle are those the pool closes after ``max_idle``, and those that
     ``make_pool``'s check looks at before handing them out again.
     """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        #: The process that made the pool: a process forked from it makes its own
+        #: (psycopg leaves the parent's connections alone when the child drops them).
+        self.pid = os.getpid()
+        super().__init__(*args, **kwargs)
+
+    @property
+    def inherited(self) -> bool:
+        """Whether this process was forked from the one that made the pool (whose connections it cannot use)."""
+        return self.pid != os.getpid()
+
+    def getconn(self, timeout: float | None = None) -> psycopg.Connection:
+        """A connection; refused in a process forked from the pool's, which would hang or corrupt both."""
+        if self.inherited:
+            raise PoolClosed(f"the pool {self.name!r} was opened by process {self.pid}; a forked process opens its own")
+        return super().getconn(timeout)
 
     def _add_connection(self, attempt: AttemptWithBackoff | None, growing: bool = False) -> None:
         # The pool's own hook for (re)connecting; its first try starts a capped attempt.

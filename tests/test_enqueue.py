@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import select
+import subprocess
 import time
 from datetime import UTC, datetime, timedelta, timezone
+from pathlib import Path
 from typing import Any, ClassVar
 
 import psycopg
@@ -648,3 +650,18 @@ def test_a_worker_registering_another_max_attempts_replaces_the_published_one(
     publish_handlers(dsn, send_email=3)
     publish_handlers(dsn, send_email=6)
     assert stored_attempts(db, [relay.enqueue("send_email")]) == [6]
+
+
+def test_a_relay_used_before_a_fork_enqueues_from_both_processes(
+    python: str, worker_env: dict[str, str], db: psycopg.Connection
+) -> None:
+    """The child used the parent's pooled connections: statements from both processes
+    mixed on one session, and one of them hung (2 runs in 3)."""
+    script = Path(__file__).parent / "apps" / "fork_after_enqueue.py"
+    result = subprocess.run([python, str(script)], env=worker_env, capture_output=True, text=True, timeout=60)
+    assert (result.returncode, result.stdout.strip()) == (0, "0"), result.stderr
+    rows = db.execute(
+        "SELECT payload->>'who', count(*), min((payload->>'n')::int), max((payload->>'n')::int)"
+        " FROM relay.jobs WHERE type = 'forked' GROUP BY 1 ORDER BY 1"
+    ).fetchall()
+    assert rows == [("child", 200, 0, 199), ("parent", 202, -1, 200)]

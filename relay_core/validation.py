@@ -65,7 +65,8 @@ CONTROL_CHARACTER = re.compile(r"[\x00-\x1f\x7f]")
 
 
 def check_type(job_type: Any) -> str:
-    """A job type is a non-empty string of at most 200 characters, with no control characters."""
+    """A job type is a non-empty string of at most 200 characters, with no control characters
+    and no whitespace at either end."""
     if not isinstance(job_type, str) or not job_type.strip():
         raise InvalidJobError("type", "must be a non-empty string")
     if len(job_type) > MAX_TYPE_LENGTH:
@@ -77,6 +78,9 @@ def check_type(job_type: Any) -> str:
         )
     if not is_unicode_text(job_type):
         raise InvalidJobError("type", "contains a lone surrogate, which is not valid Unicode text")
+    if job_type != job_type.strip():
+        # " send_email" is no handler's type: its jobs would fail every attempt.
+        raise InvalidJobError("type", f"must not start or end with whitespace, got {job_type!r}")
     return job_type
 
 

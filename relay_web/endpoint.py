@@ -86,7 +86,10 @@ def _detail(error: dict[str, Any]) -> str:
         if pattern == NO_NUL:
             message = "must not contain NUL characters"
         elif pattern == JOB_TYPE_TEXT:
-            message = "must contain a visible character and no control characters (a newline, a tab, NUL)"
+            message = (
+                "must contain a visible character, no control characters (a newline, a tab, NUL) "
+                "and no whitespace at either end"
+            )
     return message
 
 

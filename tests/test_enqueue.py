@@ -189,6 +189,8 @@ BAD_INPUTS = [
     ({"job_type": None}, "type"),
     ({"job_type": "send\nemail"}, "type"),  # no job type holds a control character on purpose
     ({"job_type": "send_email\x7f"}, "type"),
+    ({"job_type": " send_email"}, "type"),  # no handler's type: it would fail every attempt
+    ({"job_type": "send_email\u00a0"}, "type"),
     ({"job_type": "x", "queue": "Has Spaces"}, "queue"),
     ({"job_type": "x", "queue": "'; DROP TABLE relay.jobs; --"}, "queue"),
     ({"job_type": "x", "queue": ""}, "queue"),

@@ -74,17 +74,15 @@ QueueName = Annotated[
 
 JobType = Annotated[text(1, 200), Field(examples=["send_email"])]
 
-#: A job type's text: at least one character Python's str.strip() keeps, and no control
-#: character (C0 or DEL, which relay_core refuses in a type), spelled so JSON Schema,
-#: Python and pydantic's regex engine agree on it.
-JOB_TYPE_TEXT = (
-    r"^[^\x00-\x1f\x7f]*"
-    r"[^\x00-\x20\x7f\u0085\u00a0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000]"
-    r"[^\x00-\x1f\x7f]*$"
-)
+#: A character Python's str.strip() keeps and relay_core allows in a type (no control character).
+_VISIBLE = r"[^\x00-\x20\x7f\u0085\u00a0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000]"
+#: A job type's text: no control character (C0 or DEL), and one that str.strip() keeps at
+#: either end, as relay_core requires; spelled so JSON Schema, Python and pydantic's regex
+#: engine agree on it.
+JOB_TYPE_TEXT = rf"^{_VISIBLE}(?:[^\x00-\x1f\x7f]*{_VISIBLE})?$"
 
 
-#: The type of a new job: relay_core refuses an empty or all-whitespace one, and control characters.
+#: The type of a new job: relay_core refuses an empty one, control characters and whitespace at either end.
 NewJobType = Annotated[
     str,
     StringConstraints(min_length=1, max_length=200, pattern=JOB_TYPE_TEXT),

@@ -385,6 +385,7 @@ def test_idempotency_key_returns_the_first_job(client, admin, db) -> None:
         # A newline would come back from a form as CRLF, and "Requeue all" of the type would match nothing.
         ({"type": "mail\nsend"}, "type"),
         ({"type": "mail\t"}, "type"),
+        ({"type": "send_email "}, "type"),
         ({"type": "t", "max_attempts": 0}, "max_attempts"),
         ({"type": "t", "colour": "red"}, "colour"),
         ({"payload": {}}, "type"),

@@ -69,14 +69,20 @@ class ReconnectingPool(ConnectionPool):
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        #: The process that made the pool: a process forked from it makes its own
+        #: The process that opened the pool: a process forked from it makes its own
         #: (psycopg leaves the parent's connections alone when the child drops them).
+        #: A pool made but not yet opened before a fork is the child's once it opens it.
         self.pid = os.getpid()
         super().__init__(*args, **kwargs)
 
+    def _open(self, *args: Any, **kwargs: Any) -> None:
+        # The pool's own hook for opening (open(), or open=True when it is made).
+        self.pid = os.getpid()
+        super()._open(*args, **kwargs)
+
     @property
     def inherited(self) -> bool:
-        """Whether this process was forked from the one that made the pool (whose connections it cannot use)."""
+        """Whether this process was forked from the one that opened the pool (whose connections it cannot use)."""
         return self.pid != os.getpid()
 
     def getconn(self, timeout: float | None = None) -> psycopg.Connection:

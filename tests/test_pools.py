@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import subprocess
 import sys
 import threading
+from pathlib import Path
 
 import psycopg
 import pytest
@@ -84,3 +86,11 @@ def test_threads_sharing_one_pooled_connection_each_read_their_own_results(dsn: 
     finally:
         sys.setswitchinterval(interval)
         pool.close()
+
+
+def test_a_pool_made_before_a_fork_belongs_to_the_process_that_opens_it(
+    python: str, worker_env: dict[str, str]
+) -> None:
+    script = Path(__file__).parent / "apps" / "fork_unopened_pool.py"
+    result = subprocess.run([python, str(script)], env=worker_env, capture_output=True, text=True, timeout=60)
+    assert (result.returncode, result.stdout.split()) == (0, ["child", "1", "parent", "2", "0"]), result.stderr

@@ -35,6 +35,13 @@ from .worker import Worker, WorkerConfig
 DEFAULT_DB_WAIT_SECONDS = 5.0
 
 
+def batch_items(jobs: Any) -> list[Any]:
+    """The items of an ``enqueue_many`` batch, refused unless it is an iterable of them (a single mapping is not)."""
+    if isinstance(jobs, (Mapping, str, bytes)) or not isinstance(jobs, Iterable):
+        raise InvalidJobError("jobs", f"must be a list of mappings (one per job), got {type(jobs).__name__}")
+    return list(jobs)
+
+
 class Relay:
     """A Relay application: where jobs are enqueued and which handlers run them.
 
@@ -289,9 +296,7 @@ class Relay:
         validated: list[NewJob] = []
         unresolved: list[bool] = []
         passed: dict[tuple[tuple[type, Any], ...], tuple[NewJob, bool]] = {}
-        if isinstance(jobs, (Mapping, str, bytes)) or not isinstance(jobs, Iterable):
-            raise InvalidJobError("jobs", f"must be a list of mappings (one per job), got {type(jobs).__name__}")
-        for index, item in enumerate(jobs):
+        for index, item in enumerate(batch_items(jobs)):
             if not isinstance(item, Mapping):
                 raise InvalidJobError(f"jobs[{index}]", f"must be a mapping with a type, got {type(item).__name__}")
             if not allowed.issuperset(item):
@@ -306,7 +311,8 @@ class Relay:
                 (job_type.__class__, job_type),
                 (queue.__class__, queue),
                 (priority.__class__, priority),
-                (run_at.__class__, run_at),
+                # Equal datetimes may differ in what their tzinfo says (fold, another zone object).
+                (run_at.__class__, run_at, getattr(run_at, "tzinfo", None), getattr(run_at, "fold", None)),
                 (max_attempts.__class__, max_attempts),
             )
             try:
@@ -374,7 +380,7 @@ class Relay:
     async def enqueue_many_async(self, jobs: Iterable[Mapping[str, Any]], *, conn: Any = None) -> list[int]:
         """:meth:`enqueue_many` for asyncio code; ``conn`` as in :meth:`enqueue_async`."""
         if conn is None:
-            return await asyncio.to_thread(self.enqueue_many, list(jobs))
+            return await asyncio.to_thread(self.enqueue_many, batch_items(jobs))
         validated, unresolved = self._validated_many(jobs)
         if not validated:
             return []

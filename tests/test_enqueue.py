@@ -5,7 +5,7 @@ from __future__ import annotations
 import select
 import subprocess
 import time
-from datetime import UTC, datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta, timezone, tzinfo
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -232,6 +232,29 @@ def test_bad_input_in_a_batch_is_refused_by_position_and_writes_nothing(
     with pytest.raises(InvalidJobError) as caught:
         relay.enqueue_many(batch)
     assert caught.value.field == f"jobs[3].{field}"
+    assert job_count(db) == 0
+
+
+class OffsetOnlyBeforeFold(tzinfo):
+    """A zone whose second pass of a repeated hour (fold=1) has no known offset."""
+
+    def utcoffset(self, dt: datetime | None) -> timedelta | None:
+        return None if dt is not None and dt.fold else timedelta(hours=1)
+
+    def dst(self, dt: datetime | None) -> timedelta | None:
+        return None
+
+
+def test_a_batch_checks_a_run_at_equal_to_a_good_one_but_without_an_offset(
+    relay: Relay, db: psycopg.Connection
+) -> None:
+    zone = OffsetOnlyBeforeFold()
+    good = datetime(2030, 1, 1, 12, tzinfo=zone)
+    unknown = good.replace(fold=1)
+    assert good == unknown  # Python compares them equal: same wall time, same tzinfo
+    with pytest.raises(InvalidJobError) as caught:
+        relay.enqueue_many([{"type": "x", "run_at": good}, {"type": "x", "run_at": unknown}])
+    assert caught.value.field == "jobs[1].run_at"
     assert job_count(db) == 0
 
 

@@ -205,3 +205,13 @@ def test_a_job_enqueued_from_asyncio_runs_on_an_async_handler(relay: Relay, dsn:
     with running_worker(relay):
         wait_for(lambda: job_status(db, job_id) == "succeeded")
     assert relay.get_job(job_id).result == "welcomed ada"
+
+
+@pytest.mark.parametrize(("batch", "field"), [(None, "jobs"), ({"type": "a"}, "jobs"), ([5], "jobs[0]")])
+def test_enqueue_many_async_refuses_a_batch_that_is_not_a_list_of_mappings(
+    relay: Relay, db: psycopg.Connection, batch: Any, field: str
+) -> None:
+    with pytest.raises(InvalidJobError) as caught:
+        asyncio.run(relay.enqueue_many_async(batch))
+    assert caught.value.field == field
+    assert jobs(db) == []

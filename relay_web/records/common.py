@@ -77,8 +77,8 @@ JobType = Annotated[text(1, 200), Field(examples=["send_email"])]
 #: A character Python's str.strip() keeps and relay_core allows in a type (no control character).
 _VISIBLE = r"[^\x00-\x20\x7f\u0085\u00a0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000]"
 #: A job type's text: no control character (C0 or DEL), and one that str.strip() keeps at
-#: either end, as relay_core requires; spelled so JSON Schema, Python and pydantic's regex
-#: engine agree on it.
+#: either end, as relay_core requires; spelled so JSON Schema, pydantic's regex engine
+#: and relay_core's check_type agree on it.
 JOB_TYPE_TEXT = rf"^{_VISIBLE}(?:[^\x00-\x1f\x7f]*{_VISIBLE})?$"
 
 

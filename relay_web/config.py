@@ -119,6 +119,11 @@ def load(given: Mapping[str, Any] | None = None) -> dict[str, Any]:
         JWT_COOKIE_SECURE=production,
         JWT_COOKIE_SAMESITE="Strict",
         JWT_COOKIE_CSRF_PROTECT=True,
+        # Flask's own session cookie carries only a dashboard action's message from a
+        # plain form's POST to the page it redirects to (see dashboard/render.py).
+        SESSION_COOKIE_SECURE=production,
+        SESSION_COOKIE_SAMESITE="Strict",
+        SESSION_COOKIE_HTTPONLY=True,
         MAX_CONTENT_LENGTH=1024 * 1024,
         JSON_SORT_KEYS=False,
     )

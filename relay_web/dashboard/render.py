@@ -11,7 +11,16 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from flask import Response, make_response, render_template, request
+from flask import (
+    Response,
+    flash,
+    get_flashed_messages,
+    make_response,
+    redirect,
+    render_template,
+    request,
+    url_for,
+)
 
 from .session import current
 
@@ -56,3 +65,21 @@ def page(
         **context,
     )
     return make_response(body, status)
+
+
+def answer_plain_form(notice: str, endpoint: str, **values: Any) -> Response:
+    """A plain form's POST (no htmx): keep ``notice`` for the page it is redirected to (303).
+
+    The redirect keeps a reload from sending the action again; the message
+    rides in Flask's session cookie until that page shows it (``kept_notice``).
+    """
+    flash(notice)
+    return redirect(url_for(endpoint, **values), code=303)
+
+
+def kept_notice() -> str | None:
+    """The message a plain form's action left for this page, shown once; None for htmx requests."""
+    if is_htmx():
+        return None
+    messages = get_flashed_messages()
+    return messages[-1] if messages else None

@@ -14,14 +14,14 @@ from collections import Counter
 from dataclasses import dataclass
 
 import psycopg
-from flask import Response, redirect, request, url_for
+from flask import Response, request
 
 from relay_core import RelayError, monitor
 
 from ..db import connection
 from . import formatting
 from .blueprint import bp
-from .render import is_htmx, page
+from .render import answer_plain_form, is_htmx, kept_notice, page
 from .session import require
 
 #: Dead jobs read to count them by type.
@@ -80,7 +80,7 @@ def _render(notice: str | None = None, status: int = 200) -> Response:
 @require("viewer")
 def dead() -> Response:
     """Dead jobs by type, with their newest error and a requeue-all button per type."""
-    return _render()
+    return _render(kept_notice())
 
 
 @bp.post("/dead/requeue")
@@ -92,9 +92,11 @@ def requeue_dead() -> Response:
         raise RelayError("say which type of dead jobs to requeue")
     with connection() as conn:
         changed = monitor.requeue_matching(conn, monitor.JobFilter(status="dead", type=job_type))
-    if not is_htmx():
-        return redirect(url_for("dashboard.dead"), code=303)
     if changed == 0:  # another admin requeued them first
-        return _render(f"Nothing requeued: no dead {job_type} jobs are left.")
-    noun, they = ("job", "it runs") if changed == 1 else ("jobs", "they run")
-    return _render(f"Requeued {formatting.number(changed)} dead {job_type} {noun}; {they} again now.")
+        notice = f"Nothing requeued: no dead {job_type} jobs are left."
+    else:
+        noun, they = ("job", "it runs") if changed == 1 else ("jobs", "they run")
+        notice = f"Requeued {formatting.number(changed)} dead {job_type} {noun}; {they} again now."
+    if not is_htmx():
+        return answer_plain_form(notice, "dashboard.dead")
+    return _render(notice)

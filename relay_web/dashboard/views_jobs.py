@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from flask import Response, abort, redirect, request, url_for
+from flask import Response, abort, request
 
 from relay_core import IllegalTransition, JobDetail, JobStatus, RelayError, admin, monitor
 from relay_core.validation import BIGINT_MAX, positive_number
@@ -22,7 +22,7 @@ from ..db import connection
 from ..records.common import parse_moment
 from . import formatting
 from .blueprint import bp
-from .render import is_htmx, page
+from .render import answer_plain_form, is_htmx, kept_notice, page
 from .session import require
 
 #: Jobs per page of the list.
@@ -181,7 +181,7 @@ def job(job_id: int) -> Response:
     if is_htmx():
         # The part htmx polls unless it names the other; any other name would be a template that does not exist.
         part = request.args.get("part") if request.args.get("part") in JOB_PARTS else "status"
-    response = page("job", partial=f"job_{part}" if part else "job", **_job_context(found))
+    response = page("job", partial=f"job_{part}" if part else "job", **_job_context(found, kept_notice()))
     shown = request.args.get("seen")
     if part == "status" and shown and shown != seen(found):
         response.headers["HX-Trigger"] = CHANGED_EVENT
@@ -206,7 +206,7 @@ def _act(job_id: int, action: str) -> Response:
             if action == "cancel" and changed.status == JobStatus.CLAIMED:
                 notice = "Stop requested: the worker stops the job at its next heartbeat."
     if not is_htmx():
-        return redirect(url_for("dashboard.job", job_id=job_id), code=303)
+        return answer_plain_form(notice, "dashboard.job", job_id=job_id)
     response = page("job", partial="job_status", status=status, **_job_context(changed, notice))
     response.headers["HX-Trigger"] = CHANGED_EVENT
     return response

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from flask import Response, current_app, redirect, url_for
+from flask import Response, current_app
 
 from relay_core import admin, monitor
 
 from ..db import connection
 from . import formatting
 from .blueprint import bp
-from .render import is_htmx, page
+from .render import answer_plain_form, is_htmx, kept_notice, page
 from .session import require
 
 #: Seconds between refreshes of the queues and workers pages.
@@ -27,17 +27,16 @@ def _queues(notice: str | None = None) -> Response:
 @require("viewer")
 def queues() -> Response:
     """Every queue's jobs by state, its longest wait, and whether it is paused."""
-    return _queues()
+    return _queues(kept_notice())
 
 
 def _set_paused(queue: str, paused: bool) -> Response:
     with connection() as conn:
         admin.set_queue_paused(conn, queue, paused)
+    notice = f"Paused {queue}: workers claim nothing from it until it is resumed." if paused else f"Resumed {queue}."
     if not is_htmx():
-        return redirect(url_for("dashboard.queues"), code=303)
-    if paused:
-        return _queues(f"Paused {queue}: workers claim nothing from it until it is resumed.")
-    return _queues(f"Resumed {queue}.")
+        return answer_plain_form(notice, "dashboard.queues")
+    return _queues(notice)
 
 
 @bp.post("/queues/<queue>/pause")

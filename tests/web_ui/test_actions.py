@@ -211,10 +211,30 @@ def test_pausing_a_badly_named_queue_is_refused(admin: DashboardClient, relay: R
     assert relay.paused_queues() == []
 
 
-def test_plain_form_actions_redirect_back(admin: DashboardClient, jobs: Jobs, relay: Relay) -> None:
+def test_plain_form_actions_redirect_back_and_say_what_they_did_once(
+    admin: DashboardClient, jobs: Jobs, relay: Relay
+) -> None:
+    """Without JavaScript a form posts and is redirected (a reload does not post it again);
+    the page it lands on says what the action did, as the htmx answer does, and only once."""
     jobs.dead(jobs.add())
     response = admin.post("/dead/requeue", {"type": "send_email"}, htmx=False)
     assert (response.status_code, response.headers["Location"]) == (303, "/dead")
+    assert "Requeued 1 dead send_email job; it runs again now." in _text(admin.get("/dead"))
+    assert "Requeued 1" not in _text(admin.get("/dead"))
     response = admin.post("/queues/default/pause", htmx=False)
     assert (response.status_code, response.headers["Location"]) == (303, "/queues")
+    assert "Paused default: workers claim nothing from it until it is resumed." in _text(admin.get("/queues"))
     assert relay.paused_queues() == ["default"]
+
+
+def test_a_plain_form_job_action_says_what_it_did_or_why_it_did_nothing(admin: DashboardClient, jobs: Jobs) -> None:
+    job_id = jobs.dead(jobs.add())
+    response = admin.post(f"/jobs/{job_id}/requeue", htmx=False)
+    assert (response.status_code, response.headers["Location"]) == (303, f"/jobs/{job_id}")
+    assert "Requeued: it runs again now, with fresh attempts." in _text(admin.get(f"/jobs/{job_id}"))
+    response = admin.post(f"/jobs/{job_id}/requeue", htmx=False)  # queued now: refused
+    assert response.status_code == 303
+    page = _text(admin.get(f"/jobs/{job_id}"))
+    assert "Nothing done: the job is queued now." in page
+    assert "Nothing done" not in _text(admin.get(f"/jobs/{job_id}"))
+    assert jobs.status(job_id) == "queued"

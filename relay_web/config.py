@@ -35,7 +35,6 @@ INT_SETTINGS: dict[str, tuple[int, int]] = {
     "RELAY_ARGON2_PARALLELISM": (0, 0),
     "RELAY_WORKER_STALE_SECONDS": (60, 1),
     "RELAY_WEB_POOL_SIZE": (4, 1),
-    "RELAY_DB_WAIT_SECONDS": (5, 1),
     "RELAY_STATEMENT_TIMEOUT_MS": (5000, 0),
 }
 
@@ -103,6 +102,14 @@ def load(given: Mapping[str, Any] | None = None) -> dict[str, Any]:
     )
     # Relay resolves the DSN as everywhere else (explicit, RELAY_DATABASE_URL, DATABASE_URL).
     settings["RELAY_DATABASE_URL"] = Relay(_pick("RELAY_DATABASE_URL", given, "DATABASE_URL")).dsn
+    # Seconds, fractions too, read and checked as Relay() reads them: one environment
+    # serves the application's Relay() and this app alike.
+    wait = _pick("RELAY_DB_WAIT_SECONDS", given)
+    try:
+        wait = None if wait is None else float(wait)
+    except (TypeError, ValueError):
+        raise ConfigurationError(f"RELAY_DB_WAIT_SECONDS must be a number, got {wait!r}") from None
+    settings["RELAY_DB_WAIT_SECONDS"] = Relay(settings["RELAY_DATABASE_URL"], db_wait=wait).db_wait
     secret = _secret(given, production)
     settings.update(
         JWT_SECRET_KEY=secret,

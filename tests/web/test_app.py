@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from relay_core import ConfigurationError
+from relay_core import ConfigurationError, Relay
 from relay_web import create_app
 
 from .conftest import SECRET
@@ -47,6 +47,17 @@ def test_missing_database_is_a_startup_error(clean_env) -> None:
 def test_malformed_setting_is_a_startup_error(clean_env, dsn: str) -> None:
     with pytest.raises(ConfigurationError, match="RELAY_PROXY_HOPS"):
         create_app({"RELAY_DATABASE_URL": dsn, "JWT_SECRET_KEY": SECRET, "RELAY_PROXY_HOPS": "two"})
+
+
+def test_the_wait_for_a_connection_is_read_as_relay_reads_it(clean_env, dsn: str) -> None:
+    """One environment serves the application's Relay() and this app: 2.5 s is 2.5 s to both."""
+    clean_env.setenv("RELAY_DB_WAIT_SECONDS", "2.5")
+    app = create_app({"RELAY_DATABASE_URL": dsn, "JWT_SECRET_KEY": SECRET})
+    assert app.config["RELAY_DB_WAIT_SECONDS"] == 2.5 == Relay(dsn).db_wait
+    for bad in ("0", "-1", "soon", "nan"):
+        clean_env.setenv("RELAY_DB_WAIT_SECONDS", bad)
+        with pytest.raises(ConfigurationError, match="RELAY_DB_WAIT_SECONDS"):
+            create_app({"RELAY_DATABASE_URL": dsn, "JWT_SECRET_KEY": SECRET})
 
 
 def test_development_generates_a_secret(clean_env, dsn: str) -> None:

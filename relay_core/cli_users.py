@@ -50,7 +50,8 @@ def database_errors() -> Iterator[None]:
     except psycopg.errors.UndefinedTable:
         raise click.ClickException(MISSING_TABLES) from None
     except psycopg.Error as exc:
-        detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        lines = str(exc).strip().splitlines()
+        detail = lines[0] if lines else type(exc).__name__
         raise click.ClickException(f"the database refused: {detail}") from None
 
 

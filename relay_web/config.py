@@ -100,16 +100,17 @@ def load(given: Mapping[str, Any] | None = None) -> dict[str, Any]:
         settings["RELAY_ARGON2_MEMORY_COST"] or None,
         settings["RELAY_ARGON2_PARALLELISM"] or None,
     )
-    # Relay resolves the DSN as everywhere else (explicit, RELAY_DATABASE_URL, DATABASE_URL).
-    settings["RELAY_DATABASE_URL"] = Relay(_pick("RELAY_DATABASE_URL", given, "DATABASE_URL")).dsn
-    # Seconds, fractions too, read and checked as Relay() reads them: one environment
-    # serves the application's Relay() and this app alike.
+    # The DSN and the wait for a connection are resolved and checked as Relay() does them
+    # (DSN: explicit, RELAY_DATABASE_URL, DATABASE_URL; the wait in seconds, fractions too):
+    # one environment serves the application's Relay() and this app alike.
     wait = _pick("RELAY_DB_WAIT_SECONDS", given)
     try:
         wait = None if wait is None else float(wait)
     except (TypeError, ValueError):
         raise ConfigurationError(f"RELAY_DB_WAIT_SECONDS must be a number, got {wait!r}") from None
-    settings["RELAY_DB_WAIT_SECONDS"] = Relay(settings["RELAY_DATABASE_URL"], db_wait=wait).db_wait
+    relay = Relay(_pick("RELAY_DATABASE_URL", given, "DATABASE_URL"), db_wait=wait)
+    settings["RELAY_DATABASE_URL"] = relay.dsn
+    settings["RELAY_DB_WAIT_SECONDS"] = relay.db_wait
     secret = _secret(given, production)
     settings.update(
         JWT_SECRET_KEY=secret,

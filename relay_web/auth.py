@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+import time
 from typing import Any
 
 import psycopg
@@ -71,6 +72,16 @@ def session_id(csrf: str) -> str:
 def is_session_token(claims: dict[str, Any]) -> bool:
     """Whether verified claims are a dashboard session's (API tokens carry no login time)."""
     return isinstance(claims.get("csrf"), str) and "auth_time" in claims
+
+
+def session_outlived(claims: dict[str, Any]) -> bool:
+    """Whether a dashboard session began longer ago than a session may last (a refresh token's lifetime).
+
+    Its tokens are renewed while it is used, but never past that: after it
+    the person logs in again, whether the token comes as a cookie or as a
+    bearer token.
+    """
+    return time.time() - float(claims["auth_time"]) > int(current_app.config["RELAY_REFRESH_TOKEN_SECONDS"])
 
 
 def session_ended(conn: psycopg.Connection, claims: dict[str, Any]) -> bool:
@@ -149,7 +160,7 @@ def session_user(claims: dict[str, Any]) -> User | None:
     API for such a token sent as a bearer token, so both act with the current role.
     """
     account = user_id(claims)
-    if account is None:
+    if account is None or session_outlived(claims):
         return None
     with connection() as conn:
         # The logout check shares the user's read: one pooled connection per request.

@@ -65,16 +65,20 @@ def _lifetimes() -> tuple[int, int]:
 
 
 def _token(user: users.User, *, csrf: str | None = None, auth_time: int | None = None) -> str:
-    access, _ = _lifetimes()
+    access, longest = _lifetimes()
+    now = int(time.time())
+    began = auth_time or now
     claims: dict[str, Any] = {
         "role": user.role,
         "username": user.username,
         "pwd": auth.session_mark(user),
-        "auth_time": auth_time or int(time.time()),
+        "auth_time": began,
     }
     if csrf:
         claims["csrf"] = csrf
-    return create_access_token(identity=str(user.id), additional_claims=claims, expires_delta=timedelta(seconds=access))
+    # A renewed token expires when the session must end, not a full access lifetime later.
+    lifetime = timedelta(seconds=max(1, min(access, began + longest - now)))
+    return create_access_token(identity=str(user.id), additional_claims=claims, expires_delta=lifetime)
 
 
 def _set_cookie(response: Response, token: str) -> None:
@@ -148,10 +152,7 @@ def _load() -> Session | None:
     claims = get_jwt()
     if any(name not in claims for name in SESSION_CLAIMS) or claims.get("type") != "access":
         return None
-    _, longest = _lifetimes()
-    if time.time() - float(claims["auth_time"]) > longest:
-        return None
-    user = auth.session_user(claims)
+    user = auth.session_user(claims)  # None too once the session outlived its longest lifetime
     if user is None:
         return None
     return Session(user=user, csrf=str(claims["csrf"]))

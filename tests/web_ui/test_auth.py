@@ -6,6 +6,7 @@ import io
 import time
 from datetime import timedelta
 
+import jwt
 import psycopg
 import pytest
 from flask import Flask
@@ -300,8 +301,28 @@ def test_a_session_ends_after_the_refresh_lifetime_however_active(app: Flask, ds
     user = make_user(dsn, "ops", "admin")
     client = app.test_client()
     longest = app.config["RELAY_REFRESH_TOKEN_SECONDS"]
-    client.set_cookie("access_token_cookie", _session_token(app, user, "c", age=10, logged_in_ago=longest + 5))
+    token = _session_token(app, user, "c", age=10, logged_in_ago=longest + 5)
+    client.set_cookie("access_token_cookie", token)
     assert client.get("/").status_code == 303
+    # The same token sent to the API as a bearer token: the session is over there too.
+    api = app.test_client().get("/api/admin/jobs", headers={"Authorization": f"Bearer {token}"})
+    assert api.status_code == 401, api.get_json()
+
+
+def test_a_renewed_session_token_expires_when_the_session_must_end(app: Flask, dsn: str) -> None:
+    user = make_user(dsn, "ops", "admin")
+    client = app.test_client()
+    access, longest = app.config["RELAY_ACCESS_TOKEN_SECONDS"], app.config["RELAY_REFRESH_TOKEN_SECONDS"]
+    assert longest > access
+    ended_in = access / 4  # the session has less left than a full access lifetime
+    token = _session_token(app, user, "c", age=access, logged_in_ago=longest - ended_in)
+    client.set_cookie("access_token_cookie", token)
+    response = client.get("/")
+    assert response.status_code == 200
+    renewed = _cookie(response).split(";")[0].split("=", 1)[1]
+    claims = jwt.decode(renewed, options={"verify_signature": False})
+    assert claims["exp"] <= claims["auth_time"] + longest
+    assert claims["exp"] - time.time() <= ended_in + 1
 
 
 def test_state_changing_posts_need_the_csrf_token(admin: DashboardClient, jobs: Jobs) -> None:

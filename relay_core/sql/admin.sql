@@ -29,8 +29,12 @@ SELECT coalesce(max(id), 0) AS max_id FROM relay.jobs;
 -- name: job_requeue_matching
 -- Admin, in bulk: up to %(batch)s dead or cancelled jobs matching the filter
 -- (ids in (%(after)s, %(max_id)s]) run again now with fresh attempts; their error
--- history is kept. The SET list is job_requeue's, row for row. Returns how many changed and the last id looked at, so the
--- caller walks the table in short transactions instead of one long one.
+-- history is kept. The SET list is job_requeue's, row for row. Returns how many
+-- changed and the last id looked at, so the caller walks the table in short
+-- transactions instead of one long one. A row someone holds (an admin acting on
+-- one job, retention deleting it) is waited for, then checked again: skipped,
+-- it would stay dead while the answer counted the batch as done. Rows are
+-- locked in id order, as every bulk action's are, so two never deadlock.
 -- transition: dead -> queued
 -- transition: cancelled -> queued
 WITH picked AS (
@@ -45,7 +49,7 @@ WITH picked AS (
       AND id > %(after)s AND id <= %(max_id)s
     ORDER BY id
     LIMIT %(batch)s
-    FOR UPDATE SKIP LOCKED
+    FOR UPDATE
 ), requeued AS (
     UPDATE relay.jobs AS j
     SET status = 'queued', attempts = 0, run_at = now(), started_at = NULL, finished_at = NULL,
@@ -63,8 +67,13 @@ SELECT (SELECT count(*) FROM requeued) AS changed,
 
 -- name: job_cancel_matching
 -- Admin, in bulk: up to %(batch)s queued jobs matching the filter (ids in
--- (%(after)s, %(max_id)s]) will not run. Jobs a worker is claiming right now are
--- skipped, not waited for: they are no longer queued when the claim commits.
+-- (%(after)s, %(max_id)s]) will not run. A row someone holds is waited for,
+-- then checked again: a claim locks more queued rows than it takes (every
+-- queue's candidates, and jobs its type limits hold back), and for the length
+-- of one statement, so a job it took is skipped as no longer queued, and one it
+-- only looked at is cancelled. Skipped instead, such jobs stayed queued while
+-- the answer counted the batch as done. A claim never waits for a lock, so it
+-- cannot deadlock with this.
 -- transition: queued -> cancelled
 WITH picked AS (
     SELECT id FROM relay.jobs
@@ -77,7 +86,7 @@ WITH picked AS (
       AND id > %(after)s AND id <= %(max_id)s
     ORDER BY id
     LIMIT %(batch)s
-    FOR UPDATE SKIP LOCKED
+    FOR UPDATE
 ), cancelled AS (
     UPDATE relay.jobs AS j SET status = 'cancelled', finished_at = now()
     FROM picked

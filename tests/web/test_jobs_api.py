@@ -298,6 +298,47 @@ def test_bulk_actions_walk_many_batches(client, admin, relay: Relay, db) -> None
     assert response.get_json()["changed"] == 2500
 
 
+def _waiting_for_a_lock(db: psycopg.Connection, holder: psycopg.Connection) -> bool:
+    """Whether some session other than these two waits for a row lock (the bulk action)."""
+    row = db.execute(
+        "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND pid <> ALL(%s)",
+        ([db.info.backend_pid, holder.info.backend_pid],),
+    ).fetchone()
+    return row[0] > 0
+
+
+@pytest.mark.parametrize("action", ["cancel", "requeue"])
+def test_bulk_actions_wait_for_rows_someone_holds(client, admin, relay: Relay, db, dsn: str, action: str) -> None:
+    """A claim locks candidates it does not take: a bulk action waits for them rather than skip them.
+
+    Before, the action skipped held rows and answered as if it had covered
+    them, and they stayed queued (or dead).
+    """
+    ids = relay.enqueue_many([{"type": "bulk", "queue": "held"} for _ in range(3)])
+    if action == "requeue":
+        for job_id in ids:
+            make_dead(db, job_id)
+    answers: list[dict] = []
+    with psycopg.connect(dsn) as holder:
+        # As a claim does: lock every candidate, then take only one of them.
+        holder.execute("SELECT id FROM relay.jobs WHERE queue = 'held' ORDER BY id FOR UPDATE SKIP LOCKED")
+        body = {"queue": "held"}
+        request = threading.Thread(
+            target=lambda: answers.append(client.post(f"/api/admin/jobs/{action}", headers=admin, json=body).get_json())
+        )
+        request.start()
+        wait_for(lambda: _waiting_for_a_lock(db, holder), timeout=10, what="the bulk action waiting for the held rows")
+        if action == "cancel":
+            make_claimed(holder, ids[0])
+        else:  # another admin requeued it meanwhile
+            holder.execute("UPDATE relay.jobs SET status = 'queued' WHERE id = %s", (ids[0],))
+        holder.commit()
+        request.join(30)
+    assert answers == [{"action": action, "changed": 2}]
+    statuses = [relay.get_job(i).status for i in ids]
+    assert statuses == (["claimed", "cancelled", "cancelled"] if action == "cancel" else ["queued"] * 3)
+
+
 def test_bulk_bodies_are_validated(client, admin) -> None:
     assert_problem(client.post("/api/admin/jobs/requeue", headers=admin, json={"status": "queued"}), 422)
     assert_problem(client.post("/api/admin/jobs/requeue", headers=admin, json={"typo": "x"}), 422)

@@ -9,6 +9,7 @@ from .admin import JobDetail
 from .backoff import Backoff
 from .client import Relay
 from .errors import (
+    BulkActionStopped,
     ConfigurationError,
     HandlerNotFound,
     IllegalTransition,
@@ -30,6 +31,7 @@ from .worker import Worker, WorkerConfig
 __all__ = [
     "TRANSITIONS",
     "Backoff",
+    "BulkActionStopped",
     "ConfigurationError",
     "HandlerNotFound",
     "IllegalTransition",

@@ -63,6 +63,25 @@ class IllegalTransition(RelayError):
         return f"only {allowed} jobs can be {done}" if done else f"{self.action} is allowed only for {allowed} jobs"
 
 
+class BulkActionStopped(RelayError):
+    """A bulk action failed part way: the batches before the failure are committed, the rest unchanged.
+
+    ``changed`` says how many jobs it did change; ``__cause__`` is the
+    database's error. The same action again goes on where it stopped, since
+    the jobs it changed no longer match it.
+    """
+
+    def __init__(self, action: str, changed: int) -> None:
+        self.action = action
+        self.changed = changed
+        super().__init__(f"{action} stopped part way: {changed} job(s) {self.done} before it")
+
+    @property
+    def done(self) -> str:
+        """The action in the past tense: "requeued"."""
+        return ACTIONS_DONE.get(self.action, self.action)
+
+
 class HandlerNotFound(RelayError):
     """A worker claimed a job whose type it has no handler for."""
 

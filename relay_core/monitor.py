@@ -16,7 +16,7 @@ import psycopg
 from psycopg.rows import dict_row
 
 from . import admin, migrate
-from .errors import RelayError
+from .errors import BulkActionStopped, RelayError
 from .queries import sql
 from .states import JobStatus
 from .validation import BIGINT_MAX, QUEUE_NAME, check_queue
@@ -210,14 +210,24 @@ def list_jobs(
 # -- bulk actions --------------------------------------------------------------
 
 
-def _bulk(conn: psycopg.Connection, statement: str, params: dict[str, Any], batch: int) -> int:
-    """Run a batched action over ids up to today's newest; each batch commits alone."""
+def _bulk(conn: psycopg.Connection, action: str, statement: str, params: dict[str, Any], batch: int) -> int:
+    """Run a batched action over ids up to today's newest; each batch commits alone.
+
+    A batch that fails after others committed (a statement timeout, a lost
+    connection) raises BulkActionStopped with how many jobs did change, so
+    the caller is never told that nothing happened when something did.
+    """
     with conn.transaction():
         max_id = _rows(conn, "job_max_id", {})[0]["max_id"]
     changed, after = 0, 0
     while True:
-        with conn.transaction():
-            row = _rows(conn, statement, dict(params, after=after, max_id=max_id, batch=batch))[0]
+        try:
+            with conn.transaction():
+                row = _rows(conn, statement, dict(params, after=after, max_id=max_id, batch=batch))[0]
+        except psycopg.Error as exc:
+            if changed == 0:
+                raise
+            raise BulkActionStopped(action, changed) from exc
         changed += row["changed"]
         if row["picked"] < batch or row["last_id"] is None:
             return changed
@@ -232,14 +242,14 @@ def requeue_matching(conn: psycopg.Connection, where: JobFilter, *, batch: int =
     """
     if where.status not in (None, JobStatus.DEAD, JobStatus.CANCELLED):
         raise RelayError("only dead or cancelled jobs can be requeued")
-    return _bulk(conn, "job_requeue_matching", where.params(), batch)
+    return _bulk(conn, "requeue", "job_requeue_matching", where.params(), batch)
 
 
 def cancel_matching(conn: psycopg.Connection, where: JobFilter, *, batch: int = BULK_BATCH) -> int:
     """Cancel every queued job matching ``where``; return how many changed."""
     if where.status not in (None, JobStatus.QUEUED):
         raise RelayError("only queued jobs can be cancelled")
-    return _bulk(conn, "job_cancel_matching", where.params(), batch)
+    return _bulk(conn, "cancel", "job_cancel_matching", where.params(), batch)
 
 
 def created_in_this_transaction(conn: psycopg.Connection, job_id: int) -> bool:

@@ -15,7 +15,7 @@ from flask import Flask, Response
 from psycopg_pool import PoolTimeout
 from werkzeug.exceptions import HTTPException, MethodNotAllowed
 
-from relay_core import IllegalTransition, InvalidJobError, JobNotFound, RelayError
+from relay_core import BulkActionStopped, IllegalTransition, InvalidJobError, JobNotFound, RelayError
 
 from .problems import Problem
 
@@ -100,6 +100,25 @@ def _too_slow(exc: psycopg.errors.QueryCanceled) -> Response:
     ).response()
 
 
+def _bulk_stopped(exc: BulkActionStopped) -> Response:
+    """Some batches of a bulk action committed before the database failed: say how many jobs changed."""
+    log.warning("bulk %s stopped after %d job(s): %s", exc.action, exc.changed, exc.__cause__)
+    if isinstance(exc.__cause__, psycopg.errors.QueryCanceled):
+        why = "then the database gave up on a query (the statement timeout)"
+    else:
+        why = "then the database could not be reached"
+    return Problem(
+        503,
+        "Stopped part way",
+        f"{exc.changed} matching job(s) were {exc.done}; {why}, and the rest are unchanged. "
+        "Send the same request again to go on, or narrow the filters.",
+        slug="bulk-incomplete",
+        headers={"Retry-After": "1"},
+        action=exc.action,
+        changed=exc.changed,
+    ).response()
+
+
 def _relay_error(exc: RelayError) -> Response:
     log.error("unexpected Relay error", exc_info=exc)
     return _internal(exc)
@@ -119,6 +138,7 @@ def register(app: Flask) -> None:
     app.register_error_handler(JobNotFound, _not_found)
     app.register_error_handler(IllegalTransition, _illegal)
     app.register_error_handler(InvalidJobError, _invalid_job)
+    app.register_error_handler(BulkActionStopped, _bulk_stopped)
     app.register_error_handler(RelayError, _relay_error)
     app.register_error_handler(psycopg.errors.QueryCanceled, _too_slow)
     app.register_error_handler(psycopg.OperationalError, _unavailable)

@@ -10,19 +10,22 @@ many there are and reports the real number.
 
 from __future__ import annotations
 
+import logging
 from collections import Counter
 from dataclasses import dataclass
 
 import psycopg
 from flask import Response, request
 
-from relay_core import RelayError, monitor
+from relay_core import BulkActionStopped, RelayError, monitor
 
 from ..db import connection
 from . import formatting
 from .blueprint import bp
 from .render import answer_plain_form, is_htmx, kept_notice, page
 from .session import require
+
+log = logging.getLogger("relay.web")
 
 #: Dead jobs read to count them by type.
 SCAN_LIMIT = 1000
@@ -90,13 +93,22 @@ def requeue_dead() -> Response:
     job_type = request.form.get("type", "")
     if not job_type:
         raise RelayError("say which type of dead jobs to requeue")
-    with connection() as conn:
-        changed = monitor.requeue_matching(conn, monitor.JobFilter(status="dead", type=job_type))
-    if changed == 0:  # another admin requeued them first
-        notice = f"Nothing requeued: no dead {job_type} jobs are left."
+    try:
+        with connection() as conn:
+            changed = monitor.requeue_matching(conn, monitor.JobFilter(status="dead", type=job_type))
+    except BulkActionStopped as stopped:
+        log.warning("requeue of dead %s jobs stopped after %d: %s", job_type, stopped.changed, stopped.__cause__)
+        noun = "job" if stopped.changed == 1 else "jobs"
+        notice = (
+            f"Requeued {formatting.number(stopped.changed)} dead {job_type} {noun}, then the database "
+            "gave up; the rest are still dead. Press Requeue all again to go on."
+        )
     else:
-        noun, they = ("job", "it runs") if changed == 1 else ("jobs", "they run")
-        notice = f"Requeued {formatting.number(changed)} dead {job_type} {noun}; {they} again now."
+        if changed == 0:  # another admin requeued them first
+            notice = f"Nothing requeued: no dead {job_type} jobs are left."
+        else:
+            noun, they = ("job", "it runs") if changed == 1 else ("jobs", "they run")
+            notice = f"Requeued {formatting.number(changed)} dead {job_type} {noun}; {they} again now."
     if not is_htmx():
         return answer_plain_form(notice, "dashboard.dead")
     return _render(notice)

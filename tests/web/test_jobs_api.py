@@ -339,6 +339,28 @@ def test_bulk_actions_wait_for_rows_someone_holds(client, admin, relay: Relay, d
     assert statuses == (["claimed", "cancelled", "cancelled"] if action == "cancel" else ["queued"] * 3)
 
 
+def test_a_bulk_action_cut_off_part_way_says_how_many_jobs_changed(make_app, auth, relay: Relay, dsn: str) -> None:
+    """The first batch commits; the second waits on a held row until the statement timeout.
+
+    Before, the answer was the listings' plain query-timeout 503 ("narrow the
+    filters and try again"), as if nothing had changed.
+    """
+    client = make_app(RELAY_STATEMENT_TIMEOUT_MS=300).test_client()
+    headers = auth.headers("admin")
+    ids = relay.enqueue_many([{"type": "bulk", "queue": "cut"} for _ in range(1500)])
+    with psycopg.connect(dsn) as holder:
+        holder.execute("SELECT id FROM relay.jobs WHERE id = %s FOR UPDATE", (ids[-1],))
+        body = assert_problem(
+            client.post("/api/admin/jobs/cancel", headers=headers, json={"queue": "cut"}), 503, "bulk-incomplete"
+        )
+    assert (body["action"], body["changed"]) == ("cancel", 1000)
+    assert "1000 matching job(s) were cancelled" in body["detail"] and "statement timeout" in body["detail"]
+    statuses = [relay.get_job(i).status for i in (ids[0], ids[999], ids[1000], ids[-1])]
+    assert statuses == ["cancelled", "cancelled", "queued", "queued"]
+    again = client.post("/api/admin/jobs/cancel", headers=headers, json={"queue": "cut"})
+    assert again.get_json() == {"action": "cancel", "changed": 500}
+
+
 def test_bulk_bodies_are_validated(client, admin) -> None:
     assert_problem(client.post("/api/admin/jobs/requeue", headers=admin, json={"status": "queued"}), 422)
     assert_problem(client.post("/api/admin/jobs/requeue", headers=admin, json={"typo": "x"}), 422)

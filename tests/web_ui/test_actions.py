@@ -10,7 +10,7 @@ from flask import Flask
 
 from relay_core import IllegalTransition, Relay
 
-from .conftest import DashboardClient, Jobs
+from .conftest import DashboardClient, Jobs, _logged_in
 
 
 def _text(response) -> str:
@@ -184,6 +184,24 @@ def test_requeue_all_that_finds_nothing_left_says_so(admin: DashboardClient, job
     assert "Nothing requeued: no dead resize_image jobs are left." in html
     assert "Requeued 0" not in html and "again now" not in html
     assert jobs.status(image) == "queued"
+
+
+def test_a_requeue_all_cut_off_part_way_says_how_many_it_requeued(make_app, dsn: str, relay: Relay) -> None:
+    """The first 1,000 dead jobs are requeued; the next batch waits on a held row until the statement timeout."""
+    admin = _logged_in(make_app(RELAY_STATEMENT_TIMEOUT_MS=300), dsn, "admin")
+    ids = relay.enqueue_many([{"type": "resize_image"} for _ in range(1200)])
+    with psycopg.connect(dsn, autocommit=True) as db:
+        db.execute(
+            "UPDATE relay.jobs SET status = 'dead', attempts = 1, finished_at = now() WHERE id = ANY(%s)", (ids,)
+        )
+    with psycopg.connect(dsn) as holder:
+        holder.execute("SELECT id FROM relay.jobs WHERE id = %s FOR UPDATE", (ids[-1],))
+        html = _text(admin.post("/dead/requeue", {"type": "resize_image"}))
+    assert "Requeued 1,000 dead resize_image jobs, then the database gave up; the rest are still dead." in html
+    assert relay.get_job(ids[0]).status == "queued" and relay.get_job(ids[-1]).status == "dead"
+    assert "Requeued 200 dead resize_image jobs; they run again now." in _text(
+        admin.post("/dead/requeue", {"type": "resize_image"})
+    )
 
 
 def test_bulk_requeue_needs_a_type(admin: DashboardClient) -> None:

@@ -99,6 +99,37 @@ def test_sigterm_hands_back_unfinished_jobs_at_once(
         stop_process(worker)
 
 
+def test_sigterm_stops_the_worker_in_time_while_a_lock_on_the_jobs_table_holds_up_its_statements(
+    relay: Relay, db: psycopg.Connection, dsn: str, python: str, worker_env: dict, tmp_path: Path
+) -> None:
+    """A migration's index build or a VACUUM FULL locks relay.jobs: the claim and the hand-back wait on it.
+
+    Before, the claim held up the shutdown until the lock went (and the
+    platform's SIGKILL came first); now a stop cancels the claim, and the
+    shutdown's writes give up within their share of the drain window.
+    """
+    log = tmp_path / "worker.log"
+    worker = start_worker_process(python, worker_env, "--lease", "60", "--shutdown-timeout", "1", log=log)
+    locker = psycopg.connect(dsn)
+    try:
+        job_id = relay.enqueue("record", {"sleep": 30})
+        wait_for(lambda: executions(db, job_id), what="the job to start")
+        locker.execute("LOCK TABLE relay.jobs IN ACCESS EXCLUSIVE MODE")
+        blocked = (
+            "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
+            "AND application_name LIKE 'relay-worker%%' AND query LIKE '%%room AS%%'"
+        )
+        wait_for(lambda: db.execute(blocked).fetchone()[0], what="a claim waiting for the lock")
+        terminate(worker, log, within=15)
+        # The hand-back could not be written: the job stays the stopped worker's until its lease
+        # expires and a sweeper returns it, as after a SIGKILL.
+        assert "hand-back failed" in log.read_text()
+    finally:
+        locker.close()
+        stop_process(worker)
+    assert job_row(db, job_id)[0] == "claimed"
+
+
 def test_sigterm_lets_an_async_handler_in_flight_finish_within_the_shutdown_timeout(
     relay: Relay, db: psycopg.Connection, python: str, worker_env: dict, tmp_path: Path
 ) -> None:

@@ -7,9 +7,13 @@ claims cost less per job.
 
 from __future__ import annotations
 
+import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
 from typing import Any
 
+import psycopg
 from psycopg.rows import dict_row
 
 from ..pools import RelayPool, restore_transactions
@@ -39,7 +43,51 @@ def prefetch_per_slot(typical_run: float) -> int:
     return max(1, min(MAX_PREFETCH_PER_SLOT, int(PREFETCH_WORK_SECONDS / max(typical_run, 1e-6))))
 
 
-def claim_rows(pool: RelayPool, params: dict[str, Any]) -> tuple[list[dict[str, Any]], float]:
+#: How long a stop waits for the server to take a claim's cancel request.
+CANCEL_WAIT_SECONDS = 1.0
+
+
+class ClaimInFlight:
+    """The connection a claim is running on, so a stop can cancel a claim the database holds up.
+
+    A claim waits for nothing but the database: a table lock (an index build,
+    VACUUM FULL, an ALTER TABLE) or a connection that stopped forwarding holds
+    it for as long as that lasts, and a worker told to stop would not begin
+    its shutdown, or use its drain window, until then. Cancelling is safe:
+    the claim is one statement (or one transaction), rolled back whole, and a
+    cancel that reaches the server after the claim ended is ignored by it
+    (the lock keeps the connection from going back to the pool before then).
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._conn: psycopg.Connection | None = None
+
+    @contextmanager
+    def running_on(self, conn: psycopg.Connection) -> Iterator[None]:
+        """Mark ``conn`` as running a claim for the block's length."""
+        with self._lock:
+            self._conn = conn
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._conn = None
+
+    def cancel(self) -> bool:
+        """Cancel the claim running now, if one is; whether one was."""
+        with self._lock:
+            if self._conn is None:
+                return False
+            # Should the server not take the request, the claim ends when the database lets it.
+            with suppress(psycopg.Error):
+                self._conn.cancel_safe(timeout=CANCEL_WAIT_SECONDS)
+            return True
+
+
+def claim_rows(
+    pool: RelayPool, params: dict[str, Any], in_flight: ClaimInFlight | None = None
+) -> tuple[list[dict[str, Any]], float]:
     """The claimed jobs' rows, and when the claim was sent (monotonic), the start of its leases by this clock.
 
     While no job type has a limit (``params["locked"]`` false) the claim is one
@@ -53,7 +101,8 @@ def claim_rows(pool: RelayPool, params: dict[str, Any]) -> tuple[list[dict[str, 
     outlast the lease, and a lease counted from before it would be told it
     had run out the moment its handler started.
     """
-    with pool.connection(timeout=CLAIM_CONNECTION_WAIT_SECONDS) as conn:
+    in_flight = in_flight or ClaimInFlight()
+    with pool.connection(timeout=CLAIM_CONNECTION_WAIT_SECONDS) as conn, in_flight.running_on(conn):
         sent = time.monotonic()
         if params["locked"]:
             with pool.pipeline(conn), conn.transaction():

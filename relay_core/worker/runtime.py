@@ -30,7 +30,7 @@ from ..queries import sql
 from ..signals import ShutdownSignals
 from . import executor, limits, periodic
 from .aio import SlotLoop
-from .claim import PREFETCH_BELOW_SECONDS, claim_rows, hand_back_unheld, prefetch_per_slot
+from .claim import PREFETCH_BELOW_SECONDS, ClaimInFlight, claim_rows, hand_back_unheld, prefetch_per_slot
 from .completer import Completer
 from .config import WorkerConfig
 from .ledger import Ledger, Running, Slot
@@ -39,7 +39,7 @@ from .maintenance import Maintenance, register
 from .outage import POOL_EXHAUSTED, OutageLog, PooledCallLog, next_retry_delay
 from .outcome import Kind, Outcome, describe
 from .retention import prune_once
-from .shutdown import SHUTDOWN_WRITES_SECONDS, hand_back, record_overdue
+from .shutdown import SHUTDOWN_WRITES_SECONDS, hand_back, record_overdue, write_within
 from .tally import Counters
 from .vacuum import vacuum_if_needed
 
@@ -68,6 +68,8 @@ class Worker:
         #: A claim failed on a broken connection and may have committed: its jobs are claimed
         #: under this worker's id, and the worker never saw them (see ``_return_unheld``).
         self._unanswered_claim = False
+        #: The claim running now, which a stop cancels (see ClaimInFlight).
+        self._claim_in_flight = ClaimInFlight()
         #: Handlers still running when shutdown ended (their jobs handed back or timed out):
         #: they stop only when the process exits, which must come within the hand-back grace.
         self.handlers_left_running = 0
@@ -274,7 +276,7 @@ class Worker:
             "lease_seconds": self.config.lease_seconds,
             "locked": self.limits_exist,
         }
-        rows, sent = claim_rows(self.pool, params)
+        rows, sent = claim_rows(self.pool, params, self._claim_in_flight)
         jobs = [Job.from_row(row) for row in rows]
         for job in jobs:
             job._report = self._report_progress
@@ -395,6 +397,8 @@ class Worker:
                 delay = 0.1
                 self.pooled_calls.succeeded()
             except (psycopg.OperationalError, psycopg.InterfaceError, PoolTimeout) as exc:
+                if isinstance(exc, psycopg.errors.QueryCanceled) and self.stopping.is_set():
+                    break  # the stop cancelled a claim the database held up: it claimed nothing
                 # A PoolTimeout sent nothing; anything else may have lost a committed claim's answer.
                 self._unanswered_claim = self._unanswered_claim or not isinstance(exc, PoolTimeout)
                 self.pooled_calls.failed("claim", exc, began=began)
@@ -452,9 +456,15 @@ class Worker:
     # -- shutdown ----------------------------------------------------------
 
     def stop(self) -> None:
-        """Ask the worker to stop claiming and shut down gracefully."""
+        """Ask the worker to stop claiming and shut down gracefully.
+
+        A claim the database holds up (a lock on the jobs table, a connection
+        that stopped forwarding) is cancelled, so the shutdown and its drain
+        window begin now rather than when the database lets the claim finish.
+        """
         self.stopping.set()
         self._wake.set()
+        self._claim_in_flight.cancel()
 
     def _on_signal(self, signum: int) -> None:
         """SIGTERM/SIGINT (on the signal watcher's thread): stop; a second one hands back in-flight jobs now."""
@@ -502,7 +512,7 @@ class Worker:
         if overdue:
             record_overdue(self.completer, self.ledger, [decided for _, decided in overdue], left(), self._on_written)
         try:
-            with self.pool.connection(timeout=left()) as conn:
+            with write_within(self.pool, left()) as conn:
                 conn.execute(sql("worker_stop"), {"id": self.id, "started_at": self.maintenance.registered_at})
         except (psycopg.Error, PoolTimeout) as exc:
             event(logging.WARNING, "could not record worker stop", error=str(exc))

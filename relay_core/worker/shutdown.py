@@ -11,7 +11,8 @@ written or not: a failed write leaves the jobs to the sweeper.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import psycopg
 from psycopg_pool import PoolTimeout
@@ -33,6 +34,19 @@ HAND_BACK_GRACE_SECONDS = 2.0
 SHUTDOWN_WRITES_SECONDS = 3.0
 
 
+@contextmanager
+def write_within(pool: RelayPool, timeout: float) -> Iterator[psycopg.Connection]:
+    """A pooled connection for a shutdown write, in a transaction whose statements end within ``timeout`` s.
+
+    The wait for the connection ends by then, and so does a statement the
+    database holds up (a lock on the jobs table, a connection that stopped
+    forwarding): the drain window is not the place to wait for either.
+    """
+    with pool.connection(timeout=timeout) as conn, conn.transaction():
+        conn.execute("SELECT set_config('statement_timeout', %s, true)", (f"{max(int(timeout * 1000), 1)}ms",))
+        yield conn
+
+
 def hand_back(pool: RelayPool, ledger: Ledger, unfinished: list[Running], timeout: float) -> int:
     """Return unfinished jobs to the queue, fenced, with their attempt given back; how many went back.
 
@@ -43,7 +57,7 @@ def hand_back(pool: RelayPool, ledger: Ledger, unfinished: list[Running], timeou
     # A job that never left the prefetch can run elsewhere at once; one whose thread still runs waits.
     delays = [0.0 if r.slot is None else HAND_BACK_GRACE_SECONDS for r in unfinished]
     try:
-        with pool.connection(timeout=timeout) as conn:
+        with write_within(pool, timeout) as conn:
             rows = conn.execute(
                 sql("job_hand_back_many"),
                 {"ids": [j.id for j in jobs], "tokens": [j.lease_token for j in jobs], "delays": delays},

@@ -117,14 +117,7 @@ def test_a_rate_limited_start_is_stamped_when_its_claim_ran_not_when_it_began_to
     that waited 1 s under a limit of 1 per 2 s let the next start come 1 s after it."""
     db.execute("INSERT INTO relay.type_limits (type, rate_limit, rate_period_seconds) VALUES ('rl', 1, 2.0)")
     relay.enqueue("rl")
-    params = {
-        "queues": ["default"],
-        "limit": 1,
-        "worker_id": "w-1",
-        "lease_seconds": 30.0,
-        "locked": True,
-        "start_now": 1,
-    }
+    params = {"queues": ["default"], "limit": 1, "worker_id": "w-1", "lease_seconds": 30.0, "locked": True}
     claimed: list[list[tuple]] = []
 
     def claim_behind_the_lock(conn: psycopg.Connection) -> None:
@@ -690,8 +683,7 @@ def test_sweeper_ends_an_expired_job_cancelled_when_a_cancel_was_pending(relay: 
     """A worker died holding a job an admin had asked to stop: the sweep cancels it and counts the lost attempt."""
     job_id = relay.enqueue("report", queue="sweep")
     db.execute(
-        sql("job_claim"),
-        {"queues": ["sweep"], "limit": 1, "worker_id": "gone", "lease_seconds": 0, "locked": False, "start_now": 1},
+        sql("job_claim"), {"queues": ["sweep"], "limit": 1, "worker_id": "gone", "lease_seconds": 0, "locked": False}
     )
     assert relay.cancel(job_id).cancel_requested_at is not None
     assert sweep_once(db) == {"queued": 0, "dead": 0, "cancelled": 1}
@@ -762,29 +754,11 @@ def test_the_unlocked_claim_takes_nothing_once_any_type_has_a_limit(relay: Relay
     from relay_core.queries import sql
 
     relay.enqueue_many([{"type": "free"} for _ in range(3)])
-    params = {"queues": ["default"], "limit": 1, "worker_id": "w", "lease_seconds": 30, "start_now": 1}
+    params = {"queues": ["default"], "limit": 1, "worker_id": "w", "lease_seconds": 30}
     assert len(db.execute(sql("job_claim"), {**params, "locked": False}).fetchall()) == 1
     db.execute("INSERT INTO relay.type_limits (type, max_running) VALUES ('other', 1)")
     assert db.execute(sql("job_claim"), {**params, "locked": False}).fetchall() == []
     assert len(db.execute(sql("job_claim"), {**params, "locked": True}).fetchall()) == 1
-
-
-def test_the_claim_takes_jobs_on_their_last_attempt_only_into_idle_slots(relay: Relay, db: psycopg.Connection) -> None:
-    """A job held ahead of a slot is charged an attempt if its worker is killed: never one with only one left."""
-    from relay_core.queries import sql
-
-    last = relay.enqueue_many([{"type": "once", "max_attempts": 1} for _ in range(4)])
-    spare = relay.enqueue_many([{"type": "twice", "max_attempts": 2} for _ in range(4)])
-    params = {"queues": ["default"], "limit": 6, "worker_id": "w", "lease_seconds": 30, "locked": False}
-    taken = [row[0] for row in db.execute(sql("job_claim"), {**params, "start_now": 2}).fetchall()]
-    # The two idle slots take the two oldest jobs; those held ahead of them have attempts to spare.
-    # (Of the six candidates, the two on their last attempt past the idle slots are left, not replaced.)
-    assert sorted(taken) == [*last[:2], *spare[:2]]
-    # With no slot idle, nothing on its last attempt is taken at all; it waits in the queue.
-    more = relay.enqueue("twice", max_attempts=2)
-    taken = [row[0] for row in db.execute(sql("job_claim"), {**params, "start_now": 0}).fetchall()]
-    assert sorted(taken) == [*spare[2:], more]
-    assert {relay.get_job(i).status for i in last[2:]} == {"queued"}
 
 
 def test_a_retention_pass_that_hits_its_cap_asks_for_another_soon() -> None:
@@ -815,7 +789,7 @@ def test_limits_the_claim_cannot_hold_are_refused_at_registration(relay: Relay, 
     relay.handler("widest", concurrency=int4_max, rate_limit=(int4_max, month))(lambda job: None)
     limits.publish(db, relay.handlers.values())
     relay.enqueue_many([{"type": "widest"} for _ in range(2)])
-    params = {"queues": ["default"], "limit": 1, "worker_id": "w", "lease_seconds": 30, "locked": True, "start_now": 1}
+    params = {"queues": ["default"], "limit": 1, "worker_id": "w", "lease_seconds": 30, "locked": True}
     assert len(db.execute(sql("job_claim"), params).fetchall()) == 1
     assert len(db.execute(sql("job_claim"), params).fetchall()) == 1
 

@@ -108,10 +108,6 @@ SELECT type, max_attempts FROM relay.job_types WHERE type = ANY(%(types)s::text[
 -- them claimed with a fresh lease and fencing token. When type limits exist the
 -- worker runs claim_limits_lock first, in the same transaction, and passes
 -- locked = true; unlocked, the statement claims nothing while any limit exists.
--- Only the first %(start_now)s jobs (the worker's idle slots) may be on their
--- last attempt: the rest wait in the worker before they start, and a worker
--- killed outright spends the attempt of every job it holds, so a job with one
--- attempt left is never held unstarted; it waits in the queue for a free slot.
 -- transition: queued -> claimed
 WITH room AS (
     -- How many more jobs of each limited type may start now (no row: unlimited).
@@ -127,31 +123,27 @@ WITH room AS (
            ) AS n
     FROM relay.type_limits AS l
 ), candidates AS (
-    SELECT c.id, c.type, c.priority, c.run_at, c.attempts + 1 >= c.max_attempts AS last_attempt
+    SELECT c.id, c.type, c.priority, c.run_at
     FROM (SELECT name FROM unnest(%(queues)s::text[]) AS u(name)
           WHERE name NOT IN (SELECT name FROM relay.queues WHERE paused)
             -- Without the limits lock, claim nothing once any type has a limit.
             AND (%(locked)s OR NOT EXISTS (SELECT 1 FROM relay.type_limits))) AS q
     CROSS JOIN LATERAL (
-        SELECT id, type, priority, run_at, attempts, max_attempts FROM relay.jobs
+        SELECT id, type, priority, run_at FROM relay.jobs
         WHERE queue = q.name AND status = 'queued' AND run_at <= now()
           AND type NOT IN (SELECT type FROM room WHERE n <= 0)
         ORDER BY priority, run_at, id
         LIMIT %(limit)s
         FOR UPDATE SKIP LOCKED
     ) AS c
-), allowed AS (
-    SELECT ranked.id, ranked.priority, ranked.run_at, ranked.last_attempt,
-           row_number() OVER (ORDER BY ranked.priority, ranked.run_at, ranked.id) AS place
+), chosen AS (
+    SELECT ranked.id
     FROM (SELECT candidates.*,
                  row_number() OVER (PARTITION BY type ORDER BY priority, run_at, id) AS nth
           FROM candidates) AS ranked
     LEFT JOIN room ON room.type = ranked.type
     WHERE room.n IS NULL OR ranked.nth <= room.n
-), chosen AS (
-    SELECT id FROM allowed
-    WHERE NOT last_attempt OR place <= %(start_now)s
-    ORDER BY priority, run_at, id
+    ORDER BY ranked.priority, ranked.run_at, ranked.id
     LIMIT %(limit)s
 ), claimed AS (
     UPDATE relay.jobs AS j

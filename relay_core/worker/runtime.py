@@ -275,8 +275,6 @@ class Worker:
             "worker_id": self.id,
             "lease_seconds": self.config.lease_seconds,
             "locked": self.limits_exist,
-            # Idle slots: the jobs that start at once, the only ones that may be on their last attempt.
-            "start_now": max(self.config.concurrency - self.in_flight(), 0),
         }
         rows, sent = claim_rows(self.pool, params, self._claim_in_flight)
         jobs = [Job.from_row(row) for row in rows]
@@ -287,8 +285,6 @@ class Worker:
     def _dispatch(self, jobs: list[Job], sent: float | None = None) -> None:
         """Hand claimed jobs to the slots; ``sent`` is when the claim was sent (monotonic)."""
         lease_expires = (time.monotonic() if sent is None else sent) + self.config.lease_seconds
-        # Jobs on their last attempt first: the claim took them only for idle slots (see THE CLAIM).
-        jobs = sorted(jobs, key=lambda job: job.attempt < job.max_attempts)
         replaced = self.ledger.claimed(jobs, lease_expires)
         for _ in range(replaced):
             self._start_slot()  # the earlier run's thread keeps its slot object; the worker gets a fresh one

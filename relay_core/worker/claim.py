@@ -57,11 +57,16 @@ class ClaimInFlight:
     the claim is one statement (or one transaction), rolled back whole, and a
     cancel that reaches the server after the claim ended is ignored by it
     (the lock keeps the connection from going back to the pool before then).
+    Behind a transaction pooler it is not: the pooler may have lent the
+    server connection to another client the moment the claim ended, so a
+    late cancel could stop that client's statement. There a stop waits for
+    the claim, as before.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, cancellable: bool = True) -> None:
         self._lock = threading.Lock()
         self._conn: psycopg.Connection | None = None
+        self._cancellable = cancellable
 
     @contextmanager
     def running_on(self, conn: psycopg.Connection) -> Iterator[None]:
@@ -77,7 +82,7 @@ class ClaimInFlight:
     def cancel(self) -> bool:
         """Cancel the claim running now, if one is; whether one was."""
         with self._lock:
-            if self._conn is None:
+            if self._conn is None or not self._cancellable:
                 return False
             # Should the server not take the request, the claim ends when the database lets it.
             with suppress(psycopg.Error):

@@ -68,8 +68,6 @@ class Worker:
         #: A claim failed on a broken connection and may have committed: its jobs are claimed
         #: under this worker's id, and the worker never saw them (see ``_return_unheld``).
         self._unanswered_claim = False
-        #: The claim running now, which a stop cancels (see ClaimInFlight).
-        self._claim_in_flight = ClaimInFlight()
         #: Handlers still running when shutdown ended (their jobs handed back or timed out):
         #: they stop only when the process exits, which must come within the hand-back grace.
         self.handlers_left_running = 0
@@ -88,6 +86,8 @@ class Worker:
             timeout=10.0,
             application_name=application_name,
         )
+        #: The claim running now, which a stop cancels (see ClaimInFlight).
+        self._claim_in_flight = ClaimInFlight(cancellable=not self.pool.transaction_pooling)
         # One account of a database outage for all of this worker's threads; the calls
         # that wait for a pooled connection also tell a pool whose every connection
         # is checked out apart from it.

@@ -106,7 +106,7 @@ def _bulk_stopped(exc: BulkActionStopped) -> Response:
     if isinstance(exc.__cause__, psycopg.errors.QueryCanceled):
         why = "then the database gave up on a query (the statement timeout)"
     else:
-        why = "then the database could not be reached"
+        why = "then a database error stopped it (this app's log names it)"
     return Problem(
         503,
         "Stopped part way",

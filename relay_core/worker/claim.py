@@ -90,9 +90,7 @@ class ClaimInFlight:
             return True
 
 
-def claim_rows(
-    pool: RelayPool, params: dict[str, Any], in_flight: ClaimInFlight | None = None
-) -> tuple[list[dict[str, Any]], float]:
+def claim_rows(pool: RelayPool, params: dict[str, Any], in_flight: ClaimInFlight) -> tuple[list[dict[str, Any]], float]:
     """The claimed jobs' rows, and when the claim was sent (monotonic), the start of its leases by this clock.
 
     While no job type has a limit (``params["locked"]`` false) the claim is one
@@ -106,7 +104,6 @@ def claim_rows(
     outlast the lease, and a lease counted from before it would be told it
     had run out the moment its handler started.
     """
-    in_flight = in_flight or ClaimInFlight()
     with pool.connection(timeout=CLAIM_CONNECTION_WAIT_SECONDS) as conn, in_flight.running_on(conn):
         sent = time.monotonic()
         if params["locked"]:

@@ -93,22 +93,23 @@ def requeue_dead() -> Response:
     job_type = request.form.get("type", "")
     if not job_type:
         raise RelayError("say which type of dead jobs to requeue")
+    stopped: BulkActionStopped | None = None
     try:
         with connection() as conn:
             changed = monitor.requeue_matching(conn, monitor.JobFilter(status="dead", type=job_type))
-    except BulkActionStopped as stopped:
-        log.warning("requeue of dead %s jobs stopped after %d: %s", job_type, stopped.changed, stopped.__cause__)
-        noun = "job" if stopped.changed == 1 else "jobs"
+    except BulkActionStopped as exc:
+        log.warning("requeue of dead %s jobs stopped after %d: %s", job_type, exc.changed, exc.__cause__)
+        stopped, changed = exc, exc.changed
+    noun, they = ("job", "it runs") if changed == 1 else ("jobs", "they run")
+    if stopped is not None:
         notice = (
-            f"Requeued {formatting.number(stopped.changed)} dead {job_type} {noun}, then the database "
+            f"Requeued {formatting.number(changed)} dead {job_type} {noun}, then the database "
             "gave up; the rest are still dead. Press Requeue all again to go on."
         )
+    elif changed == 0:  # another admin requeued them first
+        notice = f"Nothing requeued: no dead {job_type} jobs are left."
     else:
-        if changed == 0:  # another admin requeued them first
-            notice = f"Nothing requeued: no dead {job_type} jobs are left."
-        else:
-            noun, they = ("job", "it runs") if changed == 1 else ("jobs", "they run")
-            notice = f"Requeued {formatting.number(changed)} dead {job_type} {noun}; {they} again now."
+        notice = f"Requeued {formatting.number(changed)} dead {job_type} {noun}; {they} again now."
     if not is_htmx():
         return answer_plain_form(notice, "dashboard.dead")
     return _render(notice)

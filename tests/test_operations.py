@@ -117,7 +117,14 @@ def test_a_rate_limited_start_is_stamped_when_its_claim_ran_not_when_it_began_to
     that waited 1 s under a limit of 1 per 2 s let the next start come 1 s after it."""
     db.execute("INSERT INTO relay.type_limits (type, rate_limit, rate_period_seconds) VALUES ('rl', 1, 2.0)")
     relay.enqueue("rl")
-    params = {"queues": ["default"], "limit": 1, "worker_id": "w-1", "lease_seconds": 30.0, "locked": True}
+    params = {
+        "queues": ["default"],
+        "limit": 1,
+        "worker_id": "w-1",
+        "lease_seconds": 30.0,
+        "locked": True,
+        "last_attempt_room": 100,
+    }
     claimed: list[list[tuple]] = []
 
     def claim_behind_the_lock(conn: psycopg.Connection) -> None:
@@ -683,7 +690,15 @@ def test_sweeper_ends_an_expired_job_cancelled_when_a_cancel_was_pending(relay: 
     """A worker died holding a job an admin had asked to stop: the sweep cancels it and counts the lost attempt."""
     job_id = relay.enqueue("report", queue="sweep")
     db.execute(
-        sql("job_claim"), {"queues": ["sweep"], "limit": 1, "worker_id": "gone", "lease_seconds": 0, "locked": False}
+        sql("job_claim"),
+        {
+            "queues": ["sweep"],
+            "limit": 1,
+            "worker_id": "gone",
+            "lease_seconds": 0,
+            "locked": False,
+            "last_attempt_room": 100,
+        },
     )
     assert relay.cancel(job_id).cancel_requested_at is not None
     assert sweep_once(db) == {"queued": 0, "dead": 0, "cancelled": 1}
@@ -691,6 +706,32 @@ def test_sweeper_ends_an_expired_job_cancelled_when_a_cancel_was_pending(relay: 
     assert job.status == "cancelled" and [e["type"] for e in job.errors] == ["LeaseExpired"]
     (totals,) = monitor.outcome_totals(db)
     assert (totals.succeeded, totals.failed, totals.dead) == (0, 1, 0)
+
+
+def test_the_claim_stops_before_a_job_on_its_last_attempt_that_it_has_no_room_for(
+    relay: Relay, db: psycopg.Connection
+) -> None:
+    """A worker killed outright spends the attempt of every job it holds: few may be on their last.
+
+    The claim takes jobs in order and stops before the one that would pass
+    the worker's room for such jobs: never one after it, so no job is passed
+    over, whatever its priority; the next claim starts from it.
+    """
+    spare = relay.enqueue("twice", queue="last", max_attempts=2)
+    once = relay.enqueue_many([{"type": "once", "queue": "last", "max_attempts": 1} for _ in range(4)])
+    later = relay.enqueue("twice", queue="last", max_attempts=2)
+    urgent = relay.enqueue("twice", queue="last", max_attempts=2, priority=-1)
+    params = {"queues": ["last"], "limit": 10, "worker_id": "w", "lease_seconds": 30, "locked": False}
+
+    def claim(room: int) -> list[int]:
+        return sorted(row[0] for row in db.execute(sql("job_claim"), {**params, "last_attempt_room": room}))
+
+    assert claim(2) == sorted([urgent, spare, *once[:2]])
+    # No room: the next job in order is on its last attempt, so nothing behind it is taken either.
+    assert claim(0) == []
+    assert claim(1) == [once[2]]
+    assert claim(5) == [once[3], later]
+    assert {relay.get_job(i).attempts for i in [spare, *once, later, urgent]} == {1}
 
 
 def test_progress_is_visible_while_running_and_the_result_is_kept(relay: Relay, db: psycopg.Connection) -> None:
@@ -754,7 +795,7 @@ def test_the_unlocked_claim_takes_nothing_once_any_type_has_a_limit(relay: Relay
     from relay_core.queries import sql
 
     relay.enqueue_many([{"type": "free"} for _ in range(3)])
-    params = {"queues": ["default"], "limit": 1, "worker_id": "w", "lease_seconds": 30}
+    params = {"queues": ["default"], "limit": 1, "worker_id": "w", "lease_seconds": 30, "last_attempt_room": 100}
     assert len(db.execute(sql("job_claim"), {**params, "locked": False}).fetchall()) == 1
     db.execute("INSERT INTO relay.type_limits (type, max_running) VALUES ('other', 1)")
     assert db.execute(sql("job_claim"), {**params, "locked": False}).fetchall() == []
@@ -789,7 +830,14 @@ def test_limits_the_claim_cannot_hold_are_refused_at_registration(relay: Relay, 
     relay.handler("widest", concurrency=int4_max, rate_limit=(int4_max, month))(lambda job: None)
     limits.publish(db, relay.handlers.values())
     relay.enqueue_many([{"type": "widest"} for _ in range(2)])
-    params = {"queues": ["default"], "limit": 1, "worker_id": "w", "lease_seconds": 30, "locked": True}
+    params = {
+        "queues": ["default"],
+        "limit": 1,
+        "worker_id": "w",
+        "lease_seconds": 30,
+        "locked": True,
+        "last_attempt_room": 100,
+    }
     assert len(db.execute(sql("job_claim"), params).fetchall()) == 1
     assert len(db.execute(sql("job_claim"), params).fetchall()) == 1
 

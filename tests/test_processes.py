@@ -130,6 +130,74 @@ def test_sigterm_stops_the_worker_in_time_while_a_lock_on_the_jobs_table_holds_u
     assert job_row(db, job_id)[0] == "claimed"
 
 
+def test_a_sigkilled_worker_held_few_jobs_on_their_last_attempt_ahead_of_its_slots(
+    relay: Relay, db: psycopg.Connection, python: str, worker_env: dict, tmp_path: Path
+) -> None:
+    """Attempts are counted at claim time, so a worker killed outright spends the attempt of every job it held.
+
+    Short jobs are prefetched, up to 16 per slot; with one attempt each, all
+    those caught unstarted ended dead without having run. The claim now takes
+    jobs on their last attempt only into idle slots and LAST_ATTEMPTS_AHEAD_PER_SLOT
+    per slot beyond, so at most that many plus one per slot are caught.
+    """
+    from relay_core.worker.runtime import LAST_ATTEMPTS_AHEAD_PER_SLOT
+
+    log = tmp_path / "worker.log"
+    marks = tmp_path / "started"
+    marks.touch()
+    concurrency = 2
+    most = concurrency * (1 + LAST_ATTEMPTS_AHEAD_PER_SLOT)
+    ids = relay.enqueue_many(
+        [{"type": "mark", "payload": {"path": str(marks)}, "max_attempts": 1} for _ in range(10000)]
+    )
+
+    def started() -> set[int]:
+        return {int(line) for line in marks.read_text().split()}
+
+    def claimed() -> set[int]:
+        return {row[0] for row in db.execute("SELECT id FROM relay.jobs WHERE status = 'claimed'")}
+
+    def unstarted() -> int:
+        """Claimed and not started: read in that order, so never more than were at the first read."""
+        held = claimed()
+        return len(held - started())
+
+    doomed = start_worker_process(python, worker_env, "--concurrency", str(concurrency), "--lease", "2", log=log)
+    try:
+        # Well into the run, with prefetch sized for jobs this short.
+        samples: list[int] = []
+        wait_for(lambda: samples.append(unstarted()) or len(started()) > 2000, what="the worker to run 2,000 jobs")
+        doomed.send_signal(signal.SIGKILL)
+        doomed.wait(10)
+    finally:
+        stop_process(doomed)
+    assert max(samples) <= most, samples
+    caught = claimed() - started()
+    assert len(caught) <= most, sorted(caught)
+    rescuer = start_worker_process(python, worker_env, "--concurrency", str(concurrency), log=log)
+    try:
+        wait_for(
+            lambda: not {"queued", "claimed"} & set(status_counts(db)),
+            timeout=120,
+            what="the rest drained after the leases expired",
+        )
+    finally:
+        stop_process(rescuer)
+    ran = started()
+    dead = [row[0] for row in db.execute("SELECT id FROM relay.jobs WHERE status = 'dead'")]
+    assert sorted(job_id for job_id in dead if job_id not in ran) == sorted(caught)
+    assert status_counts(db).get("succeeded", 0) + len(dead) == len(ids)
+    # The same jobs with attempts to spare are prefetched as before: more than the room for last attempts.
+    relay.enqueue_many([{"type": "mark", "payload": {"path": str(marks)}, "max_attempts": 2} for _ in range(10000)])
+    spared = start_worker_process(python, worker_env, "--concurrency", str(concurrency), "--lease", "2", log=log)
+    try:
+        samples = []
+        wait_for(lambda: samples.append(unstarted()) or len(started()) > len(ran) + 2000, what="2,000 more jobs")
+    finally:
+        stop_process(spared)
+    assert max(samples) > most, samples
+
+
 def test_sigterm_lets_an_async_handler_in_flight_finish_within_the_shutdown_timeout(
     relay: Relay, db: psycopg.Connection, python: str, worker_env: dict, tmp_path: Path
 ) -> None:

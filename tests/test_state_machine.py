@@ -150,11 +150,27 @@ def test_every_transition_seen_under_real_work_is_legal(relay: Relay, audited: p
     # Lease expiry and hand-back, driven through the same statements the worker uses.
     expiring = relay.enqueue("ok", queue="sweep")
     audited.execute(
-        sql("job_claim"), {"queues": ["sweep"], "limit": 5, "worker_id": "gone", "lease_seconds": 0, "locked": False}
+        sql("job_claim"),
+        {
+            "queues": ["sweep"],
+            "limit": 5,
+            "worker_id": "gone",
+            "lease_seconds": 0,
+            "locked": False,
+            "last_attempt_room": 100,
+        },
     )
     assert sweep_once(audited)["queued"] == 1
     token = audited.execute(
-        sql("job_claim"), {"queues": ["sweep"], "limit": 5, "worker_id": "w", "lease_seconds": 30, "locked": False}
+        sql("job_claim"),
+        {
+            "queues": ["sweep"],
+            "limit": 5,
+            "worker_id": "w",
+            "lease_seconds": 30,
+            "locked": False,
+            "last_attempt_room": 100,
+        },
     ).fetchone()[7]
     handed = audited.execute(
         sql("job_hand_back_many"), {"ids": [expiring], "tokens": [token], "delays": [0.0]}

@@ -108,6 +108,12 @@ SELECT type, max_attempts FROM relay.job_types WHERE type = ANY(%(types)s::text[
 -- them claimed with a fresh lease and fencing token. When type limits exist the
 -- worker runs claim_limits_lock first, in the same transaction, and passes
 -- locked = true; unlocked, the statement claims nothing while any limit exists.
+-- Attempts are charged here, so a worker killed outright spends the attempt of
+-- every job it holds unstarted; a job on its last attempt would end dead
+-- without having run. The claim therefore stops before the job that would
+-- take the worker past %(last_attempt_room)s such jobs (its idle slots plus a
+-- few held ahead of them): it takes the jobs before that one, never any after
+-- it, so no job is passed over and the next claim starts from it.
 -- transition: queued -> claimed
 WITH room AS (
     -- How many more jobs of each limited type may start now (no row: unlimited).
@@ -123,13 +129,13 @@ WITH room AS (
            ) AS n
     FROM relay.type_limits AS l
 ), candidates AS (
-    SELECT c.id, c.type, c.priority, c.run_at
+    SELECT c.id, c.type, c.priority, c.run_at, c.last_attempt
     FROM (SELECT name FROM unnest(%(queues)s::text[]) AS u(name)
           WHERE name NOT IN (SELECT name FROM relay.queues WHERE paused)
             -- Without the limits lock, claim nothing once any type has a limit.
             AND (%(locked)s OR NOT EXISTS (SELECT 1 FROM relay.type_limits))) AS q
     CROSS JOIN LATERAL (
-        SELECT id, type, priority, run_at FROM relay.jobs
+        SELECT id, type, priority, run_at, attempts + 1 >= max_attempts AS last_attempt FROM relay.jobs
         WHERE queue = q.name AND status = 'queued' AND run_at <= now()
           AND type NOT IN (SELECT type FROM room WHERE n <= 0)
         ORDER BY priority, run_at, id
@@ -137,13 +143,18 @@ WITH room AS (
         FOR UPDATE SKIP LOCKED
     ) AS c
 ), chosen AS (
-    SELECT ranked.id
-    FROM (SELECT candidates.*,
-                 row_number() OVER (PARTITION BY type ORDER BY priority, run_at, id) AS nth
-          FROM candidates) AS ranked
-    LEFT JOIN room ON room.type = ranked.type
-    WHERE room.n IS NULL OR ranked.nth <= room.n
-    ORDER BY ranked.priority, ranked.run_at, ranked.id
+    SELECT id
+    FROM (SELECT ranked.id, ranked.priority, ranked.run_at,
+                 -- Jobs on their last attempt up to this one, in claim order.
+                 count(*) FILTER (WHERE ranked.last_attempt)
+                     OVER (ORDER BY ranked.priority, ranked.run_at, ranked.id) AS last_attempts
+          FROM (SELECT candidates.*,
+                       row_number() OVER (PARTITION BY type ORDER BY priority, run_at, id) AS nth
+                FROM candidates) AS ranked
+          LEFT JOIN room ON room.type = ranked.type
+          WHERE room.n IS NULL OR ranked.nth <= room.n) AS ordered
+    WHERE last_attempts <= %(last_attempt_room)s
+    ORDER BY priority, run_at, id
     LIMIT %(limit)s
 ), claimed AS (
     UPDATE relay.jobs AS j

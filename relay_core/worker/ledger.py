@@ -72,6 +72,11 @@ class Ledger:
         with self.lock:
             return len(self.running)
 
+    def waiting_on_last_attempt(self) -> int:
+        """Jobs on their last attempt claimed and waiting for a slot (their attempt already charged)."""
+        with self.lock:
+            return sum(1 for r in self.running.values() if r.slot is None and r.job.attempt >= r.job.max_attempts)
+
     def overdue_count(self) -> int:
         """Jobs past their timeout whose handlers still run."""
         with self.lock:

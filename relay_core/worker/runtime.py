@@ -51,6 +51,8 @@ REGISTER_WAIT_SECONDS = 2.0
 LEASE_WATCH_SECONDS = 0.2
 #: At shutdown, the pause between tries to return the jobs of a claim whose answer was lost.
 RETURN_UNHELD_RETRY_SECONDS = 0.1
+#: Jobs on their last attempt a worker holds per slot beyond those its slots run (see ``last_attempt_room``).
+LAST_ATTEMPTS_AHEAD_PER_SLOT = 2
 
 
 class Worker:
@@ -275,12 +277,26 @@ class Worker:
             "worker_id": self.id,
             "lease_seconds": self.config.lease_seconds,
             "locked": self.limits_exist,
+            "last_attempt_room": self.last_attempt_room(),
         }
         rows, sent = claim_rows(self.pool, params, self._claim_in_flight)
         jobs = [Job.from_row(row) for row in rows]
         for job in jobs:
             job._report = self._report_progress
         return jobs, sent
+
+    def last_attempt_room(self) -> int:
+        """How many more jobs on their last attempt the claim may take (see THE CLAIM).
+
+        Their attempts are charged at the claim, so if this process is killed
+        outright, each one that has not started ends dead without having run.
+        The idle slots take theirs at once; beyond them a worker holds at most
+        LAST_ATTEMPTS_AHEAD_PER_SLOT per slot, against up to
+        MAX_PREFETCH_PER_SLOT of jobs with attempts to spare.
+        """
+        concurrency = self.config.concurrency
+        idle = max(concurrency - self.in_flight(), 0)
+        return max(idle + concurrency * LAST_ATTEMPTS_AHEAD_PER_SLOT - self.ledger.waiting_on_last_attempt(), 0)
 
     def _dispatch(self, jobs: list[Job], sent: float | None = None) -> None:
         """Hand claimed jobs to the slots; ``sent`` is when the claim was sent (monotonic)."""

@@ -46,6 +46,14 @@ def record_run(job: Job) -> None:
     record(job, "end")
 
 
+@relay.handler("mark", max_attempts=5)
+def mark_run(job: Job) -> None:
+    """Append the job's id to the file ``payload.path`` as it starts: a job of well under a
+    millisecond, so the worker holds many per slot; a written line survives the worker's death."""
+    with open(job.payload["path"], "a") as marks:
+        marks.write(f"{job.id}\n")
+
+
 @relay.handler("record_async", max_attempts=5)
 async def record_run_async(job: Job) -> str:
     """The async twin of ``record``: record start, await ``payload.sleep`` seconds, record end."""

@@ -727,6 +727,10 @@ def test_the_claim_stops_before_a_job_on_its_last_attempt_that_it_has_no_room_fo
         return sorted(row[0] for row in db.execute(sql("job_claim"), {**params, "last_attempt_room": room}))
 
     assert claim(2) == sorted([urgent, spare, *once[:2]])
+    # A queue named twice is still served once: its jobs are neither taken nor counted twice.
+    db.execute("UPDATE relay.jobs SET status = 'queued', attempts = 0 WHERE queue = 'last'")
+    both = db.execute(sql("job_claim"), {**params, "queues": ["last", "last"], "last_attempt_room": 2}).fetchall()
+    assert sorted(row[0] for row in both) == sorted([urgent, spare, *once[:2]])
     # No room: the next job in order is on its last attempt, so nothing behind it is taken either.
     assert claim(0) == []
     assert claim(1) == [once[2]]

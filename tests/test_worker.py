@@ -151,6 +151,10 @@ def test_a_lease_or_interval_a_worker_cannot_use_is_refused_at_start(
             relay.worker()
 
 
+def test_a_queue_named_twice_is_served_once() -> None:
+    assert WorkerConfig(queues=("mail", "default", "mail")).queues == ("mail", "default")
+
+
 @pytest.mark.parametrize("value", ["nan", "inf", "-1"])
 def test_a_shutdown_timeout_a_worker_cannot_keep_is_refused_at_start(
     relay: Relay, monkeypatch: pytest.MonkeyPatch, value: str

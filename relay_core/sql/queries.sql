@@ -130,7 +130,8 @@ WITH room AS (
     FROM relay.type_limits AS l
 ), candidates AS (
     SELECT c.id, c.type, c.priority, c.run_at, c.last_attempt
-    FROM (SELECT name FROM unnest(%(queues)s::text[]) AS u(name)
+    -- Each queue once: a name given twice would bring its jobs twice and count them twice.
+    FROM (SELECT DISTINCT name FROM unnest(%(queues)s::text[]) AS u(name)
           WHERE name NOT IN (SELECT name FROM relay.queues WHERE paused)
             -- Without the limits lock, claim nothing once any type has a limit.
             AND (%(locked)s OR NOT EXISTS (SELECT 1 FROM relay.type_limits))) AS q

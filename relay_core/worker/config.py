@@ -55,6 +55,7 @@ class WorkerConfig:
         if not self.worker_id:
             self.worker_id = _worker_id()
             self.owns_worker_id = True
+        self.queues = tuple(dict.fromkeys(self.queues))  # each once, in the order given
         if not self.queues:
             raise ConfigurationError("a worker needs at least one queue")
         for queue in self.queues:

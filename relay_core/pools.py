@@ -25,6 +25,7 @@ from typing import Any
 
 import psycopg
 from psycopg.conninfo import conninfo_to_dict
+from psycopg.rows import tuple_row
 from psycopg_pool import ConnectionPool, PoolClosed
 from psycopg_pool.base import AttemptWithBackoff
 
@@ -128,10 +129,16 @@ class RelayConnection(psycopg.Connection[Any]):
         read_any_number(self)
 
     def kept_cursor(self) -> psycopg.Cursor[Any]:
-        """This thread's reusable cursor on this connection (tuple rows), made on first use or after it was closed."""
+        """This thread's reusable cursor on this connection (tuple rows), made on first use or after it was closed.
+
+        Relay's own kind of cursor and rows, whatever the connection's holder
+        set (a transactional handler, or a caller of ``Relay.connect()``,
+        choosing ``dict_row``): an enqueue reads its id after the insert ran,
+        and that read must not fail.
+        """
         cur: psycopg.Cursor[Any] | None = getattr(self._kept, "cursor", None)
         if cur is None or cur.closed:
-            cur = self._kept.cursor = self.cursor()
+            cur = self._kept.cursor = psycopg.Cursor(self, row_factory=tuple_row)
         return cur
 
 
@@ -178,7 +185,14 @@ class RelayPool(ReconnectingPool):
         return conn
 
     def putconn(self, conn: psycopg.Connection) -> None:
-        """Stamp the return time, then return the connection (not counted out once the pool took it)."""
+        """Stamp the return time, then return the connection (not counted out once the pool took it).
+
+        How it makes rows and cursors goes back to psycopg's defaults, which
+        Relay's own statements read: a transactional handler may have set
+        ``conn.row_factory = dict_row`` on the connection it was lent.
+        """
+        conn.row_factory = tuple_row
+        conn.cursor_factory = psycopg.Cursor
         self.returned_at[conn] = time.monotonic()
         super().putconn(conn)  # refuses a connection that is not this pool's, or returned twice
         with self._checked_out_lock:

@@ -16,7 +16,7 @@ from sqlalchemy.orm import Session
 
 from relay_core import ConfigurationError, IllegalTransition, InvalidJobError, Relay
 
-from .helpers import job_status, publish_handlers
+from .helpers import job_status, publish_handlers, wait_for
 
 
 def job_count(db: psycopg.Connection) -> int:
@@ -64,6 +64,57 @@ def test_a_callers_connection_makes_rows_and_cursors_its_own_way(
     assert again == keyed
     rows = db.execute("SELECT id, payload->>'n' FROM relay.jobs ORDER BY id").fetchall()
     assert rows == [(plain, "1"), (keyed, "2"), (many[0], "4")]
+
+
+def test_relays_own_connections_read_their_rows_whatever_their_holder_set(
+    relay: Relay, dsn: str, db: psycopg.Connection
+) -> None:
+    """Relay.connect() and its pools' connections (a transactional handler's ``conn``) are Relay's.
+
+    A holder's ``dict_row`` made the read of the new id fail (KeyError: 0)
+    after the insert ran: the caller got an error and the job committed with
+    its transaction all the same. A pooled connection given back that way
+    broke every later enqueue on it, and the worker's own statements.
+    """
+    with relay.connect() as conn:
+        conn.row_factory = psycopg.rows.dict_row
+        conn.cursor_factory = psycopg.RawCursor
+        job_id = relay.enqueue("send_email", {"n": 1}, conn=conn)
+        conn.commit()
+    small = Relay(dsn, pool_size=1)
+    try:
+        with small.pool.connection() as conn:  # the pool's only connection, changed by its holder
+            conn.row_factory = psycopg.rows.dict_row
+            conn.cursor_factory = psycopg.RawCursor
+        more = [small.enqueue("send_email", {"n": n}) for n in (2, 3)]
+        with small.pool.connection() as conn:
+            assert conn.execute("SELECT 1").fetchone() == (1,)
+    finally:
+        small.close()
+    rows = db.execute("SELECT id, payload->>'n' FROM relay.jobs ORDER BY id").fetchall()
+    assert rows == [(job_id, "1"), (more[0], "2"), (more[1], "3")]
+
+
+def test_a_transactional_handler_may_choose_its_connections_rows(relay: Relay, db: psycopg.Connection) -> None:
+    """A handler's ``dict_row`` stays its own: its enqueue joins its transaction, and the worker's
+    statements on that connection afterwards still read the rows they expect."""
+    from .helpers import running_worker
+
+    @relay.handler("parent")
+    def parent(job, conn) -> None:  # type: ignore[no-untyped-def]
+        conn.row_factory = psycopg.rows.dict_row
+        relay.enqueue("child", {"of": job.id}, conn=conn)
+
+    @relay.handler("child")
+    def child(job) -> None:  # type: ignore[no-untyped-def]
+        pass
+
+    with running_worker(relay, concurrency=1) as worker:
+        parents = [relay.enqueue("parent") for _ in range(3)]
+        wait_for(lambda: job_status(db, parents[-1]) == "succeeded", what="the parents")
+        wait_for(lambda: worker.counters.succeeded == 6, what="the children")
+    statuses = db.execute("SELECT type, status::text, count(*) FROM relay.jobs GROUP BY 1, 2 ORDER BY 1").fetchall()
+    assert statuses == [("child", "succeeded", 3), ("parent", "succeeded", 3)]
 
 
 def test_sqlalchemy_connection_joins_the_transaction(relay: Relay, dsn: str, db: psycopg.Connection) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib
 import json
 import logging
+import math
 import os
 import sys
 from datetime import datetime
@@ -171,12 +172,34 @@ def exit_now() -> None:
     os._exit(0)
 
 
+class _Unreadable(Exception):
+    """A PAYLOAD token Relay cannot carry, in words for the user."""
+
+
+def _not_json(token: str) -> float:
+    raise _Unreadable(f"not valid JSON: {token} is not a JSON value")
+
+
+def _finite_float(token: str) -> float:
+    value = float(token)
+    if not math.isfinite(value):
+        raise _Unreadable(f"has a number too large to carry: {token}")
+    return value
+
+
 def _parse_payload(text: str) -> object:
-    """PAYLOAD as JSON; anything Python's reader refuses is a usage error, never a traceback."""
+    """PAYLOAD as JSON; anything Python's reader refuses is a usage error, never a traceback.
+
+    Python's reader also takes NaN and Infinity, which JSON has not, and reads
+    a number past a float's range (1e400) as infinity, which no JSON document
+    can hold: both are refused here, as what they are.
+    """
     try:
-        return json.loads(text)
+        return json.loads(text, parse_constant=_not_json, parse_float=_finite_float)
     except json.JSONDecodeError as exc:
         raise click.BadParameter(f"not valid JSON: {exc}", param_hint="PAYLOAD") from None
+    except _Unreadable as exc:
+        raise click.BadParameter(str(exc), param_hint="PAYLOAD") from None
     except ValueError:
         # Python refuses to read integers longer than its digit limit (a guard
         # against quadratic-time conversion), so such a payload cannot be sent.

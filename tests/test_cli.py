@@ -61,6 +61,10 @@ def test_enqueue_takes_the_max_attempts_workers_published_unless_given_one(
         ('{"n": ' + "9" * 4301 + "}", "longer than"),
         ("[" * 100_000 + "]" * 100_000, "nested too deeply"),
         ("{not json", "not valid JSON"),
+        # Python's reader takes these; JSON has no NaN or Infinity, and no document holds a float past its range.
+        ("NaN", "not valid JSON: NaN is not a JSON value"),
+        ('{"a": -Infinity}', "not valid JSON: -Infinity"),
+        ('{"a": 1e400}', "a number too large to carry: 1e400"),
     ],
 )
 def test_a_payload_python_cannot_read_is_a_usage_error(enqueue, db, payload: str, message: str) -> None:

@@ -134,10 +134,15 @@ def test_a_snooze_or_backoff_too_long_for_a_readable_run_at_is_refused(relay: Re
     [
         {"lease_seconds": 1e12, "heartbeat_interval": 10.0},  # claimed_until in year 33715: the job unreadable
         {"lease_seconds": float("inf"), "heartbeat_interval": 10.0},
-        {"lease_seconds": float("nan")},  # every claim fails: "interval out of range"
+        {"lease_seconds": float("nan"), "heartbeat_interval": 10.0},  # every claim fails: "interval out of range"
         {"heartbeat_interval": float("nan")},
         {"poll_interval": float("inf")},
         {"sweep_interval": float("nan")},
+        # A renewal comes a round trip after it is due: so near the lease, a healthy worker's
+        # leases ran out between renewals, and its own sweeper started its running jobs again.
+        {"lease_seconds": 3.0, "heartbeat_interval": 2.9},
+        {"lease_seconds": 30.0, "heartbeat_interval": 15.1},
+        {"lease_seconds": 0.5, "heartbeat_interval": 0.1},
     ],
 )
 def test_a_lease_or_interval_a_worker_cannot_use_is_refused_at_start(
@@ -145,8 +150,9 @@ def test_a_lease_or_interval_a_worker_cannot_use_is_refused_at_start(
 ) -> None:
     with pytest.raises(ConfigurationError):
         WorkerConfig(**settings)
-    if "lease_seconds" in settings:  # the same value from the environment (its heartbeat: a third of it)
+    if "lease_seconds" in settings:  # the same values from the environment (a heartbeat by default: a third of it)
         monkeypatch.setenv("RELAY_LEASE_SECONDS", str(settings["lease_seconds"]))
+        monkeypatch.setenv("RELAY_HEARTBEAT_INTERVAL", str(settings["heartbeat_interval"]))
         with pytest.raises(ConfigurationError):
             relay.worker()
 

@@ -16,6 +16,8 @@ from .retention import Retention
 
 #: The most jobs one worker process runs at once (one thread each), as ``relay worker --concurrency``.
 MAX_CONCURRENCY = 1000
+#: The shortest lease a worker takes: heartbeats, the lease watch and the sweeper work in tenths of a second.
+MIN_LEASE_SECONDS = 1.0
 
 
 def _worker_id() -> str:
@@ -72,8 +74,18 @@ class WorkerConfig:
                 raise ConfigurationError(
                     f"{name} must be a positive number of seconds, at most {MAX_DELAY_SECONDS:.0f}"
                 )
-        if self.heartbeat_interval >= self.lease_seconds:
-            raise ConfigurationError("heartbeat_interval must be shorter than lease_seconds")
+        if self.lease_seconds < MIN_LEASE_SECONDS:
+            raise ConfigurationError(
+                f"lease_seconds must be at least {MIN_LEASE_SECONDS:.0f}: a pause of the worker any longer "
+                "(a garbage collection, a busy machine) would let another worker run the job beside it"
+            )
+        if self.heartbeat_interval > self.lease_seconds / 2:
+            # A renewal comes a round trip after it is due, and a late or failed one must
+            # leave time for the next before the lease runs out.
+            raise ConfigurationError(
+                f"heartbeat_interval must be at most half of lease_seconds ({self.lease_seconds / 2:g} s), "
+                f"got {self.heartbeat_interval:g}"
+            )
         if self.lease_seconds > MAX_DELAY_SECONDS:
             # PostgreSQL would store now() + lease, but a claimed job's claimed_until must stay readable.
             raise ConfigurationError(f"lease_seconds must be at most {MAX_DELAY_SECONDS:.0f}")

@@ -297,12 +297,12 @@ class Maintenance:
                 self._heartbeat_conn.close()
 
     def _heartbeat_until_stopped(self) -> None:
+        # Each renewal is due one interval after the last was due, and the wait ends then:
+        # woken on a fixed tick and counted from the wake, each gap grew by up to that tick.
         next_heartbeat = time.monotonic() + self._heartbeat_interval
-        while not self._stop_heartbeats.wait(0.2):
+        while not self._stop_heartbeats.wait(max(next_heartbeat - time.monotonic(), 0.0)):
             now = time.monotonic()
-            if now < next_heartbeat:
-                continue
-            next_heartbeat = now + self._heartbeat_interval
+            next_heartbeat = max(next_heartbeat + self._heartbeat_interval, now)
             try:
                 self.heartbeat()
                 self._outage.succeeded()

@@ -109,8 +109,16 @@ def make_spec(
         if period > MAX_RATE_PERIOD_SECONDS:
             raise InvalidJobError("rate_limit", f"the window must be at most {MAX_RATE_PERIOD_SECONDS:.0f} s (31 days)")
         rate_limit = (rate_limit[0], period)
+    # A string such as "no" would count as true: a flag must be one.
+    if not isinstance(catch_up, bool):
+        raise InvalidJobError("catch_up", f"must be True or False, not {catch_up!r}")
+    if transactional is not None and not isinstance(transactional, bool):
+        raise InvalidJobError("transactional", f"must be True, False or None, not {transactional!r}")
     if cron is not None:
         check_cron(cron, timezone)
+    elif timezone != "UTC" or catch_up:
+        # Without a schedule neither means anything, and a mistyped zone would go unnoticed.
+        raise InvalidJobError("cron", "timezone and catch_up apply to a schedule: give cron too")
     if is_generator(func):
         raise InvalidJobError(
             "handler",

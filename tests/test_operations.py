@@ -465,6 +465,21 @@ def test_invalid_cron_or_timezone_is_refused(relay: Relay) -> None:
     relay.handler("leap_day", cron="0 0 29 2 *")(lambda job: None)  # rare, but it fires
 
 
+def test_schedule_options_without_a_schedule_or_flags_that_are_not_flags_are_refused(relay: Relay) -> None:
+    """catch_up="no" counted as true (missed ticks were enqueued); a zone without cron went unchecked."""
+    from relay_core import InvalidJobError
+
+    with pytest.raises(InvalidJobError, match="catch_up"):
+        relay.handler("nightly", cron="0 3 * * *", catch_up="no")(lambda job: None)
+    with pytest.raises(InvalidJobError, match="give cron too"):
+        relay.handler("zoned", timezone="Not/AZone")(lambda job: None)
+    with pytest.raises(InvalidJobError, match="give cron too"):
+        relay.handler("caught_up", catch_up=True)(lambda job: None)
+    with pytest.raises(InvalidJobError, match="transactional"):
+        relay.handler("tx", transactional="yes")(lambda job: None)
+    assert not {"nightly", "zoned", "caught_up", "tx"} & set(relay.handlers)
+
+
 @pytest.mark.parametrize(
     ("cron", "reason"),
     [

@@ -2,23 +2,43 @@
 
 Two ``relay migrate`` runs at once are safe: the second waits on the lock,
 then finds every migration recorded and applies nothing.
+
+Each migration is its own transaction, recorded with it: all of it or none.
+One transaction for every pending migration held each one's table locks to
+the end, so a later migration asking for a stronger lock on a table an
+earlier one had locked deadlocked with an application transaction that read
+the table first and wrote it afterwards. A migration waits at most
+``lock_wait`` seconds for its locks, then lets go and tries again: while it
+waits, every statement on that table (workers' claims, enqueues, the
+dashboard's reads) queues behind it, and an application transaction left
+open would stall them all for as long as it stays open.
 """
 
 from __future__ import annotations
 
+import logging
 import re
+import time
 from dataclasses import dataclass
 from importlib import resources
 
 import psycopg
 
 from .errors import MigrationError
+from .logs import event
 from .pools import connection_options
 
 #: Advisory-lock key shared by every migrator ("relay" as digits, arbitrary but fixed).
 MIGRATION_LOCK_KEY = 7_265_108_721
 
 _FILENAME = re.compile(r"^(\d{4})_([a-z0-9_]+)\.sql$")
+
+#: How long a migration waits for a table's lock before it lets go and tries again.
+LOCK_WAIT_SECONDS = 5.0
+#: How long ``migrate`` keeps trying to get a migration's locks before it gives up.
+LOCK_PATIENCE_SECONDS = 600.0
+#: The pause between a migration's tries, which lets the statements queued behind it through.
+LOCK_RETRY_PAUSE_SECONDS = 1.0
 
 _CREATE_TABLE = """
 CREATE SCHEMA IF NOT EXISTS relay;
@@ -27,6 +47,15 @@ CREATE TABLE IF NOT EXISTS relay.schema_migrations (
     name       text NOT NULL,
     applied_at timestamptz NOT NULL DEFAULT now()
 )
+"""
+
+#: Sessions holding a lock on one of Relay's tables: whom a migration waits for.
+_LOCK_HOLDERS = """
+SELECT DISTINCT a.pid, a.state, left(a.query, 80) AS query
+FROM pg_locks AS l JOIN pg_stat_activity AS a ON a.pid = l.pid
+WHERE l.granted AND l.relation IN (SELECT c.oid FROM pg_class AS c WHERE c.relnamespace = 'relay'::regnamespace)
+  AND a.pid <> pg_backend_pid()
+ORDER BY a.pid
 """
 
 
@@ -73,28 +102,71 @@ def pending(conn: psycopg.Connection) -> list[Migration]:
     return [m for m in available() if m.version not in done]
 
 
-def migrate(dsn: str) -> list[str]:
+def migrate(dsn: str, lock_wait: float = LOCK_WAIT_SECONDS, patience: float = LOCK_PATIENCE_SECONDS) -> list[str]:
     """Bring the schema up to date; return the names of the migrations applied.
 
-    Everything happens in one transaction holding a transaction-level advisory
-    lock, so a failure leaves the schema as it was and concurrent migrators
-    serialise instead of racing on CREATE statements.
+    One transaction per migration, each holding the transaction-level
+    advisory lock (so concurrent migrators serialise instead of racing, and
+    a transaction pooler is no obstacle): a failure leaves the schema as the
+    last migration that succeeded left it. See the module's docstring for
+    ``lock_wait``; ``patience`` bounds the tries of one migration.
     """
-    applied: list[str] = []
+    done: list[str] = []
     try:
-        with psycopg.connect(dsn, **connection_options(dsn)) as conn, conn.transaction():
-            conn.execute("SELECT pg_advisory_xact_lock(%s)", (MIGRATION_LOCK_KEY,))
-            conn.execute(_CREATE_TABLE)
-            for migration in pending(conn):
+        with psycopg.connect(dsn, autocommit=True, **connection_options(dsn)) as conn:
+            while (name := _apply_next(conn, lock_wait, patience)) is not None:
+                done.append(name)
+    except psycopg.Error as exc:
+        raise MigrationError(f"migration failed: {exc}") from exc
+    return done
+
+
+def _apply_next(conn: psycopg.Connection, lock_wait: float, patience: float) -> str | None:
+    """Apply the first pending migration in a transaction of its own; its name, or None when none is pending."""
+    give_up = time.monotonic() + patience
+    while True:
+        try:
+            with conn.transaction():
+                conn.execute("SELECT pg_advisory_xact_lock(%s)", (MIGRATION_LOCK_KEY,))
+                # Only once the lock is held (another migrator's index build may take long):
+                # a wait for a table's lock is bounded, and nothing else is (a role's default
+                # statement_timeout would cut an index build short).
+                conn.execute("SELECT set_config('lock_timeout', %s, true)", (f"{int(lock_wait * 1000)}ms",))
+                conn.execute("SET LOCAL statement_timeout = 0")
+                _create_table_if_missing(conn)
+                todo = pending(conn)
+                if not todo:
+                    return None
+                migration = todo[0]
                 conn.execute(migration.sql)
                 conn.execute(
                     "INSERT INTO relay.schema_migrations (version, name) VALUES (%s, %s)",
                     (migration.version, migration.name),
                 )
-                applied.append(f"{migration.version:04d}_{migration.name}")
-    except psycopg.Error as exc:
-        raise MigrationError(f"migration failed: {exc}") from exc
-    return applied
+                return f"{migration.version:04d}_{migration.name}"
+        except psycopg.errors.LockNotAvailable:
+            holders = [f"pid {pid} ({state}: {query})" for pid, state, query in conn.execute(_LOCK_HOLDERS)]
+            if time.monotonic() >= give_up:
+                raise MigrationError(
+                    f"a migration could not get its locks in {patience:.0f} s; sessions holding locks on "
+                    f"Relay's tables: {', '.join(holders) or 'none now'}"
+                ) from None
+            event(
+                logging.WARNING,
+                "a migration waited for a lock on Relay's tables; letting the queue behind it through, then again",
+                holders="; ".join(holders) or "none now",
+                retry_in=LOCK_RETRY_PAUSE_SECONDS,
+            )
+            time.sleep(LOCK_RETRY_PAUSE_SECONDS)
+
+
+def _create_table_if_missing(conn: psycopg.Connection) -> None:
+    """The schema and its migrations table, only when missing: a CREATE ... IF NOT EXISTS needs the
+    privilege to create even when there is nothing to create, and a role allowed only its own schema
+    would fail every deploy."""
+    exists = conn.execute("SELECT to_regclass('relay.schema_migrations') IS NOT NULL").fetchone()
+    if not (exists and exists[0]):
+        conn.execute(_CREATE_TABLE)
 
 
 def unknown_applied(dsn: str) -> list[str]:

@@ -7,6 +7,7 @@ import threading
 import uuid
 
 import psycopg
+import pytest
 from psycopg import conninfo
 
 from relay_core import Relay
@@ -51,7 +52,9 @@ def test_concurrent_migrate_commands_leave_one_schema(database_url: str, python:
         ]
         outputs = [p.communicate(timeout=60)[0].decode() for p in procs]
         assert [p.returncode for p in procs] == [0, 0, 0, 0], outputs
-        assert sum("applied:" in out for out in outputs) == 1, outputs
+        # Each migration is one migrator's, applied once: they may share the work, one migration each at a time.
+        names = [name for out in outputs if "applied:" in out for name in out.split("applied:")[1].strip().split(", ")]
+        assert sorted(names) == [f"{m.version:04d}_{m.name}" for m in migrator.available()], outputs
         with psycopg.connect(dsn) as conn:
             versions = [r[0] for r in conn.execute("SELECT version FROM relay.schema_migrations ORDER BY 1")]
             assert versions == [m.version for m in migrator.available()]
@@ -130,14 +133,19 @@ def test_an_existing_database_gets_the_table_workers_publish_max_attempts_to(dat
         drop_database(dsn)
 
 
-def test_the_newest_migration_runs_beside_a_transaction_that_reads_jobs_then_writes_them(database_url: str) -> None:
+@pytest.mark.parametrize("behind", [1, 2])
+def test_the_newest_migrations_run_beside_a_transaction_that_reads_jobs_then_writes_them(
+    database_url: str, behind: int
+) -> None:
     """An application transaction that read relay.jobs before a deploy's migration began and
     writes it after must wait for the migration, or the migration for it: neither is aborted.
-    A migration that took a weaker lock on the table and then a stronger one deadlocked with it."""
-    newest = migrator.available()[-1]
+    A migration that took a weaker lock on the table and then a stronger one deadlocked with it,
+    and so did two migrations in one transaction: 0013's index build kept its lock on the table
+    while 0014 asked for a stronger one (each migration is now its own transaction)."""
+    newest = migrator.available()[-behind:]
     dsn = fresh_database(database_url)
     try:
-        migrate_to(dsn, newest.version - 1)
+        migrate_to(dsn, newest[0].version - 1)
         with psycopg.connect(dsn, autocommit=True) as conn:
             (job_id,) = conn.execute("INSERT INTO relay.jobs (type) VALUES ('t') RETURNING id").fetchone()
         migrated: list[object] = []
@@ -151,8 +159,59 @@ def test_the_newest_migration_runs_beside_a_transaction_that_reads_jobs_then_wri
             app.execute("UPDATE relay.jobs SET priority = 1 WHERE id = %s", (job_id,))
             app.commit()
         deploy.join(30)
-        assert migrated == [[f"{newest.version:04d}_{newest.name}"]]
+        assert migrated == [[f"{m.version:04d}_{m.name}" for m in newest]]
         with psycopg.connect(dsn) as conn:
             assert conn.execute("SELECT priority FROM relay.jobs WHERE id = %s", (job_id,)).fetchone() == (1,)
     finally:
         drop_database(dsn)
+
+
+def test_a_migration_waiting_for_a_lock_lets_the_statements_behind_it_through(database_url: str) -> None:
+    """An enqueue left uncommitted in a slow request holds relay.jobs; the migration that needs the
+    table to itself waits for it. Waiting, it queued every other statement on the table behind it
+    (workers' claims, enqueues) until that request ended. It now waits a bounded time, lets go,
+    and tries again: an enqueue meanwhile gets through, and the migration lands once the request ends."""
+    newest = migrator.available()[-1]
+    dsn = fresh_database(database_url)
+    try:
+        migrate_to(dsn, newest.version - 1)
+        migrated: list[object] = []
+        with psycopg.connect(dsn) as slow_request:
+            slow_request.execute("INSERT INTO relay.jobs (type) VALUES ('in_a_slow_request')")
+            deploy = threading.Thread(target=lambda: migrated.append(migrator.migrate(dsn, lock_wait=0.3)))
+            deploy.start()
+            with psycopg.connect(dsn, autocommit=True) as watch:
+                waiting = "SELECT count(*) FROM pg_locks WHERE relation = 'relay.jobs'::regclass AND NOT granted"
+                wait_for(lambda: watch.execute(waiting).fetchone()[0], what="the migration to wait for the table")
+                # Before, this waited behind the migration until the slow request committed.
+                watch.execute("SET statement_timeout = '20s'")
+                watch.execute("INSERT INTO relay.jobs (type) VALUES ('meanwhile')")
+            assert not migrated and deploy.is_alive()
+            slow_request.commit()
+        deploy.join(30)
+        assert migrated == [[f"{newest.version:04d}_{newest.name}"]]
+    finally:
+        drop_database(dsn)
+
+
+def test_a_role_that_may_not_create_in_the_database_migrates_its_own_schema(database_url: str) -> None:
+    """A least-privilege role owning schema relay, without CREATE on the database: `relay migrate`
+    with nothing pending failed with "permission denied for database" on every deploy."""
+    dsn = fresh_database(database_url)
+    role = f"relay_app_{uuid.uuid4().hex[:8]}"
+    dbname = conninfo.conninfo_to_dict(dsn)["dbname"]
+    try:
+        with psycopg.connect(dsn, autocommit=True) as admin:
+            admin.execute(f'CREATE ROLE "{role}" LOGIN')
+            admin.execute(f'REVOKE CREATE ON DATABASE "{dbname}" FROM PUBLIC')
+            admin.execute(f'CREATE SCHEMA relay AUTHORIZATION "{role}"')
+            admin.execute(f'GRANT CREATE ON DATABASE "{dbname}" TO "{role}"')
+        as_role = conninfo.make_conninfo(dsn, user=role)
+        assert len(migrator.migrate(as_role)) == len(migrator.available())
+        with psycopg.connect(dsn, autocommit=True) as admin:
+            admin.execute(f'REVOKE CREATE ON DATABASE "{dbname}" FROM "{role}"')
+        assert migrator.migrate(as_role) == []
+    finally:
+        drop_database(dsn)
+        with psycopg.connect(database_url, autocommit=True) as admin:
+            admin.execute(f'DROP ROLE IF EXISTS "{role}"')

@@ -315,3 +315,91 @@ def test_a_transactional_handler_that_returns_a_coroutine_is_dead_and_commits_no
     job = relay.get_job(job_id)
     assert job.attempts == 1 and job.last_error.startswith("PermanentFailure") and "awaitable" in job.last_error
     assert phases(db, job_id) == [] and ran == []
+
+
+def test_tasks_an_async_handler_left_running_end_with_its_run(relay: Relay, dsn: str, db: psycopg.Connection) -> None:
+    """asyncio.wait() does not cancel what it waits for: cancelled, the handler ended, and the tasks
+    it started ran on in the slot's loop beside the next job (and beside another worker's run of a
+    job taken over). A run ends once they are cancelled and have ended, as under asyncio.run."""
+
+    async def part(job: Job) -> None:
+        try:
+            await asyncio.sleep(600)
+        except asyncio.CancelledError:
+            await record(dsn, job, "part stopped")
+            raise
+
+    @relay.handler("fan_out", max_attempts=3)
+    async def fan_out(job: Job) -> None:
+        await record(dsn, job, "start")
+        await asyncio.wait([asyncio.create_task(part(job)) for _ in range(2)])
+
+    @relay.handler("fire_and_forget", max_attempts=3)
+    async def fire_and_forget(job: Job) -> str:
+        asyncio.create_task(part(job))  # noqa: RUF006 - left running on purpose
+        await asyncio.sleep(0)
+        return "returned"
+
+    cancelled = relay.enqueue("fan_out")
+    with running_worker(relay, concurrency=1, heartbeat_interval=0.3, lease_seconds=3.0):
+        wait_for(lambda: phases(db, cancelled) == [(1, "start")])
+        relay.cancel(cancelled)
+        wait_for(lambda: job_status(db, cancelled) == "cancelled", timeout=15)
+        wait_for(lambda: phases(db, cancelled).count((1, "part stopped")) == 2, what="its tasks to be cancelled")
+        returned = relay.enqueue("fire_and_forget")
+        wait_for(lambda: job_status(db, returned) == "succeeded", timeout=15)
+        wait_for(lambda: phases(db, returned) == [(1, "part stopped")], what="the task it left to be cancelled")
+    assert relay.get_job(returned).result == "returned"
+
+
+def test_a_cancelled_async_handlers_cleanup_is_not_cut_short_by_its_timeout(
+    relay: Relay, dsn: str, db: psycopg.Connection
+) -> None:
+    """A cancel, then the timeout passing during the cleanup the cancel began: the second
+    cancellation interrupted that cleanup. A run is cancelled once."""
+
+    @relay.handler("tidy", max_attempts=3, timeout=2.0)
+    async def tidy(job: Job) -> None:
+        await record(dsn, job, "start")
+        try:
+            await asyncio.sleep(600)
+        except asyncio.CancelledError:
+            await asyncio.sleep(2.5)  # past the timeout
+            await record(dsn, job, "cleaned up")
+            raise
+
+    job_id = relay.enqueue("tidy")
+    with running_worker(relay, concurrency=1, heartbeat_interval=0.3, lease_seconds=3.0):
+        wait_for(lambda: phases(db, job_id) == [(1, "start")])
+        relay.cancel(job_id)
+        wait_for(lambda: job_status(db, job_id) != "claimed", timeout=20)
+    assert phases(db, job_id) == [(1, "start"), (1, "cleaned up")]
+
+
+def test_an_async_handler_that_returns_what_it_forgot_to_await_is_not_a_success(
+    relay: Relay, db: psycopg.Connection
+) -> None:
+    """`return post_webhook(...)` without await: the coroutine was stored as an unstorable result and
+    the job succeeded, with nothing sent. Its work never ran: the job fails for good, and says why."""
+
+    async def post_webhook() -> None:
+        raise AssertionError("never awaited")
+
+    async def stream():  # type: ignore[no-untyped-def]
+        yield 1
+
+    @relay.handler("notify", max_attempts=3)
+    async def notify(job: Job):  # type: ignore[no-untyped-def]
+        return post_webhook()
+
+    @relay.handler("notify_stream", max_attempts=3)
+    async def notify_stream(job: Job):  # type: ignore[no-untyped-def]
+        return stream()
+
+    ids = [relay.enqueue("notify"), relay.enqueue("notify_stream")]
+    with running_worker(relay, concurrency=1):
+        wait_for(lambda: all(job_status(db, i) == "dead" for i in ids), timeout=15)
+    for job_id, kind in zip(ids, ["coroutine", "async_generator"], strict=True):
+        job = relay.get_job(job_id)
+        assert job.attempts == 1 and job.result is None
+        assert job.last_error.startswith(f"PermanentFailure: the handler of {job.type!r} returned a {kind}")

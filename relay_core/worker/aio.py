@@ -18,7 +18,8 @@ outcome is what a sync handler that stopped by raising would get.
 Cancelling a task does not stop a thread it handed work to
 (``asyncio.to_thread``, ``loop.run_in_executor(None, ...)``): that work goes
 on. So each job gets a default executor of its own, and its run ends only
-when the executor's threads have returned. Until then the slot is busy and
+when the executor's threads have returned, and the tasks the handler started
+and left running have been cancelled and have ended. Until then the slot is busy and
 the job's lease is kept, as for a sync handler that has not returned, so the
 retry of a timed-out job, or another job of a type with a concurrency limit,
 cannot start beside work still running.
@@ -69,10 +70,21 @@ async def _supervised(job: Job, awaitable: Awaitable[Any]) -> Any:
     task = asyncio.current_task()
     assert task is not None
 
+    cancelled = False
+
+    def cancel_once() -> None:
+        # On the loop's thread. Once per run: a cancel request and then a lease lost (or a
+        # timeout) would cancel it twice, and the second would cut short the cleanup the
+        # first began in the handler's ``finally``.
+        nonlocal cancelled
+        if not cancelled:
+            cancelled = True
+            task.cancel()
+
     def stop() -> None:
         # Runs on whichever thread set the flag, perhaps under the worker's lock: hand it on, nothing more.
         with contextlib.suppress(RuntimeError):  # the loop is closed: this run ended already
-            loop.call_soon_threadsafe(task.cancel)
+            loop.call_soon_threadsafe(cancel_once)
 
     unsubscribe = [job._lease_lost.subscribe(stop), job._cancel_requested.subscribe(stop)]
     try:
@@ -88,3 +100,21 @@ async def _supervised(job: Job, awaitable: Awaitable[Any]) -> Any:
     finally:
         for undo in unsubscribe:
             undo()
+        await _end_tasks_left(task)
+
+
+async def _end_tasks_left(task: asyncio.Task[Any]) -> None:
+    """Cancel the tasks the handler started and left running, and wait for them to end.
+
+    The loop outlives the job (it serves the slot's next one), and a task
+    left on it would run on while the slot awaits that job: after its own
+    job was cancelled, or taken over by another worker that runs it again.
+    ``asyncio.run`` ends a program's tasks the same way. A task that ignores
+    its cancellation holds the slot and the lease, as a handler that does not
+    return does.
+    """
+    left = [other for other in asyncio.all_tasks() if other is not task]
+    for other in left:
+        other.cancel()
+    if left:
+        await asyncio.gather(*left, return_exceptions=True)

@@ -49,6 +49,12 @@ def run(job: Job, handlers: Mapping[str, HandlerSpec], pool: ConnectionPool, wor
         value = spec.func(job)
         if inspect.isawaitable(value):
             value = loop.run(job, value)
+            if inspect.isawaitable(value) or inspect.isgenerator(value) or inspect.isasyncgen(value):
+                _discard(value)
+                raise PermanentFailure(
+                    f"the handler of {job.type!r} returned a {type(value).__name__} from its await, so its "
+                    "work never ran: await it in the handler (a missing `await`?) and return the result"
+                )
         elif inspect.isgenerator(value) or inspect.isasyncgen(value):
             _discard(value)
             raise PermanentFailure(

@@ -26,15 +26,24 @@ SYNC_KINDS = "a psycopg Connection or a SQLAlchemy Connection or Session"
 ASYNC_KINDS = "a psycopg AsyncConnection or a SQLAlchemy AsyncConnection or AsyncSession"
 
 
+def _made_by(conn: Any, package: str) -> bool:
+    """Whether ``conn``'s class or one it derives from belongs to ``package``.
+
+    By the classes' modules, so SQLAlchemy (an optional dependency) is never
+    imported; through the whole MRO, so an application's own subclass of a
+    Session or an AsyncSession (``sessionmaker(class_=...)``) is one too.
+    """
+    return any(c.__module__ == package or c.__module__.startswith(package + ".") for c in type(conn).__mro__)
+
+
 def is_async_connection(conn: Any) -> bool:
     """Whether ``conn`` is an asyncio connection (psycopg or SQLAlchemy): its calls must be awaited."""
-    return isinstance(conn, psycopg.AsyncConnection) or type(conn).__module__.startswith("sqlalchemy.ext.asyncio")
+    return isinstance(conn, psycopg.AsyncConnection) or _made_by(conn, "sqlalchemy.ext.asyncio")
 
 
 def _sqlalchemy_connection(conn: Any) -> Any | None:
     """The SQLAlchemy Connection behind ``conn``, or None if it is not SQLAlchemy."""
-    module = type(conn).__module__
-    if not module.startswith("sqlalchemy"):
+    if not _made_by(conn, "sqlalchemy"):
         return None
     if hasattr(conn, "exec_driver_sql"):
         return conn
@@ -116,7 +125,7 @@ async def run_async(conn: Any, steps: Steps[T]) -> T:
             f"conn must be {ASYNC_KINDS}, not {type(conn).__name__}"
             + (": `relay.enqueue(..., conn=conn)` joins its transaction" if _is_sync_connection(conn) else "")
         )
-    if type(conn).__module__.startswith("sqlalchemy") and not hasattr(conn, "exec_driver_sql"):
+    if _made_by(conn, "sqlalchemy") and not hasattr(conn, "exec_driver_sql"):
         conn = await conn.connection()  # an AsyncSession: its connection, in its transaction
     try:
         statement = next(steps)
@@ -146,7 +155,7 @@ def _is_sync_connection(conn: Any) -> bool:
     if isinstance(conn, psycopg.Connection):
         return True
     return (
-        type(conn).__module__.startswith("sqlalchemy")
+        _made_by(conn, "sqlalchemy")
         and not is_async_connection(conn)
         and (hasattr(conn, "exec_driver_sql") or (hasattr(conn, "connection") and hasattr(conn, "flush")))
     )

@@ -148,6 +148,27 @@ def test_sqlalchemy_session_joins_the_transaction(relay: Relay, dsn: str, db: ps
         engine.dispose()
 
 
+class AppSession(Session):
+    """An application's own session class: refused as "not a SQLAlchemy Session" before."""
+
+
+def test_a_subclass_of_sqlalchemys_session_joins_the_transaction(
+    relay: Relay, dsn: str, db: psycopg.Connection
+) -> None:
+    engine = sa_engine(dsn)
+    try:
+        with AppSession(engine) as session:
+            relay.enqueue("send_email", {"n": 1}, conn=session)
+            session.rollback()
+        assert job_count(db) == 0
+        with AppSession(engine) as session:
+            relay.enqueue("send_email", {"n": 2}, conn=session)
+            session.commit()
+        assert job_count(db) == 1
+    finally:
+        engine.dispose()
+
+
 def test_enqueue_without_conn_commits_at_once(relay: Relay, db: psycopg.Connection) -> None:
     job_id = relay.enqueue("report", {"month": "2026-11"}, queue="reports", priority=-5)
     row = db.execute(

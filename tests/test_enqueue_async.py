@@ -53,7 +53,26 @@ async def sqlalchemy_session(dsn: str) -> AsyncIterator[Any]:
         await engine.dispose()
 
 
-TRANSACTIONS = {"psycopg": psycopg_transaction, "sqlalchemy": sqlalchemy_connection, "session": sqlalchemy_session}
+class AppSession(AsyncSession):
+    """An application's own session class (``async_sessionmaker(class_=AppSession)``): still a session."""
+
+
+@asynccontextmanager
+async def app_session(dsn: str) -> AsyncIterator[Any]:
+    engine = create_async_engine("postgresql+psycopg://", async_creator=lambda: psycopg.AsyncConnection.connect(dsn))
+    try:
+        async with AppSession(engine) as session, session.begin():
+            yield session
+    finally:
+        await engine.dispose()
+
+
+TRANSACTIONS = {
+    "psycopg": psycopg_transaction,
+    "sqlalchemy": sqlalchemy_connection,
+    "session": sqlalchemy_session,
+    "subclassed_session": app_session,
+}
 
 
 @pytest.mark.parametrize("kind", TRANSACTIONS)

@@ -157,6 +157,20 @@ def test_a_lease_or_interval_a_worker_cannot_use_is_refused_at_start(
             relay.worker()
 
 
+def test_the_heartbeat_follows_the_lease_it_is_given(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A third of the lease given, not of the environment's (or the default) lease: relay.worker(lease_seconds=15)
+    was refused with a heartbeat of 10 s, over half of it."""
+    monkeypatch.delenv("RELAY_LEASE_SECONDS", raising=False)
+    monkeypatch.delenv("RELAY_HEARTBEAT_INTERVAL", raising=False)
+    assert WorkerConfig(lease_seconds=15.0).heartbeat_interval == 5.0
+    assert WorkerConfig.from_env(lease_seconds=15.0).heartbeat_interval == 5.0
+    assert WorkerConfig.from_env().heartbeat_interval == 10.0
+    monkeypatch.setenv("RELAY_HEARTBEAT_INTERVAL", "4")
+    assert WorkerConfig.from_env(lease_seconds=15.0).heartbeat_interval == 4.0
+    with pytest.raises(ConfigurationError, match="at least"):
+        WorkerConfig(heartbeat_interval=0.001)
+
+
 def test_a_queue_named_twice_is_served_once() -> None:
     assert WorkerConfig(queues=("mail", "default", "mail")).queues == ("mail", "default")
 

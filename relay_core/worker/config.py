@@ -18,6 +18,8 @@ from .retention import Retention
 MAX_CONCURRENCY = 1000
 #: The shortest lease a worker takes: heartbeats, the lease watch and the sweeper work in tenths of a second.
 MIN_LEASE_SECONDS = 1.0
+#: The shortest heartbeat interval: each renewal is a round trip for every lease the worker holds.
+MIN_HEARTBEAT_SECONDS = 0.1
 
 
 def _worker_id() -> str:
@@ -38,7 +40,8 @@ class WorkerConfig:
     queues: tuple[str, ...] = ("default",)
     concurrency: int = 8
     lease_seconds: float = 30.0
-    heartbeat_interval: float = 10.0
+    #: Default: a third of the lease.
+    heartbeat_interval: float = None  # type: ignore[assignment]
     poll_interval: float = 0.5
     sweep_interval: float = 5.0
     shutdown_timeout: float = 25.0
@@ -67,6 +70,8 @@ class WorkerConfig:
                 raise ConfigurationError(str(exc)) from None
         if not 1 <= self.concurrency <= MAX_CONCURRENCY:
             raise ConfigurationError(f"concurrency must be between 1 and {MAX_CONCURRENCY}, got {self.concurrency}")
+        if self.heartbeat_interval is None and isinstance(self.lease_seconds, int | float):
+            self.heartbeat_interval = self.lease_seconds / 3
         for name in ("lease_seconds", "heartbeat_interval", "poll_interval", "sweep_interval"):
             # NaN passes every comparison below, and a thread cannot wait an infinite time
             # (nor longer than threading.TIMEOUT_MAX, about 292 years: an OverflowError mid-run).
@@ -78,6 +83,10 @@ class WorkerConfig:
             raise ConfigurationError(
                 f"lease_seconds must be at least {MIN_LEASE_SECONDS:.0f}: a pause of the worker any longer "
                 "(a garbage collection, a busy machine) would let another worker run the job beside it"
+            )
+        if self.heartbeat_interval < MIN_HEARTBEAT_SECONDS:
+            raise ConfigurationError(
+                f"heartbeat_interval must be at least {MIN_HEARTBEAT_SECONDS:g} s, got {self.heartbeat_interval:g}"
             )
         if self.heartbeat_interval > self.lease_seconds / 2:
             # A renewal comes a round trip after it is due, and a late or failed one must
@@ -100,7 +109,8 @@ class WorkerConfig:
         values: dict[str, object] = {
             "concurrency": env_int("RELAY_CONCURRENCY", 8),
             "lease_seconds": lease,
-            "heartbeat_interval": env_float("RELAY_HEARTBEAT_INTERVAL", lease / 3),
+            # None: a third of the lease, the one given here or in the environment.
+            "heartbeat_interval": env_float("RELAY_HEARTBEAT_INTERVAL", None),
             "poll_interval": env_float("RELAY_POLL_INTERVAL", 0.5),
             "sweep_interval": env_float("RELAY_SWEEP_INTERVAL", 5.0),
             "shutdown_timeout": env_float("RELAY_SHUTDOWN_TIMEOUT", 25.0),

@@ -302,7 +302,9 @@ class Maintenance:
         next_heartbeat = time.monotonic() + self._heartbeat_interval
         while not self._stop_heartbeats.wait(max(next_heartbeat - time.monotonic(), 0.0)):
             now = time.monotonic()
-            next_heartbeat = max(next_heartbeat + self._heartbeat_interval, now)
+            next_heartbeat += self._heartbeat_interval
+            if next_heartbeat <= now:  # the last one took longer than the interval: one now, not a burst
+                next_heartbeat = now + self._heartbeat_interval
             try:
                 self.heartbeat()
                 self._outage.succeeded()

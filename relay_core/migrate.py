@@ -53,7 +53,7 @@ CREATE TABLE IF NOT EXISTS relay.schema_migrations (
 _LOCK_HOLDERS = """
 SELECT DISTINCT a.pid, a.state, left(a.query, 80) AS query
 FROM pg_locks AS l JOIN pg_stat_activity AS a ON a.pid = l.pid
-WHERE l.granted AND l.relation IN (SELECT c.oid FROM pg_class AS c WHERE c.relnamespace = 'relay'::regnamespace)
+WHERE l.granted AND l.relation IN (SELECT c.oid FROM pg_class AS c WHERE c.relnamespace = to_regnamespace('relay'))
   AND a.pid <> pg_backend_pid()
 ORDER BY a.pid
 """
@@ -122,17 +122,22 @@ def migrate(dsn: str, lock_wait: float = LOCK_WAIT_SECONDS, patience: float = LO
 
 
 def _apply_next(conn: psycopg.Connection, lock_wait: float, patience: float) -> str | None:
-    """Apply the first pending migration in a transaction of its own; its name, or None when none is pending."""
-    give_up = time.monotonic() + patience
+    """Apply the first pending migration in a transaction of its own; its name, or None when none is pending.
+
+    ``patience`` counts only the tries that waited for a table: the wait for
+    another migrator (whose index build may take long) is not bounded.
+    """
+    waited = 0.0
     while True:
+        locked_at = None
         try:
             with conn.transaction():
+                # No timeout of a role's, a database's or PGOPTIONS' may cut short the wait for
+                # another migrator, nor an index build.
+                conn.execute("SELECT set_config('lock_timeout', '0', true), set_config('statement_timeout', '0', true)")
                 conn.execute("SELECT pg_advisory_xact_lock(%s)", (MIGRATION_LOCK_KEY,))
-                # Only once the lock is held (another migrator's index build may take long):
-                # a wait for a table's lock is bounded, and nothing else is (a role's default
-                # statement_timeout would cut an index build short).
+                locked_at = time.monotonic()
                 conn.execute("SELECT set_config('lock_timeout', %s, true)", (f"{int(lock_wait * 1000)}ms",))
-                conn.execute("SET LOCAL statement_timeout = 0")
                 _create_table_if_missing(conn)
                 todo = pending(conn)
                 if not todo:
@@ -145,8 +150,9 @@ def _apply_next(conn: psycopg.Connection, lock_wait: float, patience: float) -> 
                 )
                 return f"{migration.version:04d}_{migration.name}"
         except psycopg.errors.LockNotAvailable:
+            waited += time.monotonic() - (locked_at or time.monotonic())
             holders = [f"pid {pid} ({state}: {query})" for pid, state, query in conn.execute(_LOCK_HOLDERS)]
-            if time.monotonic() >= give_up:
+            if waited >= patience:
                 raise MigrationError(
                     f"a migration could not get its locks in {patience:.0f} s; sessions holding locks on "
                     f"Relay's tables: {', '.join(holders) or 'none now'}"

@@ -215,3 +215,26 @@ def test_a_role_that_may_not_create_in_the_database_migrates_its_own_schema(data
         drop_database(dsn)
         with psycopg.connect(database_url, autocommit=True) as admin:
             admin.execute(f'DROP ROLE IF EXISTS "{role}"')
+
+
+def test_a_migrator_waits_out_another_whatever_lock_timeout_the_database_sets(database_url: str) -> None:
+    """A database's (or a role's, or PGOPTIONS') lock_timeout cut short the wait for another migrator:
+    on a fresh database it failed with 'schema "relay" does not exist', and on a migrated one it
+    spent the patience meant for waits on tables while the other migrator worked."""
+    dsn = fresh_database(database_url)
+    dbname = conninfo.conninfo_to_dict(dsn)["dbname"]
+    try:
+        with psycopg.connect(dsn, autocommit=True) as admin:
+            admin.execute(f"ALTER DATABASE \"{dbname}\" SET lock_timeout = '200ms'")
+        migrated: list[object] = []
+        with psycopg.connect(dsn) as other_migrator:
+            other_migrator.execute("SELECT pg_advisory_xact_lock(%s)", (migrator.MIGRATION_LOCK_KEY,))
+            deploy = threading.Thread(target=lambda: migrated.append(migrator.migrate(dsn, patience=0.5)))
+            deploy.start()
+            deploy.join(1.5)
+            assert deploy.is_alive() and not migrated
+            other_migrator.commit()
+        deploy.join(60)
+        assert migrated == [[f"{m.version:04d}_{m.name}" for m in migrator.available()]]
+    finally:
+        drop_database(dsn)

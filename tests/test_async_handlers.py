@@ -317,41 +317,6 @@ def test_a_transactional_handler_that_returns_a_coroutine_is_dead_and_commits_no
     assert phases(db, job_id) == [] and ran == []
 
 
-def test_tasks_an_async_handler_left_running_end_with_its_run(relay: Relay, dsn: str, db: psycopg.Connection) -> None:
-    """asyncio.wait() does not cancel what it waits for: cancelled, the handler ended, and the tasks
-    it started ran on in the slot's loop beside the next job (and beside another worker's run of a
-    job taken over). A run ends once they are cancelled and have ended, as under asyncio.run."""
-
-    async def part(job: Job) -> None:
-        try:
-            await asyncio.sleep(600)
-        except asyncio.CancelledError:
-            await record(dsn, job, "part stopped")
-            raise
-
-    @relay.handler("fan_out", max_attempts=3)
-    async def fan_out(job: Job) -> None:
-        await record(dsn, job, "start")
-        await asyncio.wait([asyncio.create_task(part(job)) for _ in range(2)])
-
-    @relay.handler("fire_and_forget", max_attempts=3)
-    async def fire_and_forget(job: Job) -> str:
-        asyncio.create_task(part(job))  # noqa: RUF006 - left running on purpose
-        await asyncio.sleep(0)
-        return "returned"
-
-    cancelled = relay.enqueue("fan_out")
-    with running_worker(relay, concurrency=1, heartbeat_interval=0.3, lease_seconds=3.0):
-        wait_for(lambda: phases(db, cancelled) == [(1, "start")])
-        relay.cancel(cancelled)
-        wait_for(lambda: job_status(db, cancelled) == "cancelled", timeout=15)
-        wait_for(lambda: phases(db, cancelled).count((1, "part stopped")) == 2, what="its tasks to be cancelled")
-        returned = relay.enqueue("fire_and_forget")
-        wait_for(lambda: job_status(db, returned) == "succeeded", timeout=15)
-        wait_for(lambda: phases(db, returned) == [(1, "part stopped")], what="the task it left to be cancelled")
-    assert relay.get_job(returned).result == "returned"
-
-
 def test_a_cancelled_async_handlers_cleanup_is_not_cut_short_by_its_timeout(
     relay: Relay, dsn: str, db: psycopg.Connection
 ) -> None:

@@ -18,8 +18,13 @@ outcome is what a sync handler that stopped by raising would get.
 Cancelling a task does not stop a thread it handed work to
 (``asyncio.to_thread``, ``loop.run_in_executor(None, ...)``): that work goes
 on. So each job gets a default executor of its own, and its run ends only
-when the executor's threads have returned, and the tasks the handler started
-and left running have been cancelled and have ended. Until then the slot is busy and
+when the executor's threads have returned.
+
+Tasks a handler starts and leaves running are not ended with its run: the
+loop serves the slot's next jobs, and what a handler keeps on it on purpose
+(an async connection pool, one per loop) runs tasks of its own that must
+outlive the job. A handler that must not leave work behind, cancelled or
+not, starts its tasks in an ``asyncio.TaskGroup``. Until then the slot is busy and
 the job's lease is kept, as for a sync handler that has not returned, so the
 retry of a timed-out job, or another job of a type with a concurrency limit,
 cannot start beside work still running.
@@ -100,21 +105,3 @@ async def _supervised(job: Job, awaitable: Awaitable[Any]) -> Any:
     finally:
         for undo in unsubscribe:
             undo()
-        await _end_tasks_left(task)
-
-
-async def _end_tasks_left(task: asyncio.Task[Any]) -> None:
-    """Cancel the tasks the handler started and left running, and wait for them to end.
-
-    The loop outlives the job (it serves the slot's next one), and a task
-    left on it would run on while the slot awaits that job: after its own
-    job was cancelled, or taken over by another worker that runs it again.
-    ``asyncio.run`` ends a program's tasks the same way. A task that ignores
-    its cancellation holds the slot and the lease, as a handler that does not
-    return does.
-    """
-    left = [other for other in asyncio.all_tasks() if other is not task]
-    for other in left:
-        other.cancel()
-    if left:
-        await asyncio.gather(*left, return_exceptions=True)

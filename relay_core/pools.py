@@ -138,7 +138,12 @@ class RelayConnection(psycopg.Connection[Any]):
         """
         cur: psycopg.Cursor[Any] | None = getattr(self._kept, "cursor", None)
         if cur is None or cur.closed:
-            cur = self._kept.cursor = psycopg.Cursor(self, row_factory=tuple_row)
+            # The holder's kind of cursor (a tracing subclass sees Relay's statements too),
+            # unless it binds parameters some other way than Relay's %(name)s, server-side.
+            kind = self.cursor_factory
+            if not issubclass(kind, psycopg.Cursor) or issubclass(kind, psycopg.RawCursor | psycopg.ClientCursor):
+                kind = psycopg.Cursor
+            cur = self._kept.cursor = kind(self, row_factory=tuple_row)
         return cur
 
 

@@ -95,6 +95,25 @@ def test_relays_own_connections_read_their_rows_whatever_their_holder_set(
     assert rows == [(job_id, "1"), (more[0], "2"), (more[1], "3")]
 
 
+class Tracing(psycopg.Cursor):
+    """An application's cursor class that sees every statement (as a tracing library's does)."""
+
+    seen: ClassVar[list[str]] = []
+
+    def execute(self, query, params=None, **kwargs):  # type: ignore[no-untyped-def, override]
+        self.seen.append(str(query))
+        return super().execute(query, params, **kwargs)
+
+
+def test_relays_own_connections_run_the_enqueue_on_their_holders_kind_of_cursor(relay: Relay) -> None:
+    Tracing.seen.clear()
+    with relay.connect() as conn:
+        conn.cursor_factory = Tracing
+        relay.enqueue("send_email", {"n": 1}, conn=conn)
+        conn.commit()
+    assert any("INSERT INTO relay.jobs" in statement for statement in Tracing.seen)
+
+
 def test_a_transactional_handler_may_choose_its_connections_rows(relay: Relay, db: psycopg.Connection) -> None:
     """A handler's ``dict_row`` stays its own: its enqueue joins its transaction, and the worker's
     statements on that connection afterwards still read the rows they expect."""

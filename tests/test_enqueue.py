@@ -150,40 +150,26 @@ def test_sqlalchemy_connection_joins_the_transaction(relay: Relay, dsn: str, db:
         engine.dispose()
 
 
-def test_sqlalchemy_session_joins_the_transaction(relay: Relay, dsn: str, db: psycopg.Connection) -> None:
+class AppSession(Session):
+    """An application's own session class: refused as "not a SQLAlchemy Session" before."""
+
+
+@pytest.mark.parametrize("session_class", [Session, AppSession], ids=["Session", "subclass"])
+def test_sqlalchemy_session_joins_the_transaction(
+    relay: Relay, dsn: str, db: psycopg.Connection, session_class: type[Session]
+) -> None:
     engine = sa_engine(dsn)
     try:
-        with Session(engine) as session:
+        with session_class(engine) as session:
             relay.enqueue("send_email", {"n": 1}, conn=session)
             session.rollback()
         assert job_count(db) == 0
-        with Session(engine) as session:
+        with session_class(engine) as session:
             relay.enqueue("send_email", {"n": 2}, conn=session)
             ids = relay.enqueue_many([{"type": "send_email", "payload": {"n": 3}}], conn=session)
             assert len(ids) == 1
             session.commit()
         assert job_count(db) == 2
-    finally:
-        engine.dispose()
-
-
-class AppSession(Session):
-    """An application's own session class: refused as "not a SQLAlchemy Session" before."""
-
-
-def test_a_subclass_of_sqlalchemys_session_joins_the_transaction(
-    relay: Relay, dsn: str, db: psycopg.Connection
-) -> None:
-    engine = sa_engine(dsn)
-    try:
-        with AppSession(engine) as session:
-            relay.enqueue("send_email", {"n": 1}, conn=session)
-            session.rollback()
-        assert job_count(db) == 0
-        with AppSession(engine) as session:
-            relay.enqueue("send_email", {"n": 2}, conn=session)
-            session.commit()
-        assert job_count(db) == 1
     finally:
         engine.dispose()
 

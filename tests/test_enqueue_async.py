@@ -8,6 +8,7 @@ read back from the real database.
 from __future__ import annotations
 
 import asyncio
+import functools
 import warnings
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -44,10 +45,10 @@ async def sqlalchemy_connection(dsn: str) -> AsyncIterator[Any]:
 
 
 @asynccontextmanager
-async def sqlalchemy_session(dsn: str) -> AsyncIterator[Any]:
+async def sqlalchemy_session(dsn: str, session_class: type[AsyncSession] = AsyncSession) -> AsyncIterator[Any]:
     engine = create_async_engine("postgresql+psycopg://", async_creator=lambda: psycopg.AsyncConnection.connect(dsn))
     try:
-        async with AsyncSession(engine) as session, session.begin():
+        async with session_class(engine) as session, session.begin():
             yield session
     finally:
         await engine.dispose()
@@ -57,21 +58,11 @@ class AppSession(AsyncSession):
     """An application's own session class (``async_sessionmaker(class_=AppSession)``): still a session."""
 
 
-@asynccontextmanager
-async def app_session(dsn: str) -> AsyncIterator[Any]:
-    engine = create_async_engine("postgresql+psycopg://", async_creator=lambda: psycopg.AsyncConnection.connect(dsn))
-    try:
-        async with AppSession(engine) as session, session.begin():
-            yield session
-    finally:
-        await engine.dispose()
-
-
 TRANSACTIONS = {
     "psycopg": psycopg_transaction,
     "sqlalchemy": sqlalchemy_connection,
     "session": sqlalchemy_session,
-    "subclassed_session": app_session,
+    "subclassed_session": functools.partial(sqlalchemy_session, session_class=AppSession),
 }
 
 

@@ -362,7 +362,9 @@ class Relay:
         AsyncSession) the insert joins the caller's transaction: rolled back,
         there is no job. Without it, :meth:`enqueue` runs on Relay's own pool
         in a thread, so the event loop is not blocked, and the job is
-        committed before this returns.
+        committed before this returns. Cancelling the await does not stop
+        that thread: the job may be committed all the same (retry with an
+        ``idempotency_key``).
         """
         options = {
             "run_at": run_at,

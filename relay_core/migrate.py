@@ -150,7 +150,8 @@ def _apply_next(conn: psycopg.Connection, lock_wait: float, patience: float) -> 
                 )
                 return f"{migration.version:04d}_{migration.name}"
         except psycopg.errors.LockNotAvailable:
-            waited += time.monotonic() - (locked_at or time.monotonic())
+            if locked_at is not None:  # a wait for a table, not for another migrator
+                waited += time.monotonic() - locked_at
             holders = [f"pid {pid} ({state}: {query})" for pid, state, query in conn.execute(_LOCK_HOLDERS)]
             if waited >= patience:
                 raise MigrationError(

@@ -18,16 +18,16 @@ outcome is what a sync handler that stopped by raising would get.
 Cancelling a task does not stop a thread it handed work to
 (``asyncio.to_thread``, ``loop.run_in_executor(None, ...)``): that work goes
 on. So each job gets a default executor of its own, and its run ends only
-when the executor's threads have returned.
+when the executor's threads have returned. Until then the slot is busy and
+the job's lease is kept, as for a sync handler that has not returned, so the
+retry of a timed-out job, or another job of a type with a concurrency limit,
+cannot start beside work still running.
 
 Tasks a handler starts and leaves running are not ended with its run: the
 loop serves the slot's next jobs, and what a handler keeps on it on purpose
 (an async connection pool, one per loop) runs tasks of its own that must
 outlive the job. A handler that must not leave work behind, cancelled or
-not, starts its tasks in an ``asyncio.TaskGroup``. Until then the slot is busy and
-the job's lease is kept, as for a sync handler that has not returned, so the
-retry of a timed-out job, or another job of a type with a concurrency limit,
-cannot start beside work still running.
+not, starts its tasks in an ``asyncio.TaskGroup``.
 """
 
 from __future__ import annotations

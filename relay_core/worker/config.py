@@ -70,7 +70,7 @@ class WorkerConfig:
                 raise ConfigurationError(str(exc)) from None
         if not 1 <= self.concurrency <= MAX_CONCURRENCY:
             raise ConfigurationError(f"concurrency must be between 1 and {MAX_CONCURRENCY}, got {self.concurrency}")
-        if self.heartbeat_interval is None and isinstance(self.lease_seconds, int | float):
+        if self.heartbeat_interval is None:
             self.heartbeat_interval = self.lease_seconds / 3
         for name in ("lease_seconds", "heartbeat_interval", "poll_interval", "sweep_interval"):
             # NaN passes every comparison below, and a thread cannot wait an infinite time

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -111,6 +112,7 @@ class Job:
         """Report progress (shown on the job's admin page); False if the job is no longer ours.
 
         Each call is one fenced UPDATE, so report per step, not per item.
+        An async handler awaits :meth:`progress_async` instead.
         """
         if self._report is None:
             return False
@@ -122,6 +124,15 @@ class Job:
             # would fail the report, and with it the attempt: escape it, as error text is.
             value["message"] = storable_text(str(message)[:500])
         return self._report(self, value)
+
+    async def progress_async(self, percent: float | None = None, message: str | None = None) -> bool:
+        """:meth:`progress` for an async handler, run in a thread.
+
+        The report waits for a pooled connection and a row lock (a heartbeat
+        may hold it); called directly, that wait would stall the handler's
+        event loop and every task on it.
+        """
+        return await asyncio.to_thread(self.progress, percent, message)
 
     @classmethod
     def from_row(cls, row: dict[str, Any]) -> Job:

@@ -368,3 +368,42 @@ def test_an_async_handler_that_returns_what_it_forgot_to_await_is_not_a_success(
         job = relay.get_job(job_id)
         assert job.attempts == 1 and job.result is None
         assert job.last_error.startswith(f"PermanentFailure: the handler of {job.type!r} returned a {kind}")
+
+
+def test_progress_from_an_async_handler_leaves_its_event_loop_running(relay: Relay, db: psycopg.Connection) -> None:
+    """A report waits for the job's row; while it waits, the handler's other tasks go on."""
+    ticks: list[float] = []
+    waiting_for_lock = threading.Event()
+    locked = threading.Event()
+    reported: list[int] = []  # ticks counted when the report began
+
+    @relay.handler("import_pages")
+    async def import_pages(job: Job) -> bool:
+        async def tick() -> None:
+            while True:
+                ticks.append(time.monotonic())
+                await asyncio.sleep(0.01)
+
+        ticker = asyncio.create_task(tick())
+        waiting_for_lock.set()
+        await asyncio.to_thread(locked.wait, 10)
+        reported.append(len(ticks))
+        try:
+            return await job.progress_async(40, "page 2 of 5")
+        finally:
+            ticker.cancel()
+
+    job_id = relay.enqueue("import_pages")
+    with running_worker(relay):
+        wait_for(waiting_for_lock.is_set)
+        with db.transaction():
+            db.execute("SELECT 1 FROM relay.jobs WHERE id = %s FOR UPDATE", (job_id,))
+            locked.set()
+            wait_for(lambda: bool(reported))
+            # The report is blocked on the row lock held here, yet the ticker keeps ticking.
+            wait_for(lambda: len(ticks) >= reported[0] + 10, what="the event loop to run during the report")
+            assert relay.get_job(job_id).progress is None
+        wait_for(lambda: job_status(db, job_id) == "succeeded")
+    job = relay.get_job(job_id)
+    assert job.progress == {"percent": 40.0, "message": "page 2 of 5"}
+    assert job.result is True

@@ -95,13 +95,20 @@ class JobPage:
 
 @dataclass(frozen=True)
 class QueueDepth:
-    """One queue: its jobs per state, how long its oldest due job has waited, whether it is paused."""
+    """One queue: its jobs per state, how long its oldest due job has waited, whether it is paused,
+    and how many live workers serve it."""
 
     queue: str
     counts: dict[str, int]
     oldest_runnable_at: datetime | None
     oldest_runnable_age_seconds: float | None
     paused: bool = False
+    live_workers: int = 0
+
+    @property
+    def unserved(self) -> bool:
+        """Jobs wait here and no live worker serves the queue: nothing will run them."""
+        return self.counts.get("queued", 0) > 0 and self.live_workers == 0
 
 
 @dataclass(frozen=True)
@@ -293,8 +300,9 @@ def status_counts(conn: psycopg.Connection) -> dict[str, int]:
     return totals
 
 
-def queue_depths(conn: psycopg.Connection) -> list[QueueDepth]:
-    """Every queue that holds jobs or is paused, with its depth by state and the age of its oldest due job."""
+def queue_depths(conn: psycopg.Connection, *, stale_seconds: float = DEFAULT_STALE_SECONDS) -> list[QueueDepth]:
+    """Every queue that holds jobs or is paused, with its depth by state, the age of its oldest due job
+    and its live workers (a worker silent for ``stale_seconds`` is gone)."""
     counts = queue_counts(conn)
     paused = set(admin.paused_queues(conn))
     for queue in sorted(paused - set(counts)):
@@ -304,6 +312,10 @@ def queue_depths(conn: psycopg.Connection) -> list[QueueDepth]:
     oldest = {
         row["queue"]: row
         for row in _rows(conn, "queue_oldest_runnable", {"queues": [q for q, c in counts.items() if c.get("queued")]})
+    }
+    serving = {
+        row["queue"]: row["live_workers"]
+        for row in _rows(conn, "queue_live_workers", {"queues": list(counts), "stale_seconds": stale_seconds})
     }
     depths = []
     for queue, states in counts.items():
@@ -318,6 +330,7 @@ def queue_depths(conn: psycopg.Connection) -> list[QueueDepth]:
                 oldest_runnable_at=at,
                 oldest_runnable_age_seconds=age,
                 paused=queue in paused,
+                live_workers=serving.get(queue, 0),
             )
         )
     return depths

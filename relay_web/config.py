@@ -15,6 +15,8 @@ from collections.abc import Mapping
 from datetime import timedelta
 from typing import Any
 
+from flask import current_app
+
 from relay_core import ConfigurationError, Relay, users
 
 log = logging.getLogger("relay.web")
@@ -140,3 +142,8 @@ def load(given: Mapping[str, Any] | None = None) -> dict[str, Any]:
         if key not in settings or (key.startswith("JWT_") and key != "JWT_SECRET_KEY"):
             settings[key] = value
     return settings
+
+
+def worker_stale_seconds() -> float:
+    """How long a worker may stay silent before this app counts it gone (``RELAY_WORKER_STALE_SECONDS``)."""
+    return float(current_app.config["RELAY_WORKER_STALE_SECONDS"])

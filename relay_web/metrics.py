@@ -17,6 +17,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 from relay_core import monitor
 
+from .config import worker_stale_seconds
 from .db import connection
 from .endpoint import endpoint
 from .problems import unauthorized
@@ -34,7 +35,7 @@ class RelayCollector:
         """The series of one scrape."""
         with connection() as conn:
             monitor.fold_counters(conn)
-            depths = monitor.queue_depths(conn)
+            depths = monitor.queue_depths(conn, stale_seconds=self.stale_seconds)
             totals = monitor.outcome_totals(conn)
             recent = monitor.stats(conn)
             workers = monitor.worker_counts(conn, stale_seconds=self.stale_seconds)
@@ -45,12 +46,19 @@ class RelayCollector:
             "How long the oldest job that is due to run has waited (0 when none is due).",
             labels=["queue"],
         )
+        serving = GaugeMetricFamily(
+            "relay_queue_live_workers",
+            "Live workers that serve the queue (0 with jobs queued: nothing will run them).",
+            labels=["queue"],
+        )
         for depth in depths:
             for state, n in depth.counts.items():
                 jobs.add_metric([depth.queue, state], n)
             age.add_metric([depth.queue], depth.oldest_runnable_age_seconds or 0.0)
+            serving.add_metric([depth.queue], depth.live_workers)
         yield jobs
         yield age
+        yield serving
 
         succeeded = CounterMetricFamily("relay_jobs_succeeded", "Attempts that succeeded.", labels=["queue", "type"])
         failed = CounterMetricFamily(
@@ -106,5 +114,5 @@ def metrics() -> Response:
     """Prometheus text format: queue depth by state, outcomes by type, failure ratio, oldest job age, workers."""
     _check_token()
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(RelayCollector(float(current_app.config["RELAY_WORKER_STALE_SECONDS"])))
+    registry.register(RelayCollector(worker_stale_seconds()))
     return Response(generate_latest(registry), content_type=CONTENT_TYPE_PLAIN_0_0_4)

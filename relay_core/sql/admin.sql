@@ -164,6 +164,19 @@ SELECT q.queue, (
 now() AS now
 FROM unnest(%(queues)s::text[]) AS q(queue);
 
+-- name: queue_live_workers
+-- Per queue, how many live workers serve it (heartbeated within
+-- %(stale_seconds)s s, not stopped). A queue that holds due jobs and has none
+-- is one nothing will drain: a queue name mistyped at enqueue, or a cron
+-- handler's queue that no worker was started for.
+SELECT q.queue, count(w.id)::int AS live_workers
+FROM unnest(%(queues)s::text[]) AS q(queue)
+LEFT JOIN relay.workers AS w
+       ON q.queue = ANY (w.queues)
+      AND w.stopped_at IS NULL
+      AND w.last_seen_at >= now() - make_interval(secs => %(stale_seconds)s::float8)
+GROUP BY q.queue;
+
 -- name: job_outcomes_per_minute
 -- Succeeded, failed and dead attempts in each of the last %(minutes)s minutes
 -- (the current one included), zeros where nothing happened.

@@ -8,10 +8,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from flask import Blueprint, current_app
+from flask import Blueprint
 
 from relay_core import admin, monitor
 
+from ..config import worker_stale_seconds
 from ..db import connection
 from ..endpoint import endpoint
 from ..records.ops import (
@@ -40,7 +41,7 @@ def queues(claims: dict[str, Any]) -> QueuesRecord:
     """Every queue's depth by state and the age of its oldest job that is due to run."""
     with connection() as conn:
         monitor.fold_counters(conn)
-        depths = monitor.queue_depths(conn)
+        depths = monitor.queue_depths(conn, stale_seconds=worker_stale_seconds())
     return QueuesRecord(queues=[QueueRecord.of(depth) for depth in depths])
 
 
@@ -86,7 +87,7 @@ def limits(claims: dict[str, Any]) -> LimitsRecord:
 @endpoint(tag="monitor", role="viewer", responses={200: WorkersRecord})
 def workers(claims: dict[str, Any]) -> WorkersRecord:
     """The worker registry: alive workers first, then stopped and gone ones, most recently seen first."""
-    stale = float(current_app.config["RELAY_WORKER_STALE_SECONDS"])
+    stale = worker_stale_seconds()
     with connection() as conn:
         found = monitor.list_workers(conn, stale_seconds=stale)
         counts = monitor.worker_counts(conn, stale_seconds=stale)

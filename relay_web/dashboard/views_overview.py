@@ -7,10 +7,11 @@ status index; the page polls its own partial so it stays current.
 
 from __future__ import annotations
 
-from flask import Response, current_app
+from flask import Response
 
 from relay_core import JobStatus, monitor
 
+from ..config import worker_stale_seconds
 from ..db import connection
 from . import chart, formatting
 from .blueprint import bp
@@ -42,10 +43,10 @@ def oldest_wait(depths: list[monitor.QueueDepth]) -> float | None:
 @require("viewer")
 def overview() -> Response:
     """Counts by state and queue, throughput over the last hour, oldest due job, workers alive, newest dead jobs."""
-    stale = float(current_app.config["RELAY_WORKER_STALE_SECONDS"])
+    stale = worker_stale_seconds()
     with connection() as conn:
         monitor.fold_counters(conn)
-        depths = monitor.queue_depths(conn)
+        depths = monitor.queue_depths(conn, stale_seconds=stale)
         minutes = monitor.outcomes_per_minute(conn)
         workers = monitor.worker_counts(conn, stale_seconds=stale)
         latest_dead = monitor.list_jobs(conn, monitor.JobFilter(status="dead"), limit=LATEST_DEAD).jobs

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from flask import Response, current_app
+from flask import Response
 
 from relay_core import admin, monitor
 
+from ..config import worker_stale_seconds
 from ..db import connection
 from . import formatting
 from .blueprint import bp
@@ -19,7 +20,7 @@ REFRESH_SECONDS = 10
 def _queues(notice: str | None = None) -> Response:
     with connection() as conn:
         monitor.fold_counters(conn)
-        depths = sorted(monitor.queue_depths(conn), key=lambda d: d.queue)
+        depths = sorted(monitor.queue_depths(conn, stale_seconds=worker_stale_seconds()), key=lambda d: d.queue)
     return page("queues", depths=depths, notice=notice, refresh_seconds=REFRESH_SECONDS)
 
 
@@ -57,7 +58,7 @@ def resume_queue(queue: str) -> Response:
 @require("viewer")
 def workers() -> Response:
     """The worker registry: alive workers first, then stopped and gone ones."""
-    stale = float(current_app.config["RELAY_WORKER_STALE_SECONDS"])
+    stale = worker_stale_seconds()
     with connection() as conn:
         found = monitor.list_workers(conn, stale_seconds=stale)
         counts = monitor.worker_counts(conn, stale_seconds=stale)

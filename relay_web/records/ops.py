@@ -57,6 +57,10 @@ class QueueRecord(Record):
     oldest_runnable_at: datetime | None
     oldest_runnable_age_seconds: float | None = Field(description="null when nothing is due.")
     paused: bool = Field(description="Workers claim nothing from a paused queue until it is resumed.")
+    live_workers: int = Field(
+        description="Live workers that serve this queue. With jobs queued and none, nothing will run them: "
+        "a queue name mistyped at enqueue, or a queue no worker was started for."
+    )
 
     @classmethod
     def of(cls, depth: QueueDepth) -> QueueRecord:
@@ -67,6 +71,7 @@ class QueueRecord(Record):
             oldest_runnable_at=depth.oldest_runnable_at,
             oldest_runnable_age_seconds=depth.oldest_runnable_age_seconds,
             paused=depth.paused,
+            live_workers=depth.live_workers,
         )
 
 

@@ -125,6 +125,29 @@ def test_workers_alive_stopped_and_gone(client, admin, relay: Relay, db) -> None
     assert {w["id"]: w["state"] for w in body["workers"]} == {"alive-1": "stopped", "gone-1": "gone"}
 
 
+def test_each_queue_counts_the_live_workers_that_serve_it(client, admin, relay: Relay, db) -> None:
+    """A queue with jobs waiting and no live worker is one nothing drains: a mistyped name, say."""
+    later = datetime.now(UTC) + timedelta(hours=1)
+    for queue in ("mail", "media", "emial"):
+        relay.enqueue("send_email", {}, queue=queue, run_at=later)
+    with running_worker(relay, worker_id="mail-1", queues=("mail", "default")):
+        wait_for(lambda: db.execute("SELECT count(*) FROM relay.workers").fetchone()[0] == 1, what="registered")
+        db.execute(
+            "INSERT INTO relay.workers (id, host, pid, queues, concurrency, last_seen_at, stopped_at) VALUES "
+            "('gone-1', 'h', 1, '{media}', 4, now() - interval '10 minutes', NULL), "
+            "('stopped-1', 'h', 2, '{media,emial}', 4, now(), now())"
+        )
+        queues = {q["name"]: q for q in client.get("/api/admin/queues", headers=admin).get_json()["queues"]}
+        assert {name: q["live_workers"] for name, q in queues.items()} == {"mail": 1, "media": 0, "emial": 0}
+        text = client.get("/metrics").get_data(as_text=True)
+        assert 'relay_queue_live_workers{queue="mail"} 1.0' in text
+        assert 'relay_queue_live_workers{queue="emial"} 0.0' in text
+        assert {d.queue for d in monitor.queue_depths(db) if d.unserved} == {"media", "emial"}
+        # A worker silent for less than the stale limit still counts.
+        assert {d.queue: d.live_workers for d in monitor.queue_depths(db, stale_seconds=3600)}["media"] == 1
+    assert {d.queue: d.live_workers for d in monitor.queue_depths(db)} == {"mail": 0, "media": 0, "emial": 0}
+
+
 def test_metrics_series(client, relay: Relay, db) -> None:
     relay.enqueue("send_email", {}, queue="mail")
     dead = relay.enqueue("send_email", {}, queue="mail")

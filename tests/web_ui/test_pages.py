@@ -452,6 +452,11 @@ def test_queues_page_shows_depth_wait_and_paused(viewer: DashboardClient, busy: 
         html,
     )
     assert "oldest waits" in html
+    # mail has a job queued and no live worker serves it; media's only job is running.
+    assert "No live worker serves mail" in html and "No live worker serves media" not in html
+    assert re.search(r'<div class="tile hot"><span class="tile-n">0</span><span class="tile-l">workers</span>', html)
+    overview = _text(viewer.get("/"))
+    assert overview.count(">no worker</span>") == 1
 
 
 def test_workers_page_lists_the_registry(viewer: DashboardClient, relay: Relay) -> None:

@@ -165,16 +165,15 @@ now() AS now
 FROM unnest(%(queues)s::text[]) AS q(queue);
 
 -- name: queue_live_workers
--- Per queue, how many live workers serve it (heartbeated within
--- %(stale_seconds)s s, not stopped). A queue that holds due jobs and has none
--- is one nothing will drain: a queue name mistyped at enqueue, or a cron
--- handler's queue that no worker was started for.
+-- Per queue, how many live workers serve it (relay.worker_state, as on the
+-- workers page). A queue that holds queued jobs and has none is one nothing
+-- will drain: a queue name mistyped at enqueue, or a cron handler's queue
+-- that no worker was started for.
 SELECT q.queue, count(w.id)::int AS live_workers
 FROM unnest(%(queues)s::text[]) AS q(queue)
 LEFT JOIN relay.workers AS w
        ON q.queue = ANY (w.queues)
-      AND w.stopped_at IS NULL
-      AND w.last_seen_at >= now() - make_interval(secs => %(stale_seconds)s::float8)
+      AND relay.worker_state(w.stopped_at, w.last_seen_at, w.heartbeat_seconds, %(stale_seconds)s::float8) = 'alive'
 GROUP BY q.queue;
 
 -- name: job_outcomes_per_minute
@@ -204,25 +203,25 @@ ORDER BY queue, type;
 -- name: worker_list
 -- The worker registry, live workers first. A worker is alive while it keeps
 -- heartbeating, stopped after a graceful shutdown, and gone when it went quiet
--- without one (killed, or its machine vanished).
-SELECT id, host, pid, queues, concurrency, in_flight, started_at, last_seen_at, stopped_at,
-       CASE WHEN stopped_at IS NOT NULL THEN 'stopped'
-            WHEN last_seen_at >= now() - make_interval(secs => %(stale_seconds)s::float8) THEN 'alive'
-            ELSE 'gone' END AS state,
-       now() AS now
-FROM relay.workers
-ORDER BY (stopped_at IS NULL AND last_seen_at >= now() - make_interval(secs => %(stale_seconds)s::float8)) DESC,
-         last_seen_at DESC, id
+-- without one (killed, or its machine vanished): relay.worker_state decides
+-- (migration 0015).
+SELECT id, host, pid, queues, concurrency, in_flight, started_at, last_seen_at, stopped_at, state, now() AS now
+FROM (
+    SELECT w.*, relay.worker_state(stopped_at, last_seen_at, heartbeat_seconds, %(stale_seconds)s::float8) AS state
+    FROM relay.workers AS w
+) AS w
+ORDER BY state = 'alive' DESC, last_seen_at DESC, id
 LIMIT %(limit)s;
 
 -- name: worker_counts
 -- How many registered workers are alive, stopped and gone.
-SELECT count(*) FILTER (WHERE stopped_at IS NULL
-                          AND last_seen_at >= now() - make_interval(secs => %(stale_seconds)s::float8)) AS alive,
-       count(*) FILTER (WHERE stopped_at IS NOT NULL) AS stopped,
-       count(*) FILTER (WHERE stopped_at IS NULL
-                          AND last_seen_at < now() - make_interval(secs => %(stale_seconds)s::float8)) AS gone
-FROM relay.workers;
+SELECT count(*) FILTER (WHERE state = 'alive') AS alive,
+       count(*) FILTER (WHERE state = 'stopped') AS stopped,
+       count(*) FILTER (WHERE state = 'gone') AS gone
+FROM (
+    SELECT relay.worker_state(stopped_at, last_seen_at, heartbeat_seconds, %(stale_seconds)s::float8) AS state
+    FROM relay.workers
+) AS w;
 
 -- name: database_ping
 -- The readiness check's round trip.

@@ -108,8 +108,14 @@ def forget_old_workers(conn: psycopg.Connection, keep_seconds: float = REGISTRY_
     return deleted
 
 
-def register(conn: psycopg.Connection, worker_id: str, queues: tuple[str, ...], concurrency: int) -> datetime:
-    """Record this worker process in the registry; return its registration (``started_at``)."""
+def register(
+    conn: psycopg.Connection, worker_id: str, queues: tuple[str, ...], concurrency: int, heartbeat_seconds: float
+) -> datetime:
+    """Record this worker process in the registry; return its registration (``started_at``).
+
+    The heartbeat interval goes with it: a worker that beats every 100 s is
+    not gone after 60 s of silence (relay.worker_state).
+    """
     (started_at,) = conn.execute(
         sql("worker_register"),
         {
@@ -118,6 +124,7 @@ def register(conn: psycopg.Connection, worker_id: str, queues: tuple[str, ...], 
             "pid": os.getpid(),
             "queues": list(queues),
             "concurrency": concurrency,
+            "heartbeat_seconds": heartbeat_seconds,
         },
     ).fetchone()
     conn.commit()

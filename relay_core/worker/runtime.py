@@ -356,7 +356,9 @@ class Worker:
         with self.pool.connection(timeout=REGISTER_WAIT_SECONDS) as conn:
             if not migrator.is_current(conn):
                 raise ConfigurationError("the database schema is not up to date: run `relay migrate` first")
-            self.maintenance.registered_at = register(conn, self.id, self.config.queues, self.config.concurrency)
+            self.maintenance.registered_at = register(
+                conn, self.id, self.config.queues, self.config.concurrency, self.config.heartbeat_interval
+            )
             limits.publish_max_attempts(conn, self.handlers.values())
             limits.publish(conn, self.handlers.values())
             self.limits_exist = bool(conn.execute(sql("type_limits_exist")).fetchone()[0])

@@ -179,7 +179,9 @@ class WorkersRecord(Record):
 
     workers: list[WorkerRecord]
     counts: WorkerCountsRecord
-    stale_after_seconds: float = Field(description="A worker silent this long counts as gone.")
+    stale_after_seconds: float = Field(
+        description="A worker silent this long counts as gone (or for two of its heartbeat intervals, if longer)."
+    )
 
 
 class MinuteRecord(Record):

@@ -148,6 +148,32 @@ def test_each_queue_counts_the_live_workers_that_serve_it(client, admin, relay: 
     assert {d.queue: d.live_workers for d in monitor.queue_depths(db)} == {"mail": 0, "media": 0, "emial": 0}
 
 
+def test_a_worker_that_heartbeats_slowly_is_alive_between_its_beats(client, admin, relay: Relay, db) -> None:
+    """A 300 s lease heartbeats every 100 s: silent for 90 s, such a worker is alive, and so is its queue served."""
+    relay.enqueue("send_email", {}, queue="mail")
+    with running_worker(relay, worker_id="slow-beat", queues=("media",), lease_seconds=300.0, heartbeat_interval=None):
+        wait_for(lambda: db.execute("SELECT count(*) FROM relay.workers").fetchone()[0] == 1, what="registered")
+        assert db.execute("SELECT heartbeat_seconds FROM relay.workers").fetchone()[0] == 100.0
+    # Registry rows as such workers leave them between two beats: (id, heartbeat interval, silent for).
+    db.execute("DELETE FROM relay.workers")
+    db.execute(
+        "INSERT INTO relay.workers (id, host, pid, queues, concurrency, heartbeat_seconds, last_seen_at) "
+        "SELECT id, 'h', 1, '{mail}', 4, beat, now() - make_interval(secs => silent) "
+        "FROM (VALUES ('slow', 100.0, 90), ('slow-missed-two', 100.0, 210), ('fast-gone', 10.0, 90), "
+        "             ('older-relay', NULL, 50)) AS r(id, beat, silent)"
+    )
+    body = client.get("/api/admin/workers", headers=admin).get_json()
+    assert {w["id"]: w["state"] for w in body["workers"]} == {
+        "slow": "alive",
+        "slow-missed-two": "gone",
+        "fast-gone": "gone",
+        "older-relay": "alive",
+    }
+    assert body["counts"] == {"alive": 2, "stopped": 0, "gone": 2}
+    (mail,) = client.get("/api/admin/queues", headers=admin).get_json()["queues"]
+    assert mail["live_workers"] == 2
+
+
 def test_metrics_series(client, relay: Relay, db) -> None:
     relay.enqueue("send_email", {}, queue="mail")
     dead = relay.enqueue("send_email", {}, queue="mail")

@@ -302,7 +302,8 @@ def status_counts(conn: psycopg.Connection) -> dict[str, int]:
 
 def queue_depths(conn: psycopg.Connection, *, stale_seconds: float = DEFAULT_STALE_SECONDS) -> list[QueueDepth]:
     """Every queue that holds jobs or is paused, with its depth by state, the age of its oldest due job
-    and its live workers (a worker silent for ``stale_seconds`` is gone)."""
+    and its live workers (a worker silent for longer than both ``stale_seconds`` and two of its
+    heartbeat intervals is gone: ``relay.worker_state``)."""
     counts = queue_counts(conn)
     paused = set(admin.paused_queues(conn))
     for queue in sorted(paused - set(counts)):

@@ -160,18 +160,22 @@ def test_a_worker_that_heartbeats_slowly_is_alive_between_its_beats(client, admi
         "INSERT INTO relay.workers (id, host, pid, queues, concurrency, heartbeat_seconds, last_seen_at) "
         "SELECT id, 'h', 1, '{mail}', 4, beat, now() - make_interval(secs => silent) "
         "FROM (VALUES ('slow', 100.0, 90), ('slow-missed-two', 100.0, 210), ('fast-gone', 10.0, 90), "
-        "             ('older-relay', NULL, 50)) AS r(id, beat, silent)"
+        "             ('fast-within-stale', 10.0, 30), ('older-relay', NULL, 50), ('older-relay-gone', NULL, 90)) "
+        "AS r(id, beat, silent)"
     )
     body = client.get("/api/admin/workers", headers=admin).get_json()
+    # Gone after the longer of RELAY_WORKER_STALE_SECONDS (60 here) and two heartbeat intervals.
     assert {w["id"]: w["state"] for w in body["workers"]} == {
         "slow": "alive",
         "slow-missed-two": "gone",
         "fast-gone": "gone",
+        "fast-within-stale": "alive",
         "older-relay": "alive",
+        "older-relay-gone": "gone",
     }
-    assert body["counts"] == {"alive": 2, "stopped": 0, "gone": 2}
+    assert body["counts"] == {"alive": 3, "stopped": 0, "gone": 3}
     (mail,) = client.get("/api/admin/queues", headers=admin).get_json()["queues"]
-    assert mail["live_workers"] == 2
+    assert mail["live_workers"] == 3
 
 
 def test_metrics_series(client, relay: Relay, db) -> None:

@@ -1388,3 +1388,31 @@ def test_a_long_lease_does_not_hold_the_sweeper_off_for_that_long_after_a_server
     with running_worker(relay, lease_seconds=10.0**8, sweep_interval=0.2):
         wait_for(lambda: job_status(db, job_id) == "succeeded", timeout=20, what="the dead worker's job to run")
     assert [e["type"] for e in relay.get_job(job_id).errors] == ["LeaseExpired"]
+
+
+def test_a_success_whose_completion_answer_was_lost_is_counted_a_success(
+    dsn: str, relay: Relay, db: psycopg.Connection
+) -> None:
+    """The completion commits, its answer is lost on the way, and the retry finds nothing left to
+    write: the worker logged the run as lost to a lease taken over, and counted it so. It now reads
+    its own success back by the lease token."""
+    params = conninfo.conninfo_to_dict(dsn)
+    proxy = TcpProxy(str(params.get("host", "127.0.0.1")), int(params.get("port", 5432)))
+    through = Relay(conninfo.make_conninfo(dsn, host="127.0.0.1", port=str(proxy.port)))
+    through.handler("note")(lambda job: None)
+    settings = {"concurrency": 1, "lease_seconds": 60.0, "heartbeat_interval": 20.0, "listen": False}
+    try:
+        with running_worker(through, **settings) as worker:
+            warm = relay.enqueue("note")
+            wait_for(lambda: worker.counters.succeeded == 1, what="a first job through the proxy")
+            assert job_status(db, warm) == "succeeded"
+            proxy.hold_answers_with = b"succeeded"  # only a completion's answer carries the status
+            job_id = relay.enqueue("note")
+            wait_for(lambda: job_status(db, job_id) == "succeeded", what="the completion to commit")
+            assert worker.counters.succeeded == 1, "its answer has not arrived"
+            proxy.cut()
+            wait_for(lambda: worker.counters.succeeded + worker.counters.lost == 2, what="the retried completion")
+            assert (worker.counters.succeeded, worker.counters.lost) == (2, 0)
+    finally:
+        through.close()
+        proxy.close()

@@ -221,6 +221,17 @@ FROM unnest(%(ids)s::bigint[], %(tokens)s::integer[], %(results)s::text[]) AS do
 WHERE j.id = done.id AND j.lease_token = done.token AND j.status = 'claimed'
 RETURNING j.id, j.status::text AS status;
 
+-- name: job_succeeded_with_tokens
+-- Which of these (id, lease token) pairs are succeeded with that very token:
+-- after a completion whose answer was lost, the successes it wrote. Only the
+-- holder of a lease token writes 'succeeded' with it (a new claim changes the
+-- token), so a match is the asking worker's own write, not another's.
+SELECT j.id, j.status::text AS status
+FROM relay.jobs AS j
+JOIN unnest(%(ids)s::bigint[], %(tokens)s::integer[]) AS mine(id, token)
+  ON j.id = mine.id AND j.lease_token = mine.token
+WHERE j.status = 'succeeded';
+
 -- name: job_fail_many
 -- Record failed attempts, fenced: each job goes back to queued after its backoff
 -- delay, or to dead, with the error appended to its history. A job an admin

@@ -101,6 +101,7 @@ class Completer:
 
     def _write_until_done(self, batch: list[Outcome]) -> None:
         delay = 0.1
+        answer_lost = False  # a write failed once it was sent: it may have committed
         while True:
             left = self._time_left()
             began = time.monotonic()
@@ -108,6 +109,7 @@ class Completer:
                 wait = CONNECTION_WAIT_SECONDS if left is None else min(max(left, 0.1), CONNECTION_WAIT_SECONDS)
                 written = self.write(batch, timeout=wait)
             except (psycopg.OperationalError, psycopg.InterfaceError, PoolTimeout) as exc:
+                answer_lost = answer_lost or not isinstance(exc, PoolTimeout)
                 left = self._time_left()
                 if left is not None and left <= 0:
                     event(
@@ -139,8 +141,33 @@ class Completer:
                 self._tell(batch, {})
                 return
             self._outage.succeeded()
+            if answer_lost:
+                written = self._with_own_successes(batch, written)
             self._tell(batch, written)
             return
+
+    def _with_own_successes(self, batch: list[Outcome], written: dict[int, str]) -> dict[int, str]:
+        """``written`` with the successes an earlier try wrote before its answer was lost.
+
+        The retry of such a write finds those jobs no longer claimed and
+        writes nothing for them, which reads as a lease taken over: a job that
+        succeeded would be logged and counted as lost. A success is read back
+        by its lease token; other outcomes cannot be told from what a sweeper
+        writes after a lease runs out, and stay as the retry found them.
+        """
+        unseen = [o for o in batch if o.kind is Kind.SUCCEEDED and o.job.id not in written]
+        if not unseen:
+            return written
+        params = {"ids": [o.job.id for o in unseen], "tokens": [o.job.lease_token for o in unseen]}
+        try:
+            with self._pool.connection(timeout=CONNECTION_WAIT_SECONDS) as conn:
+                found = dict(conn.execute(sql("job_succeeded_with_tokens"), params).fetchall())
+        except (psycopg.Error, PoolTimeout) as exc:
+            event(logging.WARNING, "could not read back successes whose completion answer was lost", error=str(exc))
+            return written
+        if found:
+            event(logging.INFO, "completion answer lost; its successes were written", job_ids=sorted(found))
+        return {**written, **found}
 
     def _tell(self, batch: list[Outcome], written: dict[int, str]) -> None:
         """Hand the result to the worker; a failure there must not stop this thread's writes."""

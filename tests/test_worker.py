@@ -282,6 +282,24 @@ def test_transactional_handler_commits_with_success_or_not_at_all(
         db.execute("DROP TABLE relay_test.orders_sent")
 
 
+def test_a_transactional_handlers_success_is_stamped_when_it_ends_not_when_it_began(
+    relay: Relay, db: psycopg.Connection
+) -> None:
+    """The success is written in the handler's transaction, whose now() is when the handler began:
+    finished_at said so, and retention measured the job's age from there."""
+
+    @relay.handler("tx_slow")
+    def tx_slow(job: Job, conn: psycopg.Connection) -> None:
+        conn.execute("SELECT 1")
+        time.sleep(1.5)
+
+    job_id = relay.enqueue("tx_slow")
+    with running_worker(relay):
+        wait_for(lambda: job_status(db, job_id) == "succeeded")
+    record = relay.get_job(job_id)
+    assert (record.finished_at - record.started_at).total_seconds() >= 1.4
+
+
 def test_a_transactional_handler_at_a_stricter_isolation_level_is_told_why_its_success_was_not_written(
     relay: Relay, dsn: str, db: psycopg.Connection
 ) -> None:

@@ -213,10 +213,12 @@ WHERE j.lease_token = held.token AND j.status = 'claimed' AND j.id NOT IN (SELEC
 
 -- name: job_succeed_many
 -- Record successes in one statement, fenced by status and lease token; returns
--- the ids that were still this worker's, with the status written.
+-- the ids that were still this worker's, with the status written. A
+-- transactional handler runs this in its own transaction, whose now() is when
+-- the handler started: finished_at is the statement's time instead.
 -- transition: claimed -> succeeded
 UPDATE relay.jobs AS j
-SET status = 'succeeded', finished_at = now(), claimed_until = NULL, result = done.result::jsonb
+SET status = 'succeeded', finished_at = statement_timestamp(), claimed_until = NULL, result = done.result::jsonb
 FROM unnest(%(ids)s::bigint[], %(tokens)s::integer[], %(results)s::text[]) AS done(id, token, result)
 WHERE j.id = done.id AND j.lease_token = done.token AND j.status = 'claimed'
 RETURNING j.id, j.status::text AS status;

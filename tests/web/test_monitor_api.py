@@ -64,6 +64,21 @@ def test_counters_match_a_full_count_after_real_work(client, admin, relay: Relay
     assert monitor.status_counts(db) == dict.fromkeys(monitor.status_counts(db), 0)
 
 
+def test_truncating_the_jobs_leaves_no_count_behind(relay: Relay, dsn: str, db) -> None:
+    """The truncate trigger deleted the counters under the truncating transaction's snapshot: a
+    delta committed after a REPEATABLE READ snapshot (or a fold that committed while the TRUNCATE
+    waited for it) survived, counting jobs that no longer existed."""
+    relay.enqueue("t", {})
+    with psycopg.connect(dsn) as truncating:
+        truncating.isolation_level = psycopg.IsolationLevel.REPEATABLE_READ
+        truncating.execute("SELECT 1")  # the snapshot is taken
+        relay.enqueue("t", {}, queue="mail")  # committed after it
+        truncating.execute("TRUNCATE relay.jobs")
+        truncating.commit()
+    assert _true_counts(db) == {}
+    assert _counter_counts(db) == {}
+
+
 def test_every_shape_of_insert_is_counted(relay: Relay, db) -> None:
     """The insert trigger's one-queue-one-state fast path and its GROUP BY path agree with a full count."""
     relay.enqueue("t", {})

@@ -35,7 +35,7 @@ from relay_core.worker.ledger import Slot
 from relay_core.worker.maintenance import Maintenance, heartbeat_once, sweep_once
 from relay_core.worker.outage import OutageLog
 
-from .helpers import TcpProxy, free_port, job_status, running_worker, wait_for
+from .helpers import TcpProxy, free_port, job_status, running_worker, status_counts, wait_for
 
 FAST = Backoff(base=0.05, factor=2, cap=1, jitter=0)
 
@@ -1434,3 +1434,29 @@ def test_a_success_whose_completion_answer_was_lost_is_counted_a_success(
     finally:
         through.close()
         proxy.close()
+
+
+def test_a_busy_worker_holds_few_jobs_on_their_last_attempt_however_high_its_prefetch(
+    relay: Relay, db: psycopg.Connection
+) -> None:
+    """Prefetch trained on no-op jobs takes many jobs a claim; jobs on their last attempt that
+    wait behind busy slots are counted against the room of the next claims, or each claim would
+    add its share and a SIGKILL would spend the last attempt of every one of them."""
+    gate = threading.Event()
+    relay.handler("quick")(lambda job: None)
+    relay.handler("blocking")(lambda job: gate.wait(30))
+    relay.enqueue_many([{"type": "quick", "max_attempts": 2} for _ in range(2000)])
+    try:
+        with running_worker(relay, concurrency=2, poll_interval=0.05, listen=False) as worker:
+            wait_for(lambda: status_counts(db).get("succeeded") == 2000, what="the quick jobs")
+            assert worker.prefetch() > 2 * 2, "the prefetch is trained high"
+            relay.enqueue_many([{"type": "blocking", "max_attempts": 1} for _ in range(100)])
+            wait_for(lambda: worker.in_flight() >= 2, what="both slots busy")
+            time.sleep(1.0)  # twenty polls, each a claim while every slot is busy
+            waiting = worker.ledger.waiting_on_last_attempt()
+            claimed = status_counts(db).get("claimed", 0)
+            gate.set()
+        assert waiting <= 2 * 2, waiting
+        assert claimed <= 2 + 2 * 2, claimed
+    finally:
+        gate.set()

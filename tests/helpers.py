@@ -150,7 +150,9 @@ class TcpProxy:
     """
 
     def __init__(self, host: str, port: int, listen_port: int = 0) -> None:
-        self.upstream = (host, port)
+        # A host that is a directory is a Unix socket's (the embedded PostgreSQL of a run
+        # without DATABASE_URL listens on one only): clients still reach the proxy over TCP.
+        self.upstream: tuple[str, int] | str = f"{host}/.s.PGSQL.{port}" if host.startswith("/") else (host, port)
         self.flowing = threading.Event()
         self.flowing.set()
         self.hold_answers_with: bytes | None = None
@@ -167,13 +169,24 @@ class TcpProxy:
             except OSError:
                 return
             try:
-                upstream = socket.create_connection(self.upstream)
+                upstream = self._connect_upstream()
             except OSError:  # the database is down: refuse this client, keep serving the next
                 client.close()
                 continue
             self.sockets += [client, upstream]
             for src, dst, answers in ((client, upstream, False), (upstream, client, True)):
                 threading.Thread(target=self._pipe, args=(src, dst, answers), daemon=True).start()
+
+    def _connect_upstream(self) -> socket.socket:
+        if isinstance(self.upstream, tuple):
+            return socket.create_connection(self.upstream)
+        unix = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            unix.connect(self.upstream)
+        except OSError:
+            unix.close()
+            raise
+        return unix
 
     def _pipe(self, src: socket.socket, dst: socket.socket, answers: bool) -> None:
         try:

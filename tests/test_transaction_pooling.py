@@ -68,6 +68,11 @@ def pgbouncer(dsn: str, settings: str = "") -> Iterator[Pooler]:
     """The test database through PgBouncer in transaction pooling with one server connection."""
     if PGBOUNCER is None:
         pytest.skip("PgBouncer is not installed (apt-get install pgbouncer)")
+    server_host = str(conninfo.conninfo_to_dict(dsn).get("host") or "")
+    if os.geteuid() == 0 and server_host.startswith("/"):
+        # PgBouncer refuses root and runs as postgres below, which may not enter the
+        # embedded server's data directory (mode 0700, root's), where its socket is.
+        pytest.skip("PgBouncer runs as postgres and cannot reach the embedded server's socket: set DATABASE_URL")
     # Its own folder, readable by the user PgBouncer runs as (pytest's tmp_path is root's alone).
     folder = Path(tempfile.mkdtemp(prefix="relay-pgbouncer-"))
     folder.chmod(0o755)

@@ -1069,7 +1069,7 @@ def test_a_worker_started_while_the_database_is_down_waits_for_it_then_works(
     # single connection wait; the worker must neither exit nor give up.
     port = free_port()
     params = conninfo.conninfo_to_dict(dsn)
-    down = conninfo.make_conninfo(dsn, port=str(port))
+    down = conninfo.make_conninfo(dsn, host="127.0.0.1", port=str(port))  # where the forwarder will listen
     worker_app = Relay(down)
     ran: list[int] = []
     worker_app.handler("echo")(lambda job: ran.append(job.id))

@@ -310,20 +310,16 @@ def queue_depths(conn: psycopg.Connection, *, stale_seconds: float = DEFAULT_STA
         counts[queue] = {}
     if not counts:
         return []
-    oldest = {
+    service = {
         row["queue"]: row
-        for row in _rows(conn, "queue_oldest_runnable", {"queues": [q for q, c in counts.items() if c.get("queued")]})
-    }
-    serving = {
-        row["queue"]: row["live_workers"]
-        for row in _rows(conn, "queue_live_workers", {"queues": list(counts), "stale_seconds": stale_seconds})
+        for row in _rows(conn, "queue_service", {"queues": list(counts), "stale_seconds": stale_seconds})
     }
     depths = []
     for queue, states in counts.items():
         full = {status.value: states.get(status.value, 0) for status in JobStatus}
-        row = oldest.get(queue)
-        at = row["oldest_run_at"] if row else None
-        age = max(0.0, (row["now"] - at).total_seconds()) if row and at else None
+        row = service[queue]
+        at = row["oldest_run_at"]
+        age = max(0.0, (row["now"] - at).total_seconds()) if at else None
         depths.append(
             QueueDepth(
                 queue=queue,
@@ -331,7 +327,7 @@ def queue_depths(conn: psycopg.Connection, *, stale_seconds: float = DEFAULT_STA
                 oldest_runnable_at=at,
                 oldest_runnable_age_seconds=age,
                 paused=queue in paused,
-                live_workers=serving.get(queue, 0),
+                live_workers=row["live_workers"],
             )
         )
     return depths

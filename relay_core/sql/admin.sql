@@ -138,11 +138,16 @@ GROUP BY queue, state
 HAVING sum(n) <> 0
 ORDER BY queue, state;
 
--- name: queue_oldest_runnable
--- Per queue, the run_at of the job that has waited longest among those due now.
--- A loose index scan over jobs_runnable_idx: hop from one priority to the next,
--- take each priority's earliest run_at, keep the earliest that is due. Cost
--- grows with the number of distinct priorities, not with the backlog.
+-- name: queue_service
+-- Per queue, how it is being served: the run_at of the job that has waited
+-- longest among those due now, and how many live workers serve it.
+-- The wait: a loose index scan over jobs_runnable_idx: hop from one priority
+-- to the next, take each priority's earliest run_at, keep the earliest that
+-- is due. Cost grows with the number of distinct priorities, not with the
+-- backlog (a queue with nothing queued costs one probe).
+-- The workers: alive by relay.worker_state, as on the workers page. A queue
+-- that holds queued jobs and has none is one nothing will drain: a queue name
+-- mistyped at enqueue, or a cron handler's queue no worker was started for.
 SELECT q.queue, (
     WITH RECURSIVE priorities AS (
         (SELECT priority FROM relay.jobs
@@ -161,20 +166,12 @@ SELECT q.queue, (
     ) AS earliest
     WHERE earliest.run_at <= now()
 ) AS oldest_run_at,
+(SELECT count(*) FROM relay.workers AS w
+ WHERE q.queue = ANY (w.queues)
+   AND relay.worker_state(w.stopped_at, w.last_seen_at, w.heartbeat_seconds, %(stale_seconds)s::float8) = 'alive'
+)::int AS live_workers,
 now() AS now
 FROM unnest(%(queues)s::text[]) AS q(queue);
-
--- name: queue_live_workers
--- Per queue, how many live workers serve it (relay.worker_state, as on the
--- workers page). A queue that holds queued jobs and has none is one nothing
--- will drain: a queue name mistyped at enqueue, or a cron handler's queue
--- that no worker was started for.
-SELECT q.queue, count(w.id)::int AS live_workers
-FROM unnest(%(queues)s::text[]) AS q(queue)
-LEFT JOIN relay.workers AS w
-       ON q.queue = ANY (w.queues)
-      AND relay.worker_state(w.stopped_at, w.last_seen_at, w.heartbeat_seconds, %(stale_seconds)s::float8) = 'alive'
-GROUP BY q.queue;
 
 -- name: job_outcomes_per_minute
 -- Succeeded, failed and dead attempts in each of the last %(minutes)s minutes

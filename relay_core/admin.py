@@ -11,7 +11,7 @@ from datetime import datetime
 from typing import Any
 
 import psycopg
-from psycopg.rows import dict_row
+from psycopg.rows import dict_row, tuple_row
 
 from .errors import IllegalTransition, JobNotFound
 from .queries import sql
@@ -63,14 +63,28 @@ def get_job(conn: psycopg.Connection, job_id: int) -> JobDetail:
     return JobDetail(**row)
 
 
+def _locked_status(conn: psycopg.Connection, job_id: int) -> tuple[str, bool]:
+    """The job's status and whether a stop was asked of it, its row locked until the transaction ends.
+
+    An admin action decides from this: a worker's write that was in flight has
+    committed (and is what it reads) or waits for the action, so the refusal of
+    an action names the state the job really was in when the action ran.
+    """
+    with conn.cursor(row_factory=tuple_row) as cur:
+        row = cur.execute(sql("job_lock_for_action"), {"id": job_id}).fetchone()
+    if row is None:
+        raise JobNotFound(job_id)
+    return row[0], row[1]
+
+
 def _act(
     conn: psycopg.Connection, job_id: int, statement: str, action: str, allowed_from: tuple[str, ...]
 ) -> JobDetail:
     with conn.transaction():
-        changed = conn.execute(sql(statement), {"id": job_id}).fetchall()
-        if not changed:
-            current = get_job(conn, job_id)
-            raise IllegalTransition(job_id, current.status, action, allowed_from)
+        status, _ = _locked_status(conn, job_id)
+        if status not in allowed_from:
+            raise IllegalTransition(job_id, status, action, allowed_from)
+        conn.execute(sql(statement), {"id": job_id}).fetchall()
         return get_job(conn, job_id)
 
 
@@ -88,14 +102,14 @@ def cancel(conn: psycopg.Connection, job_id: int) -> JobDetail:
     changes nothing and answers like the first: the stop is on its way.
     """
     with conn.transaction():
-        if conn.execute(sql("job_cancel"), {"id": job_id}).fetchall():
-            return get_job(conn, job_id)
-        if conn.execute(sql("job_request_cancel"), {"id": job_id}).fetchall():
-            return get_job(conn, job_id)
-        current = get_job(conn, job_id)
-        if current.status == "claimed" and current.cancel_requested_at is not None:
-            return current
-        raise IllegalTransition(job_id, current.status, "cancel", ("queued", "claimed"))
+        status, cancel_requested = _locked_status(conn, job_id)
+        if status == "queued":
+            conn.execute(sql("job_cancel"), {"id": job_id}).fetchall()
+        elif status == "claimed" and not cancel_requested:
+            conn.execute(sql("job_request_cancel"), {"id": job_id}).fetchall()
+        elif status != "claimed":
+            raise IllegalTransition(job_id, status, "cancel", ("queued", "claimed"))
+        return get_job(conn, job_id)
 
 
 def set_queue_paused(conn: psycopg.Connection, queue: str, paused: bool) -> None:

@@ -162,6 +162,25 @@ def _parse_body(model: type[BaseModel]) -> BaseModel:
     return body
 
 
+def _sent_a_body() -> bool:
+    """Whether the request carries a body that says something: anything but none, or ``{}``.
+
+    An endpoint without a body reads nothing from one, so ``{"dry_run": true}``
+    sent to a cancel would be ignored and the job cancelled. Refused, as an
+    unknown query parameter is, nothing happens. An empty object, which some
+    HTTP clients send with every POST, asks for nothing and passes.
+    """
+    if request.method in ("GET", "HEAD", "OPTIONS"):
+        return False
+    raw = read_body()
+    if not raw.strip():
+        return False
+    try:
+        return json.loads(raw) != {}
+    except ValueError:
+        return True
+
+
 def _parse_inputs(spec: Endpoint, view_args: dict[str, Any]) -> dict[str, Any]:
     parsed: dict[str, Any] = {}
     errors: list[dict[str, Any]] = []
@@ -182,6 +201,8 @@ def _parse_inputs(spec: Endpoint, view_args: dict[str, Any]) -> dict[str, Any]:
             parsed[KWARGS[where]] = model.model_validate(values)  # type: ignore[union-attr]
         except ValidationError as exc:
             errors.extend(_field_errors(exc, where))
+    if not spec.body and _sent_a_body():
+        errors.append({"field": "body", "in": "body", "detail": "this endpoint takes no body; send none"})
     if errors:
         raise validation_problem(errors)
     if spec.body:

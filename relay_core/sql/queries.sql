@@ -346,6 +346,16 @@ WHERE j.id IN (
   AND j.status = 'claimed' AND j.claimed_until < now()
 RETURNING j.id, j.status::text AS status;
 
+-- name: job_lock_for_action
+-- Admin: lock one job before acting on it, and read the state the action is
+-- chosen from. A worker's write to the row (a retry, a completion, a sweep)
+-- that is in flight commits first and is read here, or waits until the action
+-- is done; without the lock, a cancel whose job went claimed -> queued between
+-- two statements matched neither and was refused though the job was cancellable.
+SELECT status::text AS status, cancel_requested_at IS NOT NULL AS cancel_requested
+FROM relay.jobs WHERE id = %(id)s
+FOR UPDATE;
+
 -- name: job_requeue
 -- Admin: a dead or cancelled job runs again now with fresh attempts; its error
 -- history is kept.

@@ -248,6 +248,79 @@ def test_a_cancel_that_waits_out_a_heartbeat_succeeds_where_the_database_default
     assert answers[0].get_json()["cancel_requested_at"] is not None
 
 
+@pytest.mark.parametrize(
+    ("body", "content_type"),
+    [
+        (b'{"dry_run": true}', "application/json"),
+        (b"this is not json", "application/json"),
+        (b"dry_run=1", "application/x-www-form-urlencoded"),
+    ],
+    ids=["json-fields", "not-json", "a-form"],
+)
+@pytest.mark.parametrize("action", ["cancel", "requeue"])
+def test_a_body_sent_to_an_action_that_takes_none_is_refused_and_changes_nothing(
+    client, admin, relay: Relay, db, action: str, body: bytes, content_type: str
+) -> None:
+    """``{"dry_run": true}`` was read by nothing: the answer was 200 and the job cancelled."""
+    job_id = relay.enqueue("t", {})
+    if action == "requeue":
+        make_dead(db, job_id)
+    before = relay.get_job(job_id).status
+    response = client.post(
+        f"/api/admin/jobs/{job_id}/{action}", headers={**admin, "Content-Type": content_type}, data=body
+    )
+    problem = assert_problem(response, 422, "validation")
+    assert problem["errors"] == [{"field": "body", "in": "body", "detail": "this endpoint takes no body; send none"}]
+    assert relay.get_job(job_id).status == before
+
+
+def test_an_empty_object_sent_to_an_action_that_takes_no_body_asks_for_nothing_and_passes(
+    client, admin, relay: Relay
+) -> None:
+    """Some HTTP clients send ``{}`` with every POST."""
+    job_id = relay.enqueue("t", {})
+    assert client.post(f"/api/admin/jobs/{job_id}/cancel", headers=admin, json={}).get_json()["status"] == "cancelled"
+
+
+@pytest.mark.parametrize(
+    ("action", "in_flight", "ends"),
+    [
+        # A failed attempt going back for a retry: the job is cancellable before and after.
+        ("cancel", "status = 'queued', claimed_by = NULL, claimed_until = NULL", "cancelled"),
+        # A last attempt failing: the job the admin saw running is dead, and requeueable, once it commits.
+        ("requeue", "status = 'dead', claimed_until = NULL, finished_at = now()", "queued"),
+    ],
+    ids=["cancel-during-a-retry", "requeue-during-a-last-failure"],
+)
+def test_a_job_action_acts_on_what_a_workers_write_in_flight_commits(
+    client, admin, relay: Relay, db, dsn: str, action: str, in_flight: str, ends: str
+) -> None:
+    """An action on a job whose worker is writing it waits for that write and acts on its outcome.
+
+    The cancel read the job claimed, then found it queued at its second
+    statement, matched neither and answered 409 "Job N is queued; only queued
+    or claimed jobs can be cancelled": nothing was cancelled and the job ran again.
+    """
+    job_id = relay.enqueue("t", {})
+    make_claimed(db, job_id)
+    answers: list = []
+    with psycopg.connect(dsn) as worker:
+        worker.execute(f"UPDATE relay.jobs SET {in_flight} WHERE id = %s", (job_id,))
+        acting = threading.Thread(
+            target=lambda: answers.append(client.post(f"/api/admin/jobs/{job_id}/{action}", headers=admin))
+        )
+        acting.start()
+        wait_for(
+            lambda: db.execute("SELECT count(*) FROM pg_locks WHERE NOT granted").fetchone()[0] == 1,
+            what=f"the {action} to wait for the worker's row lock",
+        )
+        worker.commit()
+        acting.join(15)
+    assert answers and answers[0].status_code == 200, answers and answers[0].get_json()
+    assert answers[0].get_json()["status"] == ends
+    assert relay.get_job(job_id).status == ends
+
+
 @pytest.mark.parametrize(("action", "status"), [("cancel", "queued"), ("requeue", "dead")])
 def test_a_single_job_action_with_an_empty_id_changes_nothing(
     client, admin, relay: Relay, db, action: str, status: str

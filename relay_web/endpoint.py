@@ -22,7 +22,7 @@ from relay_core.validation import MAX_PAYLOAD_DEPTH
 from . import auth
 from .bodies import read_body, repeated_keys
 from .problems import Problem, validation_problem
-from .records.common import JOB_TYPE_TEXT, NO_NUL
+from .records.common import HEADER_TEXT, JOB_TYPE_TEXT, NO_NUL
 
 #: The view keyword argument each input arrives as.
 KWARGS = {"path": "path", "query": "query", "header": "headers"}
@@ -85,6 +85,8 @@ def _detail(error: dict[str, Any]) -> str:
         pattern = error.get("ctx", {}).get("pattern")
         if pattern == NO_NUL:
             message = "must not contain NUL characters"
+        elif pattern == HEADER_TEXT:
+            message = "must be printable ASCII (letters, digits, punctuation, spaces)"
         elif pattern == JOB_TYPE_TEXT:
             message = (
                 "must contain a visible character, no control characters (a newline, a tab, NUL) "

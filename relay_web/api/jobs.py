@@ -13,7 +13,7 @@ from typing import Any
 from flask import Blueprint, url_for
 from werkzeug.routing import BaseConverter
 
-from relay_core import admin, monitor
+from relay_core import JobDetail, admin, monitor
 
 from ..db import connection, get_database
 from ..endpoint import Reply, endpoint
@@ -143,7 +143,8 @@ def enqueue(headers: IdempotencyHeaders, body: EnqueueBody, claims: dict[str, An
     """Enqueue a job. 201 when it is new; with an Idempotency-Key already used, 200 and the first job.
 
     Reusing a key for a different job (another type, queue, priority or
-    payload) answers 409 and changes nothing.
+    payload; or a run_at or max_attempts the first job was not given) answers
+    409 and changes nothing.
     """
     key = headers.idempotency_key
     with connection() as conn:
@@ -159,12 +160,7 @@ def enqueue(headers: IdempotencyHeaders, body: EnqueueBody, claims: dict[str, An
         )
         created = monitor.created_in_this_transaction(conn, job_id)
         job = admin.get_job(conn, job_id)
-    if not created and (job.type, job.queue, job.priority, _as_stored(job.payload)) != (
-        body.type,
-        body.queue,
-        body.priority,
-        _as_stored(body.payload),
-    ):
+    if not created and _asks_for_another_job(job, body):
         raise Problem(
             409,
             "Idempotency key reused",
@@ -174,6 +170,27 @@ def enqueue(headers: IdempotencyHeaders, body: EnqueueBody, claims: dict[str, An
         )
     location = url_for(".get_job", job_id=job.id)
     return Reply(JobRecord.of(job), 201 if created else 200, {"Location": location})
+
+
+def _asks_for_another_job(job: JobDetail, body: EnqueueBody) -> bool:
+    """Whether a request repeating an Idempotency-Key describes another job than the key's.
+
+    ``max_attempts`` and ``run_at`` count when the request gives them: one
+    asking for a job in 2031 was answered with the key's job that runs now.
+    ``run_at`` only while the job waits for its first attempt: a retry moves
+    it on, and a client repeating its request after that asks for the same job.
+    """
+    if (job.type, job.queue, job.priority, _as_stored(job.payload)) != (
+        body.type,
+        body.queue,
+        body.priority,
+        _as_stored(body.payload),
+    ):
+        return True
+    if body.max_attempts is not None and body.max_attempts != job.max_attempts:
+        return True
+    not_yet_claimed = job.status == "queued" and job.attempts == 0 and job.started_at is None
+    return body.run_at is not None and not_yet_claimed and body.run_at != job.run_at
 
 
 @bp.post("/jobs/requeue")

@@ -33,6 +33,8 @@ def _plain_text(value: str) -> str:
 
 #: The pattern of text without NUL characters, as OpenAPI clients see it.
 NO_NUL = r"^[^\x00]*$"
+#: Printable ASCII, space included: what an HTTP header value should hold (RFC 9110 section 5.5).
+HEADER_TEXT = r"^[\x20-\x7e]+$"
 
 
 def text(min_length: int, max_length: int) -> Any:

@@ -5,13 +5,14 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, JsonValue, field_validator
+from pydantic import Field, JsonValue, StringConstraints, field_validator
 
 from relay_core import JobDetail
 from relay_core.monitor import MAX_PAGE, JobSummary
 
 from .common import (
     BIGINT_MAX,
+    HEADER_TEXT,
     BodyRecord,
     JobId,
     JobIdParameter,
@@ -36,7 +37,9 @@ MaxAttempts = integer(1, 1000)
 PageSize = parameter_integer(1, MAX_PAGE)
 
 Search = Annotated[text(1, 200), Field(description="Case-insensitive substring of the type or the last error.")]
-IdempotencyKey = text(1, 200)
+#: A header arrives decoded as ISO-8859-1: "café" would be stored as "cafÃ©", and a
+#: control character as given. Printable ASCII is refused nothing on the way.
+IdempotencyKey = Annotated[str, StringConstraints(min_length=1, max_length=200, pattern=HEADER_TEXT)]
 
 
 class JobFilterFields(QueryRecord):

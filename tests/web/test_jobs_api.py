@@ -511,6 +511,57 @@ def test_idempotency_key_returns_the_first_job(client, admin, db) -> None:
 
 
 @pytest.mark.parametrize(
+    "changed",
+    [{"run_at": "2031-01-01T09:00:00Z"}, {"max_attempts": 1}],
+    ids=["a-run_at", "a-max_attempts"],
+)
+def test_a_used_key_with_a_run_at_or_max_attempts_the_first_job_was_not_given_is_409(
+    client, admin, db, changed: dict
+) -> None:
+    """It answered 200 with the key's job: the client believed in a job for 2031 that ran at once."""
+    headers = {**admin, "Idempotency-Key": "nightly-report"}
+    first = client.post("/api/admin/jobs", headers=headers, json={"type": "report"})
+    assert first.status_code == 201
+    clash = client.post("/api/admin/jobs", headers=headers, json={"type": "report", **changed})
+    assert assert_problem(clash, 409, "idempotency-key-reused")["job_id"] == first.get_json()["id"]
+    assert db.execute("SELECT count(*), min(max_attempts) FROM relay.jobs").fetchone() == (1, 20)
+
+
+def test_a_repeated_request_giving_run_at_is_still_the_same_job_after_a_retry_moved_it(
+    client, admin, db, relay: Relay
+) -> None:
+    """A retry sets a new run_at; the client's request is the one it sent the first time."""
+    headers = {**admin, "Idempotency-Key": "weekly-export"}
+    body = {"type": "export", "run_at": "2020-01-01T00:00:00Z", "max_attempts": 3}
+    first = client.post("/api/admin/jobs", headers=headers, json=body).get_json()
+    make_claimed(db, first["id"])
+    db.execute(
+        "UPDATE relay.jobs SET status = 'queued', claimed_by = NULL, claimed_until = NULL,"
+        " run_at = now() + interval '5 seconds' WHERE id = %s",
+        (first["id"],),
+    )
+    again = client.post("/api/admin/jobs", headers=headers, json=body)
+    assert again.status_code == 200 and again.get_json()["id"] == first["id"]
+
+
+@pytest.mark.parametrize("key", ["caf\u00e9-17", "cafÃ©-17", "order\x7f17", "order\t17"])
+def test_an_idempotency_key_that_is_not_printable_ascii_is_refused_and_writes_nothing(
+    client, admin, db, key: str
+) -> None:
+    """A header is read as ISO-8859-1: UTF-8 "café" was stored as "cafÃ©", DEL as given."""
+    response = client.post("/api/admin/jobs", headers={**admin, "Idempotency-Key": key}, json={"type": "t"})
+    problem = assert_problem(response, 422, "validation")
+    assert problem["errors"] == [
+        {
+            "field": "Idempotency-Key",
+            "in": "header",
+            "detail": "must be printable ASCII (letters, digits, punctuation, spaces)",
+        }
+    ]
+    assert db.execute("SELECT count(*) FROM relay.jobs").fetchone()[0] == 0
+
+
+@pytest.mark.parametrize(
     ("body", "field"),
     [
         ({"type": "t", "run_at": "2030-01-01T09:00:00"}, "run_at"),

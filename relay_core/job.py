@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -112,13 +113,18 @@ class Job:
         """Report progress (shown on the job's admin page); False if the job is no longer ours.
 
         Each call is one fenced UPDATE, so report per step, not per item.
+        A percent that is not a finite number (NaN, infinity) raises
+        ValueError and writes nothing; finite ones are kept within 0 to 100.
         An async handler awaits :meth:`progress_async` instead.
         """
         if self._report is None:
             return False
         value: dict[str, Any] = {}
         if percent is not None:
-            value["percent"] = max(0.0, min(100.0, float(percent)))
+            share = float(percent)
+            if not math.isfinite(share):
+                raise ValueError(f"percent must be a finite number, got {percent!r}")
+            value["percent"] = max(0.0, min(100.0, share))
         if message is not None:
             # Text PostgreSQL cannot store (NUL, an undecodable file name's lone surrogates)
             # would fail the report, and with it the attempt: escape it, as error text is.

@@ -8,13 +8,22 @@ a job (one inserted with SQL, by another program) lost its producer thread,
 and every worker that claimed the job after it went the same way. Relay's
 connections read such an integer as a ``decimal.Decimal`` instead: exact,
 and nothing else changes, since only a document that fails is read again.
+
+PostgreSQL also stores documents nested deeper than Python's parser reads (it
+recurses once per level, up to the interpreter's recursion limit): reading
+one raised RecursionError out of the claim, after it had committed, and the
+worker stopped with that job and every job claimed beside it held. Such a
+document is read as an :class:`UnreadableJson` that says why; a worker fails
+that job alone, as dead, and the admin surface shows the reason.
 """
 
 from __future__ import annotations
 
 import functools
 import json
+import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 from decimal import Decimal
 from typing import Any
 
@@ -25,25 +34,54 @@ from psycopg.types.json import set_json_loads
 INT_MAX_STR_DIGITS = 4300
 
 
+@dataclass(frozen=True, slots=True)
+class UnreadableJson:
+    """A json or jsonb value Python cannot read; ``reason`` says why."""
+
+    reason: str
+
+    def __str__(self) -> str:
+        return f"(unreadable JSON: {self.reason})"
+
+
+def _too_deep(data: str | bytes) -> UnreadableJson:
+    return UnreadableJson(
+        f"{len(data):,} characters nested deeper than Python reads (its recursion limit is {sys.getrecursionlimit()})"
+    )
+
+
+def _itself(unreadable: UnreadableJson) -> UnreadableJson:
+    return unreadable
+
+
 def _integer(digits: str, too_long: Callable[[str], Any]) -> Any:
     return int(digits) if len(digits.lstrip("-")) <= INT_MAX_STR_DIGITS else too_long(digits)
 
 
-def loads(data: str | bytes, too_long: Callable[[str], Any] = Decimal) -> Any:
-    """``json.loads``, reading integers too long for ``int`` with ``too_long`` (as Decimal, by default)."""
+def loads(
+    data: str | bytes,
+    too_long: Callable[[str], Any] = Decimal,
+    too_deep: Callable[[UnreadableJson], Any] = _itself,
+) -> Any:
+    """``json.loads``, reading integers too long for ``int`` with ``too_long`` (as Decimal, by default),
+    and a document nested too deeply as ``too_deep`` of its :class:`UnreadableJson` (that itself, by default)."""
     try:
-        return json.loads(data)
-    except ValueError as exc:
-        if "integer string conversion" not in str(exc):
-            raise
-        return json.loads(data, parse_int=functools.partial(_integer, too_long=too_long))
+        try:
+            return json.loads(data)
+        except ValueError as exc:
+            if "integer string conversion" not in str(exc):
+                raise
+            return json.loads(data, parse_int=functools.partial(_integer, too_long=too_long))
+    except RecursionError:
+        return too_deep(_too_deep(data))
 
 
 def read_any_number(conn: psycopg.Connection[Any], *, as_text: bool = False) -> None:
     """Make ``conn`` read json and jsonb with :func:`loads`.
 
-    ``as_text``: such an integer is read as its digits in a string, for
-    display (the admin API's records and the dashboard hold only JSON's
-    own types), instead of as a Decimal.
+    ``as_text``: such an integer is read as its digits in a string, and a
+    document nested too deeply as a string saying so, for display (the admin
+    API's records and the dashboard hold only JSON's own types), instead of
+    as a Decimal and an :class:`UnreadableJson`.
     """
-    set_json_loads(functools.partial(loads, too_long=str) if as_text else loads, conn)
+    set_json_loads(functools.partial(loads, too_long=str, too_deep=str) if as_text else loads, conn)

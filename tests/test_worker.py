@@ -552,6 +552,28 @@ def test_progress_with_text_postgresql_cannot_store_is_kept_escaped(relay: Relay
     assert job.progress == {"percent": 20.0, "message": "reading \\udcff.csv"}
 
 
+def test_progress_with_a_percent_that_is_not_a_number_is_refused_and_writes_nothing(
+    relay: Relay, db: psycopg.Connection
+) -> None:
+    """``max(0.0, min(100.0, nan))`` is 100.0: a NaN was recorded as done."""
+    refused: list[str] = []
+
+    @relay.handler("import_file")
+    def import_file(job: Job) -> None:
+        job.progress(30, "reading")
+        for bad in (float("nan"), float("inf"), float("-inf")):
+            try:
+                job.progress(bad, "never written")
+            except ValueError as exc:
+                refused.append(str(exc))
+
+    job_id = relay.enqueue("import_file")
+    with running_worker(relay):
+        wait_for(lambda: job_status(db, job_id) == "succeeded")
+    assert refused == [f"percent must be a finite number, got {bad}" for bad in ("nan", "inf", "-inf")]
+    assert relay.get_job(job_id).progress == {"percent": 30.0, "message": "reading"}
+
+
 def test_a_heartbeat_renews_what_it_can_and_skips_a_row_another_transaction_holds(
     relay: Relay, db: psycopg.Connection, dsn: str
 ) -> None:
@@ -1266,6 +1288,31 @@ def test_a_job_holding_a_number_too_long_for_int_runs_and_the_worker_carries_on(
         after = relay.enqueue("big", {"n": 7})
         wait_for(lambda: job_status(db, after) == "succeeded", what="a job after it")
     assert seen == [Decimal("1e5000"), 7]
+
+
+def test_a_job_whose_payload_nests_deeper_than_python_reads_dies_alone_and_the_worker_carries_on(
+    relay: Relay, db: psycopg.Connection
+) -> None:
+    """jsonb stores 3,000 nested arrays; Python's parser recurses per level and gives up near 1,000.
+    Reading the claim's answer raised RecursionError after the claim committed: the worker stopped,
+    the jobs claimed beside the unreadable one waited out their leases with an attempt spent, and
+    every worker that claimed them next went the same way."""
+    ran: list[int] = []
+    relay.handler("deep")(lambda job: ran.append(job.id))
+    deep_payload = "[" * 3000 + "]" * 3000
+    (deep,) = db.execute(
+        "INSERT INTO relay.jobs (type, payload) VALUES ('deep', %s::jsonb) RETURNING id", (deep_payload,)
+    ).fetchone()
+    beside = relay.enqueue_many([{"type": "deep", "payload": {"n": n}} for n in range(3)])
+    with running_worker(relay, concurrency=4):
+        wait_for(lambda: job_status(db, deep) == "dead", what="the unreadable job to die")
+        wait_for(lambda: all(job_status(db, job_id) == "succeeded" for job_id in beside), what="the jobs beside it")
+        after = relay.enqueue("deep", {"n": 7})
+        wait_for(lambda: job_status(db, after) == "succeeded", what="a job after it")
+    record = relay.get_job(deep)
+    assert record.attempts == 1 and record.max_attempts == 20, "no attempt is spent retrying what no attempt can read"
+    assert "cannot be read" in record.last_error and "nested deeper than Python reads" in record.last_error
+    assert sorted(ran) == sorted([*beside, after])
 
 
 def test_a_job_with_times_no_datetime_holds_runs_and_the_worker_carries_on(

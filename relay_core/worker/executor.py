@@ -23,6 +23,7 @@ from ..backoff import DEFAULT_BACKOFF
 from ..errors import HandlerNotFound, JobCancelled, LeaseLost, PermanentFailure, Snooze, SuccessNotRecorded
 from ..handlers import HandlerSpec
 from ..job import Job
+from ..jsonb import UnreadableJson
 from ..pools import without_user_timeout
 from ..queries import sql
 from .aio import SlotLoop
@@ -38,6 +39,9 @@ def run(job: Job, handlers: Mapping[str, HandlerSpec], pool: ConnectionPool, wor
             # Cancelled while it waited in this worker for a slot (claimed, so the cancel could
             # only ask): it ends cancelled without starting, as a handler checking first would.
             raise JobCancelled(f"job {job.id} was cancelled before its handler started")
+        if isinstance(job.payload, UnreadableJson):
+            # Written with SQL by another program: no attempt can read it, so none is spent retrying.
+            raise PermanentFailure(f"the payload of job {job.id} cannot be read: {job.payload.reason}")
         if spec is None:
             registered = ", ".join(sorted(handlers)) or "none"
             raise HandlerNotFound(

@@ -496,6 +496,18 @@ def test_enqueue_over_http_takes_the_max_attempts_workers_published(client, admi
     assert [relay.get_job(a.get_json()["id"]).max_attempts for a in answers] == [3, 4, 3, 20]
 
 
+def test_a_payload_nested_deeper_than_python_reads_is_shown_as_unreadable_not_a_500(client, admin, db) -> None:
+    """A program writing with SQL can store 3,000 nested arrays; Python's parser stops near 1,000."""
+    (job_id,) = db.execute(
+        "INSERT INTO relay.jobs (type, payload) VALUES ('deep', %s::jsonb) RETURNING id", ("[" * 3000 + "]" * 3000,)
+    ).fetchone()
+    shown = client.get(f"/api/admin/jobs/{job_id}", headers=admin)
+    assert shown.status_code == 200
+    assert shown.get_json()["payload"].startswith("(unreadable JSON: 6,000 characters nested deeper than Python reads")
+    listed = client.get("/api/admin/jobs?type=deep", headers=admin)
+    assert [job["id"] for job in listed.get_json()["jobs"]] == [job_id]
+
+
 def test_idempotency_key_returns_the_first_job(client, admin, db) -> None:
     headers = {**admin, "Idempotency-Key": "order-17-receipt"}
     first = client.post("/api/admin/jobs", headers=headers, json={"type": "receipt", "payload": {"order": 17}})

@@ -222,6 +222,16 @@ def test_job_page_shows_payload_errors_timings_lease_and_folded_tracebacks(viewe
     assert "hx-trigger" not in html.split("status-card")[1].split(">")[0]  # finished: no polling
 
 
+def test_a_job_page_shows_a_payload_nested_deeper_than_python_reads_as_unreadable(
+    viewer: DashboardClient, db: psycopg.Connection
+) -> None:
+    (job_id,) = db.execute(
+        "INSERT INTO relay.jobs (type, payload) VALUES ('deep', %s::jsonb) RETURNING id", ("[" * 3000 + "]" * 3000,)
+    ).fetchone()
+    html = _text(viewer.get(f"/jobs/{job_id}"))
+    assert "(unreadable JSON: 6,000 characters nested deeper than Python reads" in html
+
+
 def test_a_running_jobs_page_polls_and_shows_progress(
     viewer: DashboardClient, jobs: Jobs, db: psycopg.Connection
 ) -> None:

@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import importlib
 import json
-import logging
 import math
-import os
 import sys
 from datetime import datetime
 
@@ -149,27 +147,10 @@ def worker(
     if no_listen:
         settings["listen"] = False
     try:
-        running = app.worker(**settings)
-        running.run()
+        # Ends the process itself if handlers are still running after the shutdown (see Worker.run).
+        app.worker(**settings).run()
     except ConfigurationError as exc:
         raise click.ClickException(str(exc)) from None
-    if running.handlers_left_running:
-        exit_now()
-
-
-def exit_now() -> None:
-    """End the process at once, without waiting for its threads.
-
-    Handlers still running at the end of a shutdown had their jobs handed back
-    (or their timeouts recorded), and another worker may start those jobs
-    after a short grace: their threads must stop before then. A slot's thread
-    dies with the process, but a thread a handler started may not (a thread
-    of ``asyncio.to_thread``, which the interpreter waits for at exit).
-    """
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
 
 
 class _Unreadable(Exception):

@@ -269,6 +269,42 @@ def test_job_handed_back_with_its_handler_running_starts_elsewhere_only_after_th
             stop_process(worker_b)
 
 
+def test_run_worker_ends_its_process_when_a_handed_back_handler_runs_on(
+    relay: Relay, db: psycopg.Connection, python: str, worker_env: dict
+) -> None:
+    """``Relay.run_worker`` returned after the shutdown, and the interpreter's exit waited for the
+    handler's ``asyncio.to_thread`` thread: the handed-back job started on worker B while A's run
+    went on. It now ends its process as ``relay worker`` does, and B starts the job after that."""
+    env = dict(worker_env, RELAY_POLL_INTERVAL="0.05")
+    run_worker = (
+        "from tests.apps.worker_app import relay; "
+        "relay.run_worker(concurrency=1, lease_seconds=60, shutdown_timeout=0.3)"
+    )
+    worker_a = subprocess.Popen([python, "-c", run_worker], env=env, cwd=ROOT)
+    worker_b = None
+    try:
+        job_id = relay.enqueue("record_to_thread", {"sleep": 30})
+        wait_for(lambda: executions(db, job_id), timeout=30, what="worker A to start the job")
+        worker_b = start_worker_process(python, env, "--lease", "60", "--shutdown-timeout", "0.3")
+        worker_a.send_signal(signal.SIGTERM)
+        assert worker_a.wait(15) == 0, "the process waited for the handler's thread"
+        (a_gone,) = db.execute("SELECT clock_timestamp()").fetchone()
+        wait_for(
+            lambda: any(row[1] == worker_b.pid for row in executions(db, job_id)),
+            timeout=20,
+            what="worker B to start the handed-back job",
+        )
+        (b_started,) = db.execute(
+            "SELECT min(at) FROM relay_test.executions WHERE job_id = %s AND pid = %s", (job_id, worker_b.pid)
+        ).fetchone()
+        assert b_started > a_gone
+        assert [row[1] for row in executions(db, job_id)] == [worker_a.pid, worker_b.pid], "A's run never ended"
+    finally:
+        stop_process(worker_a)
+        if worker_b is not None:
+            stop_process(worker_b)
+
+
 def run_crash_drill(
     relay: Relay, db: psycopg.Connection, python: str, env: dict, job_type: str, total: int
 ) -> tuple[int, int]:

@@ -574,6 +574,52 @@ def test_progress_with_a_percent_that_is_not_a_number_is_refused_and_writes_noth
     assert relay.get_job(job_id).progress == {"percent": 30.0, "message": "reading"}
 
 
+def test_a_handler_reporting_progress_without_pause_keeps_its_lease(relay: Relay, db: psycopg.Connection) -> None:
+    """Each report holds the job's row for its transaction, and the heartbeat skips a held row:
+    reports back to back left no heartbeat a chance, the lease ran out under a live worker and the
+    attempt was spent as lost. A report renews the lease itself now."""
+    reports: list[bool] = []
+
+    @relay.handler("chatty")
+    def chatty(job: Job) -> None:
+        ends = time.monotonic() + 4.0
+        while time.monotonic() < ends:
+            reports.append(job.progress(len(reports) % 100))
+        if job.lease_lost:
+            raise RuntimeError("the lease was lost")
+
+    job_id = relay.enqueue("chatty", max_attempts=1)
+    with running_worker(relay, lease_seconds=1.0, heartbeat_interval=0.3):
+        wait_for(lambda: job_status(db, job_id) in ("succeeded", "dead"), what="the job to end")
+    record = relay.get_job(job_id)
+    assert (record.status, record.attempts, record.errors) == ("succeeded", 1, [])
+    assert len(reports) > 100 and all(reports)
+
+
+def test_a_progress_report_tells_the_handler_of_a_cancel_request_before_the_next_heartbeat(
+    relay: Relay, db: psycopg.Connection
+) -> None:
+    asked = threading.Event()
+    seen: list[bool] = []
+
+    @relay.handler("long_import")
+    def long_import(job: Job) -> None:
+        asked.wait(20)
+        seen.append(job.cancel_requested)
+        job.progress(50, "half way")
+        seen.append(job.cancel_requested)
+        job.raise_if_cancelled()
+
+    job_id = relay.enqueue("long_import")
+    with running_worker(relay, lease_seconds=60.0, heartbeat_interval=25.0):
+        wait_for(lambda: job_status(db, job_id) == "claimed", what="the job to start")
+        relay.cancel(job_id)
+        asked.set()
+        wait_for(lambda: job_status(db, job_id) != "claimed", what="the job to end")
+    assert seen == [False, True]
+    assert job_status(db, job_id) == "cancelled"
+
+
 def test_a_heartbeat_renews_what_it_can_and_skips_a_row_another_transaction_holds(
     relay: Relay, db: psycopg.Connection, dsn: str
 ) -> None:

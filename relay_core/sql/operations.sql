@@ -154,10 +154,16 @@ WHERE j.id = c.id AND j.lease_token = c.token AND j.status = 'claimed'
 RETURNING j.id, j.status::text AS status;
 
 -- name: job_set_progress
--- A running handler reports progress, fenced by its lease.
-UPDATE relay.jobs SET progress = %(progress)s::jsonb
+-- A running handler reports progress, fenced by its lease, and renews the lease
+-- as a heartbeat would: the report holds the row until it commits, and the
+-- heartbeat skips a held row, so reports sent back to back left no heartbeat
+-- a chance and the lease ran out under a live worker. Whether an admin asked
+-- the job to stop comes back too, for the same reason.
+UPDATE relay.jobs
+SET progress = %(progress)s::jsonb,
+    claimed_until = greatest(claimed_until, now() + make_interval(secs => %(lease_seconds)s))
 WHERE id = %(id)s AND lease_token = %(token)s AND status = 'claimed'
-RETURNING id;
+RETURNING id, cancel_requested_at IS NOT NULL AS cancel_requested;
 
 -- name: tables_needing_vacuum
 -- Relay's tables autovacuum would vacuum now but will not: it is off for the

@@ -186,15 +186,27 @@ class Worker:
         )
 
     def _report_progress(self, job: Job, progress: dict) -> bool:  # type: ignore[type-arg]
+        """Write a report; it renews the job's lease as a heartbeat does (see job_set_progress)."""
         try:
             with self.pool.connection() as conn:
+                sent = time.monotonic()
                 row = conn.execute(
                     sql("job_set_progress"),
-                    {"id": job.id, "token": job.lease_token, "progress": json.dumps(progress)},
+                    {
+                        "id": job.id,
+                        "token": job.lease_token,
+                        "progress": json.dumps(progress),
+                        "lease_seconds": self.config.lease_seconds,
+                    },
                 ).fetchone()
         except (psycopg.OperationalError, psycopg.InterfaceError, PoolTimeout):
             return False
-        return row is not None
+        if row is None:
+            return False
+        self._on_renewed({job.id: job.lease_token}, sent)
+        if row[1]:
+            self._on_cancel({job.id})
+        return True
 
     def _finish(self, slot: Slot, job: Job, outcome: Outcome) -> None:
         if self.ledger.finished(slot, job, outcome):

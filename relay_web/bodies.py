@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import json
+import math
 from collections import Counter
+from dataclasses import dataclass, field
+from decimal import Decimal
 from typing import Any
 
 from flask import request
@@ -22,26 +25,50 @@ def read_body() -> bytes:
     return raw
 
 
-def repeated_keys(raw: bytes) -> tuple[list[str], list[str]]:
-    """The keys a JSON document repeats within one object: (in the top-level object, in nested ones).
+@dataclass(frozen=True)
+class BodyScan:
+    """What a second reading of a JSON body finds that the records cannot see."""
 
-    The JSON parser keeps the last of two equal keys, so ``{"action": "requeue",
-    "action": "cancel"}`` cancels, while a proxy or audit log in between may
-    read the first. Call it on a body already parsed once: what it cannot read
-    again counts as nothing repeated.
+    #: Keys the top-level object gives twice.
+    repeated: list[str] = field(default_factory=list)
+    #: Keys some nested object gives twice.
+    repeated_nested: list[str] = field(default_factory=list)
+    #: Numbers, as written, that a float does not hold: read as one, they would change.
+    inexact: list[str] = field(default_factory=list)
+
+
+def scan_body(raw: bytes) -> BodyScan:
+    """Read a JSON body again for what parsing into records hides.
+
+    Repeated keys: the JSON parser keeps the last of two equal keys, so
+    ``{"action": "requeue", "action": "cancel"}`` cancels, while a proxy or
+    audit log in between may read the first.
+
+    Inexact numbers: a fraction or exponent is read as a float, so ``1e-400``
+    was stored as 0.0 and ``12345678901234567.5`` as ``12345678901234568``,
+    though jsonb holds both exactly. A number whose value a float keeps (``0.1``
+    and ``2.50`` do: written back, they are the same number) passes.
+
+    Call it on a body already parsed once: what it cannot read again counts as
+    nothing found.
     """
     seen: list[list[str]] = []  # per object, innermost first; the top level comes last
+    inexact: list[str] = []
 
     def pairs(items: list[tuple[str, Any]]) -> dict[str, Any]:
         counts = Counter(key for key, _ in items)
         seen.append(sorted(key for key, n in counts.items() if n > 1) if len(counts) < len(items) else [])
         return dict(items)
 
+    def number(text: str) -> float:
+        value = float(text)
+        if math.isfinite(value) and Decimal(repr(value)) != Decimal(text):
+            inexact.append(text)
+        return value
+
     try:
-        top = json.loads(raw, object_pairs_hook=pairs)
+        top = json.loads(raw, object_pairs_hook=pairs, parse_float=number)
     except (ValueError, RecursionError):
-        return [], []
-    if not seen:
-        return [], []
-    top_level = seen.pop() if isinstance(top, dict) else []
-    return top_level, sorted({key for keys in seen for key in keys})
+        return BodyScan()
+    top_level = seen.pop() if seen and isinstance(top, dict) else []
+    return BodyScan(top_level, sorted({key for keys in seen for key in keys}), inexact)

@@ -20,7 +20,7 @@ from pydantic import BaseModel, ValidationError
 from relay_core.validation import MAX_PAYLOAD_DEPTH
 
 from . import auth
-from .bodies import read_body, repeated_keys
+from .bodies import read_body, scan_body
 from .problems import Problem, validation_problem
 from .records.common import HEADER_TEXT, JOB_TYPE_TEXT, NO_NUL
 
@@ -154,12 +154,21 @@ def _parse_body(model: type[BaseModel]) -> BaseModel:
         if any(e.get("type") == "model_type" and not e.get("loc") for e in exc.errors(include_url=False)):
             raise validation_problem([{"field": "body", "in": "body", "detail": "must be a JSON object"}]) from None
         raise validation_problem(_field_errors(exc, "body")) from None
-    top_level, nested = repeated_keys(raw)
-    if top_level or nested:
-        errors = [{"field": key, "in": "body", "detail": "give it once"} for key in top_level]
-        if nested:
-            named = ", ".join(json.dumps(key) for key in nested)
-            errors.append({"field": "body", "in": "body", "detail": f"repeats a key within one object: {named}"})
+    scan = scan_body(raw)
+    errors = [{"field": key, "in": "body", "detail": "give it once"} for key in scan.repeated]
+    if scan.repeated_nested:
+        named = ", ".join(json.dumps(key) for key in scan.repeated_nested)
+        errors.append({"field": "body", "in": "body", "detail": f"repeats a key within one object: {named}"})
+    if scan.inexact:
+        shown = ", ".join(number if len(number) <= 40 else number[:37] + "..." for number in scan.inexact[:5])
+        errors.append(
+            {
+                "field": "body",
+                "in": "body",
+                "detail": f"holds numbers a float would change ({shown}): send them as strings",
+            }
+        )
+    if errors:
         raise validation_problem(errors)
     return body
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import gzip
 import io
 import json
+from decimal import Decimal
 
 import psycopg
 import pytest
@@ -47,6 +48,37 @@ def test_a_number_too_long_to_read_is_named_not_called_invalid_json(client, admi
     data = '{"type": "t", "payload": {"n": ' + "1" * 4300 + "}}"
     assert client.post("/api/admin/jobs", headers=admin, data=data, content_type="application/json").status_code == 201
     assert db.execute("SELECT count(*) FROM relay.jobs").fetchone()[0] == 1
+
+
+@pytest.mark.parametrize("number", ["1e-400", "12345678901234567.5", "0.10000000000000000001"])
+def test_a_number_a_float_would_change_is_refused_not_stored_changed(client, admin, db, number: str) -> None:
+    """Read as a float, 1e-400 was stored as 0.0 and 12345678901234567.5 as 12345678901234568."""
+    data = '{"type": "t", "payload": {"amount": ' + number + "}}"
+    response = client.post("/api/admin/jobs", headers=admin, data=data, content_type="application/json")
+    body = assert_problem(response, 422, "validation")
+    assert body["errors"] == [
+        {
+            "field": "body",
+            "in": "body",
+            "detail": f"holds numbers a float would change ({number}): send them as strings",
+        }
+    ]
+    assert db.execute("SELECT count(*) FROM relay.jobs").fetchone()[0] == 0
+
+
+def test_numbers_a_float_keeps_are_stored_as_their_values(client, admin, db) -> None:
+    data = '{"type": "t", "payload": {"a": 0.1, "b": 2.50, "c": 1E+2, "d": -0.0, "e": 5e-324, "f": 12345678901234567}}'
+    response = client.post("/api/admin/jobs", headers=admin, data=data, content_type="application/json")
+    assert response.status_code == 201, response.get_json()
+    (stored,) = db.execute("SELECT payload::text FROM relay.jobs").fetchone()
+    assert json.loads(stored, parse_float=Decimal) == {
+        "a": Decimal("0.1"),
+        "b": Decimal("2.5"),
+        "c": Decimal("100"),
+        "d": Decimal("-0.0"),
+        "e": Decimal("5e-324"),
+        "f": 12345678901234567,
+    }
 
 
 @pytest.mark.parametrize("depth", [150, 300, 5000])

@@ -7,6 +7,7 @@ import json
 import math
 import sys
 from datetime import datetime
+from decimal import Decimal
 
 import click
 
@@ -165,6 +166,8 @@ def _finite_float(token: str) -> float:
     value = float(token)
     if not math.isfinite(value):
         raise _Unreadable(f"has a number too large to carry: {token}")
+    if Decimal(repr(value)) != Decimal(token):
+        raise _Unreadable(f"has a number a float would change: {token}; send it as a string")
     return value
 
 
@@ -173,7 +176,9 @@ def _parse_payload(text: str) -> object:
 
     Python's reader also takes NaN and Infinity, which JSON has not, and reads
     a number past a float's range (1e400) as infinity, which no JSON document
-    can hold: both are refused here, as what they are.
+    can hold: both are refused here, as what they are. So is a number a float
+    would store changed (1e-400 as 0.0, 17 digits and more rounded), as the
+    admin API refuses it.
     """
     try:
         return json.loads(text, parse_constant=_not_json, parse_float=_finite_float)

@@ -65,6 +65,8 @@ def test_enqueue_takes_the_max_attempts_workers_published_unless_given_one(
         ("NaN", "not valid JSON: NaN is not a JSON value"),
         ('{"a": -Infinity}', "not valid JSON: -Infinity"),
         ('{"a": 1e400}', "a number too large to carry: 1e400"),
+        ('{"a": 1e-400}', "a number a float would change: 1e-400"),
+        ('{"a": 12345678901234567.5}', "a number a float would change: 12345678901234567.5"),
     ],
 )
 def test_a_payload_python_cannot_read_is_a_usage_error(enqueue, db, payload: str, message: str) -> None:

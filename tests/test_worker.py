@@ -1480,6 +1480,37 @@ def test_a_call_that_began_during_an_ended_outage_and_fails_after_it_is_not_a_ne
     assert caplog.records[2].during == "claim"
 
 
+def test_a_maintenance_duty_that_raises_leaves_the_sweeper_running(relay: Relay, db: psycopg.Connection) -> None:
+    """Only database errors were caught: anything else a duty raised (a bug, an odd schedule row) ended
+    the maintenance thread, and the worker claimed on with no sweeper, pruner or periodic jobs."""
+    ran: list[int] = []
+    relay.handler("orphan")(lambda job: ran.append(job.id))
+    config = WorkerConfig(poll_interval=0.2, sweep_interval=0.5, lease_seconds=10.0, shutdown_timeout=5.0)
+    worker = Worker(relay.dsn, relay.handlers, config)
+    failures: list[float] = []
+
+    def broken_periodic() -> float:
+        failures.append(time.monotonic())
+        raise RuntimeError("a duty's bug")
+
+    worker.maintenance.run_periodic = broken_periodic  # type: ignore[method-assign]
+    thread = threading.Thread(target=worker.run, kwargs={"install_signals": False}, daemon=True)
+    thread.start()
+    try:
+        wait_for(lambda: len(failures) >= 2, what="the failing duty to run twice")
+        job_id = relay.enqueue("orphan", queue="elsewhere")
+        db.execute(
+            "UPDATE relay.jobs SET status = 'claimed', attempts = 1, lease_token = 1, claimed_by = 'gone',"
+            " claimed_until = now() - interval '1 second', queue = 'default' WHERE id = %s",
+            (job_id,),
+        )
+        wait_for(lambda: job_status(db, job_id) == "succeeded", what="the sweeper to return the dead worker's job")
+    finally:
+        worker.stop()
+        thread.join(30)
+    assert ran == [job_id]
+
+
 def test_a_long_lease_does_not_hold_the_sweeper_off_for_that_long_after_a_server_start(
     relay: Relay, db: psycopg.Connection
 ) -> None:

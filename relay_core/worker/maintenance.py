@@ -363,3 +363,5 @@ class Maintenance:
                 self._pooled_calls.failed("maintenance", exc, began=now)
             except psycopg.Error as exc:  # a bug, not an outage: keep the worker alive and say so
                 event(logging.ERROR, "maintenance statement failed", error=str(exc))
+            except Exception as exc:  # a bug in a duty: the others (the sweeper first) must go on
+                event(logging.ERROR, "maintenance duty failed", error=repr(exc))

@@ -30,6 +30,7 @@ from .validation import (
     new_job,
 )
 from .worker import Worker, WorkerConfig
+from .worker.shutdown import exit_now
 
 #: How long an enqueue without ``conn`` waits for a pooled connection by default (RELAY_DB_WAIT_SECONDS).
 DEFAULT_DB_WAIT_SECONDS = 5.0
@@ -438,8 +439,17 @@ class Relay:
         return Worker(self.dsn, self.handlers, WorkerConfig.from_env(**settings))
 
     def run_worker(self, **settings: Any) -> None:
-        """Run a worker in this process until SIGTERM/SIGINT."""
-        self.worker(**settings).run()
+        """Run a worker in this process until SIGTERM/SIGINT.
+
+        The worker owns the process, as ``relay worker``'s does: if handlers
+        still run when its shutdown ends (their jobs handed back, to start
+        elsewhere after a short grace), the process ends at once rather than
+        return and let them run on beside their next attempt.
+        """
+        worker = self.worker(**settings)
+        worker.run()
+        if worker.handlers_left_running:
+            exit_now()
 
     def connection_options(self) -> dict[str, Any]:
         """psycopg options for the application's own connections to Relay's database.

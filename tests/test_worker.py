@@ -1480,6 +1480,27 @@ def test_a_call_that_began_during_an_ended_outage_and_fails_after_it_is_not_a_ne
     assert caplog.records[2].during == "claim"
 
 
+def test_worker_run_returns_to_its_caller_with_a_handler_left_running(relay: Relay, db: psycopg.Connection) -> None:
+    """Run on the main thread with its signal handlers (an application's own script, a test), the
+    worker ended the process when a handler outlived the shutdown: only ``relay worker`` and
+    ``Relay.run_worker``, which own their process, do that. The caller is told how many run on."""
+    release = threading.Event()
+    relay.handler("stuck")(lambda job: release.wait(30))
+    job_id = relay.enqueue("stuck")
+    worker = Worker(relay.dsn, relay.handlers, WorkerConfig(poll_interval=0.1, shutdown_timeout=0.2))
+    stopper = threading.Thread(
+        target=lambda: (wait_for(lambda: job_status(db, job_id) == "claimed", what="the job to start"), worker.stop())
+    )
+    stopper.start()
+    try:
+        worker.run()  # the main thread: it installs its signal handlers
+    finally:
+        release.set()
+        stopper.join(30)
+    assert worker.handlers_left_running == 1
+    assert job_status(db, job_id) == "queued", "handed back"
+
+
 def test_a_maintenance_duty_that_raises_leaves_the_sweeper_running(relay: Relay, db: psycopg.Connection) -> None:
     """Only database errors were caught: anything else a duty raised (a bug, an odd schedule row) ended
     the maintenance thread, and the worker claimed on with no sweeper, pruner or periodic jobs."""

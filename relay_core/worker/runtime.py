@@ -39,7 +39,7 @@ from .maintenance import Maintenance, register
 from .outage import POOL_EXHAUSTED, OutageLog, PooledCallLog, next_retry_delay
 from .outcome import Kind, Outcome, describe
 from .retention import prune_once
-from .shutdown import SHUTDOWN_WRITES_SECONDS, exit_now, hand_back, record_overdue, write_within
+from .shutdown import SHUTDOWN_WRITES_SECONDS, hand_back, record_overdue, write_within
 from .tally import Counters
 from .vacuum import vacuum_if_needed
 
@@ -324,14 +324,11 @@ class Worker:
     def run(self, install_signals: bool = True) -> None:
         """Run until :meth:`stop` (or SIGTERM/SIGINT), then shut down gracefully.
 
-        With ``install_signals`` (``relay worker``, ``Relay.run_worker``) the
-        worker owns its process: if handlers are still running when the
-        shutdown ends, their jobs were handed back to start elsewhere after a
-        2-second grace, so the process exits at once (status 0) rather than
-        return and let them run on beside their next attempt. Run in a thread
-        of a process that goes on (``install_signals=False``), it returns;
-        ``handlers_left_running`` says how many still run, for the caller to
-        end the process.
+        Handlers still running when the shutdown ends had their jobs handed
+        back, to start elsewhere after a 2-second grace: ``handlers_left_running``
+        says how many. ``relay worker`` and :meth:`Relay.run_worker`, which own
+        their process, then end it at once (:func:`exit_now`); a caller that
+        goes on after ``run`` returns should do the same when that is not zero.
         """
         signals = ShutdownSignals(self._on_signal) if install_signals else None
         try:
@@ -339,8 +336,6 @@ class Worker:
         finally:
             if signals is not None:
                 signals.close()
-        if signals is not None and self.handlers_left_running:
-            exit_now()
 
     def _run(self) -> None:
         # Not open(wait=True): a worker started while the database is down (a deploy

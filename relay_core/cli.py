@@ -7,7 +7,6 @@ import json
 import math
 import sys
 from datetime import datetime
-from decimal import Decimal
 
 import click
 
@@ -16,9 +15,11 @@ from . import migrate as migrator
 from .cli_users import connect, database_errors, user
 from .client import Relay
 from .errors import ConfigurationError, InvalidJobError, MigrationError, RelayError
+from .jsonb import float_changes
 from .settings import database_url, database_url_set
 from .validation import positive_number
 from .worker.config import MAX_CONCURRENCY
+from .worker.shutdown import exit_now
 
 
 def load_app(spec: str) -> Relay:
@@ -148,10 +149,12 @@ def worker(
     if no_listen:
         settings["listen"] = False
     try:
-        # Ends the process itself if handlers are still running after the shutdown (see Worker.run).
-        app.worker(**settings).run()
+        running = app.worker(**settings)
+        running.run()
     except ConfigurationError as exc:
         raise click.ClickException(str(exc)) from None
+    if running.handlers_left_running:
+        exit_now()
 
 
 class _Unreadable(Exception):
@@ -166,7 +169,7 @@ def _finite_float(token: str) -> float:
     value = float(token)
     if not math.isfinite(value):
         raise _Unreadable(f"has a number too large to carry: {token}")
-    if Decimal(repr(value)) != Decimal(token):
+    if float_changes(token, value):
         raise _Unreadable(f"has a number a float would change: {token}; send it as a string")
     return value
 

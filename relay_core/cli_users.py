@@ -25,17 +25,23 @@ MISSING_TABLES = "Relay's tables are missing: run `relay migrate` first"
 
 
 def connect() -> psycopg.Connection:
-    """An autocommit connection to the configured database; a clear usage error when there is none."""
+    """An autocommit connection to the configured database, its transactions READ COMMITTED;
+    a clear usage error when there is none."""
     try:
         dsn = database_url()
         options = connection_options(dsn)
     except ConfigurationError as exc:
         raise click.ClickException(str(exc)) from None
     try:
-        return psycopg.connect(dsn, autocommit=True, **options)
+        conn = psycopg.connect(dsn, autocommit=True, **options)
     except (psycopg.OperationalError, psycopg.ProgrammingError) as exc:
         # ProgrammingError: a setting libpq cannot use, such as connect_timeout=abc.
         raise click.ClickException(f"cannot connect to the database: {exc}") from None
+    # READ COMMITTED whatever the database's default, as every Relay connection: under a
+    # stricter level a requeue that waited for a worker's row lock failed with a
+    # serialization error. Asked for in each BEGIN (nothing stays behind a pooler).
+    conn.isolation_level = psycopg.IsolationLevel.READ_COMMITTED
+    return conn
 
 
 @contextmanager

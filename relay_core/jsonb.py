@@ -24,7 +24,7 @@ import json
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
-from decimal import Decimal
+from decimal import Decimal, InvalidOperation
 from typing import Any
 
 import psycopg
@@ -74,6 +74,22 @@ def loads(
             return json.loads(data, parse_int=functools.partial(_integer, too_long=too_long))
     except RecursionError:
         return too_deep(_too_deep(data))
+
+
+def float_changes(text: str, value: float) -> bool:
+    """Whether the JSON number ``text``, read as the finite float ``value``, is a different number.
+
+    Read as a float, ``1e-400`` is 0.0 and ``12345678901234567.5`` is
+    ``12345678901234568``, though jsonb holds both exactly; ``0.1`` and ``2.50``
+    are the number they say (written back, the float reads the same). An
+    exponent past what Decimal reads (``0e99999999999999999999``) leaves a
+    float of 0.0, exact only when every digit before it is zero.
+    """
+    try:
+        return Decimal(repr(value)) != Decimal(text)
+    except InvalidOperation:
+        mantissa = text.lower().partition("e")[0]
+        return value != 0.0 or any(digit in "123456789" for digit in mantissa)
 
 
 def read_any_number(conn: psycopg.Connection[Any], *, as_text: bool = False) -> None:

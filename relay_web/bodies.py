@@ -6,11 +6,12 @@ import json
 import math
 from collections import Counter
 from dataclasses import dataclass, field
-from decimal import Decimal
 from typing import Any
 
 from flask import request
 from werkzeug.exceptions import RequestEntityTooLarge
+
+from relay_core.jsonb import float_changes
 
 
 def read_body() -> bytes:
@@ -62,7 +63,7 @@ def scan_body(raw: bytes) -> BodyScan:
 
     def number(text: str) -> float:
         value = float(text)
-        if math.isfinite(value) and Decimal(repr(value)) != Decimal(text):
+        if math.isfinite(value) and float_changes(text, value):
             inexact.append(text)
         return value
 

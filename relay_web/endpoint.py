@@ -40,6 +40,10 @@ class Reply:
     headers: dict[str, str] = field(default_factory=dict)
 
 
+#: Methods whose requests are not checked for a body they should not carry.
+BODILESS_METHODS = ("GET", "HEAD", "OPTIONS")
+
+
 @dataclass(frozen=True)
 class Endpoint:
     """Everything the app and the spec know about one view."""
@@ -60,10 +64,15 @@ class Endpoint:
     security: str | None = None
     #: Probes and scrapers: a query string (an uptime checker's cache buster) is ignored, not refused.
     ignores_query: bool = False
+    #: A body sent to an endpoint without one is ignored, not refused (see ``_sent_a_body``): for
+    #: the token refresh, whose clients often send the refresh token in a body as well.
+    ignores_body: bool = False
 
-    def all_problems(self) -> list[int]:
-        """Every error status this endpoint can answer, for the spec."""
+    def all_problems(self, method: str = "GET") -> list[int]:
+        """Every error status this endpoint can answer to ``method``, for the spec."""
         found = set(self.problems) | set(COMMON_PROBLEMS)
+        if not self.body and not self.ignores_body and method not in BODILESS_METHODS:
+            found.update({413, 422})  # a body it does not take: refused, or too large to read
         if self.role or self.refresh:
             found.add(401)
         if self.role == "admin":
@@ -178,17 +187,17 @@ def _sent_a_body() -> bool:
 
     An endpoint without a body reads nothing from one, so ``{"dry_run": true}``
     sent to a cancel would be ignored and the job cancelled. Refused, as an
-    unknown query parameter is, nothing happens. An empty object, which some
-    HTTP clients send with every POST, asks for nothing and passes.
+    unknown query parameter is, nothing happens. An empty object or ``null``,
+    which some HTTP clients send with every POST, asks for nothing and passes.
     """
-    if request.method in ("GET", "HEAD", "OPTIONS"):
+    if request.method in BODILESS_METHODS:
         return False
     raw = read_body()
     if not raw.strip():
         return False
     try:
-        return json.loads(raw) != {}
-    except ValueError:
+        return json.loads(raw) not in ({}, None)
+    except (ValueError, RecursionError):
         return True
 
 
@@ -212,7 +221,7 @@ def _parse_inputs(spec: Endpoint, view_args: dict[str, Any]) -> dict[str, Any]:
             parsed[KWARGS[where]] = model.model_validate(values)  # type: ignore[union-attr]
         except ValidationError as exc:
             errors.extend(_field_errors(exc, where))
-    if not spec.body and _sent_a_body():
+    if not spec.body and not spec.ignores_body and _sent_a_body():
         errors.append({"field": "body", "in": "body", "detail": "this endpoint takes no body; send none"})
     if errors:
         raise validation_problem(errors)

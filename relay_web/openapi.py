@@ -112,7 +112,7 @@ class _Schemas:
         return params
 
 
-def _operation(spec: Endpoint, schemas: _Schemas, operation_id: str) -> dict[str, Any]:
+def _operation(spec: Endpoint, schemas: _Schemas, operation_id: str, method: str) -> dict[str, Any]:
     operation: dict[str, Any] = {
         "operationId": operation_id,
         "summary": spec.summary,
@@ -134,7 +134,7 @@ def _operation(spec: Endpoint, schemas: _Schemas, operation_id: str) -> dict[str
     for status, model in sorted(spec.responses.items()):
         content = {spec.media_type: {"schema": schemas.ref(model, "serialization") if model else {"type": "string"}}}
         responses[str(status)] = {"description": REASONS.get(status, "OK"), "content": content}
-    for status in spec.all_problems():
+    for status in spec.all_problems(method):
         responses[str(status)] = {
             "description": REASONS.get(status, "An error."),
             "content": {PROBLEM_MEDIA_TYPE: {"schema": schemas.ref(ProblemRecord, "serialization")}},
@@ -165,7 +165,7 @@ def document(app: Flask) -> dict[str, Any]:
     for rule, spec in sorted(routes, key=lambda r: r[0].rule):
         for method in sorted((rule.methods or set()) - {"HEAD", "OPTIONS"}):
             paths.setdefault(_openapi_path(rule.rule), {})[method.lower()] = _operation(
-                spec, schemas, rule.endpoint.replace(".", "_")
+                spec, schemas, rule.endpoint.replace(".", "_"), method
             )
     if not app.config.get("RELAY_METRICS_TOKEN"):
         for operations in paths.values():

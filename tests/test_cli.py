@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import subprocess
+import threading
 import time
 import uuid
 
@@ -15,7 +16,7 @@ from psycopg import conninfo
 from relay_core import logs
 from relay_core.cli import main
 
-from .helpers import ROOT, publish_handlers
+from .helpers import ROOT, publish_handlers, wait_for
 
 
 @pytest.fixture
@@ -67,6 +68,7 @@ def test_enqueue_takes_the_max_attempts_workers_published_unless_given_one(
         ('{"a": 1e400}', "a number too large to carry: 1e400"),
         ('{"a": 1e-400}', "a number a float would change: 1e-400"),
         ('{"a": 12345678901234567.5}', "a number a float would change: 12345678901234567.5"),
+        ('{"a": 1e-99999999999999999999}', "a number a float would change: 1e-99999999999999999999"),
     ],
 )
 def test_a_payload_python_cannot_read_is_a_usage_error(enqueue, db, payload: str, message: str) -> None:
@@ -93,6 +95,45 @@ def test_requeue_reads_a_job_id_only_as_relay_writes_it(relay, dsn: str, db: psy
     result = CliRunner().invoke(main, ["requeue", spelling], env={"RELAY_DATABASE_URL": dsn}, catch_exceptions=False)
     assert result.exit_code == 2 and "is not a job id" in result.output, result.output
     assert db.execute("SELECT count(*) FROM relay.jobs WHERE status = 'dead'").fetchone()[0] == 25
+
+
+def test_a_zero_written_with_an_exponent_past_what_decimal_reads_is_enqueued(enqueue, db) -> None:
+    result = enqueue("t", '{"a": 0e99999999999999999999}')
+    assert result.exit_code == 0, result.output
+    assert db.execute("SELECT payload FROM relay.jobs").fetchone()[0] == {"a": 0.0}
+
+
+def test_requeue_waits_for_a_last_failure_in_flight_where_the_database_defaults_to_repeatable_read(
+    relay, dsn: str, db: psycopg.Connection
+) -> None:
+    """The command's connection kept the database's isolation: the row lock it waited for ended
+    in a serialization error, and the job stayed dead."""
+    job_id = relay.enqueue("t", {})
+    db.execute(
+        "UPDATE relay.jobs SET status = 'claimed', attempts = 1, lease_token = 1, claimed_by = 'w',"
+        " claimed_until = now() + interval '1 minute' WHERE id = %s",
+        (job_id,),
+    )
+    strict = conninfo.make_conninfo(dsn, options="-c default_transaction_isolation=repeatable\\ read")
+    results: list = []
+    with psycopg.connect(dsn) as worker:
+        worker.execute(
+            "UPDATE relay.jobs SET status = 'dead', claimed_until = NULL, finished_at = now() WHERE id = %s", (job_id,)
+        )
+        requeue = threading.Thread(
+            target=lambda: results.append(
+                CliRunner().invoke(main, ["requeue", str(job_id)], env={"RELAY_DATABASE_URL": strict})
+            )
+        )
+        requeue.start()
+        wait_for(
+            lambda: db.execute("SELECT count(*) FROM pg_locks WHERE NOT granted").fetchone()[0] == 1,
+            what="the requeue to wait for the worker's row lock",
+        )
+        worker.commit()
+        requeue.join(15)
+    assert results and results[0].exit_code == 0, results and results[0].output
+    assert relay.get_job(job_id).status == "queued"
 
 
 def test_requeue_of_a_job_in_the_wrong_state_names_the_rule(relay, dsn: str) -> None:

@@ -62,7 +62,7 @@ def login(body: LoginBody) -> TokenRecord:
 
 
 @bp.post("/refresh")
-@endpoint(tag="auth", refresh=True, responses={200: TokenRecord})
+@endpoint(tag="auth", refresh=True, responses={200: TokenRecord}, ignores_body=True)
 def refresh(claims: dict[str, Any]) -> TokenRecord:
     """Trade a refresh token for a new access token, with the user's current role.
 

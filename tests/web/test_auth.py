@@ -146,6 +146,18 @@ def test_refresh_token_gives_a_new_access_token_with_the_current_role(client, au
     )
 
 
+def test_a_refresh_that_also_sends_its_token_in_a_body_is_answered(client, auth: AuthActions) -> None:
+    """Many clients send the refresh token in a body as well as in the header; the body is ignored."""
+    auth.create_user("frank", "admin")
+    tokens = auth.login("frank").get_json()
+    response = client.post(
+        "/api/auth/refresh",
+        headers={"Authorization": f"Bearer {tokens['refresh_token']}"},
+        json={"refresh_token": tokens["refresh_token"]},
+    )
+    assert response.status_code == 200 and response.get_json()["access_token"]
+
+
 def test_access_and_refresh_tokens_are_not_interchangeable(client, auth: AuthActions) -> None:
     tokens = auth.tokens("admin")
     assert_problem(client.post("/api/auth/refresh", headers={"Authorization": f"Bearer {tokens['access_token']}"}), 401)

@@ -254,8 +254,9 @@ def test_a_cancel_that_waits_out_a_heartbeat_succeeds_where_the_database_default
         (b'{"dry_run": true}', "application/json"),
         (b"this is not json", "application/json"),
         (b"dry_run=1", "application/x-www-form-urlencoded"),
+        (b"[" * 200_000, "application/json"),
     ],
-    ids=["json-fields", "not-json", "a-form"],
+    ids=["json-fields", "not-json", "a-form", "nested-past-the-parser"],
 )
 @pytest.mark.parametrize("action", ["cancel", "requeue"])
 def test_a_body_sent_to_an_action_that_takes_none_is_refused_and_changes_nothing(
@@ -274,12 +275,23 @@ def test_a_body_sent_to_an_action_that_takes_none_is_refused_and_changes_nothing
     assert relay.get_job(job_id).status == before
 
 
-def test_an_empty_object_sent_to_an_action_that_takes_no_body_asks_for_nothing_and_passes(
-    client, admin, relay: Relay
+@pytest.mark.parametrize("body", [b"{}", b" null "])
+def test_an_empty_object_or_null_sent_to_an_action_that_takes_no_body_asks_for_nothing_and_passes(
+    client, admin, relay: Relay, body: bytes
 ) -> None:
-    """Some HTTP clients send ``{}`` with every POST."""
+    """Some HTTP clients send ``{}`` (or ``null``) with every POST."""
     job_id = relay.enqueue("t", {})
-    assert client.post(f"/api/admin/jobs/{job_id}/cancel", headers=admin, json={}).get_json()["status"] == "cancelled"
+    response = client.post(
+        f"/api/admin/jobs/{job_id}/cancel", headers={**admin, "Content-Type": "application/json"}, data=body
+    )
+    assert response.get_json()["status"] == "cancelled"
+
+
+def test_the_spec_says_an_action_without_a_body_may_answer_422_and_413(client) -> None:
+    doc = client.get("/api/openapi.json").get_json()
+    cancel = doc["paths"]["/api/admin/jobs/{job_id}/cancel"]["post"]
+    assert {"413", "422"} <= set(cancel["responses"]) and "requestBody" not in cancel
+    assert "422" not in doc["paths"]["/api/auth/refresh"]["post"]["responses"]
 
 
 @pytest.mark.parametrize(
@@ -552,6 +564,20 @@ def test_a_repeated_request_giving_run_at_is_still_the_same_job_after_a_retry_mo
         " run_at = now() + interval '5 seconds' WHERE id = %s",
         (first["id"],),
     )
+    again = client.post("/api/admin/jobs", headers=headers, json=body)
+    assert again.status_code == 200 and again.get_json()["id"] == first["id"]
+
+
+def test_a_repeated_request_giving_run_at_is_still_the_same_job_after_it_died_and_was_requeued(
+    client, admin, db
+) -> None:
+    """A requeue resets attempts and run_at: the job looked as if it still waited for its first attempt."""
+    headers = {**admin, "Idempotency-Key": "monthly-invoice"}
+    body = {"type": "invoice", "run_at": "2020-01-01T00:00:00Z"}
+    first = client.post("/api/admin/jobs", headers=headers, json=body).get_json()
+    make_claimed(db, first["id"])  # a claim takes a lease token, which no requeue resets
+    make_dead(db, first["id"])
+    assert client.post(f"/api/admin/jobs/{first['id']}/requeue", headers=admin).status_code == 200
     again = client.post("/api/admin/jobs", headers=headers, json=body)
     assert again.status_code == 200 and again.get_json()["id"] == first["id"]
 

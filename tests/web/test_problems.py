@@ -50,7 +50,9 @@ def test_a_number_too_long_to_read_is_named_not_called_invalid_json(client, admi
     assert db.execute("SELECT count(*) FROM relay.jobs").fetchone()[0] == 1
 
 
-@pytest.mark.parametrize("number", ["1e-400", "12345678901234567.5", "0.10000000000000000001"])
+@pytest.mark.parametrize(
+    "number", ["1e-400", "12345678901234567.5", "0.10000000000000000001", "1e-99999999999999999999"]
+)
 def test_a_number_a_float_would_change_is_refused_not_stored_changed(client, admin, db, number: str) -> None:
     """Read as a float, 1e-400 was stored as 0.0 and 12345678901234567.5 as 12345678901234568."""
     data = '{"type": "t", "payload": {"amount": ' + number + "}}"
@@ -67,7 +69,10 @@ def test_a_number_a_float_would_change_is_refused_not_stored_changed(client, adm
 
 
 def test_numbers_a_float_keeps_are_stored_as_their_values(client, admin, db) -> None:
-    data = '{"type": "t", "payload": {"a": 0.1, "b": 2.50, "c": 1E+2, "d": -0.0, "e": 5e-324, "f": 12345678901234567}}'
+    data = (
+        '{"type": "t", "payload": {"a": 0.1, "b": 2.50, "c": 1E+2, "d": -0.0, "e": 5e-324, "f": 12345678901234567,'
+        ' "g": 0e99999999999999999999}}'
+    )
     response = client.post("/api/admin/jobs", headers=admin, data=data, content_type="application/json")
     assert response.status_code == 201, response.get_json()
     (stored,) = db.execute("SELECT payload::text FROM relay.jobs").fetchone()
@@ -78,6 +83,7 @@ def test_numbers_a_float_keeps_are_stored_as_their_values(client, admin, db) -> 
         "d": Decimal("-0.0"),
         "e": Decimal("5e-324"),
         "f": 12345678901234567,
+        "g": Decimal("0"),
     }
 
 

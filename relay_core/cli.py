@@ -6,6 +6,7 @@ import importlib
 import json
 import math
 import sys
+from collections import Counter
 from datetime import datetime
 
 import click
@@ -174,17 +175,26 @@ def _finite_float(token: str) -> float:
     return value
 
 
+def _once_each(pairs: list[tuple[str, object]]) -> dict[str, object]:
+    counts = Counter(key for key, _ in pairs)
+    if len(counts) < len(pairs):
+        repeated = sorted(key for key, n in counts.items() if n > 1)
+        raise _Unreadable(f"repeats a key within one object: {', '.join(json.dumps(k) for k in repeated)}")
+    return dict(pairs)
+
+
 def _parse_payload(text: str) -> object:
     """PAYLOAD as JSON; anything Python's reader refuses is a usage error, never a traceback.
 
     Python's reader also takes NaN and Infinity, which JSON has not, and reads
     a number past a float's range (1e400) as infinity, which no JSON document
     can hold: both are refused here, as what they are. So is a number a float
-    would store changed (1e-400 as 0.0, 17 digits and more rounded), as the
-    admin API refuses it.
+    would store changed (1e-400 as 0.0, 17 digits and more rounded), and a key
+    given twice in one object (the reader keeps the last), as the admin API
+    refuses both.
     """
     try:
-        return json.loads(text, parse_constant=_not_json, parse_float=_finite_float)
+        return json.loads(text, parse_constant=_not_json, parse_float=_finite_float, object_pairs_hook=_once_each)
     except json.JSONDecodeError as exc:
         raise click.BadParameter(f"not valid JSON: {exc}", param_hint="PAYLOAD") from None
     except _Unreadable as exc:

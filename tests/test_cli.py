@@ -69,6 +69,8 @@ def test_enqueue_takes_the_max_attempts_workers_published_unless_given_one(
         ('{"a": 1e-400}', "a number a float would change: 1e-400"),
         ('{"a": 12345678901234567.5}', "a number a float would change: 12345678901234567.5"),
         ('{"a": 1e-99999999999999999999}', "a number a float would change: 1e-99999999999999999999"),
+        ('{"to": "ann@x", "to": "bob@x"}', 'repeats a key within one object: "to"'),
+        ('{"mail": {"to": "ann@x", "to": "bob@x"}}', 'repeats a key within one object: "to"'),
     ],
 )
 def test_a_payload_python_cannot_read_is_a_usage_error(enqueue, db, payload: str, message: str) -> None:

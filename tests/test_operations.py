@@ -945,6 +945,22 @@ def test_rate_limit_starts_are_forgotten_even_where_retention_is_off(relay: Rela
     assert db.execute("SELECT count(*) FROM relay.rate_starts").fetchone()[0] == 1
 
 
+def test_each_types_rate_limit_starts_are_kept_for_its_own_window(relay: Relay, db: psycopg.Connection) -> None:
+    """Trimmed to the longest window of any type: a type limited per second kept a month of starts."""
+    relay.handler("per_second", rate_limit=(100, 1))(lambda job: None)
+    relay.handler("per_month", rate_limit=(1000, 31 * 24 * 3600))(lambda job: None)
+    db.execute(
+        "INSERT INTO relay.rate_starts (type, started_at)"
+        " SELECT t, now() - interval '1 hour' FROM unnest(ARRAY['per_second', 'per_month', 'unlimited_now']) AS t"
+    )
+    db.execute("INSERT INTO relay.rate_starts (type) VALUES ('per_second')")
+    with running_worker(relay, retention=None) as worker:
+        wait_for(lambda: db.execute("SELECT count(*) FROM relay.type_limits").fetchone()[0] == 2, what="limits")
+        worker.maintenance.prune()
+    kept = db.execute("SELECT type, started_at > now() - interval '1 minute' FROM relay.rate_starts ORDER BY 1, 2")
+    assert kept.fetchall() == [("per_month", False), ("per_second", True)]
+
+
 SESSION_NAMES = "SELECT application_name FROM pg_stat_activity WHERE datname = current_database()"
 
 

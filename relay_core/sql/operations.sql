@@ -59,10 +59,12 @@ SELECT l.type, l.max_running, l.rate_limit, l.rate_period_seconds,
 FROM relay.type_limits l ORDER BY l.type;
 
 -- name: rate_starts_prune
--- Forget starts older than every rate window.
+-- Forget each type's starts older than its own rate window (all of them for a
+-- type with no rate limit now). Trimmed to the longest window of any type, a
+-- type limited per second kept a month of starts beside one limited per month.
 DELETE FROM relay.rate_starts s
 WHERE s.started_at < now() - make_interval(secs => coalesce(
-    (SELECT max(rate_period_seconds) FROM relay.type_limits), 0));
+    (SELECT l.rate_period_seconds FROM relay.type_limits l WHERE l.type = s.type), 0));
 
 -- name: schedule_upsert
 -- A worker publishes a periodic schedule; a changed cron expression starts from now.

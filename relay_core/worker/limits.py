@@ -46,7 +46,7 @@ def publish_max_attempts(conn: psycopg.Connection, specs: Iterable[HandlerSpec])
 
 
 def forget_old_starts(conn: psycopg.Connection) -> None:
-    """Delete rate-limit starts older than every window: no claim counts them again.
+    """Delete each type's rate-limit starts older than its window: no claim counts them again.
 
     Apart from retention, which a worker may have switched off: the starts
     are the limits' bookkeeping, not history anyone keeps.

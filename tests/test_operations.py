@@ -262,6 +262,45 @@ def test_a_tick_that_fell_due_while_a_worker_ran_is_enqueued_however_late(relay:
     ]
 
 
+def test_a_tick_that_fell_due_while_the_schedule_was_removed_is_skipped_when_it_comes_back(
+    relay: Relay, db: psycopg.Connection
+) -> None:
+    """A deploy removed the schedule (the handler stayed) and the next brought it back unchanged: the
+    tick that fell due in between counted as seen on time, since workers served its queue, and ran at
+    once, hours late. Only workers that checked the schedule saw its ticks."""
+
+    @relay.handler("hourly_rollup", cron="0 * * * *")
+    def rollup(job: Job) -> None:
+        return None
+
+    specs = list(relay.handlers.values())
+    publish(db, specs)
+    now = db.execute("SELECT now()").fetchone()[0].astimezone(UTC)
+    tick = now.replace(minute=0, second=0, microsecond=0) + timedelta(hours=2)
+    late = tick + timedelta(minutes=5)
+    assert enqueue_due(db, specs, clock=tick - timedelta(seconds=1)) == []
+    register = (
+        "INSERT INTO relay.workers (id, host, pid, queues, concurrency, started_at, last_seen_at, schedules) "
+        "VALUES (%s, 'h', 1, '{default}', 8, %s, %s, %s)"
+    )
+    db.execute(register, ("without-it", tick - timedelta(hours=1), late, []))
+    assert enqueue_due(db, specs, clock=late) == []
+    assert db.execute("SELECT count(*) FROM relay.jobs").fetchone()[0] == 0
+
+    db.execute("UPDATE relay.schedules SET last_tick = last_tick - interval '1 hour'")
+    db.execute(register, ("with-it", tick - timedelta(hours=1), late, ["hourly_rollup"]))
+    assert enqueue_due(db, specs, clock=late) == [("hourly_rollup", tick.isoformat())]
+
+
+def test_a_worker_records_the_schedules_it_checks(relay: Relay, db: psycopg.Connection) -> None:
+    relay.handler("nightly", cron="@daily")(lambda job: None)
+    relay.handler("hourly", cron="@hourly")(lambda job: None)
+    relay.handler("plain")(lambda job: None)
+    with running_worker(relay):
+        wait_for(lambda: db.execute("SELECT schedules FROM relay.workers").fetchone(), what="the registration")
+        assert db.execute("SELECT schedules FROM relay.workers").fetchone()[0] == ["hourly", "nightly"]
+
+
 def test_ticks_passed_between_two_late_checks_are_logged_and_only_the_latest_runs(
     relay: Relay, db: psycopg.Connection, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -432,6 +471,7 @@ def test_the_old_process_of_a_worker_id_used_again_leaves_the_new_ones_row_alone
     """A restart whose new process registers before the old one has stopped (a preboot, a slow
     shutdown): the old process's stop and heartbeats must not mark the running one stopped, or a
     cron tick checked late while it ran would be skipped as if no worker had been running."""
+    relay.handler("nightly", cron="@daily")(lambda job: None)
     registered = "SELECT queues FROM relay.workers WHERE id = 'steady'"
     with running_worker(relay, worker_id="steady", heartbeat_interval=0.3) as old:
         wait_for(lambda: db.execute(registered).fetchone(), what="the old process registered")
@@ -445,7 +485,8 @@ def test_the_old_process_of_a_worker_id_used_again_leaves_the_new_ones_row_alone
                 what="a heartbeat of the new process",
             )
             assert [w.state for w in monitor.list_workers(db)] == ["alive"]
-            running = db.execute(sql("worker_was_running_at"), {"queue": "default", "at": at}).fetchone()[0]
+            params = {"queue": "default", "type": "nightly", "at": at}
+            running = db.execute(sql("worker_was_running_at"), params).fetchone()[0]
             assert running, "the registry says no worker served 'default' while the new process ran"
 
 

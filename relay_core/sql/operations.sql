@@ -103,12 +103,16 @@ SET last_enqueued_tick = %(tick)s,
 WHERE type = %(type)s;
 
 -- name: worker_was_running_at
--- Whether a worker serving the queue was running at a moment: it registered
--- before it and was heard from after it (heartbeats come from their own
--- thread, so a worker whose maintenance was held up still counts).
+-- Whether a worker serving the queue and checking the schedule was running at
+-- a moment: it registered before it and was heard from after it (heartbeats
+-- come from their own thread, so a worker whose maintenance was held up still
+-- counts). A worker without the schedule (a deploy that had removed it) never
+-- saw its tick; one registered by an older Relay records no schedules and
+-- counts by its queues (migration 0017).
 SELECT EXISTS (
     SELECT 1 FROM relay.workers
-    WHERE %(queue)s = ANY(queues) AND started_at <= %(at)s AND last_seen_at >= %(at)s
+    WHERE %(queue)s = ANY(queues) AND (schedules IS NULL OR %(type)s = ANY(schedules))
+      AND started_at <= %(at)s AND last_seen_at >= %(at)s
       AND (stopped_at IS NULL OR stopped_at >= %(at)s)
 ) AS running;
 

@@ -395,11 +395,11 @@ SELECT id, status::text AS status FROM relay.jobs WHERE id = ANY(%(ids)s::bigint
 -- started_at). The returned started_at is this process's registration: its
 -- heartbeats and its stop carry it, so an older process with the same id that
 -- is still shutting down leaves the new one's row alone.
-INSERT INTO relay.workers (id, host, pid, queues, concurrency, heartbeat_seconds)
-VALUES (%(id)s, %(host)s, %(pid)s, %(queues)s::text[], %(concurrency)s, %(heartbeat_seconds)s)
+INSERT INTO relay.workers (id, host, pid, queues, concurrency, heartbeat_seconds, schedules)
+VALUES (%(id)s, %(host)s, %(pid)s, %(queues)s::text[], %(concurrency)s, %(heartbeat_seconds)s, %(schedules)s::text[])
 ON CONFLICT (id) DO UPDATE
 SET host = excluded.host, pid = excluded.pid, queues = excluded.queues, concurrency = excluded.concurrency,
-    heartbeat_seconds = excluded.heartbeat_seconds,
+    heartbeat_seconds = excluded.heartbeat_seconds, schedules = excluded.schedules,
     started_at = now(), last_seen_at = now(), stopped_at = NULL, in_flight = 0
 RETURNING started_at;
 

@@ -109,12 +109,19 @@ def forget_old_workers(conn: psycopg.Connection, keep_seconds: float = REGISTRY_
 
 
 def register(
-    conn: psycopg.Connection, worker_id: str, queues: tuple[str, ...], concurrency: int, heartbeat_seconds: float
+    conn: psycopg.Connection,
+    worker_id: str,
+    queues: tuple[str, ...],
+    concurrency: int,
+    heartbeat_seconds: float,
+    schedules: list[str],
 ) -> datetime:
     """Record this worker process in the registry; return its registration (``started_at``).
 
     The heartbeat interval goes with it: a worker that beats every 100 s is
-    not gone after 60 s of silence (relay.worker_state).
+    not gone after 60 s of silence (relay.worker_state). So do the schedules
+    it checks: only a worker that had a schedule saw its ticks fall due
+    (periodic.enqueue_due).
     """
     (started_at,) = conn.execute(
         sql("worker_register"),
@@ -125,6 +132,7 @@ def register(
             "queues": list(queues),
             "concurrency": concurrency,
             "heartbeat_seconds": heartbeat_seconds,
+            "schedules": schedules,
         },
     ).fetchone()
     conn.commit()

@@ -28,8 +28,15 @@ def _db_now(conn: psycopg.Connection) -> datetime:
     return conn.execute(sql("db_now")).fetchone()[0]
 
 
-def _worker_was_running(conn: psycopg.Connection, queue: str, at: datetime) -> bool:
-    return bool(conn.execute(sql("worker_was_running_at"), {"queue": queue, "at": at}).fetchone()[0])
+def _worker_was_running(conn: psycopg.Connection, spec: HandlerSpec, at: datetime) -> bool:
+    """Whether a worker that serves ``spec``'s queue and checks its schedule was running at ``at``."""
+    params = {"queue": spec.queue, "type": spec.type, "at": at}
+    return bool(conn.execute(sql("worker_was_running_at"), params).fetchone()[0])
+
+
+def checked_schedules(specs: Iterable[HandlerSpec]) -> list[str]:
+    """The types whose schedules a worker with these handlers checks, for the registry."""
+    return sorted(spec.type for spec in specs if spec.cron)
 
 
 def publish(conn: psycopg.Connection, specs: Iterable[HandlerSpec]) -> None:
@@ -145,7 +152,7 @@ def _enqueue_latest_tick(
             is_missed(tick, now)
             and not spec.catch_up
             and not (checker_since is not None and checker_since <= tick)
-            and not _worker_was_running(conn, spec.queue, tick)
+            and not _worker_was_running(conn, spec, tick)
         ):
             event(
                 logging.WARNING,

@@ -376,7 +376,12 @@ class Worker:
             if not migrator.is_current(conn):
                 raise ConfigurationError("the database schema is not up to date: run `relay migrate` first")
             self.maintenance.registered_at = register(
-                conn, self.id, self.config.queues, self.config.concurrency, self.config.heartbeat_interval
+                conn,
+                self.id,
+                self.config.queues,
+                self.config.concurrency,
+                self.config.heartbeat_interval,
+                periodic.checked_schedules(self.handlers.values()),
             )
             limits.publish_max_attempts(conn, self.handlers.values())
             limits.publish(conn, self.handlers.values())

@@ -207,19 +207,21 @@ def test_ticks_missed_while_no_worker_ran_are_enqueued_once_only_when_configured
         assert first == [] and jobs == []
 
 
-def test_a_tick_that_fell_due_while_a_worker_ran_is_enqueued_however_late(relay: Relay, db: psycopg.Connection) -> None:
-    """A worker's cron check held up past the tick (a long vacuum, an outage) still runs it, even if a worker
-    that started meanwhile checks first; a tick that fell due while no worker ran is skipped."""
-
-    @relay.handler("hourly_rollup", cron="0 * * * *")
-    def rollup(job: Job) -> None:
-        return None
-
+def hourly_rollup_two_hours_ahead(relay: Relay, db: psycopg.Connection) -> tuple[list, datetime, datetime]:
+    """An hourly schedule, published; the tick two hours ahead, and a check five minutes after it."""
+    relay.handler("hourly_rollup", cron="0 * * * *")(lambda job: None)
     specs = list(relay.handlers.values())
     publish(db, specs)
     now = db.execute("SELECT now()").fetchone()[0].astimezone(UTC)
     tick = now.replace(minute=0, second=0, microsecond=0) + timedelta(hours=2)
-    late = tick + timedelta(minutes=5)
+    return specs, tick, tick + timedelta(minutes=5)
+
+
+def test_a_tick_that_fell_due_while_a_worker_ran_is_enqueued_however_late(relay: Relay, db: psycopg.Connection) -> None:
+    """A worker's cron check held up past the tick (a long vacuum, an outage) still runs it, even if a worker
+    that started meanwhile checks first; a tick that fell due while no worker ran is skipped."""
+
+    specs, tick, late = hourly_rollup_two_hours_ahead(relay, db)
     register = (
         "INSERT INTO relay.workers (id, host, pid, queues, concurrency, started_at, last_seen_at) "
         "VALUES (%s, 'h', 1, %s, 8, %s, %s)"
@@ -269,15 +271,7 @@ def test_a_tick_that_fell_due_while_the_schedule_was_removed_is_skipped_when_it_
     tick that fell due in between counted as seen on time, since workers served its queue, and ran at
     once, hours late. Only workers that checked the schedule saw its ticks."""
 
-    @relay.handler("hourly_rollup", cron="0 * * * *")
-    def rollup(job: Job) -> None:
-        return None
-
-    specs = list(relay.handlers.values())
-    publish(db, specs)
-    now = db.execute("SELECT now()").fetchone()[0].astimezone(UTC)
-    tick = now.replace(minute=0, second=0, microsecond=0) + timedelta(hours=2)
-    late = tick + timedelta(minutes=5)
+    specs, tick, late = hourly_rollup_two_hours_ahead(relay, db)
     assert enqueue_due(db, specs, clock=tick - timedelta(seconds=1)) == []
     register = (
         "INSERT INTO relay.workers (id, host, pid, queues, concurrency, started_at, last_seen_at, schedules) "

@@ -244,29 +244,7 @@ def test_job_handed_back_with_its_handler_running_starts_elsewhere_only_after_th
 ) -> None:
     env = dict(worker_env, RELAY_POLL_INTERVAL="0.05")
     worker_a = start_worker_process(python, env, "--lease", "60", "--shutdown-timeout", "0.3", "--concurrency", "1")
-    worker_b = None
-    try:
-        job_id = relay.enqueue("record", {"sleep": 30})
-        wait_for(lambda: executions(db, job_id), what="worker A to start the job")
-        worker_b = start_worker_process(python, env, "--lease", "60", "--shutdown-timeout", "0.3")
-        worker_a.send_signal(signal.SIGTERM)
-        assert worker_a.wait(15) == 0
-        (a_gone,) = db.execute("SELECT clock_timestamp()").fetchone()
-        wait_for(
-            lambda: any(row[1] == worker_b.pid for row in executions(db, job_id)),
-            timeout=20,
-            what="worker B to start the handed-back job",
-        )
-        (b_started,) = db.execute(
-            "SELECT min(at) FROM relay_test.executions WHERE job_id = %s AND pid = %s", (job_id, worker_b.pid)
-        ).fetchone()
-        # A's handler thread ran until A's process exited; B started only after that.
-        assert b_started > a_gone
-        assert [row[1] for row in executions(db, job_id)] == [worker_a.pid, worker_b.pid]
-    finally:
-        stop_process(worker_a)
-        if worker_b is not None:
-            stop_process(worker_b)
+    assert_handed_back_job_starts_on_another_worker_after_the_first_exits(relay, db, python, env, worker_a, "record")
 
 
 def test_run_worker_ends_its_process_when_a_handed_back_handler_runs_on(
@@ -281,9 +259,19 @@ def test_run_worker_ends_its_process_when_a_handed_back_handler_runs_on(
         "relay.run_worker(concurrency=1, lease_seconds=60, shutdown_timeout=0.3)"
     )
     worker_a = subprocess.Popen([python, "-c", run_worker], env=env, cwd=ROOT)
+    assert_handed_back_job_starts_on_another_worker_after_the_first_exits(
+        relay, db, python, env, worker_a, "record_to_thread"
+    )
+
+
+def assert_handed_back_job_starts_on_another_worker_after_the_first_exits(
+    relay: Relay, db: psycopg.Connection, python: str, env: dict, worker_a: subprocess.Popen, job_type: str
+) -> None:
+    """Worker A starts a 30-second job and is sent SIGTERM: it hands the job back and exits at once
+    (status 0), and worker B starts the job only after A's process, and so A's run, has ended."""
     worker_b = None
     try:
-        job_id = relay.enqueue("record_to_thread", {"sleep": 30})
+        job_id = relay.enqueue(job_type, {"sleep": 30})
         wait_for(lambda: executions(db, job_id), timeout=30, what="worker A to start the job")
         worker_b = start_worker_process(python, env, "--lease", "60", "--shutdown-timeout", "0.3")
         worker_a.send_signal(signal.SIGTERM)
@@ -297,6 +285,7 @@ def test_run_worker_ends_its_process_when_a_handed_back_handler_runs_on(
         (b_started,) = db.execute(
             "SELECT min(at) FROM relay_test.executions WHERE job_id = %s AND pid = %s", (job_id, worker_b.pid)
         ).fetchone()
+        # A's handler thread ran until A's process exited; B started only after that.
         assert b_started > a_gone
         assert [row[1] for row in executions(db, job_id)] == [worker_a.pid, worker_b.pid], "A's run never ended"
     finally:

@@ -24,6 +24,7 @@ from .validation import (
     DEFAULT_MAX_PAYLOAD_BYTES,
     NewJob,
     check_idempotency_key,
+    check_job_id,
     check_max_attempts,
     check_payload,
     check_seconds,
@@ -95,6 +96,11 @@ class Relay:
             raise ConfigurationError(
                 f"db_wait (RELAY_DB_WAIT_SECONDS) must be a positive number of seconds, got {wait!r}"
             ) from None
+        if self.db_wait > threading.TIMEOUT_MAX:
+            # The pool's wait for a connection cannot take longer: every enqueue raised OverflowError.
+            raise ConfigurationError(
+                f"db_wait (RELAY_DB_WAIT_SECONDS) must be at most {threading.TIMEOUT_MAX:g} seconds, got {wait!r}"
+            )
         self.handlers: dict[str, HandlerSpec] = {}
         self._pool: RelayPool | None = None
         self._pool_size = pool_size
@@ -396,14 +402,14 @@ class Relay:
         return migrator.migrate(self.dsn)
 
     def get_job(self, job_id: int) -> admin.JobDetail:
-        """One job with its error history; raises JobNotFound."""
+        """One job with its error history; raises JobNotFound (InvalidJobError for what is no job id)."""
         with self.pool.connection() as conn:
-            return admin.get_job(conn, job_id)
+            return admin.get_job(conn, check_job_id(job_id))
 
     def requeue(self, job_id: int) -> admin.JobDetail:
         """Run a dead or cancelled job again now, with fresh attempts."""
         with self.pool.connection() as conn:
-            return admin.requeue(conn, job_id)
+            return admin.requeue(conn, check_job_id(job_id))
 
     def cancel(self, job_id: int) -> admin.JobDetail:
         """Cancel a job: a queued one never runs; a running one is asked to stop.
@@ -412,7 +418,7 @@ class Relay:
         ends ``cancelled`` when its handler stops (see ``Job.cancel_requested``).
         """
         with self.pool.connection() as conn:
-            return admin.cancel(conn, job_id)
+            return admin.cancel(conn, check_job_id(job_id))
 
     def pause_queue(self, queue: str) -> None:
         """Stop every worker from claiming from ``queue`` (survives restarts)."""

@@ -66,11 +66,19 @@ def _cursor(conn: Any, row_factory: Any) -> Any:
     return conn.cursor(row_factory=row_factory)
 
 
+def _prepare(conn: Any) -> bool | None:
+    """Whether to prepare Relay's statement on ``conn``: always on Relay's own connections (whose
+    ``prepare_threshold`` Relay sets, None behind a transaction pooler); on a caller's, as the
+    caller's own statements are. Forced there, it was prepared behind PgBouncer in transaction
+    mode too, and the next transaction, on another server connection, failed to find it."""
+    return True if isinstance(conn, RelayConnection) else None
+
+
 def fetch_all(conn: Any, sql: str, params: dict[str, Any]) -> list[dict[str, Any]]:
     """Run ``sql`` on a caller's connection and return its rows as dicts."""
     if isinstance(conn, psycopg.Connection):
         with _cursor(conn, dict_row) as cur:
-            cur.execute(sql, params, prepare=True)
+            cur.execute(sql, params, prepare=_prepare(conn))
             return cur.fetchall() if cur.description else []
     if is_async_connection(conn):
         raise TypeError(
@@ -100,7 +108,7 @@ def fetch_first_value(conn: Any, sql: str, params: dict[str, Any]) -> Any:
     if isinstance(conn, psycopg.Connection):
         # The insert has run by the time its row is read: reading it must not fail.
         with _cursor(conn, tuple_row) as cur:
-            cur.execute(sql, params, prepare=True)
+            cur.execute(sql, params, prepare=_prepare(conn))
             row = cur.fetchone()
         return None if row is None else row[0]
     rows = fetch_all(conn, sql, params)
@@ -142,7 +150,7 @@ async def run_async(conn: Any, steps: Steps[T]) -> T:
 async def _fetch_all_async(conn: Any, statement: Statement) -> list[dict[str, Any]]:
     if isinstance(conn, psycopg.AsyncConnection):
         async with _cursor(conn, dict_row) as cur:
-            await cur.execute(statement.sql, statement.params, prepare=True)
+            await cur.execute(statement.sql, statement.params, prepare=None)  # the caller's policy, as _prepare
             return await cur.fetchall() if cur.description else []
     result = await conn.exec_driver_sql(statement.sql, statement.params)
     if not result.returns_rows:

@@ -21,8 +21,9 @@ def database_url_set() -> bool:
 
 def database_url(explicit: str | None = None) -> str:
     """The DSN to use: an explicit one, else RELAY_DATABASE_URL, else DATABASE_URL."""
-    dsn = explicit or os.environ.get("RELAY_DATABASE_URL") or os.environ.get("DATABASE_URL")
-    if not dsn:
+    # An explicit "" is the caller's blank DSN, not a request for the environment's.
+    dsn = explicit if explicit is not None else os.environ.get("RELAY_DATABASE_URL") or os.environ.get("DATABASE_URL")
+    if dsn is None or (explicit is None and not dsn):
         raise ConfigurationError(
             "no database configured: pass a DSN to Relay(...) or set DATABASE_URL (or RELAY_DATABASE_URL)"
         )
@@ -30,7 +31,7 @@ def database_url(explicit: str | None = None) -> str:
         # libpq reads a blank string as "every default": a database nobody named.
         source = (
             "the DSN passed to Relay"
-            if explicit
+            if explicit is not None
             else ("RELAY_DATABASE_URL" if os.environ.get("RELAY_DATABASE_URL") else "DATABASE_URL")
         )
         raise ConfigurationError(f"{source} is blank: set it to a database URL (or unset it)")

@@ -159,12 +159,20 @@ def check_run_at(run_at: Any) -> datetime | None:
     if run_at.tzinfo is None or run_at.tzinfo.utcoffset(run_at) is None:
         raise InvalidJobError("run_at", "must be timezone-aware (a naive datetime's time zone is a guess)")
     try:
-        run_at.astimezone(UTC)
+        # In UTC: a bulk enqueue sends run_at as text in an array, and PostgreSQL
+        # reads no offset of 16 hours or more, nor one with seconds or microseconds.
+        return run_at.astimezone(UTC)
     except OverflowError:
         # PostgreSQL would store such an instant (year 0 or 10000 in UTC), but
         # no Python datetime can hold it, so every later read of the job fails.
         raise InvalidJobError("run_at", "must fall between the years 1 and 9999 in UTC") from None
-    return run_at
+
+
+def check_job_id(job_id: Any) -> int:
+    """A job id: an int (not a bool) from 1 up to PostgreSQL's bigint."""
+    if isinstance(job_id, bool) or not isinstance(job_id, int) or not 1 <= job_id <= BIGINT_MAX:
+        raise InvalidJobError("job_id", f"must be an int from 1 to {BIGINT_MAX}, got {job_id!r}")
+    return job_id
 
 
 def check_priority(priority: Any) -> int:

@@ -573,7 +573,7 @@ def test_the_wait_for_a_connection_comes_from_the_environment_and_is_checked(mon
     monkeypatch.setenv("RELAY_DB_WAIT_SECONDS", "1.5")
     assert Relay("postgresql://unused").db_wait == 1.5
     assert Relay("postgresql://unused", db_wait=2).db_wait == 2, "the argument wins"
-    for bad in ("0", "-1", "nan", "inf", "soon"):
+    for bad in ("0", "-1", "nan", "inf", "soon", "1e10"):  # 1e10: past what a thread's wait takes
         monkeypatch.setenv("RELAY_DB_WAIT_SECONDS", bad)
         with pytest.raises(ConfigurationError, match="RELAY_DB_WAIT_SECONDS"):
             Relay("postgresql://unused")
@@ -581,6 +581,45 @@ def test_the_wait_for_a_connection_comes_from_the_environment_and_is_checked(mon
     for given in (0, True, "5", [5]):
         with pytest.raises(ConfigurationError, match="db_wait"):
             Relay("postgresql://unused", db_wait=given)  # type: ignore[arg-type]
+
+
+def test_a_blank_dsn_passed_to_relay_is_refused_not_replaced_by_the_environments(
+    monkeypatch: pytest.MonkeyPatch, dsn: str
+) -> None:
+    """``Relay("")`` connected to DATABASE_URL's database, though ``Relay("  ")`` was refused."""
+    monkeypatch.setenv("DATABASE_URL", dsn)
+    for blank in ("", "  "):
+        with pytest.raises(ConfigurationError, match="the DSN passed to Relay is blank"):
+            Relay(blank).dsn  # noqa: B018 - reading it resolves it
+
+
+@pytest.mark.parametrize("job_id", [True, "1", 1.0, [1], 0, -5, 2**63])
+def test_a_job_action_given_what_is_no_job_id_is_refused_clearly(relay: Relay, job_id: Any) -> None:
+    """``get_job("abc")`` raised the database's InvalidTextRepresentation; ``cancel(1219.0)`` acted on job 1219."""
+    real = relay.enqueue("t")
+    for action in (relay.get_job, relay.cancel, relay.requeue):
+        with pytest.raises(InvalidJobError, match=r"^job_id: must be an int from 1 to 9223372036854775807"):
+            action(job_id)
+    assert relay.get_job(real).status == "queued"
+
+
+def test_enqueue_on_a_callers_connection_prepares_only_as_its_own_statements_are(relay: Relay, dsn: str) -> None:
+    """Relay forced preparation on the caller's connection: behind PgBouncer in transaction mode the
+    next transaction, on another server connection, failed with 'prepared statement does not exist'."""
+    with psycopg.connect(dsn) as conn:  # psycopg's default: a statement is prepared on its fifth use
+        relay.enqueue("t", conn=conn)
+        relay.enqueue_many([{"type": "t"}, {"type": "u"}], conn=conn)
+        assert conn.execute("SELECT count(*) FROM pg_prepared_statements").fetchone()[0] == 0
+
+
+@pytest.mark.parametrize("hours", [15, 16, 23])
+def test_a_batch_takes_a_run_at_with_any_offset_python_allows(relay: Relay, db: psycopg.Connection, hours: int) -> None:
+    """Sent as text in an array with its own offset, +16:00 and more failed in PostgreSQL (and left the
+    caller's transaction aborted), though one job with it was stored."""
+    when = datetime(2030, 1, 1, 12, 0, tzinfo=timezone(timedelta(hours=hours, minutes=59, microseconds=5)))
+    ids = relay.enqueue_many([{"type": "a", "run_at": when}, {"type": "b", "run_at": when}])
+    stored = db.execute("SELECT run_at FROM relay.jobs WHERE id = ANY(%s)", (ids,)).fetchall()
+    assert stored == [(when,), (when,)]
 
 
 def test_a_payload_nested_to_the_limit_is_kept(relay: Relay, db: psycopg.Connection) -> None:

@@ -50,6 +50,8 @@ class JobFilter:
     queue: str | None = None
     type: str | None = None
     q: str | None = None
+    #: Bulk requeue only: jobs that ended after this time are left alone.
+    finished_by: datetime | None = None
 
     def __post_init__(self) -> None:
         if self.status is not None and self.status not in {s.value for s in JobStatus}:
@@ -63,7 +65,13 @@ class JobFilter:
 
     def params(self) -> dict[str, Any]:
         """Parameters shared by the filtered statements."""
-        return {"status": self.status, "queue": self.queue, "type": self.type, "q": self.q}
+        return {
+            "status": self.status,
+            "queue": self.queue,
+            "type": self.type,
+            "q": self.q,
+            "finished_by": self.finished_by,
+        }
 
 
 @dataclass(frozen=True)
@@ -369,6 +377,11 @@ def list_workers(
 def worker_counts(conn: psycopg.Connection, *, stale_seconds: float = DEFAULT_STALE_SECONDS) -> WorkerCounts:
     """How many registered workers are alive, stopped and gone."""
     return WorkerCounts(**_rows(conn, "worker_counts", {"stale_seconds": stale_seconds})[0])
+
+
+def database_now(conn: psycopg.Connection) -> datetime:
+    """The database's clock, which stamps every job's times."""
+    return _rows(conn, "db_now", {})[0]["now"]
 
 
 def ping(conn: psycopg.Connection) -> bool:

@@ -35,12 +35,16 @@ SELECT coalesce(max(id), 0) AS max_id FROM relay.jobs;
 -- one job, retention deleting it) is waited for, then checked again: skipped,
 -- it would stay dead while the answer counted the batch as done. Rows are
 -- locked in id order, as every bulk action's are, so two never deadlock.
+-- %(finished_by)s, when given, leaves jobs that ended after it alone: the
+-- dashboard's "Requeue all" passes the time its page was read, so the jobs it
+-- requeues are at most the ones it counted.
 -- transition: dead -> queued
 -- transition: cancelled -> queued
 WITH picked AS (
     SELECT id FROM relay.jobs
     WHERE status IN ('dead', 'cancelled')
       AND (%(status)s::relay.job_status IS NULL OR status = %(status)s::relay.job_status)
+      AND (%(finished_by)s::timestamptz IS NULL OR finished_at <= %(finished_by)s::timestamptz)
       AND (%(queue)s::text IS NULL OR queue = %(queue)s::text)
       AND (%(type)s::text IS NULL OR type = %(type)s::text)
       AND (%(q)s::text IS NULL

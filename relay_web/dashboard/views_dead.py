@@ -5,7 +5,8 @@ Per-type counts come from walking the dead jobs through the status index
 few when things are healthy, and past the limit the page says "at least"
 rather than counting a million rows on a phone's request. The requeue itself
 is ``monitor.requeue_matching``, which changes every matching job however
-many there are and reports the real number.
+many there are and reports the real number: every job of the type that was
+dead when the page was read, and none that died after, which it did not count.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from dataclasses import dataclass
+from datetime import datetime
 
 import psycopg
 from flask import Response, request
@@ -51,11 +53,14 @@ class DeadSummary:
     total: int
     complete: bool
     newest: list[monitor.JobSummary]
+    #: The database's time before the dead jobs were read: "Requeue all" leaves jobs that die after it alone.
+    read_at: datetime
 
 
 def summarize(conn: psycopg.Connection, limit: int | None = None) -> DeadSummary:
     """Count dead jobs by type, newest first, reading at most ``limit`` (:data:`SCAN_LIMIT`) of them."""
     limit = limit or SCAN_LIMIT
+    read_at = monitor.database_now(conn)
     seen: list[monitor.JobSummary] = []
     before = None
     where = monitor.JobFilter(status="dead")
@@ -70,7 +75,7 @@ def summarize(conn: psycopg.Connection, limit: int | None = None) -> DeadSummary
     for job in seen:
         newest.setdefault(job.type, job)
     groups = [DeadType(t, n, newest[t].id, newest[t].last_error) for t, n in counts.most_common()]
-    return DeadSummary(groups=groups, total=len(seen), complete=before is None, newest=seen[:LISTED])
+    return DeadSummary(groups=groups, total=len(seen), complete=before is None, newest=seen[:LISTED], read_at=read_at)
 
 
 def _render(notice: str | None = None, status: int = 200) -> Response:
@@ -86,6 +91,19 @@ def dead() -> Response:
     return _render(kept_notice())
 
 
+def _page_time(text: str | None) -> datetime | None:
+    """The time the page that posted read its dead jobs (None from a page without one)."""
+    if not text:
+        return None
+    try:
+        when = datetime.fromisoformat(text)
+    except ValueError:
+        raise RelayError("the page's time is not a time: reload the page and try again") from None
+    if when.tzinfo is None:
+        raise RelayError("the page's time has no UTC offset: reload the page and try again")
+    return when
+
+
 @bp.post("/dead/requeue")
 @require("admin")
 def requeue_dead() -> Response:
@@ -93,10 +111,12 @@ def requeue_dead() -> Response:
     job_type = request.form.get("type", "")
     if not job_type:
         raise RelayError("say which type of dead jobs to requeue")
+    finished_by = _page_time(request.form.get("finished_by"))
     stopped: BulkActionStopped | None = None
     try:
         with connection() as conn:
-            changed = monitor.requeue_matching(conn, monitor.JobFilter(status="dead", type=job_type))
+            where = monitor.JobFilter(status="dead", type=job_type, finished_by=finished_by)
+            changed = monitor.requeue_matching(conn, where)
     except BulkActionStopped as exc:
         log.warning("requeue of dead %s jobs stopped after %d: %s", job_type, exc.changed, exc.__cause__)
         stopped, changed = exc, exc.changed

@@ -176,6 +176,29 @@ def test_requeue_all_of_a_type_with_one_dead_job_says_job_throughout(admin: Dash
     assert jobs.status(image) == "queued"
 
 
+def test_requeue_all_leaves_the_jobs_that_died_after_the_page_was_read(admin: DashboardClient, jobs: Jobs) -> None:
+    """The confirmation said "Requeue all 1 dead resize_image job?" and the answer was "Requeued 4": jobs
+    that died since the page was read ran again without the admin having seen them."""
+    shown = jobs.dead(jobs.add("resize_image"))
+    page = _text(admin.get("/dead"))
+    assert "Requeue all 1 dead resize_image job<" in page
+    (read_at,) = re.findall(r'name="finished_by" value="([^"]+)"', page)
+    later = jobs.dead(jobs.add("resize_image"))
+    html = _text(admin.post("/dead/requeue", {"type": "resize_image", "finished_by": read_at}))
+    assert "Requeued 1 dead resize_image job; it runs again now." in html
+    assert (jobs.status(shown), jobs.status(later)) == ("queued", "dead")
+
+
+@pytest.mark.parametrize("finished_by", ["yesterday", "2030-01-01T00:00:00"])
+def test_requeue_all_with_a_page_time_that_is_not_one_changes_nothing(
+    admin: DashboardClient, jobs: Jobs, finished_by: str
+) -> None:
+    image = jobs.dead(jobs.add("resize_image"))
+    response = admin.post("/dead/requeue", {"type": "resize_image", "finished_by": finished_by})
+    assert response.status_code == 400
+    assert jobs.status(image) == "dead"
+
+
 def test_requeue_all_that_finds_nothing_left_says_so(admin: DashboardClient, jobs: Jobs) -> None:
     """A second admin (or a stale tab) presses requeue-all after the first: nothing is claimed to run again."""
     image = jobs.dead(jobs.add("resize_image"))

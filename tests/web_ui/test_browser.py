@@ -9,6 +9,7 @@ Each page is saved to test-artifacts/screenshots/.
 
 from __future__ import annotations
 
+import re
 import threading
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
@@ -85,9 +86,20 @@ def _log_in(page: Any, server: LiveServer, username: str = "ops", shot: str | No
     page.wait_for_url(server.at("/"))
 
 
+#: Elements whose right edge lies past their panel's (which the page's width alone does not show).
+STICKING_OUT = """
+() => [...document.querySelectorAll('.panel *')].filter(e => {
+  const panel = e.closest('.panel').getBoundingClientRect();
+  return e.getBoundingClientRect().right > panel.right + 0.5 && !e.closest('.table-scroll, .row-error');
+}).map(e => e.tagName + '.' + e.className)
+"""
+
+
 def _fits_the_phone(page: Any) -> None:
     width = page.evaluate("document.scrollingElement.scrollWidth")
     assert width <= 390, f"{page.url} scrolls sideways: {width}px wide"
+    out = page.evaluate(STICKING_OUT)
+    assert not out, f"{page.url} has elements sticking out of their panels: {out}"
     small = page.evaluate(SMALL_TARGETS)
     assert not small, f"{page.url} has tap targets under 44px: {small}"
 
@@ -124,6 +136,8 @@ def test_on_call_requeues_a_dead_job_and_watches_it_succeed(phone: Any, live_ser
     assert phone.dialogs == [("confirm", f"Requeue job {job_id} (send_email)? It runs again now, with fresh attempts.")]
     # The answer is the card of the requeued job; it then refreshes itself every 2 s.
     phone.locator(".status-card .flash", has_text="Requeued").wait_for()
+    # The pressed button is gone with the swap: the keyboard focus goes to the answer, not to <body>.
+    assert phone.evaluate("document.activeElement.textContent").startswith("Requeued")
     phone.locator(".status-card .badge", has_text="queued").wait_for()
     phone.locator(".status-card .badge", has_text="succeeded").wait_for(timeout=20_000)
     assert shop.relay.get_job(job_id).status == "succeeded"
@@ -225,6 +239,33 @@ def test_a_viewer_sees_no_buttons_and_desktop_width_works(browser: Any, live_ser
         screenshot(page, "desktop-job-viewer")
         page.goto(live_server.at("/dead"))
         assert page.locator("main button").count() == 0
+    finally:
+        context.close()
+
+
+@pytest.mark.parametrize("width", [820, 1280])
+def test_the_dead_page_fits_a_tablet_or_desktop_with_long_errors(
+    browser: Any, live_server: LiveServer, shop: Shop, width: int
+) -> None:
+    """Two columns of groups: a long error line widened its column past the window, and the second
+    type, with its Requeue-all button, lay off screen."""
+    make_user(shop.relay.dsn, "ops", "admin")
+    with psycopg.connect(shop.relay.dsn, autocommit=True) as conn:
+        for job_type in ("charge_card", "sync_ledger"):
+            conn.execute(
+                "INSERT INTO relay.jobs (type, status, attempts, last_error, finished_at)"
+                " VALUES (%s, 'dead', 1, %s, now())",
+                (job_type, "PaymentGatewayError: " + "the gateway refused the request; " * 10),
+            )
+    context = browser.new_context(viewport={"width": width, "height": 900})
+    context.set_default_timeout(15_000)
+    try:
+        page = context.new_page()
+        _log_in(page, live_server)
+        page.goto(live_server.at("/dead"))
+        assert page.evaluate("document.scrollingElement.scrollWidth") <= width
+        for button in page.get_by_role("button", name=re.compile("^Requeue all")).all():
+            assert button.bounding_box()["x"] + button.bounding_box()["width"] <= width
     finally:
         context.close()
 

@@ -55,3 +55,31 @@ class Backoff:
 
 
 DEFAULT_BACKOFF = Backoff()
+
+
+def usable_delay(seconds: object) -> bool:
+    """Whether ``seconds`` can put a job's next run that far ahead (a real number, 0 to MAX_DELAY_SECONDS)."""
+    return (
+        isinstance(seconds, (int, float))
+        and not isinstance(seconds, bool)
+        and math.isfinite(seconds)
+        and 0 <= seconds <= MAX_DELAY_SECONDS
+    )
+
+
+def retry_delay(backoff: Backoff, attempt: int) -> tuple[float, str | None]:
+    """The delay ``backoff`` gives after failed attempt ``attempt``, and None; or, when it raises or gives
+    what no run_at can hold (NaN, negative, past a century), the default backoff's delay and why.
+
+    A handler's own backoff is its code: raising there killed the slot thread with its job held
+    forever, and a NaN delay had the database refuse the failure, which was then lost.
+    """
+    try:
+        seconds = backoff.delay(attempt)
+    except Exception as exc:
+        problem = f"its backoff raised {type(exc).__name__}"  # its text is the backoff's code too: not read
+    else:
+        if usable_delay(seconds):
+            return float(seconds), None
+        problem = f"its backoff gave a delay of {seconds!r}, not 0 to {MAX_DELAY_SECONDS:.0f} seconds"
+    return DEFAULT_BACKOFF.delay(attempt), f"{problem}; the default backoff was used"

@@ -96,6 +96,10 @@ def make_spec(
     check_type(job_type)
     check_max_attempts(max_attempts)
     check_queue(queue)
+    if backoff is not None and not callable(getattr(backoff, "delay", None)):
+        raise InvalidJobError(
+            "backoff", f"must be a relay_core.Backoff (or have a delay(attempt) method), got {type(backoff).__name__}"
+        )
     if timeout is not None:
         check_seconds("timeout", timeout)
     if concurrency is not None and not _is_limit(concurrency):

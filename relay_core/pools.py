@@ -484,6 +484,24 @@ def configure_session(conn: psycopg.Connection) -> None:
     conn.commit()
 
 
+def reset_session(conn: psycopg.Connection) -> None:
+    """Undo whatever session settings a transactional handler left on one of Relay's connections.
+
+    A plain ``SET`` in the handler's transaction commits with its success and
+    stays on the pooled connection: ``SET default_transaction_read_only = on``
+    made every later claim on it fail. RESET ALL leaves the role alone, so it
+    is reset too; then Relay's own settings (``configure_session``) are made
+    again, in the same round trip.
+    """
+    if conn.closed or conn.broken or conn.info.transaction_status != psycopg.pq.TransactionStatus.IDLE:
+        return  # the pool discards or rolls back such a connection itself
+    own = "SET TimeZone = 'UTC'"
+    if not transaction_pooling():
+        own = "SET jit = off; SET default_transaction_isolation = 'read committed'; " + own
+    conn.execute("RESET SESSION AUTHORIZATION; RESET ROLE; RESET ALL; " + own)  # type: ignore[arg-type]
+    conn.commit()
+
+
 def restore_transactions(conn: psycopg.Connection) -> None:
     """Leave autocommit after a one-statement shortcut, unless the connection broke.
 

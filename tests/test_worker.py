@@ -3,13 +3,16 @@ timeouts, scheduling, priorities, queues, heartbeats, the registry, wake-ups."""
 
 from __future__ import annotations
 
+import asyncio
 import os
+import sys
 import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
+from typing import Any
 
 import psycopg
 import pytest
@@ -256,6 +259,153 @@ def test_timed_out_handler_that_returns_is_still_a_timeout(relay: Relay, db: psy
     with running_worker(relay, concurrency=1):
         wait_for(lambda: job_status(db, job_id) == "dead", timeout=15)
     assert relay.get_job(job_id).last_error.startswith("JobTimeout")
+
+
+class RaisingBackoff(Backoff):
+    """A handler's own backoff with a bug in it."""
+
+    def delay(self, attempt: int, rand: Any = None) -> float:  # type: ignore[override]
+        raise IndexError("no delay for this attempt")
+
+
+class NaNBackoff(Backoff):
+    def delay(self, attempt: int, rand: Any = None) -> float:  # type: ignore[override]
+        return float("nan")
+
+
+class SnoozeWithoutSeconds(Snooze):
+    def __init__(self) -> None:  # never sets seconds
+        Exception.__init__(self, "later")
+
+
+def test_a_backoff_that_is_no_backoff_is_refused_at_registration(relay: Relay) -> None:
+    with pytest.raises(InvalidJobError, match=r"^backoff: must be a relay_core\.Backoff"):
+        relay.handler("t", backoff=lambda n: 2**n)(lambda job: None)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("spec", "said"),
+    [
+        ({"backoff": RaisingBackoff()}, "its backoff raised IndexError; the default backoff was used"),
+        ({"backoff": NaNBackoff()}, "its backoff gave a delay of nan"),
+        ({}, "SnoozeWithoutSeconds without a usable delay"),
+    ],
+    ids=["backoff-raises", "backoff-gives-nan", "snooze-without-seconds"],
+)
+def test_a_failure_whose_classification_fails_is_still_a_failed_attempt_and_the_slot_lives_on(
+    relay: Relay, db: psycopg.Connection, spec: dict, said: str
+) -> None:
+    """The backoff and the Snooze are the handler's code: raising while the attempt was classified
+    killed the slot thread, and the job stayed claimed, its lease renewed, forever."""
+    ran: list[int] = []
+
+    @relay.handler("odd", max_attempts=3, **spec)
+    def odd(job: Job) -> None:
+        ran.append(job.id)
+        if job.payload.get("fail"):
+            raise SnoozeWithoutSeconds() if not spec else RuntimeError("boom")
+
+    failing = relay.enqueue("odd", {"fail": True})
+    with running_worker(relay, concurrency=1):
+        wait_for(lambda: relay.get_job(failing).errors, what="the failed attempt recorded")
+        after = relay.enqueue("odd", {})
+        wait_for(lambda: job_status(db, after) == "succeeded", what="the slot to run the next job")
+    job = relay.get_job(failing)
+    assert said in job.errors[0]["message"], job.errors[0]
+    assert job.status in ("queued", "claimed", "dead") and job.errors[0]["attempt"] == 1
+
+
+def test_a_timed_out_run_keeps_its_lease_when_its_backoff_raises(relay: Relay, db: psycopg.Connection) -> None:
+    """Past its timeout the run left the ledger's table of running jobs before its outcome was
+    decided; deciding raised, so its lease was renewed no more and its retry ran beside it."""
+    runs: list[tuple[int, float, float]] = []
+
+    @relay.handler("slow", timeout=0.5, max_attempts=2, backoff=RaisingBackoff())
+    def slow(job: Job) -> None:
+        began = time.monotonic()
+        time.sleep(3.0)
+        runs.append((job.attempt, began, time.monotonic()))
+
+    job_id = relay.enqueue("slow")
+    with running_worker(relay, concurrency=2, lease_seconds=1.0, heartbeat_interval=0.2, sweep_interval=0.3):
+        wait_for(lambda: len(runs) == 2, timeout=30, what="both attempts to end")
+    (first, second) = sorted(runs)
+    assert second[1] >= first[2], f"attempt 2 began at {second[1]:.2f}, before attempt 1 ended at {first[2]:.2f}"
+    assert "its backoff raised IndexError" in relay.get_job(job_id).errors[0]["message"]
+
+
+def test_a_task_of_an_async_handler_raising_systemexit_leaves_no_run_behind(
+    relay: Relay, db: psycopg.Connection
+) -> None:
+    """asyncio raises SystemExit out of the loop from any task: the handler's own task stayed pending
+    and resumed beside its retry the next time the slot's loop ran."""
+    steps: list[tuple[int, int]] = []
+
+    @relay.handler("gives_up", max_attempts=2)
+    async def gives_up(job: Job) -> None:
+        async def library() -> None:
+            await asyncio.sleep(0.05)
+            raise SystemExit("a library gave up")
+
+        if job.attempt == 1:
+            asyncio.get_running_loop().create_task(library())
+        for step in range(10):
+            steps.append((job.attempt, step))
+            await asyncio.sleep(0.1)
+
+    job_id = relay.enqueue("gives_up")
+    with running_worker(relay, concurrency=1):
+        wait_for(lambda: job_status(db, job_id) == "succeeded", timeout=30, what="the retry to succeed")
+        time.sleep(0.5)
+    assert [step for attempt, step in steps if attempt == 1] == [0], steps
+    assert [step for attempt, step in steps if attempt == 2] == list(range(10))
+
+
+def test_session_settings_a_transactional_handler_leaves_do_not_reach_relays_statements(
+    relay: Relay, db: psycopg.Connection
+) -> None:
+    """A plain SET commits with the success and stayed on the pooled connection: read-only, it made
+    the next claim on it fail, and the worker stopped."""
+    seen: list[str] = []
+
+    @relay.handler("sets_read_only")
+    def sets_read_only(job: Job, conn: psycopg.Connection) -> None:
+        seen.append(conn.execute("SHOW default_transaction_read_only").fetchone()[0])
+        conn.execute("SET default_transaction_read_only = on")
+
+    ids = relay.enqueue_many([{"type": "sets_read_only"} for _ in range(4)])
+    with running_worker(relay, concurrency=1) as worker:
+        wait_for(lambda: all(job_status(db, i) == "succeeded" for i in ids), what="every job")
+        assert not worker.stopped.is_set()
+    assert seen == ["off"] * 4
+
+
+def test_a_forked_child_of_a_handler_that_exits_ends_its_process(relay: Relay, db: psycopg.Connection) -> None:
+    """The child's SystemExit became a job outcome, and the child went back to serving the slot's
+    loop for good, holding the worker's database connections."""
+    statuses: list[int] = []
+
+    @relay.handler("forks")
+    def forks(job: Job) -> None:
+        pid = os.fork()
+        if pid == 0:
+            sys.exit(3)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                statuses.append(os.waitstatus_to_exitcode(status))
+                return
+            time.sleep(0.05)
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+        raise RuntimeError("the child did not exit")
+
+    job_id = relay.enqueue("forks")
+    with running_worker(relay, concurrency=1):
+        wait_for(lambda: job_status(db, job_id) in ("succeeded", "dead", "queued") and statuses, what="the job")
+    assert statuses == [3]
+    assert job_status(db, job_id) == "succeeded"
 
 
 def test_transactional_handler_commits_with_success_or_not_at_all(

@@ -59,6 +59,13 @@ class SlotLoop:
             # A context of its own per job: the runner would otherwise carry context
             # variables one job set (a tenant, a trace span) into the next job on this slot.
             return self._runner.run(_supervised(job, awaitable), context=contextvars.copy_context())
+        except (SystemExit, KeyboardInterrupt):
+            # asyncio raises these out of run() from whichever task raised them: from a task
+            # the handler started, the handler's own task is still pending, and it resumed
+            # beside its retry when this loop next ran. Closing the loop cancels and ends it
+            # (and whatever else runs there) before the attempt's failure is recorded.
+            self.close()
+            raise
         finally:
             threads.shutdown(wait=True)  # the job's work is over only when its threads are
 

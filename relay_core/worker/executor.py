@@ -13,18 +13,27 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import os
 import time
 from collections.abc import Mapping
 
 import psycopg
 from psycopg_pool import ConnectionPool
 
-from ..backoff import DEFAULT_BACKOFF
-from ..errors import HandlerNotFound, JobCancelled, LeaseLost, PermanentFailure, Snooze, SuccessNotRecorded
+from ..backoff import DEFAULT_BACKOFF, retry_delay, usable_delay
+from ..errors import (
+    HandlerNotFound,
+    JobCancelled,
+    LeaseLost,
+    PermanentFailure,
+    RelayError,
+    Snooze,
+    SuccessNotRecorded,
+)
 from ..handlers import HandlerSpec
 from ..job import Job
 from ..jsonb import UnreadableJson
-from ..pools import without_user_timeout
+from ..pools import reset_session, without_user_timeout
 from ..queries import sql
 from .aio import SlotLoop
 from .outcome import Kind, Outcome, describe, result_json
@@ -33,6 +42,7 @@ from .outcome import Kind, Outcome, describe, result_json
 def run(job: Job, handlers: Mapping[str, HandlerSpec], pool: ConnectionPool, worker_id: str, loop: SlotLoop) -> Outcome:
     """Run ``job``'s handler (awaiting it on ``loop`` if it is async) and classify how it ended; never raises."""
     started = time.monotonic()
+    worker_pid = os.getpid()
     spec = handlers.get(job.type)
     try:
         if job.cancel_requested:
@@ -71,17 +81,51 @@ def run(job: Job, handlers: Mapping[str, HandlerSpec], pool: ConnectionPool, wor
             raise LeaseLost(
                 f"job {job.id} was told to stop (its lease ran out or was taken over); its run is not a success"
             )
+        if os.getpid() != worker_pid:
+            os._exit(0)  # a forked child whose handler returned: see below
         return Outcome(job, Kind.SUCCEEDED, time.monotonic() - started, result=result_json(value))
-    except Snooze as snooze:
-        return Outcome(job, Kind.SNOOZED, time.monotonic() - started, delay=snooze.seconds)
     except BaseException as exc:
+        if os.getpid() != worker_pid:
+            # A handler forked and the child got here (it raised, or called sys.exit): it must not
+            # go on serving the slot beside its parent, holding the worker's connections.
+            os._exit(exc.code if isinstance(exc, SystemExit) and isinstance(exc.code, int) else 1)
+        return _ended_by(exc, job, spec, worker_id, time.monotonic() - started)
+
+
+def _ended_by(exc: BaseException, job: Job, spec: HandlerSpec | None, worker_id: str, took: float) -> Outcome:
+    """The outcome of a run that raised ``exc``; never raises.
+
+    A snooze, a cancel, a permanent failure, a failed attempt to retry after the
+    handler's backoff. Classifying runs code of the handler's (its backoff, its
+    exception's text): if that raises, the attempt still ends, failed, saying so.
+    """
+    try:
+        if isinstance(exc, Snooze):
+            seconds = getattr(exc, "seconds", None)
+            if usable_delay(seconds):
+                return Outcome(job, Kind.SNOOZED, took, delay=float(seconds))  # type: ignore[arg-type]
+            exc = RelayError(f"{type(exc).__name__} without a usable delay (seconds={seconds!r})")
         message, entry = describe(exc, job, worker_id)
         if isinstance(exc, JobCancelled) or job.cancel_requested:
-            return Outcome(job, Kind.CANCELLED, time.monotonic() - started, message=message, error=entry)
+            return Outcome(job, Kind.CANCELLED, took, message=message, error=entry)
         if isinstance(exc, PermanentFailure) or job.attempt >= job.max_attempts:
-            return Outcome(job, Kind.DEAD, time.monotonic() - started, message=message, error=entry)
-        delay = (spec.backoff if spec else DEFAULT_BACKOFF).delay(job.attempt)
-        return Outcome(job, Kind.RETRY, time.monotonic() - started, delay=delay, message=message, error=entry)
+            return Outcome(job, Kind.DEAD, took, message=message, error=entry)
+        delay, problem = retry_delay(spec.backoff if spec else DEFAULT_BACKOFF, job.attempt)
+        if problem:
+            message = f"{message} ({problem})"
+            entry["message"] = f"{entry.get('message')} ({problem})"
+        return Outcome(job, Kind.RETRY, took, delay=delay, message=message, error=entry)
+    except Exception as failure:
+        message = f"{type(exc).__name__} (and classifying it raised {type(failure).__name__})"
+        entry = {
+            "attempt": job.attempt,
+            "worker": worker_id,
+            "type": type(exc).__name__,
+            "message": message,
+            "traceback": None,
+        }
+        kind = Kind.DEAD if job.attempt >= job.max_attempts else Kind.RETRY
+        return Outcome(job, kind, took, delay=DEFAULT_BACKOFF.delay(job.attempt), message=message, error=entry)
 
 
 #: Why a transactional handler's success failed to be written under REPEATABLE READ or SERIALIZABLE.
@@ -105,26 +149,33 @@ def _run_transactional(job: Job, spec: HandlerSpec, pool: ConnectionPool) -> Non
     set for its transaction, a renewal after its snapshot makes that UPDATE a
     serialization failure, reported as such (SuccessNotRecorded).
     """
-    with pool.connection() as conn, _handlers_own(pool, conn), conn.transaction():
-        value = spec.func(job, conn)
-        if inspect.isawaitable(value):
-            _discard(value)
-            raise PermanentFailure(
-                f"the transactional handler of {job.type!r} returned an awaitable, so its work never ran; "
-                "its connection is a sync one in the completion transaction: make it a plain def, "
-                "or register it with transactional=False"
-            )
-        if job.lease_lost:
-            raise LeaseLost(f"job {job.id} was told to stop; its work was rolled back")
+    with pool.connection() as conn, _handlers_own(pool, conn):
         try:
-            done = conn.execute(
-                sql("job_succeed_many"),
-                {"ids": [job.id], "tokens": [job.lease_token], "results": [result_json(value)]},
-            ).fetchall()
-        except psycopg.errors.SerializationFailure as exc:
-            raise SuccessNotRecorded(STRICTER_ISOLATION.format(job_id=job.id)) from exc
-        if not done:
-            raise LeaseLost(f"job {job.id} is no longer this worker's; its work was rolled back")
+            with conn.transaction():
+                value = spec.func(job, conn)
+                if inspect.isawaitable(value):
+                    _discard(value)
+                    raise PermanentFailure(
+                        f"the transactional handler of {job.type!r} returned an awaitable, so its work never ran; "
+                        "its connection is a sync one in the completion transaction: make it a plain def, "
+                        "or register it with transactional=False"
+                    )
+                if job.lease_lost:
+                    raise LeaseLost(f"job {job.id} was told to stop; its work was rolled back")
+                try:
+                    done = conn.execute(
+                        sql("job_succeed_many"),
+                        {"ids": [job.id], "tokens": [job.lease_token], "results": [result_json(value)]},
+                    ).fetchall()
+                except psycopg.errors.SerializationFailure as exc:
+                    raise SuccessNotRecorded(STRICTER_ISOLATION.format(job_id=job.id)) from exc
+                if not done:
+                    raise LeaseLost(f"job {job.id} is no longer this worker's; its work was rolled back")
+        finally:
+            # The handler's session settings (a plain SET commits with the success) must not
+            # reach the statements Relay runs next on this pooled connection.
+            with contextlib.suppress(psycopg.Error):
+                reset_session(conn)
 
 
 def _discard(awaitable: object) -> None:

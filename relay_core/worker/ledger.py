@@ -188,12 +188,14 @@ class Ledger:
         with self.lock:
             for jid, running in list(self.running.items()):
                 if running.slot is not None and running.deadline is not None and now > running.deadline:
+                    # Decided before it leaves ``running``: were deciding to raise, the run would be
+                    # in none of the ledger's tables, its lease no longer renewed while it runs on.
+                    decided = decide(running, now)
                     expired.append(running)
                     del self.running[jid]
+                    self.overdue[jid] = (running, decided)
                     running.slot.abandoned.set()
-            for running in expired:
-                self.overdue[running.job.id] = (running, decide(running, now))
-                running.job._lease_lost.set()  # tells a cooperative handler to stop
+                    running.job._lease_lost.set()  # tells a cooperative handler to stop
         return expired
 
     def written(self, batch: Iterable[Outcome]) -> None:

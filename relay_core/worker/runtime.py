@@ -21,6 +21,7 @@ import psycopg
 from psycopg_pool import PoolTimeout
 
 from .. import migrate as migrator
+from ..backoff import retry_delay
 from ..errors import ConfigurationError, JobTimeout
 from ..handlers import HandlerSpec
 from ..job import Job
@@ -242,7 +243,9 @@ class Worker:
         message, entry = describe(exc, job, self.id)
         entry["traceback"] = None
         kind = Kind.DEAD if job.attempt >= job.max_attempts else Kind.RETRY
-        delay = spec.backoff.delay(job.attempt) if spec else 0.0
+        delay, problem = retry_delay(spec.backoff, job.attempt) if spec else (0.0, None)
+        if problem:
+            message = entry["message"] = f"{message} ({problem})"
         return Outcome(job, kind, now - running.started, delay=delay, message=message, error=entry)
 
     # -- slots -------------------------------------------------------------
@@ -444,6 +447,14 @@ class Worker:
                 # A PoolTimeout sent nothing; anything else may have lost a committed claim's answer.
                 self._unanswered_claim = self._unanswered_claim or not isinstance(exc, PoolTimeout)
                 self.pooled_calls.failed("claim", exc, began=began)
+                self.stopping.wait(delay)
+                delay = next_retry_delay(delay)
+                continue
+            except psycopg.Error as exc:
+                # Refused, not cut off (a read-only session a handler left on a pooled connection, a
+                # permission revoked): the statement claimed nothing. Say so and try again, rather than
+                # stop the worker with every job it holds.
+                event(logging.ERROR, "claim failed", error=str(exc))
                 self.stopping.wait(delay)
                 delay = next_retry_delay(delay)
                 continue

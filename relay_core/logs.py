@@ -5,8 +5,10 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import sys
 import time
+from datetime import UTC, datetime
 from typing import Any
 
 from .errors import ConfigurationError
@@ -36,7 +38,8 @@ class JsonFormatter(logging.Formatter):
 
     def format(self, record: logging.LogRecord) -> str:
         entry: dict[str, Any] = {
-            "time": self.formatTime(record, "%Y-%m-%dT%H:%M:%S"),
+            # ISO 8601 with milliseconds and the UTC offset, as log shippers read it.
+            "time": datetime.fromtimestamp(record.created, UTC).isoformat(timespec="milliseconds"),
             "level": record.levelname.lower(),
             "logger": record.name,
             "message": record.getMessage(),
@@ -55,9 +58,23 @@ class KeyValueFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         base = super().format(record)
         fields = " ".join(
-            f"{key}={value}" for key, value in vars(record).items() if key not in _RESERVED and not key.startswith("_")
+            f"{key}={_plain(value)}"
+            for key, value in vars(record).items()
+            if key not in _RESERVED and not key.startswith("_")
         )
         return f"{base} {fields}" if fields else base
+
+
+#: A value that reads as one key=value item as it is: no spaces, quotes or control characters.
+_BARE_VALUE = re.compile(r"[^\s\"'=\x00-\x1f\x7f]*")
+
+
+def _plain(value: Any) -> str:
+    """A field's value as one key=value item: quoted and escaped (as JSON) when it holds spaces or
+    line breaks. Written as it was, a handler's error with a newline in it started a log line of
+    its own, and "job succeeded" could be forged."""
+    text = str(value)
+    return text if _BARE_VALUE.fullmatch(text) else json.dumps(text)
 
 
 class RepeatsFilter(logging.Filter):

@@ -24,20 +24,27 @@ log = logging.getLogger("relay.web")
 #: Shorter HMAC keys are guessable offline from any token (RFC 7518 3.2 asks for 256 bits).
 MIN_SECRET_LENGTH = 32
 
-#: Integer settings: name -> (default, smallest allowed).
-INT_SETTINGS: dict[str, tuple[int, int]] = {
-    "RELAY_PROXY_HOPS": (0, 0),
-    "RELAY_ACCESS_TOKEN_SECONDS": (900, 30),
-    "RELAY_REFRESH_TOKEN_SECONDS": (12 * 3600, 60),
-    "RELAY_LOGIN_WINDOW_SECONDS": (900, 1),
-    "RELAY_LOGIN_MAX_FAILURES": (5, 1),
-    "RELAY_LOGIN_MAX_FAILURES_PER_ADDRESS": (50, 1),
-    "RELAY_ARGON2_TIME_COST": (0, 0),
-    "RELAY_ARGON2_MEMORY_COST": (0, 0),
-    "RELAY_ARGON2_PARALLELISM": (0, 0),
-    "RELAY_WORKER_STALE_SECONDS": (60, 1),
-    "RELAY_WEB_POOL_SIZE": (4, 1),
-    "RELAY_STATEMENT_TIMEOUT_MS": (5000, 0),
+YEAR_SECONDS = 365 * 86400
+#: What PostgreSQL's integer settings (statement_timeout) and a C int hold.
+INT32_MAX = 2**31 - 1
+
+#: Integer settings: name -> (default, smallest allowed, largest allowed). The largest keep
+#: every time computed from them inside what a datetime and PostgreSQL's timestamps hold:
+#: past them a token's expiry, a login window or the workers' staleness failed every
+#: login or /metrics with a 500 instead of stopping the app at start.
+INT_SETTINGS: dict[str, tuple[int, int, int]] = {
+    "RELAY_PROXY_HOPS": (0, 0, 64),
+    "RELAY_ACCESS_TOKEN_SECONDS": (900, 30, YEAR_SECONDS),
+    "RELAY_REFRESH_TOKEN_SECONDS": (12 * 3600, 60, 10 * YEAR_SECONDS),
+    "RELAY_LOGIN_WINDOW_SECONDS": (900, 1, YEAR_SECONDS),
+    "RELAY_LOGIN_MAX_FAILURES": (5, 1, INT32_MAX),
+    "RELAY_LOGIN_MAX_FAILURES_PER_ADDRESS": (50, 1, INT32_MAX),
+    "RELAY_ARGON2_TIME_COST": (0, 0, INT32_MAX),
+    "RELAY_ARGON2_MEMORY_COST": (0, 0, INT32_MAX),
+    "RELAY_ARGON2_PARALLELISM": (0, 0, INT32_MAX),
+    "RELAY_WORKER_STALE_SECONDS": (60, 1, YEAR_SECONDS),
+    "RELAY_WEB_POOL_SIZE": (4, 1, 1000),
+    "RELAY_STATEMENT_TIMEOUT_MS": (5000, 0, INT32_MAX),
 }
 
 #: String settings read from the environment when not given explicitly.
@@ -47,13 +54,15 @@ STR_SETTINGS = ("RELAY_ENV", "RELAY_METRICS_TOKEN")
 NON_PRODUCTION = frozenset({"development", "test"})
 
 
-def _int(name: str, raw: Any, smallest: int) -> int:
+def _int(name: str, raw: Any, smallest: int, largest: int) -> int:
     try:
         value = int(raw)
     except (TypeError, ValueError):
         raise ConfigurationError(f"{name} must be an integer, got {raw!r}") from None
     if value < smallest:
         raise ConfigurationError(f"{name} must be at least {smallest}, got {value}")
+    if value > largest:
+        raise ConfigurationError(f"{name} must be at most {largest}, got {value}")
     return value
 
 
@@ -79,9 +88,40 @@ def _secret(given: Mapping[str, Any], production: bool) -> str:
         log.warning("no JWT_SECRET_KEY set: using a random one; tokens will not survive a restart")
         return secrets.token_urlsafe(48)
     secret = str(secret)
-    if production and len(secret) < MIN_SECRET_LENGTH:
-        raise ConfigurationError(f"JWT_SECRET_KEY (or SECRET_KEY) must be at least {MIN_SECRET_LENGTH} characters")
+    _strong_enough("JWT_SECRET_KEY (or SECRET_KEY)", secret, production)
     return secret
+
+
+def _strong_enough(name: str, secret: str, production: bool) -> None:
+    """A signing secret: never blank, and in production at least MIN_SECRET_LENGTH characters."""
+    if not secret.strip():
+        raise ConfigurationError(f"{name} is blank: set it to a random string")
+    if production and len(secret.strip()) < MIN_SECRET_LENGTH:
+        raise ConfigurationError(f"{name} must be at least {MIN_SECRET_LENGTH} characters")
+
+
+def _flask_secret(given: Mapping[str, Any], jwt_secret: str, production: bool) -> str:
+    """SECRET_KEY when set beside JWT_SECRET_KEY (it signs the dashboard's session cookie), held to the same rule."""
+    flask_secret = _pick("SECRET_KEY", given)
+    if flask_secret is None:
+        return jwt_secret
+    _strong_enough("SECRET_KEY", str(flask_secret), production)
+    return str(flask_secret)
+
+
+def _metrics_token(token: str | None) -> str | None:
+    """RELAY_METRICS_TOKEN as a scraper can send it: printable ASCII, no spaces at either end.
+
+    An HTTP server strips a header's trailing spaces and reads it as ISO-8859-1, so a token
+    with either could never match: every scrape was refused.
+    """
+    if token is None:
+        return None
+    if not token.strip():
+        raise ConfigurationError("RELAY_METRICS_TOKEN is blank: set it to a random string, or unset it")
+    if token != token.strip() or not all("\x21" <= c <= "\x7e" for c in token):
+        raise ConfigurationError("RELAY_METRICS_TOKEN must be printable ASCII without spaces")
+    return token
 
 
 def load(given: Mapping[str, Any] | None = None) -> dict[str, Any]:
@@ -93,9 +133,10 @@ def load(given: Mapping[str, Any] | None = None) -> dict[str, Any]:
         settings[name] = None if value is None else str(value)
     settings["RELAY_ENV"] = (settings["RELAY_ENV"] or "production").lower()
     production = settings["RELAY_ENV"] not in NON_PRODUCTION and not given.get("TESTING")
-    for name, (default, smallest) in INT_SETTINGS.items():
+    for name, (default, smallest, largest) in INT_SETTINGS.items():
         raw = _pick(name, given)
-        settings[name] = default if raw is None else _int(name, raw, smallest)
+        settings[name] = default if raw is None else _int(name, raw, smallest, largest)
+    settings["RELAY_METRICS_TOKEN"] = _metrics_token(settings["RELAY_METRICS_TOKEN"])
     # Out-of-bounds Argon2 settings stop the app here, not at the first login.
     users.make_hasher(
         settings["RELAY_ARGON2_TIME_COST"] or None,
@@ -110,13 +151,15 @@ def load(given: Mapping[str, Any] | None = None) -> dict[str, Any]:
         wait = None if wait is None else float(wait)
     except (TypeError, ValueError):
         raise ConfigurationError(f"RELAY_DB_WAIT_SECONDS must be a number, got {wait!r}") from None
-    relay = Relay(_pick("RELAY_DATABASE_URL", given, "DATABASE_URL"), db_wait=wait)
+    # Given explicitly, the DSN is the caller's; from the environment, Relay reads it itself and
+    # names the variable in what it says (a blank DATABASE_URL was called "the DSN passed to Relay").
+    relay = Relay(given.get("RELAY_DATABASE_URL") or given.get("DATABASE_URL") or None, db_wait=wait)
     settings["RELAY_DATABASE_URL"] = relay.dsn
     settings["RELAY_DB_WAIT_SECONDS"] = relay.db_wait
     secret = _secret(given, production)
     settings.update(
         JWT_SECRET_KEY=secret,
-        SECRET_KEY=_pick("SECRET_KEY", given) or secret,
+        SECRET_KEY=_flask_secret(given, secret, production),
         JWT_ALGORITHM="HS256",
         JWT_DECODE_ALGORITHMS=["HS256"],
         # The API reads tokens from the Authorization header only (views pass

@@ -34,11 +34,16 @@ def readyz() -> ReadyRecord:
         monitor.ping(conn)
         current = monitor.schema_is_current(conn)
     if not current:
-        raise Problem(
-            503,
-            "Not ready",
-            "The database schema is behind this release; run `relay migrate`.",
-            slug="migrations-pending",
-            headers={"Retry-After": "10"},
-        )
+        raise migrations_pending()
     return ReadyRecord()
+
+
+def migrations_pending() -> Problem:
+    """503 while the database's schema is behind this release (a deploy whose migrations have not run)."""
+    return Problem(
+        503,
+        "Not ready",
+        "The database schema is behind this release; run `relay migrate`.",
+        slug="migrations-pending",
+        headers={"Retry-After": "10"},
+    )

@@ -20,6 +20,7 @@ from relay_core import monitor
 from .config import worker_stale_seconds
 from .db import connection
 from .endpoint import endpoint
+from .health import migrations_pending
 from .problems import unauthorized
 
 bp = Blueprint("metrics", __name__)
@@ -32,8 +33,10 @@ class RelayCollector:
         self.stale_seconds = stale_seconds
 
     def collect(self) -> Iterator[Metric]:
-        """The series of one scrape."""
+        """The series of one scrape (503 while the schema is behind this release, as /readyz says)."""
         with connection() as conn:
+            if not monitor.schema_is_current(conn):
+                raise migrations_pending()
             monitor.fold_counters(conn)
             depths = monitor.queue_depths(conn, stale_seconds=self.stale_seconds)
             totals = monitor.outcome_totals(conn)

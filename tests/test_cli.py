@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import logging
+import re
 import subprocess
 import threading
 import time
@@ -136,6 +138,19 @@ def test_requeue_waits_for_a_last_failure_in_flight_where_the_database_defaults_
         requeue.join(15)
     assert results and results[0].exit_code == 0, results and results[0].output
     assert relay.get_job(job_id).status == "queued"
+
+
+def test_a_log_field_with_a_line_break_stays_on_its_line_and_json_times_carry_milliseconds_and_offset() -> None:
+    """Written as it was, a handler's error with a newline started a log line of its own: one that
+    could read "job succeeded job_id=424242"."""
+    record = logging.LogRecord("relay", logging.WARNING, __file__, 1, "job failed; will retry", (), None)
+    record.error = "ValueError: first\n2026-12-02 05:40:11,000 INFO relay job succeeded job_id=424242"
+    record.job_id = 7
+    line = logs.KeyValueFormatter("%(levelname)s %(name)s %(message)s").format(record)
+    assert "\n" not in line and "job_id=7" in line
+    assert 'error="ValueError: first\\n2026-12-02 05:40:11,000 INFO relay job succeeded job_id=424242"' in line
+    entry = json.loads(logs.JsonFormatter().format(record))
+    assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}\+00:00", entry["time"]), entry["time"]
 
 
 def test_requeue_of_a_job_in_the_wrong_state_names_the_rule(relay, dsn: str) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -47,6 +48,45 @@ def test_missing_database_is_a_startup_error(clean_env) -> None:
 def test_malformed_setting_is_a_startup_error(clean_env, dsn: str) -> None:
     with pytest.raises(ConfigurationError, match="RELAY_PROXY_HOPS"):
         create_app({"RELAY_DATABASE_URL": dsn, "JWT_SECRET_KEY": SECRET, "RELAY_PROXY_HOPS": "two"})
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [
+        ("RELAY_ACCESS_TOKEN_SECONDS", "99999999999999999999"),
+        ("RELAY_ACCESS_TOKEN_SECONDS", "1000000000000"),
+        ("RELAY_LOGIN_WINDOW_SECONDS", "9999999999999"),
+        ("RELAY_WORKER_STALE_SECONDS", "9999999999999"),
+        ("RELAY_STATEMENT_TIMEOUT_MS", "99999999999"),
+    ],
+)
+def test_a_setting_too_large_to_work_is_a_startup_error(clean_env, dsn: str, name: str, value: str) -> None:
+    """Accepted, they failed every login, every scrape or every statement later (500s, or a 503 'the
+    database cannot be reached'), or the start itself with an OverflowError naming nothing."""
+    with pytest.raises(ConfigurationError, match=f"^{name} must be at most"):
+        create_app({"RELAY_DATABASE_URL": dsn, "JWT_SECRET_KEY": SECRET, name: value})
+
+
+@pytest.mark.parametrize(
+    ("given", "said"),
+    [
+        ({"JWT_SECRET_KEY": " " * 40}, "JWT_SECRET_KEY (or SECRET_KEY) is blank"),
+        ({"JWT_SECRET_KEY": SECRET, "SECRET_KEY": "short"}, "SECRET_KEY must be at least 32"),
+        ({"JWT_SECRET_KEY": SECRET, "RELAY_METRICS_TOKEN": "scrape "}, "RELAY_METRICS_TOKEN must be printable"),
+        ({"JWT_SECRET_KEY": SECRET, "RELAY_METRICS_TOKEN": "tökén"}, "RELAY_METRICS_TOKEN must be printable"),
+        ({"JWT_SECRET_KEY": SECRET, "RELAY_METRICS_TOKEN": "   "}, "RELAY_METRICS_TOKEN is blank"),
+    ],
+    ids=["blank-jwt-secret", "short-flask-secret", "token-trailing-space", "token-not-ascii", "token-blank"],
+)
+def test_a_secret_or_token_that_cannot_work_is_a_startup_error(clean_env, dsn: str, given: dict, said: str) -> None:
+    with pytest.raises(ConfigurationError, match=re.escape(said)):
+        create_app({"RELAY_DATABASE_URL": dsn, **given})
+
+
+def test_a_blank_database_url_is_named_as_the_variable_it_is(clean_env) -> None:
+    clean_env.setenv("DATABASE_URL", "   ")
+    with pytest.raises(ConfigurationError, match=r"^DATABASE_URL is blank"):
+        create_app({"JWT_SECRET_KEY": SECRET})
 
 
 def test_the_wait_for_a_connection_is_read_as_relay_reads_it(clean_env, dsn: str) -> None:

@@ -233,6 +233,8 @@ def test_health_and_readiness(client, db) -> None:
         response = client.get("/readyz")
         body = assert_problem(response, 503, "migrations-pending")
         assert "relay migrate" in body["detail"]
+        # A scrape says the same, where it answered 500 once a table it reads was missing.
+        assert_problem(client.get("/metrics"), 503, "migrations-pending")
     finally:
         db.execute("INSERT INTO relay.schema_migrations (version, name) VALUES (%s, %s)", (version, name))
 

@@ -139,6 +139,25 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+@pytest.mark.parametrize(("name", "value"), [("WEB_CONCURRENCY", "99999"), ("WEB_CONCURRENCY", "0"), ("PORT", "99999")])
+def test_gunicorn_with_relays_settings_refuses_a_worker_count_or_port_that_cannot_work(
+    dsn: str, name: str, value: str
+) -> None:
+    """gunicorn took WEB_CONCURRENCY=99999 and forked workers until the machine ran out of memory;
+    0 listened and never answered; PORT=99999 stopped it with a traceback."""
+    gunicorn = Path(sys.executable).with_name("gunicorn")
+    env = dict(os.environ, DATABASE_URL=dsn, JWT_SECRET_KEY=SECRET, WEB_CONCURRENCY="1", PORT="8000")
+    env[name] = value
+    done = subprocess.run(
+        [str(gunicorn), "-c", "python:relay_web.gunicorn_conf", "--no-control-socket",
+         "--bind", "127.0.0.1:1", "relay_web:create_app()"],
+        env=env, cwd=ROOT, capture_output=True, text=True, timeout=30, check=False,
+    )  # fmt: skip
+    assert done.returncode == 1
+    assert f"Error: {name} must be a whole number from 1 to" in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr and "Booting worker" not in done.stderr
+
+
 def test_gunicorn_serves_the_factory(dsn: str) -> None:
     port = _free_port()
     env = {k: v for k, v in os.environ.items() if k not in SETTINGS}

@@ -110,9 +110,10 @@ def test_migrate_says_when_a_newer_relay_migrated_the_database(dsn: str, db: psy
     ("env", "named"),
     [
         ({"RELAY_NOTIFY": "x"}, "RELAY_NOTIFY"),  # read as the app module builds its Relay
-        ({"RELAY_CONCURRENCY": "100000"}, "concurrency"),
-        ({"RELAY_POLL_INTERVAL": "1e300"}, "poll_interval"),
-        ({"RELAY_SHUTDOWN_TIMEOUT": "1e300"}, "shutdown_timeout"),
+        ({"RELAY_CONCURRENCY": "100000"}, "RELAY_CONCURRENCY: concurrency must be"),
+        ({"RELAY_POLL_INTERVAL": "1e300"}, "RELAY_POLL_INTERVAL: poll_interval must be"),
+        ({"RELAY_SHUTDOWN_TIMEOUT": "1e300"}, "RELAY_SHUTDOWN_TIMEOUT: shutdown_timeout must be"),
+        ({"RELAY_LEASE_SECONDS": "0.5"}, "RELAY_LEASE_SECONDS: lease_seconds must be at least 1"),
     ],
 )
 def test_a_worker_with_a_bad_setting_exits_with_one_line(

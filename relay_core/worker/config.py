@@ -26,6 +26,17 @@ def _worker_id() -> str:
     return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
 
 
+#: The environment variable each numeric setting is read from (named in what a bad value says).
+ENV_SETTINGS = {
+    "concurrency": "RELAY_CONCURRENCY",
+    "lease_seconds": "RELAY_LEASE_SECONDS",
+    "heartbeat_interval": "RELAY_HEARTBEAT_INTERVAL",
+    "poll_interval": "RELAY_POLL_INTERVAL",
+    "sweep_interval": "RELAY_SWEEP_INTERVAL",
+    "shutdown_timeout": "RELAY_SHUTDOWN_TIMEOUT",
+}
+
+
 @dataclass
 class WorkerConfig:
     """How a worker claims, leases and shuts down.
@@ -122,5 +133,14 @@ class WorkerConfig:
         queues = os.environ.get("RELAY_QUEUES")
         if queues:
             values["queues"] = tuple(q.strip() for q in queues.split(",") if q.strip())
-        values.update({k: v for k, v in overrides.items() if v is not None})
-        return cls(**values)  # type: ignore[arg-type]
+        given = {k: v for k, v in overrides.items() if v is not None}
+        values.update(given)
+        try:
+            return cls(**values)  # type: ignore[arg-type]
+        except ConfigurationError as exc:
+            # "poll_interval must be ..." says which field; set in the environment, name the variable too.
+            field = str(exc).split(" ", 1)[0]
+            variable = ENV_SETTINGS.get(field)
+            if variable and field not in given and os.environ.get(variable) is not None:
+                raise ConfigurationError(f"{variable}: {exc}") from None
+            raise

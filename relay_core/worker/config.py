@@ -116,15 +116,15 @@ class WorkerConfig:
     @classmethod
     def from_env(cls, **overrides: object) -> WorkerConfig:
         """Defaults, then RELAY_* environment settings, then explicit overrides."""
-        lease = env_float("RELAY_LEASE_SECONDS", 30.0)
+        named = ENV_SETTINGS
         values: dict[str, object] = {
-            "concurrency": env_int("RELAY_CONCURRENCY", 8),
-            "lease_seconds": lease,
+            "concurrency": env_int(named["concurrency"], 8),
+            "lease_seconds": env_float(named["lease_seconds"], 30.0),
             # None: a third of the lease, the one given here or in the environment.
-            "heartbeat_interval": env_float("RELAY_HEARTBEAT_INTERVAL", None),
-            "poll_interval": env_float("RELAY_POLL_INTERVAL", 0.5),
-            "sweep_interval": env_float("RELAY_SWEEP_INTERVAL", 5.0),
-            "shutdown_timeout": env_float("RELAY_SHUTDOWN_TIMEOUT", 25.0),
+            "heartbeat_interval": env_float(named["heartbeat_interval"], None),
+            "poll_interval": env_float(named["poll_interval"], 0.5),
+            "sweep_interval": env_float(named["sweep_interval"], 5.0),
+            "shutdown_timeout": env_float(named["shutdown_timeout"], 25.0),
             # A transaction pooler delivers no notifications: poll unless told otherwise.
             "listen": env_bool("RELAY_LISTEN", not transaction_pooling()),
             "retention": Retention.from_env() if env_bool("RELAY_PRUNE", True) else None,

@@ -91,16 +91,11 @@ class Relay:
         #: inside the 30 s a platform's router gives a web request.
         wait = env_float("RELAY_DB_WAIT_SECONDS", DEFAULT_DB_WAIT_SECONDS) if db_wait is None else db_wait
         try:
-            self.db_wait = check_seconds("db_wait", wait)
-        except InvalidJobError:
-            raise ConfigurationError(
-                f"db_wait (RELAY_DB_WAIT_SECONDS) must be a positive number of seconds, got {wait!r}"
-            ) from None
-        if self.db_wait > threading.TIMEOUT_MAX:
-            # The pool's wait for a connection cannot take longer: every enqueue raised OverflowError.
-            raise ConfigurationError(
-                f"db_wait (RELAY_DB_WAIT_SECONDS) must be at most {threading.TIMEOUT_MAX:g} seconds, got {wait!r}"
-            )
+            # The pool's wait for a connection cannot take longer than a thread's
+            # wait: past it every enqueue raised OverflowError.
+            self.db_wait = check_seconds("db_wait", wait, most=threading.TIMEOUT_MAX)
+        except InvalidJobError as exc:
+            raise ConfigurationError(f"db_wait (RELAY_DB_WAIT_SECONDS) {exc.message}, got {wait!r}") from None
         self.handlers: dict[str, HandlerSpec] = {}
         self._pool: RelayPool | None = None
         self._pool_size = pool_size

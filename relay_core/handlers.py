@@ -109,9 +109,12 @@ def make_spec(
             raise InvalidJobError("rate_limit", "must be (starts, seconds), e.g. (100, 60)")
         if not _is_limit(rate_limit[0]):
             raise InvalidJobError("rate_limit", f"starts must be an integer between 1 and {MAX_LIMIT}")
-        period = check_seconds("rate_limit", rate_limit[1])
-        if period > MAX_RATE_PERIOD_SECONDS:
-            raise InvalidJobError("rate_limit", f"the window must be at most {MAX_RATE_PERIOD_SECONDS:.0f} s (31 days)")
+        period = check_seconds(
+            "rate_limit",
+            rate_limit[1],
+            most=MAX_RATE_PERIOD_SECONDS,
+            too_long=f"the window must be at most {MAX_RATE_PERIOD_SECONDS:.0f} s (31 days)",
+        )
         rate_limit = (rate_limit[0], period)
     # A string such as "no" would count as true: a flag must be one.
     if not isinstance(catch_up, bool):
@@ -120,9 +123,10 @@ def make_spec(
         raise InvalidJobError("transactional", f"must be True, False or None, not {transactional!r}")
     if cron is not None:
         check_cron(cron, timezone)
-    elif timezone != "UTC" or catch_up:
-        # Without a schedule neither means anything, and a mistyped zone would go unnoticed.
-        raise InvalidJobError("cron", "timezone and catch_up apply to a schedule: give cron too")
+    elif timezone != "UTC" or catch_up or queue != "default":
+        # Without a schedule none of them means anything (enqueue names its own
+        # queue), and a mistyped zone or queue would go unnoticed.
+        raise InvalidJobError("cron", "timezone, catch_up and queue apply to a schedule: give cron too")
     if is_generator(func):
         raise InvalidJobError(
             "handler",

@@ -205,11 +205,24 @@ def check_idempotency_key(key: Any) -> str | None:
     return key
 
 
-def check_seconds(field_name: str, value: Any) -> float:
-    """A positive, finite number of seconds."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+def check_seconds(field_name: str, value: Any, *, most: float | None = None, too_long: str | None = None) -> float:
+    """A positive, finite number of seconds, at most ``most`` when given (``too_long`` says so).
+
+    An integer too large for a float counts as too long, not as a crash:
+    ``float(10**400)`` raises OverflowError.
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise InvalidJobError(field_name, "must be a positive number of seconds")
-    return float(value)
+    try:
+        seconds = float(value)
+    except OverflowError:
+        seconds = math.inf
+    if math.isnan(seconds) or seconds <= 0 or (seconds == math.inf and isinstance(value, float)):
+        raise InvalidJobError(field_name, "must be a positive number of seconds")
+    if seconds == math.inf or (most is not None and seconds > most):
+        limit = f"must be at most {most:g} seconds" if most is not None else "is too large a number of seconds"
+        raise InvalidJobError(field_name, too_long or limit)
+    return seconds
 
 
 def new_job(

@@ -501,7 +501,7 @@ def test_invalid_cron_or_timezone_is_refused(relay: Relay) -> None:
 
 
 def test_schedule_options_without_a_schedule_or_flags_that_are_not_flags_are_refused(relay: Relay) -> None:
-    """catch_up="no" counted as true (missed ticks were enqueued); a zone without cron went unchecked."""
+    """catch_up="no" counted as true (missed ticks were enqueued); a zone or queue without cron went unchecked."""
     from relay_core import InvalidJobError
 
     with pytest.raises(InvalidJobError, match="catch_up"):
@@ -510,9 +510,14 @@ def test_schedule_options_without_a_schedule_or_flags_that_are_not_flags_are_ref
         relay.handler("zoned", timezone="Not/AZone")(lambda job: None)
     with pytest.raises(InvalidJobError, match="give cron too"):
         relay.handler("caught_up", catch_up=True)(lambda job: None)
+    with pytest.raises(InvalidJobError, match="give cron too"):
+        # Taken and ignored before: its jobs went wherever enqueue sent them.
+        relay.handler("queued", queue="emails")(lambda job: None)
     with pytest.raises(InvalidJobError, match="transactional"):
         relay.handler("tx", transactional="yes")(lambda job: None)
-    assert not {"nightly", "zoned", "caught_up", "tx"} & set(relay.handlers)
+    with pytest.raises(InvalidJobError, match=r"^timeout: is too large"):
+        relay.handler("forever", timeout=10**400)(lambda job: None)
+    assert not {"nightly", "zoned", "caught_up", "queued", "tx", "forever"} & set(relay.handlers)
 
 
 @pytest.mark.parametrize(
@@ -872,6 +877,8 @@ def test_limits_the_claim_cannot_hold_are_refused_at_registration(relay: Relay, 
     int4_max, month = 2**31 - 1, 31 * 86400
     for bad in [
         {"rate_limit": (1, 1e16)},  # its window reaches past the start of time
+        {"rate_limit": (100, 10**400)},  # too large for a float: it raised a bare OverflowError
+        {"rate_limit": (100, float("inf"))},
         {"rate_limit": (1, month + 1)},
         {"rate_limit": (int4_max + 1, 60)},
         {"rate_limit": (True, 60)},

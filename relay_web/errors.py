@@ -17,6 +17,7 @@ from werkzeug.exceptions import HTTPException, MethodNotAllowed
 
 from relay_core import BulkActionStopped, IllegalTransition, InvalidJobError, JobNotFound, RelayError
 
+from .health import MISSING_SCHEMA_ERRORS, migrations_pending, schema_is_behind
 from .problems import Problem
 
 log = logging.getLogger("relay.web")
@@ -119,6 +120,14 @@ def _bulk_stopped(exc: BulkActionStopped) -> Response:
     ).response()
 
 
+def _missing_schema(exc: psycopg.Error) -> Response:
+    """A table, column or function this release needs is missing: 503 until ``relay migrate`` runs."""
+    if not schema_is_behind():
+        return _internal(exc)
+    log.warning("the database schema is behind this release (run relay migrate): %s", exc)
+    return migrations_pending().response()
+
+
 def _relay_error(exc: RelayError) -> Response:
     log.error("unexpected Relay error", exc_info=exc)
     return _internal(exc)
@@ -141,6 +150,8 @@ def register(app: Flask) -> None:
     app.register_error_handler(BulkActionStopped, _bulk_stopped)
     app.register_error_handler(RelayError, _relay_error)
     app.register_error_handler(psycopg.errors.QueryCanceled, _too_slow)
+    for missing in MISSING_SCHEMA_ERRORS:
+        app.register_error_handler(missing, _missing_schema)
     app.register_error_handler(psycopg.OperationalError, _unavailable)
     app.register_error_handler(psycopg.InterfaceError, _unavailable)
     app.register_error_handler(PoolTimeout, _unavailable)

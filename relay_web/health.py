@@ -7,6 +7,7 @@ database outage must not make every web process restart in a loop.
 
 from __future__ import annotations
 
+import psycopg
 from flask import Blueprint
 
 from relay_core import monitor
@@ -17,6 +18,16 @@ from .problems import Problem
 from .records.ops import HealthRecord, ReadyRecord
 
 bp = Blueprint("health", __name__)
+
+#: What a query fails with on a database whose schema is behind this release
+#: (never migrated, or a deploy whose migrations have not run yet).
+MISSING_SCHEMA_ERRORS = (
+    psycopg.errors.InvalidSchemaName,
+    psycopg.errors.UndefinedTable,
+    psycopg.errors.UndefinedColumn,
+    psycopg.errors.UndefinedFunction,
+    psycopg.errors.UndefinedObject,
+)
 
 
 @bp.get("/healthz")
@@ -47,3 +58,16 @@ def migrations_pending() -> Problem:
         slug="migrations-pending",
         headers={"Retry-After": "10"},
     )
+
+
+def schema_is_behind() -> bool:
+    """Whether the schema is behind this release, asked after a query met something missing.
+
+    Only then does the answer become ``migrations-pending``: on a current
+    schema the same error is a defect, and stays a logged 500.
+    """
+    try:
+        with connection() as conn:
+            return not monitor.schema_is_current(conn)
+    except psycopg.Error:
+        return False

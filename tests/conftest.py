@@ -81,6 +81,17 @@ def dsn(database_url: str) -> str:
 
 
 @pytest.fixture
+def unmigrated_dsn(dsn: str) -> Iterator[str]:
+    """A database on the test server where `relay migrate` never ran; dropped afterwards."""
+    name = f"relay_empty_{uuid.uuid4().hex[:8]}"
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{name}"')
+    yield conninfo.make_conninfo(dsn, dbname=name)
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+@pytest.fixture
 def relay(dsn: str) -> Iterator[Relay]:
     """A Relay bound to the test database."""
     app = Relay(dsn)

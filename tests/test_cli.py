@@ -8,7 +8,6 @@ import re
 import subprocess
 import threading
 import time
-import uuid
 
 import psycopg
 import pytest
@@ -160,17 +159,6 @@ def test_requeue_of_a_job_in_the_wrong_state_names_the_rule(relay, dsn: str) -> 
     assert (
         f"cannot requeue job {job_id}: it is queued, and only dead or cancelled jobs can be requeued" in result.output
     )
-
-
-@pytest.fixture
-def unmigrated_dsn(dsn: str):
-    """A database on the test server where `relay migrate` never ran."""
-    name = f"relay_cli_empty_{uuid.uuid4().hex[:8]}"
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        conn.execute(f'CREATE DATABASE "{name}"')
-    yield conninfo.make_conninfo(dsn, dbname=name)
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
 @pytest.mark.parametrize(

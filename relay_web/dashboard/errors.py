@@ -18,6 +18,7 @@ from werkzeug.exceptions import HTTPException, NotFound
 from relay_core import IllegalTransition, JobNotFound, RelayError
 
 from ..errors import http_problem, transition_detail
+from ..health import MISSING_SCHEMA_ERRORS, migrations_pending, schema_is_behind
 from ..problems import Problem
 from .blueprint import bp
 from .render import is_htmx, page
@@ -117,6 +118,19 @@ def _unavailable(exc: Exception) -> Response:
     else:
         detail = "The database cannot be reached right now; reload the page in a moment and try again."
     return error_page(503, "Database unreachable", detail, {"Retry-After": str(RETRY_SECONDS)}, retry=True)
+
+
+def _missing_schema(exc: psycopg.Error) -> Response:
+    """A table this release needs is missing: say to run ``relay migrate``, and retry as an outage does."""
+    if not schema_is_behind():
+        return _internal(exc)
+    log.warning("the database schema is behind this release (run relay migrate): %s", exc)
+    pending = migrations_pending()
+    return error_page(pending.status, pending.title, pending.detail, pending.headers, retry=True)
+
+
+for _missing in MISSING_SCHEMA_ERRORS:
+    bp.register_error_handler(_missing, _missing_schema)
 
 
 @bp.errorhandler(Exception)

@@ -239,6 +239,22 @@ def test_health_and_readiness(client, db) -> None:
         db.execute("INSERT INTO relay.schema_migrations (version, name) VALUES (%s, %s)", (version, name))
 
 
+def test_a_database_never_migrated_answers_migrations_pending_not_internal_error(
+    make_app, admin, unmigrated_dsn: str
+) -> None:
+    """Logging in, listing jobs and the dashboard's login form answered 500 "internal" (a missing table)."""
+    client = make_app(RELAY_DATABASE_URL=unmigrated_dsn).test_client()
+    assert_problem(client.get("/readyz"), 503, "migrations-pending")
+    login = client.post("/api/auth/login", json={"username": "ops", "password": "correct horse battery"})
+    assert "relay migrate" in assert_problem(login, 503, "migrations-pending")["detail"]
+    assert login.headers["Retry-After"] == "10"
+    assert_problem(client.get("/api/admin/jobs?status=dead", headers=admin), 503, "migrations-pending")
+    page = client.post("/login", data={"username": "ops", "password": "correct horse battery"})
+    assert page.status_code == 503
+    assert page.mimetype == "text/html"
+    assert "relay migrate" in page.get_data(as_text=True)
+
+
 def test_probes_and_scrapes_ignore_a_cache_busting_query_string(client) -> None:
     assert client.get("/healthz?_=1733030000").get_json() == {"status": "ok"}
     assert client.get("/readyz?probe=render&probe=again").get_json()["status"] == "ready"

@@ -66,13 +66,56 @@ def check_cron(expression: str, timezone: str) -> None:
 
 
 def previous_tick(expression: str, timezone: str, now: datetime) -> datetime:
-    """The latest tick at or before ``now``."""
+    """The latest tick at or before ``now``.
+
+    The walk starts at now's own wall-clock time, where the answer almost
+    always is. Only in the second pass of a repeated hour can a later wall
+    time have an instant at or before now (its first pass); those instants
+    all fall before the clocks went back, so a tick found after that moment
+    stands, and otherwise the walk starts again from the latest wall time
+    any instant at or before now can have.
+    """
     zone, wild = ZoneInfo(timezone), _is_wild(expression)
     now = now.astimezone(UTC)
-    # The latest wall-clock time whose instant can be at or before now: an hour
-    # or so past now's own when now is in the second pass of a repeated hour.
-    offset = max(_offset(now - DST_REACH, zone), _offset(now, zone))
-    walls = croniter(expression, _naive(now + offset) + timedelta(microseconds=1))
+    own, earlier = _offset(now, zone), _offset(now - DST_REACH, zone)
+    wall = _naive(now + own)
+    went_back = _jump(now - DST_REACH, now, zone) if earlier > own and _is_ambiguous(wall, zone) else None
+    found = _walk_back(expression, zone, wild, now, wall, went_back)
+    if found is None:
+        found = _walk_back(expression, zone, wild, now, _naive(now + earlier), None)
+    return found.astimezone(zone)  # type: ignore[union-attr]
+
+
+def next_tick(expression: str, timezone: str, after: datetime) -> datetime:
+    """The first tick strictly after ``after``.
+
+    As :func:`previous_tick`, mirrored: only in the first pass of a repeated
+    hour can an earlier wall time have an instant after ``after`` (its second
+    pass, from the moment the clocks go back).
+    """
+    zone, wild = ZoneInfo(timezone), _is_wild(expression)
+    after = after.astimezone(UTC)
+    own, later = _offset(after, zone), _offset(after + DST_REACH, zone)
+    wall = _naive(after + own)
+    goes_back = _jump(after, after + DST_REACH, zone) if later < own and _is_ambiguous(wall, zone) else None
+    found = _walk_forward(expression, zone, wild, after, wall, goes_back)
+    if found is None:
+        found = _walk_forward(expression, zone, wild, after, _naive(after + later), None)
+    return found.astimezone(zone)  # type: ignore[union-attr]
+
+
+def _walk_back(
+    expression: str, zone: ZoneInfo, wild: bool, now: datetime, start: datetime, at_least: datetime | None
+) -> datetime | None:
+    """The latest tick at or before ``now`` among wall times up to ``start``; None if it is before ``at_least``.
+
+    The walk ends at a due tick of an unambiguous wall time (every earlier
+    wall time is an earlier instant), or once no earlier wall time can be
+    later than the best tick found: within DST_REACH of now a wall time's
+    instants are at most the wall time less the smaller of the two offsets.
+    """
+    smaller = min(_offset(now, zone), _offset(now - DST_REACH, zone))
+    walls = croniter(expression, start + timedelta(microseconds=1))
     best: datetime | None = None
     while True:
         wall = walls.get_prev(datetime)
@@ -80,17 +123,23 @@ def previous_tick(expression: str, timezone: str, now: datetime) -> datetime:
         due = [tick for tick in _instants(wall, zone, wild) if tick <= now]
         if due and (best is None or max(due) > best):
             best = max(due)
-        # Past an unambiguous tick, every earlier wall time is an earlier instant.
-        if due and not _is_ambiguous(wall, zone):
-            return best.astimezone(zone)  # type: ignore[union-attr]
+        if best is None:
+            continue
+        nothing_later = best >= now - DST_REACH and best >= (wall - smaller).replace(tzinfo=UTC)
+        if nothing_later or (due and not _is_ambiguous(wall, zone)):
+            return None if at_least is not None and best < at_least else best
 
 
-def next_tick(expression: str, timezone: str, after: datetime) -> datetime:
-    """The first tick strictly after ``after``."""
-    zone, wild = ZoneInfo(timezone), _is_wild(expression)
-    after = after.astimezone(UTC)
-    offset = min(_offset(after, zone), _offset(after + DST_REACH, zone))
-    walls = croniter(expression, _naive(after + offset))
+def _walk_forward(
+    expression: str, zone: ZoneInfo, wild: bool, after: datetime, start: datetime, at_most: datetime | None
+) -> datetime | None:
+    """The first tick after ``after`` among wall times past ``start``; None if it is past ``at_most``.
+
+    Mirrors :func:`_walk_back`: within DST_REACH of ``after`` a wall time's
+    instants are at least the wall time less the larger of the two offsets.
+    """
+    larger = max(_offset(after, zone), _offset(after + DST_REACH, zone))
+    walls = croniter(expression, start)
     best: datetime | None = None
     while True:
         wall = walls.get_next(datetime)
@@ -98,8 +147,11 @@ def next_tick(expression: str, timezone: str, after: datetime) -> datetime:
         due = [tick for tick in _instants(wall, zone, wild) if tick > after]
         if due and (best is None or min(due) < best):
             best = min(due)
-        if due and not _is_ambiguous(wall, zone):
-            return best.astimezone(zone)  # type: ignore[union-attr]
+        if best is None:
+            continue
+        nothing_earlier = best <= after + DST_REACH and best <= (wall - larger).replace(tzinfo=UTC)
+        if nothing_earlier or (due and not _is_ambiguous(wall, zone)):
+            return None if at_most is not None and best > at_most else best
 
 
 def _within_reach(wall: datetime, start: datetime) -> None:

@@ -250,6 +250,19 @@ def test_a_tick_that_fell_due_while_a_worker_ran_is_enqueued_however_late(relay:
     )
     assert enqueue_due(db, specs, clock=late) == []
 
+    # Nor does one that had stopped checking schedules before the tick, though it was still draining jobs.
+    db.execute("UPDATE relay.schedules SET last_tick = last_tick - interval '1 hour'")
+    db.execute(
+        "UPDATE relay.workers SET last_seen_at = %s, schedules_stopped_at = %s WHERE id = 'a'",
+        (late, tick - timedelta(seconds=5)),
+    )
+    assert enqueue_due(db, specs, clock=late) == []
+    db.execute("UPDATE relay.schedules SET last_tick = last_tick - interval '1 hour'")
+    db.execute("UPDATE relay.workers SET schedules_stopped_at = %s WHERE id = 'a'", (tick + timedelta(seconds=5),))
+    assert enqueue_due(db, specs, clock=late) == [("hourly_rollup", tick.isoformat())]
+    db.execute("DELETE FROM relay.jobs")
+    db.execute("DELETE FROM relay.workers WHERE id = 'a'")
+
     # Unless that worker is the one checking: alive now and registered before the tick, it was
     # running then, though its heartbeats (every lease / 3) came too seldom for the registry to show it.
     # Not so for a checker that serves only another queue, or that registered after the tick.
@@ -284,6 +297,39 @@ def test_a_tick_that_fell_due_while_the_schedule_was_removed_is_skipped_when_it_
     db.execute("UPDATE relay.schedules SET last_tick = last_tick - interval '1 hour'")
     db.execute(register, ("with-it", tick - timedelta(hours=1), late, ["hourly_rollup"]))
     assert enqueue_due(db, specs, clock=late) == [("hourly_rollup", tick.isoformat())]
+
+
+def test_a_worker_draining_jobs_on_the_way_out_no_longer_counts_as_checking_its_schedules(
+    relay: Relay, db: psycopg.Connection
+) -> None:
+    """Its checks stop as its shutdown begins, but it stayed registered, heartbeating, while it drained: a
+    tick that fell due meanwhile counted as seen by it, and the next worker enqueued it late, catch_up or not."""
+    release = threading.Event()
+    relay.handler("nightly", cron="@daily")(lambda job: None)
+    relay.handler("slow")(lambda job: release.wait(30))
+    running_at = sql("worker_was_running_at")
+    with running_worker(relay, shutdown_timeout=30.0) as worker:
+        job_id = relay.enqueue("slow")
+        wait_for(lambda: job_status(db, job_id) == "claimed", what="the slow job to start")
+        before_stop = db.execute("SELECT now()").fetchone()[0]
+        stopper = threading.Thread(target=worker.stop)
+        stopper.start()
+        try:
+            checks_ended = (
+                "SELECT schedules_stopped_at, stopped_at FROM relay.workers WHERE schedules_stopped_at IS NOT NULL"
+            )
+            stopped_checking, stopped = wait_for(lambda: db.execute(checks_ended).fetchone(), what="checks to end")
+            assert stopped is None, "still draining the slow job"
+            assert job_status(db, job_id) == "claimed"
+            during_drain = db.execute("SELECT now()").fetchone()[0]
+            assert during_drain > stopped_checking
+            for at, seen in ((before_stop, True), (during_drain, False)):
+                params = {"queue": "default", "type": "nightly", "at": at}
+                assert db.execute(running_at, params).fetchone()[0] is seen, at
+        finally:
+            release.set()
+            stopper.join(30)
+    assert job_status(db, job_id) == "succeeded"
 
 
 def test_a_worker_records_the_schedules_it_checks(relay: Relay, db: psycopg.Connection) -> None:

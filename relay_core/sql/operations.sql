@@ -108,12 +108,14 @@ WHERE type = %(type)s;
 -- come from their own thread, so a worker whose maintenance was held up still
 -- counts). A worker without the schedule (a deploy that had removed it) never
 -- saw its tick; one registered by an older Relay records no schedules and
--- counts by its queues (migration 0017).
+-- counts by its queues (migration 0017). A worker draining its jobs on the way
+-- out no longer checks (migration 0018).
 SELECT EXISTS (
     SELECT 1 FROM relay.workers
     WHERE %(queue)s = ANY(queues) AND (schedules IS NULL OR %(type)s = ANY(schedules))
       AND started_at <= %(at)s AND last_seen_at >= %(at)s
       AND (stopped_at IS NULL OR stopped_at >= %(at)s)
+      AND (schedules_stopped_at IS NULL OR schedules_stopped_at >= %(at)s)
 ) AS running;
 
 -- name: schedule_list

@@ -400,12 +400,18 @@ VALUES (%(id)s, %(host)s, %(pid)s, %(queues)s::text[], %(concurrency)s, %(heartb
 ON CONFLICT (id) DO UPDATE
 SET host = excluded.host, pid = excluded.pid, queues = excluded.queues, concurrency = excluded.concurrency,
     heartbeat_seconds = excluded.heartbeat_seconds, schedules = excluded.schedules,
-    started_at = now(), last_seen_at = now(), stopped_at = NULL, in_flight = 0
+    started_at = now(), last_seen_at = now(), stopped_at = NULL, schedules_stopped_at = NULL, in_flight = 0
 RETURNING started_at;
 
 -- name: worker_heartbeat
 -- A worker is alive and has this many jobs in flight (only while the row is still its registration).
 UPDATE relay.workers SET last_seen_at = now(), in_flight = %(in_flight)s
+WHERE id = %(id)s AND started_at = %(started_at)s;
+
+-- name: worker_schedules_stop
+-- A worker's shutdown began: it checks its schedules no more, though it drains
+-- its jobs (only while the row is still its registration).
+UPDATE relay.workers SET schedules_stopped_at = now(), last_seen_at = now()
 WHERE id = %(id)s AND started_at = %(started_at)s;
 
 -- name: worker_stop

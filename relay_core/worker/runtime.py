@@ -476,6 +476,21 @@ class Worker:
         if returned:
             event(logging.WARNING, "returned jobs a claim took whose answer was lost", job_ids=sorted(returned))
 
+    def _record_schedules_stopped(self, seconds: float) -> None:
+        """Tell the registry this worker checks its schedules no more, though it drains for a while yet.
+
+        Without it a tick that fell due during the drain counted as seen by
+        this worker, and the next one to start enqueued it late, catch_up or
+        not. If the write fails, that is what happens.
+        """
+        try:
+            with write_within(self.pool, seconds) as conn:
+                conn.execute(
+                    sql("worker_schedules_stop"), {"id": self.id, "started_at": self.maintenance.registered_at}
+                )
+        except (psycopg.Error, PoolTimeout) as exc:
+            event(logging.WARNING, "could not record that schedule checks stopped", error=str(exc))
+
     def _return_unheld_while_stopping(self, seconds: float) -> None:
         """``_return_unheld``, tried again for up to ``seconds``: the connection the claim's answer
         was lost on is seldom the only pooled one that broke, and the pool hands out one returned
@@ -541,6 +556,8 @@ class Worker:
             self.listener.stop()
         # Within the shutdown timeout, however long a duty waits for a database that is down.
         self.maintenance.stop_duties(max(deadline - time.monotonic(), 0.5))
+        if any(spec.cron for spec in self.handlers.values()):
+            self._record_schedules_stopped(min(max(deadline - time.monotonic(), 1.0), SHUTDOWN_WRITES_SECONDS))
         if self._unanswered_claim:
             # A stop between a lost claim answer and the next claim: nothing else would return
             # those jobs before their leases ran out, and the sweeper would spend their attempt.

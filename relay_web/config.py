@@ -54,6 +54,22 @@ STR_SETTINGS = ("RELAY_ENV", "RELAY_METRICS_TOKEN")
 NON_PRODUCTION = frozenset({"development", "test"})
 
 
+#: The smallest limit on a request's body: room for any job at the default payload limit.
+MIN_REQUEST_BYTES = 1024 * 1024
+
+
+def max_request_bytes(max_payload_bytes: int) -> int:
+    """The largest request body read: room for a job whose payload is at RELAY_MAX_PAYLOAD_BYTES.
+
+    The limit counts the payload as Relay stores it; a client that escapes
+    every non-ASCII character (``\\u00e9``, a surrogate pair for an emoji) sends
+    up to three times as many bytes, and the rest of the job besides. Past
+    it, a body is refused with 413 before it is read; below it, a payload
+    over the limit gets the 422 that names it.
+    """
+    return max(MIN_REQUEST_BYTES, 3 * max_payload_bytes + 64 * 1024)
+
+
 def _int(name: str, raw: Any, smallest: int, largest: int) -> int:
     try:
         value = int(raw)
@@ -153,9 +169,17 @@ def load(given: Mapping[str, Any] | None = None) -> dict[str, Any]:
         raise ConfigurationError(f"RELAY_DB_WAIT_SECONDS must be a number, got {wait!r}") from None
     # Given explicitly, the DSN is the caller's; from the environment, Relay reads it itself and
     # names the variable in what it says (a blank DATABASE_URL was called "the DSN passed to Relay").
-    relay = Relay(given.get("RELAY_DATABASE_URL") or given.get("DATABASE_URL") or None, db_wait=wait)
+    payload_bytes = given.get("RELAY_MAX_PAYLOAD_BYTES")
+    if payload_bytes is not None:
+        payload_bytes = _int("RELAY_MAX_PAYLOAD_BYTES", payload_bytes, 1, INT32_MAX)
+    relay = Relay(
+        given.get("RELAY_DATABASE_URL") or given.get("DATABASE_URL") or None,
+        db_wait=wait,
+        max_payload_bytes=payload_bytes,
+    )
     settings["RELAY_DATABASE_URL"] = relay.dsn
     settings["RELAY_DB_WAIT_SECONDS"] = relay.db_wait
+    settings["RELAY_MAX_PAYLOAD_BYTES"] = relay.max_payload_bytes
     secret = _secret(given, production)
     settings.update(
         JWT_SECRET_KEY=secret,
@@ -177,7 +201,7 @@ def load(given: Mapping[str, Any] | None = None) -> dict[str, Any]:
         SESSION_COOKIE_SECURE=production,
         SESSION_COOKIE_SAMESITE="Strict",
         SESSION_COOKIE_HTTPONLY=True,
-        MAX_CONTENT_LENGTH=1024 * 1024,
+        MAX_CONTENT_LENGTH=max_request_bytes(relay.max_payload_bytes),
         JSON_SORT_KEYS=False,
     )
     # Anything else given (TESTING, a dashboard's settings, JWT_* overrides) wins.

@@ -56,9 +56,11 @@ class BoundedConnection(psycopg.Connection):
 class Database:
     """A lazily opened, fork-aware connection pool and the Relay used to enqueue."""
 
-    def __init__(self, dsn: str, *, size: int, wait_seconds: float, statement_timeout_ms: int) -> None:
+    def __init__(
+        self, dsn: str, *, size: int, wait_seconds: float, statement_timeout_ms: int, max_payload_bytes: int
+    ) -> None:
         self.dsn = dsn
-        self.relay = Relay(dsn, db_wait=wait_seconds)
+        self.relay = Relay(dsn, db_wait=wait_seconds, max_payload_bytes=max_payload_bytes)
         self._size = size
         self._wait = wait_seconds
         self._statement_timeout_ms = statement_timeout_ms
@@ -136,6 +138,7 @@ def init_app(app: Flask) -> Database:
         size=app.config["RELAY_WEB_POOL_SIZE"],
         wait_seconds=app.config["RELAY_DB_WAIT_SECONDS"],
         statement_timeout_ms=app.config["RELAY_STATEMENT_TIMEOUT_MS"],
+        max_payload_bytes=app.config["RELAY_MAX_PAYLOAD_BYTES"],
     )
     app.extensions[EXTENSION] = database
     return database

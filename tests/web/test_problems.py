@@ -12,6 +12,8 @@ import pytest
 from flask import Flask
 from werkzeug.test import EnvironBuilder, run_wsgi_app
 
+from relay_core import ConfigurationError
+
 from .helpers import assert_problem
 
 
@@ -122,6 +124,23 @@ def test_body_that_is_not_an_object_is_422(client, admin) -> None:
 def test_oversized_body_is_413(client, admin) -> None:
     response = client.post("/api/admin/jobs", headers=admin, json={"type": "t", "payload": "x" * (2 * 1024 * 1024)})
     assert_problem(response, 413)
+
+
+def test_a_raised_payload_limit_raises_the_request_limit_with_it(make_app, auth) -> None:
+    """RELAY_MAX_PAYLOAD_BYTES=4 MiB allowed a 2 MiB payload, but every request over 1 MiB was refused with 413."""
+    client = make_app(RELAY_MAX_PAYLOAD_BYTES=4 * 1024 * 1024).test_client()
+    auth.client = client
+    headers = auth.headers("admin")
+    created = client.post("/api/admin/jobs", headers=headers, json={"type": "t", "payload": "x" * (2 * 1024 * 1024)})
+    assert created.status_code == 201, created.get_json()
+    # Past the payload limit but inside the request limit: the 422 that names the payload.
+    over = client.post("/api/admin/jobs", headers=headers, json={"type": "t", "payload": "x" * (5 * 1024 * 1024)})
+    assert assert_problem(over, 422, "validation")["errors"][0]["field"] == "payload"
+    assert_problem(
+        client.post("/api/admin/jobs", headers=headers, json={"type": "t", "payload": "x" * (13 * 1024 * 1024)}), 413
+    )
+    with pytest.raises(ConfigurationError, match="RELAY_MAX_PAYLOAD_BYTES must be at least 1"):
+        make_app(RELAY_MAX_PAYLOAD_BYTES=0)
 
 
 def _chunked(app: Flask, headers: dict[str, str], body: bytes) -> tuple[str, dict, bytes]:

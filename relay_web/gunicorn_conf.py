@@ -5,12 +5,19 @@ without a bound or a clear word: ``WEB_CONCURRENCY=99999`` forked workers until
 the machine ran out of memory, ``0`` listened and never answered, ``abc`` and
 ``PORT=99999`` stopped it with a traceback. They are checked here, where
 gunicorn reads its settings, and a bad one stops it with one line that names it.
+
+So are the app's own settings (a missing signing secret, an unreadable
+DATABASE_URL): read first in each worker, a bad one printed a traceback per
+worker and "Worker failed to boot".
 """
 
 from __future__ import annotations
 
 import os
 import sys
+
+from relay_core import ConfigurationError
+from relay_web.config import load
 
 #: More worker processes than this is a typo, not a plan (each holds its own database pool).
 MAX_WEB_CONCURRENCY = 64
@@ -35,3 +42,8 @@ web_concurrency = _whole("WEB_CONCURRENCY", 1, MAX_WEB_CONCURRENCY)
 if web_concurrency is not None:
     workers = web_concurrency
 _whole("PORT", 1, 65535)
+
+try:
+    load()
+except ConfigurationError as exc:
+    _refuse(str(exc))

@@ -158,6 +158,21 @@ def test_gunicorn_with_relays_settings_refuses_a_worker_count_or_port_that_canno
     assert "Traceback" not in done.stderr and "Booting worker" not in done.stderr
 
 
+def test_gunicorn_with_relays_settings_refuses_a_missing_secret_in_one_line(dsn: str) -> None:
+    """Found only as each worker built the app: a traceback per worker and "Worker failed to boot"."""
+    gunicorn = Path(sys.executable).with_name("gunicorn")
+    env = {k: v for k, v in os.environ.items() if k not in SETTINGS}
+    env.update(DATABASE_URL=dsn, WEB_CONCURRENCY="1", PORT="8000")
+    done = subprocess.run(
+        [str(gunicorn), "-c", "python:relay_web.gunicorn_conf", "--no-control-socket",
+         "--bind", "127.0.0.1:1", "relay_web:create_app()"],
+        env=env, cwd=ROOT, capture_output=True, text=True, timeout=30, check=False,
+    )  # fmt: skip
+    assert done.returncode == 1
+    assert done.stderr.startswith("Error: no signing secret: set JWT_SECRET_KEY"), done.stderr
+    assert len(done.stderr.splitlines()) == 1, done.stderr
+
+
 def test_gunicorn_serves_the_factory(dsn: str) -> None:
     port = _free_port()
     env = {k: v for k, v in os.environ.items() if k not in SETTINGS}

@@ -114,6 +114,9 @@ def test_migrate_says_when_a_newer_relay_migrated_the_database(dsn: str, db: psy
         ({"RELAY_POLL_INTERVAL": "1e300"}, "RELAY_POLL_INTERVAL: poll_interval must be"),
         ({"RELAY_SHUTDOWN_TIMEOUT": "1e300"}, "RELAY_SHUTDOWN_TIMEOUT: shutdown_timeout must be"),
         ({"RELAY_LEASE_SECONDS": "0.5"}, "RELAY_LEASE_SECONDS: lease_seconds must be at least 1"),
+        # An idle worker ran empty claims back to back.
+        ({"RELAY_POLL_INTERVAL": "0.000001"}, "RELAY_POLL_INTERVAL: poll_interval must be at least 0.01 s"),
+        ({"RELAY_SWEEP_INTERVAL": "0.001"}, "RELAY_SWEEP_INTERVAL: sweep_interval must be at least 0.1 s"),
     ],
 )
 def test_a_worker_with_a_bad_setting_exits_with_one_line(

@@ -20,6 +20,10 @@ MAX_CONCURRENCY = 1000
 MIN_LEASE_SECONDS = 1.0
 #: The shortest heartbeat interval: each renewal is a round trip for every lease the worker holds.
 MIN_HEARTBEAT_SECONDS = 0.1
+#: The shortest waits between an idle worker's claims and between sweeps: shorter, an idle
+#: worker runs a query back to back (RELAY_POLL_INTERVAL=0.000001 kept a core of the
+#: database busy answering empty claims); NOTIFY wakes a worker for new jobs sooner anyway.
+MIN_INTERVAL_SECONDS = {"poll_interval": 0.01, "sweep_interval": 0.1}
 
 
 def _worker_id() -> str:
@@ -90,6 +94,9 @@ class WorkerConfig:
                 raise ConfigurationError(
                     f"{name} must be a positive number of seconds, at most {MAX_DELAY_SECONDS:.0f}"
                 )
+        for name, shortest in MIN_INTERVAL_SECONDS.items():
+            if getattr(self, name) < shortest:
+                raise ConfigurationError(f"{name} must be at least {shortest:g} s, got {getattr(self, name):g}")
         if self.lease_seconds < MIN_LEASE_SECONDS:
             raise ConfigurationError(
                 f"lease_seconds must be at least {MIN_LEASE_SECONDS:.0f}: a pause of the worker any longer "

@@ -139,20 +139,25 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+def gunicorn_with_relays_settings(env: dict[str, str]) -> subprocess.CompletedProcess:
+    """Start gunicorn as the Procfile does (on a port it cannot bind), with ``env``; it should stop."""
+    gunicorn = Path(sys.executable).with_name("gunicorn")
+    return subprocess.run(
+        [str(gunicorn), "-c", "python:relay_web.gunicorn_conf", "--no-control-socket",
+         "--bind", "127.0.0.1:1", "relay_web:create_app()"],
+        env=env, cwd=ROOT, capture_output=True, text=True, timeout=30, check=False,
+    )  # fmt: skip
+
+
 @pytest.mark.parametrize(("name", "value"), [("WEB_CONCURRENCY", "99999"), ("WEB_CONCURRENCY", "0"), ("PORT", "99999")])
 def test_gunicorn_with_relays_settings_refuses_a_worker_count_or_port_that_cannot_work(
     dsn: str, name: str, value: str
 ) -> None:
     """gunicorn took WEB_CONCURRENCY=99999 and forked workers until the machine ran out of memory;
     0 listened and never answered; PORT=99999 stopped it with a traceback."""
-    gunicorn = Path(sys.executable).with_name("gunicorn")
     env = dict(os.environ, DATABASE_URL=dsn, JWT_SECRET_KEY=SECRET, WEB_CONCURRENCY="1", PORT="8000")
     env[name] = value
-    done = subprocess.run(
-        [str(gunicorn), "-c", "python:relay_web.gunicorn_conf", "--no-control-socket",
-         "--bind", "127.0.0.1:1", "relay_web:create_app()"],
-        env=env, cwd=ROOT, capture_output=True, text=True, timeout=30, check=False,
-    )  # fmt: skip
+    done = gunicorn_with_relays_settings(env)
     assert done.returncode == 1
     assert f"Error: {name} must be a whole number from 1 to" in done.stderr, done.stderr
     assert "Traceback" not in done.stderr and "Booting worker" not in done.stderr
@@ -160,14 +165,9 @@ def test_gunicorn_with_relays_settings_refuses_a_worker_count_or_port_that_canno
 
 def test_gunicorn_with_relays_settings_refuses_a_missing_secret_in_one_line(dsn: str) -> None:
     """Found only as each worker built the app: a traceback per worker and "Worker failed to boot"."""
-    gunicorn = Path(sys.executable).with_name("gunicorn")
     env = {k: v for k, v in os.environ.items() if k not in SETTINGS}
     env.update(DATABASE_URL=dsn, WEB_CONCURRENCY="1", PORT="8000")
-    done = subprocess.run(
-        [str(gunicorn), "-c", "python:relay_web.gunicorn_conf", "--no-control-socket",
-         "--bind", "127.0.0.1:1", "relay_web:create_app()"],
-        env=env, cwd=ROOT, capture_output=True, text=True, timeout=30, check=False,
-    )  # fmt: skip
+    done = gunicorn_with_relays_settings(env)
     assert done.returncode == 1
     assert done.stderr.startswith("Error: no signing secret: set JWT_SECRET_KEY"), done.stderr
     assert len(done.stderr.splitlines()) == 1, done.stderr

@@ -80,9 +80,10 @@ def previous_tick(expression: str, timezone: str, now: datetime) -> datetime:
     own, earlier = _offset(now, zone), _offset(now - DST_REACH, zone)
     wall = _naive(now + own)
     went_back = _jump(now - DST_REACH, now, zone) if earlier > own and _is_ambiguous(wall, zone) else None
-    found = _walk_back(expression, zone, wild, now, wall, went_back)
+    smaller = min(own, earlier)
+    found = _walk_back(expression, zone, wild, now, smaller, wall, went_back)
     if found is None:
-        found = _walk_back(expression, zone, wild, now, _naive(now + earlier), None)
+        found = _walk_back(expression, zone, wild, now, smaller, _naive(now + earlier), None)
     return found.astimezone(zone)  # type: ignore[union-attr]
 
 
@@ -98,23 +99,30 @@ def next_tick(expression: str, timezone: str, after: datetime) -> datetime:
     own, later = _offset(after, zone), _offset(after + DST_REACH, zone)
     wall = _naive(after + own)
     goes_back = _jump(after, after + DST_REACH, zone) if later < own and _is_ambiguous(wall, zone) else None
-    found = _walk_forward(expression, zone, wild, after, wall, goes_back)
+    larger = max(own, later)
+    found = _walk_forward(expression, zone, wild, after, larger, wall, goes_back)
     if found is None:
-        found = _walk_forward(expression, zone, wild, after, _naive(after + later), None)
+        found = _walk_forward(expression, zone, wild, after, larger, _naive(after + later), None)
     return found.astimezone(zone)  # type: ignore[union-attr]
 
 
 def _walk_back(
-    expression: str, zone: ZoneInfo, wild: bool, now: datetime, start: datetime, at_least: datetime | None
+    expression: str,
+    zone: ZoneInfo,
+    wild: bool,
+    now: datetime,
+    smaller: timedelta,
+    start: datetime,
+    at_least: datetime | None,
 ) -> datetime | None:
     """The latest tick at or before ``now`` among wall times up to ``start``; None if it is before ``at_least``.
 
     The walk ends at a due tick of an unambiguous wall time (every earlier
     wall time is an earlier instant), or once no earlier wall time can be
     later than the best tick found: within DST_REACH of now a wall time's
-    instants are at most the wall time less the smaller of the two offsets.
+    instants are at most the wall time less ``smaller``, the smaller of the
+    offsets at now and DST_REACH before it.
     """
-    smaller = min(_offset(now, zone), _offset(now - DST_REACH, zone))
     walls = croniter(expression, start + timedelta(microseconds=1))
     best: datetime | None = None
     while True:
@@ -131,14 +139,20 @@ def _walk_back(
 
 
 def _walk_forward(
-    expression: str, zone: ZoneInfo, wild: bool, after: datetime, start: datetime, at_most: datetime | None
+    expression: str,
+    zone: ZoneInfo,
+    wild: bool,
+    after: datetime,
+    larger: timedelta,
+    start: datetime,
+    at_most: datetime | None,
 ) -> datetime | None:
     """The first tick after ``after`` among wall times past ``start``; None if it is past ``at_most``.
 
     Mirrors :func:`_walk_back`: within DST_REACH of ``after`` a wall time's
-    instants are at least the wall time less the larger of the two offsets.
+    instants are at least the wall time less ``larger``, the larger of the
+    offsets at ``after`` and DST_REACH past it.
     """
-    larger = max(_offset(after, zone), _offset(after + DST_REACH, zone))
     walls = croniter(expression, start)
     best: datetime | None = None
     while True:

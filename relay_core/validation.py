@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import sys
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -208,21 +209,15 @@ def check_idempotency_key(key: Any) -> str | None:
 def check_seconds(field_name: str, value: Any, *, most: float | None = None, too_long: str | None = None) -> float:
     """A positive, finite number of seconds, at most ``most`` when given (``too_long`` says so).
 
-    An integer too large for a float counts as too long, not as a crash:
-    ``float(10**400)`` raises OverflowError.
+    Compared before any conversion: ``float(10**400)`` raises OverflowError,
+    while Python compares an integer of any size with a float exactly.
     """
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
         raise InvalidJobError(field_name, "must be a positive number of seconds")
-    try:
-        seconds = float(value)
-    except OverflowError:
-        seconds = math.inf
-    if math.isnan(seconds) or seconds <= 0 or (seconds == math.inf and isinstance(value, float)):
-        raise InvalidJobError(field_name, "must be a positive number of seconds")
-    if seconds == math.inf or (most is not None and seconds > most):
-        limit = f"must be at most {most:g} seconds" if most is not None else "is too large a number of seconds"
+    if value > (sys.float_info.max if most is None else most):
+        limit = "is too large a number of seconds" if most is None else f"must be at most {most:g} seconds"
         raise InvalidJobError(field_name, too_long or limit)
-    return seconds
+    return float(value)
 
 
 def new_job(

@@ -17,7 +17,7 @@ from werkzeug.exceptions import HTTPException, MethodNotAllowed
 
 from relay_core import BulkActionStopped, IllegalTransition, InvalidJobError, JobNotFound, RelayError
 
-from .health import MISSING_SCHEMA_ERRORS, migrations_pending, schema_is_behind
+from .health import MISSING_SCHEMA_ERRORS, missing_schema_problem
 from .problems import Problem
 
 log = logging.getLogger("relay.web")
@@ -122,10 +122,8 @@ def _bulk_stopped(exc: BulkActionStopped) -> Response:
 
 def _missing_schema(exc: psycopg.Error) -> Response:
     """A table, column or function this release needs is missing: 503 until ``relay migrate`` runs."""
-    if not schema_is_behind():
-        return _internal(exc)
-    log.warning("the database schema is behind this release (run relay migrate): %s", exc)
-    return migrations_pending().response()
+    pending = missing_schema_problem(exc)
+    return pending.response() if pending else _internal(exc)
 
 
 def _relay_error(exc: RelayError) -> Response:

@@ -7,8 +7,11 @@ database outage must not make every web process restart in a loop.
 
 from __future__ import annotations
 
+import logging
+
 import psycopg
 from flask import Blueprint
+from psycopg_pool import PoolTimeout
 
 from relay_core import monitor
 
@@ -18,6 +21,7 @@ from .problems import Problem
 from .records.ops import HealthRecord, ReadyRecord
 
 bp = Blueprint("health", __name__)
+log = logging.getLogger("relay.web")
 
 #: What a query fails with on a database whose schema is behind this release
 #: (never migrated, or a deploy whose migrations have not run yet).
@@ -60,14 +64,19 @@ def migrations_pending() -> Problem:
     )
 
 
-def schema_is_behind() -> bool:
-    """Whether the schema is behind this release, asked after a query met something missing.
+def missing_schema_problem(exc: Exception) -> Problem | None:
+    """``migrations-pending`` when a query met something missing because the schema is behind; else None.
 
-    Only then does the answer become ``migrations-pending``: on a current
-    schema the same error is a defect, and stays a logged 500.
+    Asked only after such an error: on a current schema (or when the
+    question itself cannot be answered) the same error is a defect, and
+    stays a logged 500.
     """
     try:
         with connection() as conn:
-            return not monitor.schema_is_current(conn)
-    except psycopg.Error:
-        return False
+            behind = not monitor.schema_is_current(conn)
+    except (psycopg.Error, PoolTimeout):
+        return None
+    if not behind:
+        return None
+    log.warning("the database schema is behind this release (run relay migrate): %s", exc)
+    return migrations_pending()

@@ -18,7 +18,7 @@ from werkzeug.exceptions import HTTPException, NotFound
 from relay_core import IllegalTransition, JobNotFound, RelayError
 
 from ..errors import http_problem, transition_detail
-from ..health import MISSING_SCHEMA_ERRORS, migrations_pending, schema_is_behind
+from ..health import MISSING_SCHEMA_ERRORS, missing_schema_problem
 from ..problems import Problem
 from .blueprint import bp
 from .render import is_htmx, page
@@ -122,10 +122,9 @@ def _unavailable(exc: Exception) -> Response:
 
 def _missing_schema(exc: psycopg.Error) -> Response:
     """A table this release needs is missing: say to run ``relay migrate``, and retry as an outage does."""
-    if not schema_is_behind():
+    pending = missing_schema_problem(exc)
+    if pending is None:
         return _internal(exc)
-    log.warning("the database schema is behind this release (run relay migrate): %s", exc)
-    pending = migrations_pending()
     return error_page(pending.status, pending.title, pending.detail, pending.headers, retry=True)
 
 

@@ -109,13 +109,14 @@ WHERE type = %(type)s;
 -- counts). A worker without the schedule (a deploy that had removed it) never
 -- saw its tick; one registered by an older Relay records no schedules and
 -- counts by its queues (migration 0017). A worker draining its jobs on the way
--- out no longer checks (migration 0018).
+-- out no longer checks (migration 0018); a stop time older than the
+-- registration is an earlier one's, left by a release that did not clear it.
 SELECT EXISTS (
     SELECT 1 FROM relay.workers
     WHERE %(queue)s = ANY(queues) AND (schedules IS NULL OR %(type)s = ANY(schedules))
       AND started_at <= %(at)s AND last_seen_at >= %(at)s
       AND (stopped_at IS NULL OR stopped_at >= %(at)s)
-      AND (schedules_stopped_at IS NULL OR schedules_stopped_at >= %(at)s)
+      AND (schedules_stopped_at IS NULL OR schedules_stopped_at < started_at OR schedules_stopped_at >= %(at)s)
 ) AS running;
 
 -- name: schedule_list

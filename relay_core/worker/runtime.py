@@ -554,10 +554,11 @@ class Worker:
         # Nothing but heartbeats is needed from here on; these stop while in-flight jobs run on.
         if self.listener:
             self.listener.stop()
-        # Within the shutdown timeout, however long a duty waits for a database that is down.
-        self.maintenance.stop_duties(max(deadline - time.monotonic(), 0.5))
+        # Before waiting for a duty in progress (a long prune, a vacuum): no check comes after it.
         if any(spec.cron for spec in self.handlers.values()):
             self._record_schedules_stopped(min(max(deadline - time.monotonic(), 1.0), SHUTDOWN_WRITES_SECONDS))
+        # Within the shutdown timeout, however long a duty waits for a database that is down.
+        self.maintenance.stop_duties(max(deadline - time.monotonic(), 0.5))
         if self._unanswered_claim:
             # A stop between a lost claim answer and the next claim: nothing else would return
             # those jobs before their leases ran out, and the sweeper would spend their attempt.

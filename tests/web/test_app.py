@@ -173,13 +173,23 @@ def test_gunicorn_with_relays_settings_refuses_a_missing_secret_in_one_line(dsn:
     assert len(done.stderr.splitlines()) == 1, done.stderr
 
 
-def test_gunicorn_serves_the_factory(dsn: str) -> None:
+@pytest.mark.parametrize(
+    ("options", "app_uri", "secret_in_env"),
+    [
+        ([], "relay_web:create_app()", True),
+        # Given to the factory only: the settings check of gunicorn_conf must leave it to the app.
+        (["-c", "python:relay_web.gunicorn_conf"], f"relay_web:create_app({{'JWT_SECRET_KEY': '{SECRET}'}})", False),
+    ],
+)
+def test_gunicorn_serves_the_factory(dsn: str, options: list[str], app_uri: str, secret_in_env: bool) -> None:
     port = _free_port()
-    env = {k: v for k, v in os.environ.items() if k not in SETTINGS}
-    env.update(DATABASE_URL=dsn, JWT_SECRET_KEY=SECRET, PYTHONPATH=str(ROOT))
+    env = {k: v for k, v in os.environ.items() if k not in SETTINGS and k != "WEB_CONCURRENCY"}
+    env.update(DATABASE_URL=dsn, PYTHONPATH=str(ROOT))
+    if secret_in_env:
+        env["JWT_SECRET_KEY"] = SECRET
     gunicorn = Path(sys.executable).with_name("gunicorn")
     proc = subprocess.Popen(
-        [str(gunicorn), "--bind", f"127.0.0.1:{port}", "--workers", "2", "relay_web:create_app()"],
+        [str(gunicorn), *options, "--bind", f"127.0.0.1:{port}", "--workers", "2", app_uri],
         cwd=ROOT,
         env=env,
         stdout=subprocess.DEVNULL,

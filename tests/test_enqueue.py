@@ -501,6 +501,30 @@ def test_the_table_accepts_the_default_queue_and_named_ones_written_by_hand(db: 
     assert job_count(db) == 4
 
 
+@pytest.mark.parametrize(
+    ("column", "value", "constraint"),
+    [
+        ("type", "", "jobs_type_check"),
+        ("type", "t" * 201, "jobs_type_check"),
+        ("max_attempts", 0, "jobs_max_attempts_check"),
+        ("queue", "Has Spaces", "jobs_queue_format"),
+    ],
+)
+def test_the_table_refuses_a_bad_value_written_by_hand_in_an_insert_or_an_update(
+    db: psycopg.Connection, column: str, value: object, constraint: str
+) -> None:
+    """The checks live on the columns' domains (migration 0019): written by hand, a bad value is
+    still refused by name, whether a job is inserted with it or updated to it."""
+    (job_id,) = db.execute("INSERT INTO relay.jobs (type) VALUES ('x') RETURNING id").fetchone()
+    columns, values = ("type", "%s") if column == "type" else (f"type, {column}", "'x', %s")
+    with pytest.raises(psycopg.errors.CheckViolation, match=constraint):
+        db.execute(f"INSERT INTO relay.jobs ({columns}) VALUES ({values})", (value,))
+    with pytest.raises(psycopg.errors.CheckViolation, match=constraint):
+        db.execute(f"UPDATE relay.jobs SET {column} = %s WHERE id = %s", (value, job_id))
+    row = db.execute("SELECT type, queue, max_attempts FROM relay.jobs").fetchall()
+    assert row == [("x", "default", 20)]
+
+
 def test_the_client_pool_hands_out_autocommit_connections_and_admin_actions_still_work(
     relay: Relay, db: psycopg.Connection
 ) -> None:

@@ -513,8 +513,8 @@ def test_the_table_accepts_the_default_queue_and_named_ones_written_by_hand(db: 
 def test_the_table_refuses_a_bad_value_written_by_hand_in_an_insert_or_an_update(
     db: psycopg.Connection, column: str, value: object, constraint: str
 ) -> None:
-    """The checks live on the columns' domains (migration 0019): written by hand, a bad value is
-    still refused by name, whether a job is inserted with it or updated to it."""
+    """Written by hand, a bad value is refused by the table's checks, by name, whether a job is
+    inserted with it or updated to it."""
     (job_id,) = db.execute("INSERT INTO relay.jobs (type) VALUES ('x') RETURNING id").fetchone()
     columns, values = ("type", "%s") if column == "type" else (f"type, {column}", "'x', %s")
     with pytest.raises(psycopg.errors.CheckViolation, match=constraint):

@@ -133,39 +133,8 @@ def test_an_existing_database_gets_the_table_workers_publish_max_attempts_to(dat
         drop_database(dsn)
 
 
-def test_an_existing_database_keeps_its_jobs_when_their_checks_move_to_domains(database_url: str) -> None:
-    """Migration 0019 changes three columns to domains without rewriting the table; the jobs stay
-    as they were, the table keeps only the lease check, and the moved checks refuse by name."""
-    dsn = fresh_database(database_url)
-    try:
-        migrate_to(dsn, 18)
-        with psycopg.connect(dsn, autocommit=True) as conn:
-            conn.execute(
-                "INSERT INTO relay.jobs (type, queue, max_attempts) VALUES ('a', 'default', 1), ('b', 'emails', 5)"
-            )
-            (table_file,) = conn.execute("SELECT pg_relation_filenode('relay.jobs')").fetchone()
-        assert migrator.migrate(dsn) == pending_from(19)
-        with psycopg.connect(dsn, autocommit=True) as conn:
-            assert conn.execute("SELECT pg_relation_filenode('relay.jobs')").fetchone() == (table_file,)
-            rows = conn.execute("SELECT type, queue, max_attempts FROM relay.jobs ORDER BY id").fetchall()
-            assert rows == [("a", "default", 1), ("b", "emails", 5)]
-            table_checks = "SELECT conname FROM pg_constraint WHERE conrelid = 'relay.jobs'::regclass AND contype = 'c'"
-            assert conn.execute(table_checks).fetchall() == [("jobs_claim_has_lease",)]
-            with pytest.raises(psycopg.errors.CheckViolation, match="jobs_queue_format"):
-                conn.execute("UPDATE relay.jobs SET queue = 'Emails' WHERE type = 'b'")
-            conn.execute("SET enable_seqscan = off")  # two rows: the plan shows whether the index can serve
-            runnable = conn.execute(
-                "EXPLAIN SELECT id FROM relay.jobs WHERE status = 'queued' AND queue = %s::text "
-                "ORDER BY priority, run_at, id LIMIT 1",
-                ("emails",),
-            ).fetchall()
-            assert "jobs_runnable_idx" in str(runnable), runnable
-    finally:
-        drop_database(dsn)
-
-
-#: The newest migrations that lock relay.jobs (index builds, column types): the lock tests start from them.
-JOBS_TABLE_MIGRATIONS = (13, 14, 19)
+#: The newest migrations that lock relay.jobs (its index builds): the lock tests start from them.
+JOBS_TABLE_MIGRATIONS = (13, 14)
 
 
 def pending_from(first: int) -> list[str]:
@@ -173,7 +142,7 @@ def pending_from(first: int) -> list[str]:
     return [f"{m.version:04d}_{m.name}" for m in migrator.available() if m.version >= first]
 
 
-@pytest.mark.parametrize("behind", [1, 2, 3])
+@pytest.mark.parametrize("behind", [1, 2])
 def test_the_newest_migrations_run_beside_a_transaction_that_reads_jobs_then_writes_them(
     database_url: str, behind: int
 ) -> None:

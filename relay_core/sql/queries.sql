@@ -17,7 +17,7 @@
 -- function reads relay.job_types only when called (migration 0012).
 -- transition: (new) -> queued
 INSERT INTO relay.jobs (status, type, payload, queue, priority, run_at, max_attempts)
-VALUES ('queued', %(type)s::text, %(payload)s::jsonb, %(queue)s::text, %(priority)s,
+VALUES ('queued', %(type)s, %(payload)s::jsonb, %(queue)s, %(priority)s,
         coalesce(%(run_at)s::timestamptz, now()),
         CASE WHEN %(published)s
              THEN relay.published_max_attempts(%(type)s, %(max_attempts)s)
@@ -30,7 +30,7 @@ RETURNING id, CASE WHEN %(notify)s AND run_at <= now() THEN pg_notify('relay_job
 -- transition: (new) -> queued
 WITH inserted AS (
     INSERT INTO relay.jobs (status, type, payload, queue, priority, run_at, max_attempts, idempotency_key)
-    VALUES ('queued', %(type)s::text, %(payload)s::jsonb, %(queue)s::text, %(priority)s,
+    VALUES ('queued', %(type)s, %(payload)s::jsonb, %(queue)s, %(priority)s,
             coalesce(%(run_at)s::timestamptz, now()),
             CASE WHEN %(published)s
                  THEN relay.published_max_attempts(%(type)s, %(max_attempts)s)
@@ -81,14 +81,14 @@ FROM inserted;
 -- transition: (new) -> queued
 WITH inserted AS (
     INSERT INTO relay.jobs (status, type, payload, queue, priority, run_at, max_attempts)
-    SELECT 'queued', %(type)s::text, p.payload, %(queue)s::text, %(priority)s,
+    SELECT 'queued', %(type)s, p.payload, %(queue)s, %(priority)s,
            coalesce(%(run_at)s::timestamptz, now()), %(max_attempts)s
     FROM jsonb_array_elements(%(payloads)s::jsonb) WITH ORDINALITY AS p(payload, ord)
     ORDER BY p.ord
     RETURNING id, run_at <= now() AS due
 )
 SELECT coalesce(array_agg(id ORDER BY id), '{}') AS ids,
-       CASE WHEN bool_or(due) AND %(notify)s THEN pg_notify('relay_jobs', %(queue)s::text) END AS notified
+       CASE WHEN bool_or(due) AND %(notify)s THEN pg_notify('relay_jobs', %(queue)s) END AS notified
 FROM inserted;
 
 -- name: job_ids_by_idempotency_keys

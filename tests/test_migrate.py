@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import threading
 import uuid
@@ -60,6 +61,45 @@ def test_concurrent_migrate_commands_leave_one_schema(database_url: str, python:
             assert versions == [m.version for m in migrator.available()]
     finally:
         drop_database(dsn)
+
+
+#: What a migration must not do, as the previous release's processes still run on the migrated schema
+#: (docs/deploy.md, "Upgrading Relay"): a retyped column fails every prepared statement of theirs that
+#: returns it until they restart; a dropped or renamed object fails their SQL outright.
+BREAKS_THE_RUNNING_RELEASE = re.compile(
+    r"\bALTER\s+COLUMN\s+\w+\s+(?:SET\s+DATA\s+)?TYPE\b|\bDROP\s+COLUMN\b|\bRENAME\b"
+    r"|\bDROP\s+(?:TABLE|VIEW|TYPE|DOMAIN|FUNCTION|PROCEDURE)\b",
+    re.IGNORECASE,
+)
+
+
+def without_comments(sql: str) -> str:
+    """``sql`` with its ``--`` comments removed (they may name what they avoid)."""
+    return re.sub(r"--[^\n]*", "", sql)
+
+
+def test_no_migration_breaks_the_release_still_running_while_it_is_applied() -> None:
+    offending = {
+        f"{m.version:04d}_{m.name}": found.group(0)
+        for m in migrator.available()
+        if (found := BREAKS_THE_RUNNING_RELEASE.search(without_comments(m.sql)))
+    }
+    assert offending == {}, "these migrations would break the release running while they apply"
+
+
+@pytest.mark.parametrize(
+    "statement",
+    [
+        "ALTER TABLE relay.jobs ALTER COLUMN queue TYPE relay.queue_name;",
+        "ALTER TABLE relay.jobs ALTER COLUMN max_attempts SET DATA TYPE bigint;",
+        "ALTER TABLE relay.jobs DROP COLUMN last_error;",
+        "ALTER TABLE relay.jobs RENAME COLUMN type TO kind;",
+        "DROP FUNCTION relay.published_max_attempts(text, integer);",
+    ],
+)
+def test_the_running_release_guard_recognises_what_breaks_it(statement: str) -> None:
+    assert BREAKS_THE_RUNNING_RELEASE.search(without_comments(statement))
+    assert not BREAKS_THE_RUNNING_RELEASE.search(without_comments(f"-- not {statement}\nSELECT 1;"))
 
 
 def migrate_to(dsn: str, version: int) -> None:

@@ -8,15 +8,20 @@ gunicorn reads its settings, and a bad one stops it with one line that names it.
 
 So are the app's own settings (a missing signing secret, an unreadable
 DATABASE_URL): read first in each worker, a bad one printed a traceback per
-worker and "Worker failed to boot". Only when the app reads them from the
-environment alone (``relay_web:create_app()``): settings passed to the factory
-(``relay_web:create_app({...})``) only the app itself can read.
+worker and "Worker failed to boot". They are read as the factory will read
+them: the environment, and the settings ``relay_web:create_app({...})`` passes,
+parsed as gunicorn parses them. An app of another module (a factory of the
+application's own that calls ``create_app``) knows its settings alone, and is
+left to report them.
 """
 
 from __future__ import annotations
 
+import ast
 import os
 import sys
+from collections.abc import Mapping
+from typing import Any
 
 from gunicorn.config import Config
 
@@ -42,17 +47,35 @@ def _whole(name: str, smallest: int, largest: int) -> int | None:
     return int(text)
 
 
-def _app_takes_settings_from_the_environment_alone() -> bool:
-    """Whether the app gunicorn serves was named without arguments to its factory.
+#: How gunicorn's command line may name Relay's app factory.
+RELAY_APP_MODULES = ("relay_web", "relay_web.app")
 
-    The command line is the one gunicorn itself parsed just before reading this file.
+
+def _relay_app_settings() -> Mapping[str, Any] | None:
+    """What gunicorn's app argument passes to Relay's ``create_app``; None for another app.
+
+    The command line is the one gunicorn itself parsed just before reading this
+    file; the factory's arguments are read as literals, as gunicorn reads them.
     """
     try:
         positional = Config().parser().parse_args().args
-    except SystemExit:  # not gunicorn's command line: check what the environment holds
-        return True
-    factory_arguments = (positional[0] if positional else "").partition("(")[2].rpartition(")")[0]
-    return not factory_arguments.strip()
+    except SystemExit:  # not gunicorn's command line
+        return None
+    module, _, call = (positional[0] if positional else "").partition(":")
+    if module not in RELAY_APP_MODULES:
+        return None
+    try:
+        expression = ast.parse(call, mode="eval").body
+        if not (isinstance(expression, ast.Call) and getattr(expression.func, "id", None) == "create_app"):
+            return None
+        args = [ast.literal_eval(arg) for arg in expression.args]
+        kwargs = {kw.arg: ast.literal_eval(kw.value) for kw in expression.keywords}
+    except (SyntaxError, ValueError):  # gunicorn says what it cannot read as it loads the app
+        return None
+    given = args[0] if args else kwargs.get("config_overrides")
+    if given is None:
+        return {}
+    return given if isinstance(given, Mapping) else None  # the factory itself refuses it
 
 
 web_concurrency = _whole("WEB_CONCURRENCY", 1, MAX_WEB_CONCURRENCY)
@@ -60,8 +83,9 @@ if web_concurrency is not None:
     workers = web_concurrency
 _whole("PORT", 1, 65535)
 
-if _app_takes_settings_from_the_environment_alone():
+_app_settings = _relay_app_settings()
+if _app_settings is not None:
     try:
-        load()
+        load(_app_settings)
     except ConfigurationError as exc:
         _refuse(str(exc))

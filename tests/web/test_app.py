@@ -139,12 +139,14 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def gunicorn_with_relays_settings(env: dict[str, str]) -> subprocess.CompletedProcess:
+def gunicorn_with_relays_settings(
+    env: dict[str, str], app_uri: str = "relay_web:create_app()"
+) -> subprocess.CompletedProcess:
     """Start gunicorn as the Procfile does (on a port it cannot bind), with ``env``; it should stop."""
     gunicorn = Path(sys.executable).with_name("gunicorn")
     return subprocess.run(
         [str(gunicorn), "-c", "python:relay_web.gunicorn_conf", "--no-control-socket",
-         "--bind", "127.0.0.1:1", "relay_web:create_app()"],
+         "--bind", "127.0.0.1:1", app_uri],
         env=env, cwd=ROOT, capture_output=True, text=True, timeout=30, check=False,
     )  # fmt: skip
 
@@ -163,11 +165,19 @@ def test_gunicorn_with_relays_settings_refuses_a_worker_count_or_port_that_canno
     assert "Traceback" not in done.stderr and "Booting worker" not in done.stderr
 
 
-def test_gunicorn_with_relays_settings_refuses_a_missing_secret_in_one_line(dsn: str) -> None:
+@pytest.mark.parametrize(
+    "app_uri",
+    [
+        "relay_web:create_app()",
+        "relay_web:create_app({})",
+        "relay_web.app:create_app(config_overrides={'RELAY_ENV': 'production'})",
+    ],
+)
+def test_gunicorn_with_relays_settings_refuses_a_missing_secret_in_one_line(dsn: str, app_uri: str) -> None:
     """Found only as each worker built the app: a traceback per worker and "Worker failed to boot"."""
     env = {k: v for k, v in os.environ.items() if k not in SETTINGS}
     env.update(DATABASE_URL=dsn, WEB_CONCURRENCY="1", PORT="8000")
-    done = gunicorn_with_relays_settings(env)
+    done = gunicorn_with_relays_settings(env, app_uri)
     assert done.returncode == 1
     assert done.stderr.startswith("Error: no signing secret: set JWT_SECRET_KEY"), done.stderr
     assert len(done.stderr.splitlines()) == 1, done.stderr
@@ -177,14 +187,16 @@ def test_gunicorn_with_relays_settings_refuses_a_missing_secret_in_one_line(dsn:
     ("options", "app_uri", "secret_in_env"),
     [
         ([], "relay_web:create_app()", True),
-        # Given to the factory only: the settings check of gunicorn_conf must leave it to the app.
+        # Given to the factory only: gunicorn_conf reads them as the factory will.
         (["-c", "python:relay_web.gunicorn_conf"], f"relay_web:create_app({{'JWT_SECRET_KEY': '{SECRET}'}})", False),
+        # The application's own factory hands them over: only it knows them.
+        (["-c", "python:relay_web.gunicorn_conf"], "tests.apps.web_factory:create()", False),
     ],
 )
 def test_gunicorn_serves_the_factory(dsn: str, options: list[str], app_uri: str, secret_in_env: bool) -> None:
     port = _free_port()
     env = {k: v for k, v in os.environ.items() if k not in SETTINGS and k != "WEB_CONCURRENCY"}
-    env.update(DATABASE_URL=dsn, PYTHONPATH=str(ROOT))
+    env.update(DATABASE_URL=dsn, PYTHONPATH=str(ROOT), APP_SIGNING_SECRET=SECRET)
     if secret_in_env:
         env["JWT_SECRET_KEY"] = SECRET
     gunicorn = Path(sys.executable).with_name("gunicorn")

@@ -70,7 +70,7 @@ def _relay_app_settings() -> Mapping[str, Any] | None:
             return None
         args = [ast.literal_eval(arg) for arg in expression.args]
         kwargs = {kw.arg: ast.literal_eval(kw.value) for kw in expression.keywords}
-    except (SyntaxError, ValueError):  # gunicorn says what it cannot read as it loads the app
+    except (SyntaxError, ValueError, TypeError):  # gunicorn says what it cannot read as it loads the app
         return None
     given = args[0] if args else kwargs.get("config_overrides")
     if given is None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -41,3 +42,26 @@ def test_quick_benchmark_runs_every_workload(database_url: str, python: str, tmp
     for workload in ("W1", "W2", "W3", "W4", "W5"):
         assert set(summary[workload]) == {"relay", "ceiling"}, workload
     assert summary["W1"]["relay"]["rate"]["median"] > 0
+
+
+def test_the_harness_lets_a_contestant_script_wait_for_its_work_nearly_as_long_as_it_allows(tmp_path: Path) -> None:
+    """Scripts waited 300 s whatever the workload's limit: a library draining 20,000 jobs at 54/s
+    was reported FAILED although the harness would have waited 600 s for it."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        from harness import runner
+        from harness.contestants import Contestant
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+    echo = tmp_path / "echo.py"
+    echo.write_text(
+        "import json, sys\nprint(json.dumps({'timeout': float(sys.argv[sys.argv.index('--timeout') + 1])}))\n"
+    )
+
+    class Echo(Contestant):
+        @property
+        def script(self) -> Path:
+            return echo
+
+    waits = [runner.invoke(Echo("echo"), sys.executable, "", "W1", {}, limit, tmp_path / "log") for limit in (900, 60)]
+    assert waits == [{"timeout": 840.0}, {"timeout": 30.0}]

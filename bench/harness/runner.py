@@ -11,6 +11,16 @@ from typing import Any
 
 from .contestants import Contestant
 
+#: Of a workload's time limit, what the script keeps for starting up, stopping its worker and
+#: reporting: the rest is how long it waits for the work, so a slow library is measured, not
+#: cut short by the script's own shorter default.
+SCRIPT_MARGIN_SECONDS = 60.0
+
+
+def script_wait(timeout: float) -> float:
+    """How long a contestant script may wait for its work within the harness's ``timeout``."""
+    return max(timeout - SCRIPT_MARGIN_SECONDS, timeout / 2)
+
 
 def invoke(
     contestant: Contestant,
@@ -27,7 +37,16 @@ def invoke(
     The script's stderr goes to ``log``, so a failure can be read in full
     while the table shows only that it happened.
     """
-    command = [python, str(contestant.script), "--dsn", dsn, "--workload", workload]
+    command = [
+        python,
+        str(contestant.script),
+        "--dsn",
+        dsn,
+        "--workload",
+        workload,
+        "--timeout",
+        f"{script_wait(timeout):g}",
+    ]
     for key, value in args.items():
         command += [f"--{key}", str(value)]
     started = time.monotonic()

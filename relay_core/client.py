@@ -7,7 +7,7 @@ import functools
 import threading
 from collections.abc import Callable, Iterable, Mapping
 from datetime import datetime
-from typing import Any
+from typing import Any, TypeVar
 
 import psycopg
 from psycopg_pool import ConnectionPool
@@ -18,7 +18,7 @@ from .backoff import Backoff
 from .connections import run, run_async
 from .errors import ConfigurationError, InvalidJobError, RelayError
 from .handlers import DEFAULT_MAX_ATTEMPTS, HandlerSpec, make_spec
-from .pools import RelayConnection, RelayPool, connection_options, make_pool
+from .pools import RelayConnection, RelayPool, connection_options, make_pool, outdated_plan
 from .settings import database_url, env_bool, env_float, env_int, transaction_pooling
 from .validation import (
     DEFAULT_MAX_PAYLOAD_BYTES,
@@ -34,6 +34,8 @@ from .worker import Worker, WorkerConfig
 from .worker.shutdown import exit_now
 
 #: How long an enqueue without ``conn`` waits for a pooled connection by default (RELAY_DB_WAIT_SECONDS).
+T = TypeVar("T")
+
 DEFAULT_DB_WAIT_SECONDS = 5.0
 
 
@@ -245,7 +247,8 @@ class Relay:
         job = self._validated(
             job_type, {} if payload is None else payload, queue, priority, run_at, max_attempts, idempotency_key
         )
-        steps = inserts.enqueue_one(job, self._takes_published(job, max_attempts), self.notify)
+        unresolved = self._takes_published(job, max_attempts)
+        steps = inserts.enqueue_one(job, unresolved, self.notify)
         if conn is not None:
             return run(conn, steps)
         pool = self.pool
@@ -254,8 +257,23 @@ class Relay:
         own = pool.getconn()
         try:
             return run(own, steps)
+        except psycopg.errors.FeatureNotSupported as exc:
+            if not pool.replace_if_outdated(exc):
+                raise
         finally:
             pool.putconn(own)
+        return self._run_on_fresh_connection(inserts.enqueue_one(job, unresolved, self.notify))
+
+    def _run_on_fresh_connection(self, steps: inserts.Steps[T]) -> T:
+        """Run ``steps`` again after the schema outdated a statement prepared on this Relay's pool.
+
+        The server refused that statement before it ran, and any statement
+        before it changed nothing (a lookup, or a keyed insert that found its
+        key held), so the whole enqueue runs once more, on a connection that
+        prepares its statements anew (see ``RelayPool.replace_if_outdated``).
+        """
+        with self.pool.connection() as fresh:
+            return run(fresh, steps)
 
     def _takes_published(self, job: NewJob, max_attempts: int | None) -> bool:
         """Whether ``job`` gets the max_attempts workers published: none given and no local handler."""
@@ -282,8 +300,13 @@ class Relay:
         steps = inserts.enqueue_many(validated, unresolved, self.notify)
         if conn is not None:
             return run(conn, steps)
-        with self.pool.connection() as own:  # autocommit: the insert is one statement, its own transaction
-            return run(own, steps)
+        try:
+            with self.pool.connection() as own:  # autocommit: the insert is one statement, its own transaction
+                return run(own, steps)
+        except psycopg.errors.FeatureNotSupported as exc:
+            if not outdated_plan(exc):
+                raise
+        return self._run_on_fresh_connection(inserts.enqueue_many(validated, unresolved, self.notify))
 
     def _validated_many(self, jobs: Iterable[Mapping[str, Any]]) -> tuple[list[NewJob], list[bool]]:
         """Every item of an ``enqueue_many`` validated, and whether each takes the published max_attempts.

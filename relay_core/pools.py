@@ -177,6 +177,34 @@ class RelayPool(ReconnectingPool):
             return contextlib.nullcontext()
         return conn.pipeline()
 
+    @contextmanager
+    def connection(self, timeout: float | None = None) -> Iterator[psycopg.Connection]:
+        """``ConnectionPool.connection``, replacing every connection once one finds its prepared statements outdated."""
+        try:
+            with super().connection(timeout) as conn:
+                yield conn
+        except psycopg.errors.FeatureNotSupported as exc:
+            self.replace_if_outdated(exc)
+            raise
+
+    def replace_if_outdated(self, exc: BaseException) -> bool:
+        """Replace all the pool's connections if ``exc`` says their prepared statements are outdated; whether it did.
+
+        A column whose type changed under a prepared statement that returns it
+        (an ``ALTER TABLE ... TYPE`` run by hand, a restored dump) makes the
+        server refuse that statement on every connection that prepared it, and
+        psycopg keeps sending the prepared one: a worker's claim failed that
+        way every time until the process restarted. The refused statement ran
+        nothing; fresh connections prepare it anew, so the next try works.
+        """
+        if not outdated_plan(exc):
+            return False
+        logging.getLogger("relay").warning(
+            "a schema change outdated the statements prepared on pool %r: replacing its connections", self.name
+        )
+        self.drain()  # idle ones now; those checked out when they come back
+        return True
+
     @property
     def checked_out(self) -> int:
         """Connections handed out and not yet returned."""
@@ -202,6 +230,20 @@ class RelayPool(ReconnectingPool):
         super().putconn(conn)  # refuses a connection that is not this pool's, or returned twice
         with self._checked_out_lock:
             self._checked_out -= 1
+
+
+def outdated_plan(exc: BaseException) -> bool:
+    """Whether ``exc`` is the server refusing a prepared statement whose result's types changed since it was prepared.
+
+    Told by the server function that refuses it, whose name no ``lc_messages``
+    translates, or by its English message.
+    """
+    if not isinstance(exc, psycopg.errors.FeatureNotSupported):
+        return False
+    return (
+        exc.diag.source_function == "RevalidateCachedQuery"
+        or exc.diag.message_primary == "cached plan must not change result type"
+    )
 
 
 def all_in_use(pool: RelayPool) -> bool:

@@ -1,7 +1,8 @@
-"""Relay's connection pools: which idle connection is handed out, and the kept cursor."""
+"""Relay's connection pools: which idle connection is handed out, the kept cursor, and outdated prepared statements."""
 
 from __future__ import annotations
 
+import logging
 import subprocess
 import sys
 import threading
@@ -10,8 +11,12 @@ from pathlib import Path
 import psycopg
 import pytest
 
+from relay_core import Relay
 from relay_core.connections import fetch_first_value
+from relay_core.migrate import migrate
 from relay_core.pools import RelayConnection, make_pool
+
+from .helpers import running_worker, wait_for
 
 
 def test_the_pool_hands_out_the_connection_returned_last(dsn: str) -> None:
@@ -55,6 +60,52 @@ def test_the_kept_cursor_serves_again_after_a_failed_statement_and_after_being_c
             assert fetch_first_value(conn, "SELECT 1 WHERE false", {}) is None
     finally:
         pool.close()
+
+
+def test_a_column_retyped_under_prepared_statements_costs_no_claim_and_no_enqueue(
+    unmigrated_dsn: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A retyped column (by hand, or a restored dump) outdates the prepared claim and inserts that return it.
+
+    The server refuses such a statement on every connection that prepared it;
+    a worker's claim used to fail so until the process restarted, and so did
+    a Relay's enqueues. Now each pool replaces its connections at the first
+    refusal, a worker claims on at its next try, and an enqueue is sent again.
+    """
+    dsn = unmigrated_dsn
+    migrate(dsn)
+    app = Relay(dsn)
+    ran: list[int] = []
+    app.handler("note")(lambda job: ran.append(job.id))
+    caplog.set_level(logging.WARNING, logger="relay")
+    try:
+        with running_worker(app), psycopg.connect(dsn, autocommit=True) as db:
+            before = [app.enqueue("note", {}), *app.enqueue_many([{"type": "note"}])]
+            wait_for(lambda: sorted(ran) == before, what="the jobs enqueued before the change ran")
+
+            # bigint -> integer: the claim and the inserts return it.
+            db.execute("ALTER TABLE relay.jobs ALTER COLUMN id TYPE integer")
+
+            # A job from a process that prepared nothing: the worker's prepared claim is outdated.
+            other = Relay(dsn)
+            try:
+                from_other = other.enqueue("note", {})
+            finally:
+                other.close()
+            wait_for(lambda: from_other in ran, what="the worker claimed after the change")
+            # This Relay's prepared one-job and bulk inserts are outdated too: each is sent again.
+            after = [app.enqueue("note", {}), *app.enqueue_many([{"type": "note"}, {"type": "note"}])]
+            wait_for(lambda: set(after) <= set(ran), what="the jobs enqueued after the change ran")
+
+            rows = db.execute("SELECT id, status::text FROM relay.jobs ORDER BY id").fetchall()
+    finally:
+        app.close()
+    everything = [*before, from_other, *after]
+    assert rows == [(job_id, "succeeded") for job_id in everything], "each enqueue inserted one job, each ran"
+    assert sorted(ran) == everything, "each job ran once"
+    replaced = [r.getMessage() for r in caplog.records if "outdated the statements prepared" in r.getMessage()]
+    assert any("'relay-client'" in message for message in replaced), replaced
+    assert any("'relay-worker-" in message for message in replaced), replaced
 
 
 def test_threads_sharing_one_pooled_connection_each_read_their_own_results(dsn: str) -> None:

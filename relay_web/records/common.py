@@ -107,7 +107,14 @@ def _date_time_text(value: Any) -> Any:
         return value
     if not DATE_TIME.fullmatch(value):
         raise ValueError("must be an RFC 3339 date-time with a UTC offset, such as 2026-12-01T09:30:00Z")
-    return datetime.fromisoformat(value.upper())
+    try:
+        return datetime.fromisoformat(value.upper())
+    except ValueError:
+        # Python's own reason names its internals ("offset must be a timedelta ...").
+        raise ValueError(
+            "is not a moment that exists: the month must be 01-12, the day one that month has,"
+            " the hour 00-23, minutes and seconds 00-59, and the UTC offset between -23:59 and +23:59"
+        ) from None
 
 
 #: A moment given by a client: RFC 3339 text with its UTC offset.
@@ -172,6 +179,12 @@ class ProblemRecord(Record):
     current_status: StatusName | None = Field(default=None, description="That job's state at the time.")
     allowed_from: list[StatusName] | None = Field(default=None, description="The states the action is allowed from.")
     retry_after: int | None = Field(default=None, description="Seconds to wait before trying again (also a header).")
+    action: Literal["requeue", "cancel"] | None = Field(
+        default=None, description="The bulk action that stopped part way (bulk-incomplete problems)."
+    )
+    changed: int | None = Field(
+        default=None, ge=0, description="How many jobs the bulk action changed before it stopped; they stay changed."
+    )
 
 
 def parse_moment(value: Any) -> datetime | None:

@@ -4,16 +4,19 @@ from __future__ import annotations
 
 from typing import Any
 
+from relay_web.records.common import ProblemRecord
+
 #: Text that must never reach a client: stack traces, SQL, driver and class names.
 LEAKS = ("Traceback", "psycopg", "SELECT ", "UPDATE ", "relay.jobs", 'File "', "Exception", "Error(")
 
 
 def assert_problem(response: Any, status: int, slug: str | None = None) -> dict[str, Any]:
-    """The response is an RFC 9457 problem with this status (and type), and leaks nothing."""
+    """The response is an RFC 9457 problem with this status (and type), in the shape the OpenAPI
+    document promises (no undeclared member), and leaks nothing."""
     assert response.status_code == status, response.get_data(as_text=True)
     assert response.mimetype == "application/problem+json"
     body = response.get_json()
-    assert {"type", "title", "status", "detail"} <= set(body)
+    ProblemRecord.model_validate(body)
     assert body["status"] == status
     if slug is not None:
         assert body["type"] == f"urn:relay:problem:{slug}", body

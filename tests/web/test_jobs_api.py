@@ -631,6 +631,29 @@ def test_enqueue_refuses_bad_input_and_writes_nothing(client, admin, db, body: d
     assert db.execute("SELECT count(*) FROM relay.jobs").fetchone()[0] == 0
 
 
+@pytest.mark.parametrize(
+    "run_at",
+    [
+        "2030-01-01T09:00:00+24:00",
+        "2030-01-01T09:00:00+23:60",
+        "2030-01-01T09:00:00-99:00",
+        "2030-13-01T09:00:00Z",
+        "2030-02-30T09:00:00Z",
+        "2030-01-01T24:00:00Z",
+    ],
+)
+def test_a_run_at_that_names_no_real_moment_is_refused_in_relays_words(client, admin, db, run_at: str) -> None:
+    """The shape is a date-time but a part is out of range: the detail said
+    "offset must be a timedelta strictly between -timedelta(hours=24) ..."."""
+    problem = assert_problem(client.post("/api/admin/jobs", headers=admin, json={"type": "t", "run_at": run_at}), 422)
+    [error] = problem["errors"]
+    assert error["field"] == "run_at"
+    assert "is not a moment that exists" in error["detail"]
+    for word in ("timedelta", "datetime", "must be in"):
+        assert word not in error["detail"], error
+    assert db.execute("SELECT count(*) FROM relay.jobs").fetchone()[0] == 0
+
+
 def test_run_at_at_the_edges_of_the_utc_calendar_is_accepted(client, admin, relay: Relay) -> None:
     for run_at in ("0001-01-01T00:00:00+00:00", "0001-01-01T14:00:00+14:00", "9999-12-31T23:59:59-00:00"):
         response = client.post("/api/admin/jobs", headers=admin, json={"type": "t", "run_at": run_at})

@@ -10,6 +10,7 @@ tokens are refused. Every failure is a 401 or 403 problem.
 from __future__ import annotations
 
 import hashlib
+import math
 import re
 import time
 from typing import Any
@@ -32,6 +33,9 @@ from .db import connection
 from .problems import Problem, unauthorized
 
 ROLES = ("viewer", "admin")
+
+#: How far ahead of this server's clock a session's login time may be (another web process's clock).
+LOGIN_CLOCK_LEEWAY_SECONDS = 60
 
 
 def _missing(reason: str) -> Response:
@@ -81,7 +85,12 @@ def session_outlived(claims: dict[str, Any]) -> bool:
     the person logs in again, whether the token comes as a cookie or as a
     bearer token.
     """
-    return time.time() - float(claims["auth_time"]) > int(current_app.config["RELAY_REFRESH_TOKEN_SECONDS"])
+    began, now = claims.get("auth_time"), time.time()
+    if isinstance(began, bool) or not isinstance(began, int | float) or not math.isfinite(began):
+        return True  # not a login time Relay writes: no session holds on it
+    if began > now + LOGIN_CLOCK_LEEWAY_SECONDS:
+        return True  # a login in the future would make a session that never ends
+    return now - began > int(current_app.config["RELAY_REFRESH_TOKEN_SECONDS"])
 
 
 def session_ended(conn: psycopg.Connection, claims: dict[str, Any]) -> bool:

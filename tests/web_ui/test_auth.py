@@ -266,7 +266,10 @@ def test_a_demoted_admin_loses_the_buttons_and_the_actions_at_once(
     assert app.test_client().get("/api/admin/jobs", headers=bearer).status_code == 401
 
 
-def _session_token(app: Flask, user: users.User, csrf: str, *, age: float, logged_in_ago: float) -> str:
+def _session_token(
+    app: Flask, user: users.User, csrf: str, *, age: float, logged_in_ago: float, auth_time: object = None
+) -> str:
+    """A dashboard session's token, signed as Relay signs it; ``auth_time`` replaces the login time Relay writes."""
     with app.app_context():
         now = time.time()
         return create_access_token(
@@ -276,7 +279,7 @@ def _session_token(app: Flask, user: users.User, csrf: str, *, age: float, logge
                 "role": user.role,
                 "username": user.username,
                 "pwd": user.password_changed_at.isoformat(),
-                "auth_time": int(now - logged_in_ago),
+                "auth_time": int(now - logged_in_ago) if auth_time is None else auth_time,
                 "iat": int(now - age),
                 "nbf": int(now - age),
                 "csrf": csrf,
@@ -307,6 +310,27 @@ def test_a_session_ends_after_the_refresh_lifetime_however_active(app: Flask, ds
     # The same token sent to the API as a bearer token: the session is over there too.
     api = app.test_client().get("/api/admin/jobs", headers={"Authorization": f"Bearer {token}"})
     assert api.status_code == 401, api.get_json()
+
+
+@pytest.mark.parametrize(
+    "auth_time",
+    ["yesterday", "nan", float("nan"), float("inf"), True, [1], 4102444800],
+    ids=["word", "nan-text", "nan", "infinity", "boolean", "list", "a-login-in-2100"],
+)
+def test_a_signed_session_token_whose_login_time_relay_never_writes_is_refused(
+    app: Flask, dsn: str, auth_time: object
+) -> None:
+    """Signed with the app's key, but its login time is no past moment: the API answered 500
+    (``float()`` of the text), and NaN, infinity or a future time made a session that never ends."""
+    user = make_user(dsn, "ops", "admin")
+    token = _session_token(app, user, "c", age=10, logged_in_ago=0, auth_time=auth_time)
+    api = app.test_client().get("/api/admin/jobs", headers={"Authorization": f"Bearer {token}"})
+    assert api.status_code == 401, api.get_data(as_text=True)
+    assert api.get_json()["type"] == "urn:relay:problem:token-invalid"
+    client = app.test_client()
+    client.set_cookie("access_token_cookie", token)
+    page = client.get("/")
+    assert page.status_code == 303 and "/login" in page.headers["Location"]
 
 
 def test_a_renewed_session_token_expires_when_the_session_must_end(app: Flask, dsn: str) -> None:

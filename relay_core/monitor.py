@@ -62,6 +62,8 @@ class JobFilter:
             value = getattr(self, name)
             if value is not None and "\x00" in value:
                 raise RelayError(f"{name} must not contain NUL characters")
+        if self.finished_by is not None and self.finished_by.utcoffset() is None:
+            raise RelayError("finished_by must carry a UTC offset (a timezone-aware datetime)")
 
     def params(self) -> dict[str, Any]:
         """Parameters shared by the filtered statements."""
@@ -226,19 +228,22 @@ def list_jobs(
 
 
 def _bulk(conn: psycopg.Connection, action: str, statement: str, params: dict[str, Any], batch: int) -> int:
-    """Run a batched action over ids up to today's newest; each batch commits alone.
+    """Run a batched action over ids up to today's newest (and, for a requeue, jobs ended by now).
 
-    A batch that fails after others committed (a statement timeout, a lost
+    Each batch commits alone. A batch that fails after others committed (a statement timeout, a lost
     connection) raises BulkActionStopped with how many jobs did change, so
     the caller is never told that nothing happened when something did.
     """
     with conn.transaction():
-        max_id = _rows(conn, "job_max_id", {})[0]["max_id"]
+        start = _rows(conn, "job_max_id", {})[0]
+    if params.get("finished_by") is None or params["finished_by"] > start["began_at"]:
+        # Jobs that end while the walk runs (requeued by someone else, then dead again) are left alone.
+        params = dict(params, finished_by=start["began_at"])
     changed, after = 0, 0
     while True:
         try:
             with conn.transaction():
-                row = _rows(conn, statement, dict(params, after=after, max_id=max_id, batch=batch))[0]
+                row = _rows(conn, statement, dict(params, after=after, max_id=start["max_id"], batch=batch))[0]
         except psycopg.Error as exc:
             if changed == 0:
                 raise

@@ -15,7 +15,7 @@ from pathlib import Path
 import psycopg
 import pytest
 
-from relay_core import Backoff, IllegalTransition, Job, Relay, Snooze, admin, monitor
+from relay_core import Backoff, IllegalTransition, Job, Relay, RelayError, Snooze, admin, monitor
 from relay_core.pools import worker_application_name
 from relay_core.queries import sql
 from relay_core.worker.maintenance import sweep_once
@@ -1112,3 +1112,15 @@ def test_get_job_reads_a_job_a_program_wrote_with_sql(relay: Relay, db: psycopg.
     assert (job.run_at, job.created_at) == (datetime(1, 1, 2, tzinfo=UTC), datetime(1, 1, 2, tzinfo=UTC))
     assert job.finished_at == datetime(9999, 12, 30, tzinfo=UTC)
     assert job.errors == ["oops"]
+
+
+def test_a_requeue_filter_with_a_cut_off_time_but_no_utc_offset_is_refused(relay: Relay, db) -> None:
+    """A naive time cannot be compared with the database's: refused before anything changes."""
+    job_id = relay.enqueue("t")
+    db.execute("UPDATE relay.jobs SET status = 'dead', finished_at = now() WHERE id = %s", (job_id,))
+    with pytest.raises(RelayError, match="UTC offset"):
+        monitor.JobFilter(status="dead", finished_by=datetime(2030, 1, 1))
+    aware = monitor.JobFilter(status="dead", finished_by=datetime(2000, 1, 1, tzinfo=UTC))
+    with psycopg.connect(relay.dsn) as conn:
+        assert monitor.requeue_matching(conn, aware) == 0  # it ended after the cut-off
+    assert relay.get_job(job_id).status == "dead"

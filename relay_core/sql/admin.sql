@@ -23,8 +23,9 @@ ORDER BY id DESC
 LIMIT %(limit)s;
 
 -- name: job_max_id
--- The newest job id: bulk actions touch only jobs that existed when they began.
-SELECT coalesce(max(id), 0) AS max_id FROM relay.jobs;
+-- The newest job id and the database's time: bulk actions touch only jobs that
+-- existed when they began, and a requeue only jobs that had ended by then.
+SELECT coalesce(max(id), 0) AS max_id, now() AS began_at FROM relay.jobs;
 
 -- name: job_requeue_matching
 -- Admin, in bulk: up to %(batch)s dead or cancelled jobs matching the filter
@@ -35,9 +36,9 @@ SELECT coalesce(max(id), 0) AS max_id FROM relay.jobs;
 -- one job, retention deleting it) is waited for, then checked again: skipped,
 -- it would stay dead while the answer counted the batch as done. Rows are
 -- locked in id order, as every bulk action's are, so two never deadlock.
--- %(finished_by)s, when given, leaves jobs that ended after it alone: the
--- dashboard's "Requeue all" passes the time its page was read, so the jobs it
--- requeues are at most the ones it counted.
+-- Jobs that ended after %(finished_by)s are left alone: the walk's start, or
+-- earlier when the caller gives it (the dashboard's "Requeue all" passes the
+-- time its page was read, so the jobs it requeues are at most the ones it counted).
 -- transition: dead -> queued
 -- transition: cancelled -> queued
 WITH picked AS (

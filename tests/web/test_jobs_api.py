@@ -424,6 +424,39 @@ def test_bulk_actions_wait_for_rows_someone_holds(client, admin, relay: Relay, d
     assert statuses == (["claimed", "cancelled", "cancelled"] if action == "cancel" else ["queued"] * 3)
 
 
+def test_bulk_requeue_leaves_alone_a_job_that_died_again_while_it_ran(
+    client, admin, relay: Relay, db, dsn: str
+) -> None:
+    """The endpoint promises that jobs dying while the request runs are left alone.
+
+    The last job is held while the request waits; meanwhile it is requeued by
+    someone else, runs and dies again. Before, the request took that new death
+    too (only the dashboard passed a cut-off time).
+    """
+    ids = relay.enqueue_many([{"type": "again", "queue": "again"} for _ in range(3)])
+    for job_id in ids:
+        make_dead(db, job_id)
+    answers: list[dict] = []
+    with psycopg.connect(dsn) as holder:
+        holder.execute("SELECT id FROM relay.jobs WHERE id = %s FOR UPDATE", (ids[-1],))
+        request = threading.Thread(
+            target=lambda: answers.append(
+                client.post("/api/admin/jobs/requeue", headers=admin, json={"queue": "again"}).get_json()
+            )
+        )
+        request.start()
+        wait_for(lambda: _waiting_for_a_lock(db, holder), timeout=10, what="the bulk requeue waiting for the held row")
+        holder.execute(
+            "UPDATE relay.jobs SET attempts = 1, finished_at = clock_timestamp(), last_error = 'died again'"
+            " WHERE id = %s",
+            (ids[-1],),
+        )
+        holder.commit()
+        request.join(30)
+    assert answers == [{"action": "requeue", "changed": 2}]
+    assert [relay.get_job(i).status for i in ids] == ["queued", "queued", "dead"]
+
+
 def test_a_bulk_action_cut_off_part_way_says_how_many_jobs_changed(make_app, auth, relay: Relay, dsn: str) -> None:
     """The first batch commits; the second waits on a held row until the statement timeout.
 

@@ -6,6 +6,11 @@ restart, a proxy's idle timeout). A connection returned less than a second ago
 was working then, so only connections idle for longer are checked. The return
 time is stamped in ``putconn`` itself: a pool ``reset`` callback would send
 every returned connection through the pool's worker thread.
+
+The check is bounded: a database that stopped answering while TCP still
+acknowledges (see ``stalls``) would hold it, and the checkout, forever. A
+connection that cannot answer an empty query within IDLE_CHECK_LIMIT_SECONDS,
+or within what is left of the checkout's own timeout, is cut and replaced.
 """
 
 from __future__ import annotations
@@ -31,9 +36,14 @@ from psycopg_pool.base import AttemptWithBackoff
 
 from .jsonb import read_any_number
 from .settings import transaction_pooling
+from .stalls import cut_after
 
 #: A connection idle longer than this is checked before it is handed out.
 IDLE_CHECK_SECONDS = 1.0
+#: The longest an idle connection's check may take before the connection is cut.
+IDLE_CHECK_LIMIT_SECONDS = 5.0
+#: ... and the least, however little of the checkout's timeout is left.
+IDLE_CHECK_FLOOR_SECONDS = 0.25
 #: The longest wait between the pool's attempts to reconnect to a database that went away.
 RECONNECT_MAX_DELAY_SECONDS = 2.0
 
@@ -155,6 +165,7 @@ class RelayPool(ReconnectingPool):
         self.returned_at: weakref.WeakKeyDictionary[psycopg.Connection, float] = weakref.WeakKeyDictionary()
         self._checked_out = 0
         self._checked_out_lock = threading.Lock()
+        self._checkout = threading.local()  # when this thread's getconn gives up (monotonic)
         #: Whether the connections go through a pooler in transaction mode (see ``pipeline``).
         self.transaction_pooling = transaction_pooling
         super().__init__(*args, **kwargs)
@@ -212,10 +223,21 @@ class RelayPool(ReconnectingPool):
 
     def getconn(self, timeout: float | None = None) -> psycopg.Connection:
         """A connection, counted as checked out until ``putconn``."""
-        conn = super().getconn(timeout)
+        self._checkout.ends = time.monotonic() + (self.timeout if timeout is None else timeout)
+        try:
+            conn = super().getconn(timeout)
+        finally:
+            self._checkout.ends = None
         with self._checked_out_lock:
             self._checked_out += 1
         return conn
+
+    def check_limit(self) -> float:
+        """How long an idle connection's check may take on this thread before the connection is cut."""
+        ends = getattr(self._checkout, "ends", None)
+        if ends is None:
+            return IDLE_CHECK_LIMIT_SECONDS
+        return min(IDLE_CHECK_LIMIT_SECONDS, max(ends - time.monotonic(), IDLE_CHECK_FLOOR_SECONDS))
 
     def putconn(self, conn: psycopg.Connection) -> None:
         """Stamp the return time, then return the connection (not counted out once the pool took it).
@@ -279,7 +301,8 @@ def make_pool(
     def check_if_idle(conn: psycopg.Connection) -> None:
         last = pool.returned_at.get(conn) if pool is not None else None
         if last is None or time.monotonic() - last > IDLE_CHECK_SECONDS:
-            ConnectionPool.check_connection(conn)
+            with cut_after(conn, pool.check_limit() if pool is not None else IDLE_CHECK_LIMIT_SECONDS):
+                ConnectionPool.check_connection(conn)
 
     pool = RelayPool(
         dsn,

@@ -6,17 +6,20 @@ import logging
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import psycopg
 import pytest
+from psycopg import conninfo
+from psycopg_pool import PoolTimeout
 
 from relay_core import Relay
 from relay_core.connections import fetch_first_value
 from relay_core.migrate import migrate
-from relay_core.pools import RelayConnection, make_pool
+from relay_core.pools import IDLE_CHECK_FLOOR_SECONDS, IDLE_CHECK_SECONDS, RelayConnection, make_pool
 
-from .helpers import running_worker, wait_for
+from .helpers import TcpProxy, running_worker, wait_for
 
 
 def test_the_pool_hands_out_the_connection_returned_last(dsn: str) -> None:
@@ -41,6 +44,39 @@ def test_the_pool_hands_out_the_connection_returned_last(dsn: str) -> None:
         assert pool.getconn() is a
     finally:
         pool.close()
+
+
+def test_a_checkout_ends_in_its_timeout_when_the_database_stopped_answering(dsn: str) -> None:
+    """A connection idle for over a second is checked with an empty query before it is handed out.
+
+    With the database behind a proxy that stopped forwarding (TCP still
+    acknowledges, so no keepalive or tcp_user_timeout fires), that check
+    waited for an answer until the database answered again, whatever the
+    checkout's timeout said. Now the connection is cut and the checkout
+    ends in its timeout; once the database answers, the pool works again.
+    """
+    params = conninfo.conninfo_to_dict(dsn)
+    proxy = TcpProxy(str(params.get("host", "127.0.0.1")), int(params.get("port", 5432)))
+    pool = make_pool(
+        conninfo.make_conninfo(dsn, host="127.0.0.1", port=str(proxy.port)), name="t", min_size=1, max_size=1
+    )
+    pool.open(wait=True)
+    try:
+        with pool.connection() as conn:
+            conn.execute("SELECT 1")
+        time.sleep(IDLE_CHECK_SECONDS + 0.2)  # idle long enough to be checked
+        proxy.flowing.clear()
+        began = time.monotonic()
+        with pytest.raises(PoolTimeout), pool.connection(timeout=2.0):
+            pass
+        assert time.monotonic() - began < 2.0 + IDLE_CHECK_FLOOR_SECONDS + 1.0
+        proxy.flowing.set()
+        with pool.connection(timeout=15.0) as conn:
+            assert conn.execute("SELECT 1").fetchone() == (1,)
+    finally:
+        proxy.flowing.set()
+        pool.close()
+        proxy.close()
 
 
 def test_the_kept_cursor_serves_again_after_a_failed_statement_and_after_being_closed(dsn: str) -> None:

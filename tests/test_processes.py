@@ -12,10 +12,11 @@ from pathlib import Path
 
 import psycopg
 import pytest
+from psycopg import conninfo
 
 from relay_core import Relay
 
-from .helpers import ROOT, start_worker_process, status_counts, stop_process, wait_for
+from .helpers import ROOT, TcpProxy, start_worker_process, status_counts, stop_process, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -127,6 +128,40 @@ def test_sigterm_stops_the_worker_in_time_while_a_lock_on_the_jobs_table_holds_u
     finally:
         locker.close()
         stop_process(worker)
+    assert job_row(db, job_id)[0] == "claimed"
+
+
+def test_sigterm_stops_the_worker_in_time_while_its_database_connection_has_stalled(
+    relay: Relay, db: psycopg.Connection, dsn: str, python: str, worker_env: dict, tmp_path: Path
+) -> None:
+    """A database (or a proxy in front of it) that stops answering while TCP still acknowledges.
+
+    Neither keepalives nor tcp_user_timeout end a wait on such a connection,
+    a cancel request stalls on its way like everything else, and the
+    server's statement_timeout never arrives. Before, the worker's claim (or
+    the check of an idle pooled connection before it) waited until the
+    database answered again, however long the platform's SIGKILL took: now
+    the stop cuts the stalled connection, and the shutdown's writes give up
+    within their share of the drain window.
+    """
+    params = conninfo.conninfo_to_dict(dsn)
+    proxy = TcpProxy(str(params.get("host", "127.0.0.1")), int(params.get("port", 5432)))
+    env = dict(worker_env, RELAY_DATABASE_URL=conninfo.make_conninfo(dsn, host="127.0.0.1", port=str(proxy.port)))
+    log = tmp_path / "worker.log"
+    args = ("--concurrency", "2", "--lease", "60", "--shutdown-timeout", "1")
+    worker = start_worker_process(python, env, *args, log=log)
+    try:
+        job_id = relay.enqueue("record", {"sleep": 30})
+        wait_for(lambda: executions(db, job_id), what="the job to start")
+        proxy.flowing.clear()
+        time.sleep(3)  # the next claim, or the idle check before it, is waiting on the stalled connection
+        terminate(worker, log, within=15)
+    finally:
+        proxy.flowing.set()
+        stop_process(worker)
+        proxy.close()
+    assert "hand-back failed" in log.read_text()
+    # Not lost: the job stays the stopped worker's until its lease expires and a sweeper returns it.
     assert job_row(db, job_id)[0] == "claimed"
 
 

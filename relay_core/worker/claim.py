@@ -18,6 +18,7 @@ from psycopg.rows import dict_row
 
 from ..pools import RelayPool, restore_transactions
 from ..queries import sql
+from ..stalls import WATCHDOG
 
 #: Jobs that typically finish faster than this are prefetched; longer ones are not.
 PREFETCH_BELOW_SECONDS = 0.05
@@ -45,6 +46,9 @@ def prefetch_per_slot(typical_run: float) -> int:
 
 #: How long a stop waits for the server to take a claim's cancel request.
 CANCEL_WAIT_SECONDS = 1.0
+#: How long after a stop a claim still running has its connection cut (see ``stalls``): past
+#: the wait for the cancel request, so a cancel the server took ends the claim first.
+CUT_AFTER_STOP_SECONDS = 1.5
 
 
 class ClaimInFlight:
@@ -59,13 +63,20 @@ class ClaimInFlight:
     (the lock keeps the connection from going back to the pool before then).
     Behind a transaction pooler it is not: the pooler may have lent the
     server connection to another client the moment the claim ended, so a
-    late cancel could stop that client's statement. There a stop waits for
-    the claim, as before.
+    late cancel could stop that client's statement, so none is sent there.
+
+    A claim still running a moment after the stop (the cancel request did
+    not get through, or none was sent) has its connection cut: a database
+    that stopped answering altogether would otherwise hold the shutdown
+    until it answered again. The claim is then one whose answer was lost,
+    which the worker already returns.
     """
 
     def __init__(self, cancellable: bool = True) -> None:
         self._lock = threading.Lock()
         self._conn: psycopg.Connection | None = None
+        self._cut: int | None = None  # the watchdog's handle for the claim's connection, once stopped
+        self._stopped = False
         self._cancellable = cancellable
 
     @contextmanager
@@ -73,20 +84,29 @@ class ClaimInFlight:
         """Mark ``conn`` as running a claim for the block's length."""
         with self._lock:
             self._conn = conn
+            if self._stopped:  # a claim begun just as the worker was told to stop
+                self._cut = WATCHDOG.arm(conn, CUT_AFTER_STOP_SECONDS)
         try:
             yield
         finally:
             with self._lock:
                 self._conn = None
+                if self._cut is not None:
+                    WATCHDOG.disarm(self._cut)
+                    self._cut = None
 
     def cancel(self) -> bool:
-        """Cancel the claim running now, if one is; whether one was."""
+        """Cancel the claim running now, if one is, and cut its connection if it runs on; whether one was."""
         with self._lock:
-            if self._conn is None or not self._cancellable:
+            self._stopped = True
+            if self._conn is None:
                 return False
-            # Should the server not take the request, the claim ends when the database lets it.
-            with suppress(psycopg.Error):
-                self._conn.cancel_safe(timeout=CANCEL_WAIT_SECONDS)
+            if self._cut is None:
+                self._cut = WATCHDOG.arm(self._conn, CUT_AFTER_STOP_SECONDS)
+            if self._cancellable:
+                # Should the request not reach the server, the cut ends the claim.
+                with suppress(psycopg.Error):
+                    self._conn.cancel_safe(timeout=CANCEL_WAIT_SECONDS)
             return True
 
 

@@ -52,6 +52,8 @@ REGISTER_WAIT_SECONDS = 2.0
 LEASE_WATCH_SECONDS = 0.2
 #: At shutdown, the pause between tries to return the jobs of a claim whose answer was lost.
 RETURN_UNHELD_RETRY_SECONDS = 0.1
+#: At the end of a shutdown, how long each of the pool's threads gets to stop.
+POOL_THREAD_STOP_SECONDS = 0.3
 #: Jobs on their last attempt a worker holds per slot beyond those its slots run (see ``last_attempt_room``).
 LAST_ATTEMPTS_AHEAD_PER_SLOT = 2
 
@@ -594,7 +596,9 @@ class Worker:
             handed_back += hand_back(self.pool, self.ledger, still_running, left())
         # Bounded too: a heartbeat connecting to a database that is down must not hold up the exit.
         self.maintenance.stop_heartbeats(1.0)
-        self.pool.close(timeout=1.0)
+        # The pool's threads are joined one by one: those reconnecting to a database that stopped
+        # answering would each take the whole wait.
+        self.pool.close(timeout=POOL_THREAD_STOP_SECONDS)
         event(
             logging.INFO,
             "worker stopped",

@@ -22,6 +22,7 @@ from psycopg_pool import PoolTimeout
 from ..logs import event
 from ..pools import RelayPool
 from ..queries import sql
+from ..stalls import cut_after
 from .completer import Completer
 from .ledger import Ledger, Running
 from .outcome import Outcome
@@ -34,6 +35,9 @@ HAND_BACK_GRACE_SECONDS = 2.0
 #: registry's stop) shares this many seconds: with the database down none of it can be
 #: written, and waiting for each in turn would outlast a platform's drain window.
 SHUTDOWN_WRITES_SECONDS = 3.0
+#: A shutdown write's connection is cut this long after its statement timeout should have ended
+#: it: the database stopped answering, and the timeout never arrives (see ``stalls``).
+CUT_GRACE_SECONDS = 0.5
 
 
 @contextmanager
@@ -41,10 +45,15 @@ def write_within(pool: RelayPool, timeout: float) -> Iterator[psycopg.Connection
     """A pooled connection for a shutdown write, in a transaction whose statements end within ``timeout`` s.
 
     The wait for the connection ends by then, and so does a statement the
-    database holds up (a lock on the jobs table, a connection that stopped
-    forwarding): the drain window is not the place to wait for either.
+    database holds up (a lock on the jobs table: the server's statement
+    timeout; a database that stopped answering: the connection is cut a
+    moment later): the drain window is not the place to wait for either.
     """
-    with pool.connection(timeout=timeout) as conn, conn.transaction():
+    with (
+        pool.connection(timeout=timeout) as conn,
+        cut_after(conn, timeout + CUT_GRACE_SECONDS),
+        conn.transaction(),
+    ):
         conn.execute("SELECT set_config('statement_timeout', %s, true)", (f"{max(int(timeout * 1000), 1)}ms",))
         yield conn
 

@@ -6,8 +6,10 @@ import importlib
 import json
 import math
 import sys
+import traceback
 from collections import Counter
 from datetime import datetime
+from pathlib import Path
 
 import click
 
@@ -33,11 +35,34 @@ def load_app(spec: str) -> Relay:
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
+        if not _names_the_module(exc, module_name):
+            raise  # the module itself failed to import something: its traceback says where
         raise click.BadParameter(f"cannot import {module_name!r}: {exc}", param_hint="--app") from exc
+    except RelayError as exc:
+        # Relay refused something the module declares (a handler's cron, a duplicate type):
+        # one line, with the line of the module that declared it.
+        raise click.ClickException(f"{spec}: {exc}{_declared_at(exc)}") from None
     app = getattr(module, attr, None)
     if not isinstance(app, Relay):
         raise click.BadParameter(f"{spec!r} is not a relay_core.Relay instance", param_hint="--app")
     return app
+
+
+def _names_the_module(exc: ImportError, module_name: str) -> bool:
+    """Whether ``exc`` says ``module_name`` (or a package it is in) is not there, rather than something it imports."""
+    missing = exc.name
+    return missing is not None and (module_name == missing or module_name.startswith(missing + "."))
+
+
+def _declared_at(exc: BaseException) -> str:
+    """ " (at FILE:LINE)" for the innermost frame of ``exc``'s traceback outside Relay itself; "" if none."""
+    relay_dir = Path(__file__).resolve().parent
+    place = ""
+    for frame, line in traceback.walk_tb(exc.__traceback__):
+        path = Path(frame.f_code.co_filename)
+        if path.is_absolute() and relay_dir not in path.resolve().parents and "<frozen" not in path.name:
+            place = f" (at {path}:{line})"
+    return place
 
 
 def _dsn() -> str:
@@ -143,8 +168,6 @@ def worker(
         "lease_seconds": lease_seconds,
         "shutdown_timeout": shutdown_timeout,
     }
-    if lease_seconds is not None:
-        settings["heartbeat_interval"] = lease_seconds / 3
     if queues:
         settings["queues"] = tuple(q.strip() for q in queues.split(",") if q.strip())
     if no_listen:

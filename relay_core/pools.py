@@ -254,6 +254,19 @@ class RelayPool(ReconnectingPool):
             self._checked_out -= 1
 
 
+def unusable_setting(exc: psycopg.Error) -> bool:
+    """Whether a failed connection attempt was refused for a setting libpq cannot use, before any network.
+
+    psycopg raises ProgrammingError for a connect_timeout that is no number,
+    and "connection is bad" when libpq refuses the options outright (an
+    unknown sslmode, a port out of range, a keepalives that is no integer);
+    a server that cannot be reached fails later, as "connection failed".
+    """
+    if isinstance(exc, psycopg.ProgrammingError):
+        return True
+    return isinstance(exc, psycopg.OperationalError) and str(exc).startswith("connection is bad:")
+
+
 def outdated_plan(exc: BaseException) -> bool:
     """Whether ``exc`` is the server refusing a prepared statement whose result's types changed since it was prepared.
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import subprocess
+from pathlib import Path
 
 import psycopg
 import pytest
@@ -127,3 +128,89 @@ def test_a_worker_with_a_bad_setting_exits_with_one_line(
     assert done.returncode == 1, done.stderr
     assert named in done.stderr and "Traceback" not in done.stderr, done.stderr
     assert db.execute("SELECT count(*) FROM relay.workers").fetchone() == (0,)
+
+
+@pytest.mark.parametrize(
+    ("setting", "named"),
+    [("sslmode=bogus", "sslmode"), ("connect_timeout=abc", "connect_timeout"), ("port=99999", "port")],
+)
+def test_a_worker_whose_database_url_has_a_setting_libpq_cannot_use_exits_with_one_line(
+    python: str, worker_env: dict[str, str], dsn: str, setting: str, named: str
+) -> None:
+    """Such a URL can never connect: the worker retried it forever as if the database were down
+    (and, with connect_timeout=abc, said no pooled connection became free)."""
+    key, value = setting.split("=")
+    env = {**worker_env, "RELAY_DATABASE_URL": conninfo.make_conninfo(dsn, **{key: value})}
+    command = [python, "-m", "relay_core", "worker", "--app", "tests.apps.worker_app:relay"]
+    done = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1, done.stderr
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("Error: the database URL has a setting libpq cannot use") and named in last, done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_the_heartbeat_interval_set_in_the_environment_is_kept_beside_lease(
+    python: str, worker_env: dict[str, str], db: psycopg.Connection
+) -> None:
+    """--lease made the heartbeat a third of the lease whatever RELAY_HEARTBEAT_INTERVAL said,
+    so a setting that breaks the lease's rule started a worker rather than being refused."""
+    env = {**worker_env, "RELAY_HEARTBEAT_INTERVAL": "100"}
+    command = [python, "-m", "relay_core", "worker", "--app", "tests.apps.worker_app:relay", "--lease", "10"]
+    done = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1, done.stderr
+    assert "RELAY_HEARTBEAT_INTERVAL: heartbeat_interval must be at most half of lease_seconds" in done.stderr
+    assert db.execute("SELECT count(*) FROM relay.workers").fetchone() == (0,)
+
+
+APP_WITH_A_BAD_CRON = """\
+from relay_core import Relay
+
+relay = Relay()
+
+
+@relay.handler("report", cron="61 * * * *")
+def report(job):
+    pass
+"""
+
+APP_MISSING_A_DEPENDENCY = """\
+from relay_core import Relay
+import a_dependency_not_installed
+
+relay = Relay()
+"""
+
+
+def test_a_handler_relay_refuses_ends_the_worker_with_one_line_naming_where_it_was_declared(
+    python: str, worker_env: dict[str, str], tmp_path: Path
+) -> None:
+    """Before, a 48-line traceback through Relay's own frames."""
+    (tmp_path / "cron_app.py").write_text(APP_WITH_A_BAD_CRON)
+    command = [python, "-m", "relay_core", "worker", "--app", "cron_app:relay"]
+    done = subprocess.run(command, env=worker_env, cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1, done.stderr
+    assert done.stderr.strip().splitlines() == [
+        f"Error: cron_app:relay: cron: '61 * * * *' is not a valid cron expression (at {tmp_path / 'cron_app.py'}:6)"
+    ]
+
+
+def test_a_module_that_fails_to_import_its_own_dependency_is_not_called_a_bad_app_option(
+    python: str, worker_env: dict[str, str], tmp_path: Path
+) -> None:
+    """Before: "Invalid value for --app: cannot import 'dep_app'", with the file and line dropped."""
+    (tmp_path / "dep_app.py").write_text(APP_MISSING_A_DEPENDENCY)
+    command = [python, "-m", "relay_core", "worker", "--app", "dep_app:relay"]
+    done = subprocess.run(command, env=worker_env, cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1, done.stderr
+    assert "--app" not in done.stderr
+    assert f'File "{tmp_path / "dep_app.py"}", line 2' in done.stderr
+    assert done.stderr.strip().endswith("No module named 'a_dependency_not_installed'")
+    missing = subprocess.run(
+        [python, "-m", "relay_core", "worker", "--app", "no_such_app:relay"],
+        env=worker_env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert missing.returncode == 2 and "Invalid value for --app: cannot import 'no_such_app'" in missing.stderr

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import queue
 import signal
 import threading
@@ -18,6 +19,7 @@ import time
 from collections.abc import Mapping
 
 import psycopg
+from psycopg.conninfo import conninfo_to_dict
 from psycopg_pool import PoolTimeout
 
 from .. import migrate as migrator
@@ -26,7 +28,7 @@ from ..errors import ConfigurationError, JobTimeout
 from ..handlers import HandlerSpec
 from ..job import Job
 from ..logs import event
-from ..pools import all_in_use, make_pool, worker_application_name
+from ..pools import all_in_use, make_pool, unusable_setting, worker_application_name
 from ..queries import sql
 from ..signals import ShutdownSignals
 from . import executor, limits, periodic
@@ -410,10 +412,17 @@ class Worker:
 
         The pool only says it waited in vain; the cause (a refused connection, a
         database that does not exist, a wrong password) is what an operator needs.
+        A setting libpq cannot use (``sslmode=bogus``, ``connect_timeout=abc``)
+        is no outage to wait out: it raises ConfigurationError.
         """
+        # The DSN's (or PGCONNECT_TIMEOUT's) own connect_timeout, if there is one: overriding it would hide a bad one.
+        given = "connect_timeout" in conninfo_to_dict(self.dsn) or os.environ.get("PGCONNECT_TIMEOUT")
+        wait = {} if given else {"connect_timeout": REGISTER_WAIT_SECONDS}
         try:
-            psycopg.connect(self.dsn, connect_timeout=REGISTER_WAIT_SECONDS).close()
+            psycopg.connect(self.dsn, **wait).close()
         except psycopg.Error as exc:
+            if unusable_setting(exc):
+                raise ConfigurationError(f"the database URL has a setting libpq cannot use: {exc}") from None
             return str(exc)
         return "no pooled connection became free in time"
 

@@ -39,13 +39,15 @@ SELECT coalesce(max(id), 0) AS max_id, now() AS began_at FROM relay.jobs;
 -- Jobs that ended after %(finished_by)s are left alone: the walk's start, or
 -- earlier when the caller gives it (the dashboard's "Requeue all" passes the
 -- time its page was read, so the jobs it requeues are at most the ones it counted).
+-- A job with no finished_at (written by hand) ended at some time before: it is taken.
 -- transition: dead -> queued
 -- transition: cancelled -> queued
 WITH picked AS (
     SELECT id FROM relay.jobs
     WHERE status IN ('dead', 'cancelled')
       AND (%(status)s::relay.job_status IS NULL OR status = %(status)s::relay.job_status)
-      AND (%(finished_by)s::timestamptz IS NULL OR finished_at <= %(finished_by)s::timestamptz)
+      AND (%(finished_by)s::timestamptz IS NULL
+           OR coalesce(finished_at, '-infinity') <= %(finished_by)s::timestamptz)
       AND (%(queue)s::text IS NULL OR queue = %(queue)s::text)
       AND (%(type)s::text IS NULL OR type = %(type)s::text)
       AND (%(q)s::text IS NULL

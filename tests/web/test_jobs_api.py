@@ -457,6 +457,22 @@ def test_bulk_requeue_leaves_alone_a_job_that_died_again_while_it_ran(
     assert [relay.get_job(i).status for i in ids] == ["queued", "queued", "dead"]
 
 
+def test_bulk_requeue_takes_a_dead_job_without_a_finish_time(client, admin, relay: Relay, db) -> None:
+    """A dead row written by hand may have no finished_at: it ended before the request, whenever that was.
+
+    Compared with the request's start, NULL matched nothing, and such a job
+    was counted by the dashboard but never requeued.
+    """
+    job_id = relay.enqueue("legacy")
+    make_dead(db, job_id)
+    db.execute("UPDATE relay.jobs SET finished_at = NULL WHERE id = %s", (job_id,))
+    assert client.post("/api/admin/jobs/requeue", headers=admin, json={}).get_json() == {
+        "action": "requeue",
+        "changed": 1,
+    }
+    assert relay.get_job(job_id).status == "queued"
+
+
 def test_a_bulk_action_cut_off_part_way_says_how_many_jobs_changed(make_app, auth, relay: Relay, dsn: str) -> None:
     """The first batch commits; the second waits on a held row until the statement timeout.
 

@@ -482,6 +482,22 @@ def test_workers_page_lists_the_registry(viewer: DashboardClient, relay: Relay) 
     assert "mail, media" in html and "of 3 slots" in html
 
 
+@pytest.mark.parametrize("heartbeat", ["NaN", "1e300", "Infinity"])
+def test_a_worker_row_with_an_impossible_heartbeat_interval_breaks_no_page(
+    viewer: DashboardClient, db: psycopg.Connection, heartbeat: str
+) -> None:
+    """The registry is a table SQL can write: the overview, workers and queues pages answered 500."""
+    db.execute(
+        "INSERT INTO relay.workers (id, host, pid, queues, concurrency, heartbeat_seconds, last_seen_at)"
+        " VALUES ('odd', 'h', 1, '{default}', 1, %s::float8, now() - interval '1 hour')",
+        (heartbeat,),
+    )
+    for page in ("/", "/workers", "/queues"):
+        response = viewer.get(page)
+        assert response.status_code == 200, (page, response.status_code)
+    assert "odd" in _text(viewer.get("/workers"))
+
+
 def test_schedules_page_shows_the_next_run(viewer: DashboardClient, relay: Relay, db: psycopg.Connection) -> None:
     @relay.handler("nightly_report", cron="0 3 * * *", queue="reports")
     def nightly(job) -> None:

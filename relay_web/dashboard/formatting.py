@@ -84,6 +84,16 @@ def pretty_json(value: Any) -> str:
     return json.dumps(value, indent=2, ensure_ascii=False, default=str)
 
 
+def as_text(value: Any) -> str:
+    """Text as it is; any other JSON value (a program writing with SQL may store one) as compact JSON.
+
+    ``str()`` showed Python's spelling of it: ``{'x': [1]}``, ``True``, ``None``.
+    """
+    if isinstance(value, str):
+        return value
+    return json.dumps(value, ensure_ascii=False, default=str)
+
+
 def number(value: int | float | None) -> str:
     """``12,345``."""
     if value is None:
@@ -119,6 +129,7 @@ FILTERS = {
     "iso": iso,
     "first_line": first_line,
     "pretty_json": pretty_json,
+    "as_text": as_text,
     "number": number,
     "percent": percent,
     "progress_percent": progress_percent,

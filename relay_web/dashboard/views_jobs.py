@@ -52,12 +52,12 @@ class Attempt:
     def of(cls, entry: Any) -> Attempt:
         """Read a stored history entry; odd values are shown as text, never trusted as markup."""
         if not isinstance(entry, dict):
-            return cls(None, None, None, None, str(entry), None)
+            return cls(None, None, None, None, formatting.as_text(entry), None)
         number = entry.get("attempt")
 
         def text(key: str) -> str | None:
             value = entry.get(key)
-            return None if value is None else str(value)
+            return None if value is None else formatting.as_text(value)
 
         return cls(
             attempt=number if isinstance(number, int) and not isinstance(number, bool) else None,

@@ -47,6 +47,13 @@ def test_pretty_json_keeps_text_readable() -> None:
     assert formatting.pretty_json({"to": "zoë"}) == '{\n  "to": "zoë"\n}'
 
 
+def test_stored_values_that_are_not_text_are_shown_as_json_not_python() -> None:
+    assert formatting.as_text("boom") == "boom"
+    assert formatting.as_text({"x": [1, True, None]}) == '{"x": [1, true, null]}'
+    assert formatting.as_text(["zoë"]) == '["zoë"]'
+    assert formatting.as_text(False) == "false"
+
+
 def test_error_history_times_parse_or_are_dropped() -> None:
     assert parse_moment("2030-01-01T12:00:00+00:00") == NOW
     assert parse_moment("2030-01-01T12:00:00") == NOW

@@ -297,6 +297,23 @@ def test_an_error_entry_written_by_hand_does_not_break_the_job_page(
     assert "Boom: written by hand" in _text(response)
 
 
+def test_error_history_and_progress_values_that_are_not_text_read_as_json(
+    viewer: DashboardClient, jobs: Jobs, db: psycopg.Connection
+) -> None:
+    """Written by a program with SQL: the page showed Python's spelling, {'x': [1]} and True."""
+    job_id = jobs.claimed(jobs.add())
+    history = [{"attempt": 1, "type": True, "message": {"x": [1]}}, ["not", "an", "entry"]]
+    db.execute(
+        "UPDATE relay.jobs SET errors = %s::jsonb, progress = %s::jsonb WHERE id = %s",
+        (json.dumps(history), json.dumps({"message": {"a": None}}), job_id),
+    )
+    html = _text(viewer.get(f"/jobs/{job_id}"))
+    for python in ("{&#39;x&#39;: [1]}", "[&#39;not&#39;", "{&#39;a&#39;: None}", ">True<"):
+        assert python not in html
+    for shown in ("{&#34;x&#34;: [1]}", "[&#34;not&#34;, &#34;an&#34;, &#34;entry&#34;]", "{&#34;a&#34;: null}"):
+        assert shown in html
+
+
 def test_missing_jobs_are_a_404_page(viewer: DashboardClient) -> None:
     for path in ("/jobs/424242", "/jobs/99999999999999999999"):
         response = viewer.get(path)

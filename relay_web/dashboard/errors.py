@@ -13,7 +13,7 @@ import logging
 import psycopg
 from flask import Response, request
 from psycopg_pool import PoolTimeout
-from werkzeug.exceptions import HTTPException, NotFound
+from werkzeug.exceptions import HTTPException, MethodNotAllowed, NotFound
 
 from relay_core import IllegalTransition, JobNotFound, RelayError
 
@@ -76,10 +76,22 @@ def _relay(exc: RelayError) -> Response:
     return error_page(400, "Bad request", str(exc))
 
 
+#: What a page says about an address that exists but only takes a form's button press.
+BUTTON_ONLY = (
+    "This address acts when a button on a dashboard page is pressed; opening it does nothing. "
+    "Go back and use the button."
+)
+
+
 @bp.errorhandler(HTTPException)
 def _http(exc: HTTPException) -> Response:
     status = exc.code or 500
-    return error_page(status, exc.name, "Nothing here accepts this request." if status != 404 else "No such page.")
+    if status == 404:
+        return error_page(status, exc.name, "No such page.")
+    if isinstance(exc, MethodNotAllowed) and request.method == "GET":
+        allowed = {name: value for name, value in exc.get_headers() if name == "Allow"}
+        return error_page(status, exc.name, BUTTON_ONLY, allowed)
+    return error_page(status, exc.name, "Nothing here accepts this request.")
 
 
 #: Where machines call: an unknown URL under these stays problem+json whoever asks.
@@ -87,11 +99,15 @@ MACHINE_PATHS = ("/api/", "/metrics", "/healthz", "/readyz", "/static/")
 
 
 @bp.app_errorhandler(NotFound)
-def _no_such_page(exc: NotFound) -> Response:
+@bp.app_errorhandler(MethodNotAllowed)
+def _no_such_page(exc: NotFound | MethodNotAllowed) -> Response:
     """A mistyped or stale dashboard link opened in a browser gets a page with a way back, not JSON.
 
-    Only a request that prefers HTML (a browser's Accept header) outside the
-    machines' paths; curl, scripts and every API URL still get problem+json.
+    So does an address typed by hand that only takes a button press (``/logout``,
+    a job's ``/requeue``): routing refuses it before any view, so the
+    dashboard's own handlers never see it. Only a request that prefers HTML (a
+    browser's Accept header) outside the machines' paths; curl, scripts and
+    every API URL still get problem+json.
     """
     preferred = request.accept_mimetypes.best_match(["application/problem+json", "application/json", "text/html"])
     # A dashboard view's own 404 (a job id out of range) is a page whoever asks.

@@ -335,6 +335,17 @@ def test_an_unknown_address_is_a_page_in_a_browser_and_a_problem_elsewhere(viewe
     assert viewer.client.get("/nope").mimetype == "application/problem+json"
 
 
+def test_a_button_only_address_opened_in_a_browser_is_a_page_saying_so(viewer: DashboardClient) -> None:
+    """/logout typed by hand answered raw problem+json; the API's POST-only URLs still do."""
+    browser = {"Accept": "text/html,application/xhtml+xml,application/xml;q=0.9,*/*;q=0.8"}
+    for path in ("/logout", "/jobs/1/requeue", "/dead/requeue"):
+        response = viewer.client.get(path, headers=browser)
+        assert (response.status_code, response.mimetype) == (405, "text/html"), path
+        assert "opening it does nothing" in _text(response) and "POST" in response.headers["Allow"]
+    api = viewer.client.get("/api/admin/jobs/requeue", headers=browser)
+    assert (api.status_code, api.mimetype) == (405, "application/problem+json")
+
+
 def test_a_database_outage_page_retries_as_it_says(make_app, admin: DashboardClient, jobs: Jobs) -> None:
     # The same session on a web process whose database has gone away.
     job_id = jobs.add()

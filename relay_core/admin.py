@@ -13,7 +13,7 @@ from typing import Any
 import psycopg
 from psycopg.rows import dict_row, tuple_row
 
-from .errors import IllegalTransition, JobNotFound
+from .errors import IllegalTransition, JobNotFound, RelayError
 from .queries import sql
 from .timestamps import read_any_timestamp
 from .validation import check_queue
@@ -93,16 +93,25 @@ def requeue(conn: psycopg.Connection, job_id: int) -> JobDetail:
     return _act(conn, job_id, "job_requeue", "requeue", ("dead", "cancelled"))
 
 
-def cancel(conn: psycopg.Connection, job_id: int) -> JobDetail:
+def cancel(conn: psycopg.Connection, job_id: int, *, seen: str | None = None) -> JobDetail:
     """queued -> cancelled; for a claimed job, ask its handler to stop.
 
     The running job stays ``claimed`` until its worker sees the request at a
     heartbeat and the handler stops; then it becomes ``cancelled``. Asking
     again while the request is pending (a second press, a retried request)
     changes nothing and answers like the first: the stop is on its way.
+
+    ``seen``, the state the person asking was shown (``queued``: "it will not
+    run"; ``claimed``: "ask it to stop"), makes a job that has moved on since
+    an IllegalTransition: a cancel confirmed for a job that had not started
+    must not interrupt it once it has.
     """
+    if seen not in (None, "queued", "claimed"):
+        raise RelayError(f"seen must be queued or claimed, not {seen!r}")
     with conn.transaction():
         status, cancel_requested = _locked_status(conn, job_id)
+        if seen is not None and status != seen:
+            raise IllegalTransition(job_id, status, "cancel", (seen,))
         if status == "queued":
             conn.execute(sql("job_cancel"), {"id": job_id}).fetchall()
         elif status == "claimed" and not cancel_requested:

@@ -194,7 +194,10 @@ def _act(job_id: int, action: str) -> Response:
     status = 200
     with connection() as conn:
         try:
-            changed = admin.requeue(conn, job_id) if action == "requeue" else admin.cancel(conn, job_id)
+            if action == "requeue":
+                changed = admin.requeue(conn, job_id)
+            else:  # the state the button was shown for: a stale "Cancel" must not stop a job that started since
+                changed = admin.cancel(conn, job_id, seen=request.form.get("seen") or None)
         except IllegalTransition as exc:
             changed, status = admin.get_job(conn, job_id), 409
             notice = f"Nothing done: the job is {exc.current} now."

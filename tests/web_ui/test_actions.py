@@ -108,6 +108,32 @@ def test_cancel_of_a_running_job_requests_a_stop(admin: DashboardClient, jobs: J
     assert pressed_again.status_code == 200 and "Stop requested" in _text(pressed_again)
 
 
+def test_a_cancel_confirmed_for_a_queued_job_that_started_since_stops_nothing(
+    admin: DashboardClient, jobs: Jobs, db: psycopg.Connection
+) -> None:
+    """The page said "It will not run"; a worker claimed the job while the confirm dialog was open.
+
+    Before, the press asked the running job to stop: more than the page showed.
+    """
+    job_id = jobs.add()
+    page = _text(admin.get(f"/jobs/{job_id}"))
+    assert '<input type="hidden" name="seen" value="queued">' in page
+    jobs.claimed(job_id)
+    for htmx in (True, False):
+        pressed = admin.post(f"/jobs/{job_id}/cancel", {"seen": "queued"}, htmx=htmx)
+        if htmx:
+            assert pressed.status_code == 409
+            assert "Nothing done: the job is claimed now." in _text(pressed)
+            assert "Request stop" in _buttons(_text(pressed))  # the button for what it is now
+    row = db.execute("SELECT status::text, cancel_requested_at FROM relay.jobs WHERE id = %s", (job_id,)).fetchone()
+    assert row == ("claimed", None)
+    running = _text(admin.get(f"/jobs/{job_id}"))
+    assert '<input type="hidden" name="seen" value="claimed">' in running
+    stopped = admin.post(f"/jobs/{job_id}/cancel", {"seen": "claimed"})
+    assert "Stop requested" in _text(stopped)
+    assert admin.post(f"/jobs/{job_id}/cancel", {"seen": "succeeded"}).status_code == 400
+
+
 def test_actions_on_missing_jobs_are_404(admin: DashboardClient) -> None:
     assert admin.post("/jobs/424242/requeue").status_code == 404
     assert admin.post("/jobs/424242/cancel").status_code == 404

@@ -24,6 +24,14 @@ def run(dsn: str, args: list[str], env: dict[str, str] | None = None, stdin: str
     )
 
 
+def run_worker(
+    python: str, env: dict[str, str], *args: str, app: str = "tests.apps.worker_app:relay", cwd: Path = ROOT
+) -> subprocess.CompletedProcess[str]:
+    """``relay worker --app APP ARGS`` as a process, to its exit (a worker that starts fails the timeout)."""
+    command = [python, "-m", "relay_core", "worker", "--app", app, *args]
+    return subprocess.run(command, env=env, cwd=cwd, capture_output=True, text=True, timeout=60)
+
+
 def job_count(db: psycopg.Connection) -> int:
     return db.execute("SELECT count(*) FROM relay.jobs").fetchone()[0]
 
@@ -123,8 +131,7 @@ def test_migrate_says_when_a_newer_relay_migrated_the_database(dsn: str, db: psy
 def test_a_worker_with_a_bad_setting_exits_with_one_line(
     python: str, worker_env: dict[str, str], db: psycopg.Connection, env: dict[str, str], named: str
 ) -> None:
-    command = [python, "-m", "relay_core", "worker", "--app", "tests.apps.worker_app:relay"]
-    done = subprocess.run(command, env={**worker_env, **env}, cwd=ROOT, capture_output=True, text=True, timeout=60)
+    done = run_worker(python, {**worker_env, **env})
     assert done.returncode == 1, done.stderr
     assert named in done.stderr and "Traceback" not in done.stderr, done.stderr
     assert db.execute("SELECT count(*) FROM relay.workers").fetchone() == (0,)
@@ -141,8 +148,7 @@ def test_a_worker_whose_database_url_has_a_setting_libpq_cannot_use_exits_with_o
     (and, with connect_timeout=abc, said no pooled connection became free)."""
     key, value = setting.split("=")
     env = {**worker_env, "RELAY_DATABASE_URL": conninfo.make_conninfo(dsn, **{key: value})}
-    command = [python, "-m", "relay_core", "worker", "--app", "tests.apps.worker_app:relay"]
-    done = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=60)
+    done = run_worker(python, env)
     assert done.returncode == 1, done.stderr
     last = done.stderr.strip().splitlines()[-1]
     assert last.startswith("Error: the database URL has a setting libpq cannot use") and named in last, done.stderr
@@ -155,8 +161,7 @@ def test_the_heartbeat_interval_set_in_the_environment_is_kept_beside_lease(
     """--lease made the heartbeat a third of the lease whatever RELAY_HEARTBEAT_INTERVAL said,
     so a setting that breaks the lease's rule started a worker rather than being refused."""
     env = {**worker_env, "RELAY_HEARTBEAT_INTERVAL": "100"}
-    command = [python, "-m", "relay_core", "worker", "--app", "tests.apps.worker_app:relay", "--lease", "10"]
-    done = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=60)
+    done = run_worker(python, env, "--lease", "10")
     assert done.returncode == 1, done.stderr
     assert "RELAY_HEARTBEAT_INTERVAL: heartbeat_interval must be at most half of lease_seconds" in done.stderr
     assert db.execute("SELECT count(*) FROM relay.workers").fetchone() == (0,)
@@ -186,8 +191,7 @@ def test_a_handler_relay_refuses_ends_the_worker_with_one_line_naming_where_it_w
 ) -> None:
     """Before, a 48-line traceback through Relay's own frames."""
     (tmp_path / "cron_app.py").write_text(APP_WITH_A_BAD_CRON)
-    command = [python, "-m", "relay_core", "worker", "--app", "cron_app:relay"]
-    done = subprocess.run(command, env=worker_env, cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    done = run_worker(python, worker_env, app="cron_app:relay", cwd=tmp_path)
     assert done.returncode == 1, done.stderr
     assert done.stderr.strip().splitlines() == [
         f"Error: cron_app:relay: cron: '61 * * * *' is not a valid cron expression (at {tmp_path / 'cron_app.py'}:6)"
@@ -199,18 +203,10 @@ def test_a_module_that_fails_to_import_its_own_dependency_is_not_called_a_bad_ap
 ) -> None:
     """Before: "Invalid value for --app: cannot import 'dep_app'", with the file and line dropped."""
     (tmp_path / "dep_app.py").write_text(APP_MISSING_A_DEPENDENCY)
-    command = [python, "-m", "relay_core", "worker", "--app", "dep_app:relay"]
-    done = subprocess.run(command, env=worker_env, cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    done = run_worker(python, worker_env, app="dep_app:relay", cwd=tmp_path)
     assert done.returncode == 1, done.stderr
     assert "--app" not in done.stderr
     assert f'File "{tmp_path / "dep_app.py"}", line 2' in done.stderr
     assert done.stderr.strip().endswith("No module named 'a_dependency_not_installed'")
-    missing = subprocess.run(
-        [python, "-m", "relay_core", "worker", "--app", "no_such_app:relay"],
-        env=worker_env,
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    missing = run_worker(python, worker_env, app="no_such_app:relay", cwd=tmp_path)
     assert missing.returncode == 2 and "Invalid value for --app: cannot import 'no_such_app'" in missing.stderr

@@ -357,7 +357,7 @@ class Relay:
                         payload_json=check_payload(payload, self.max_payload_bytes),
                         queue=like.queue,
                         priority=like.priority,
-                        run_at=run_at,
+                        run_at=like.run_at,  # the same moment (the key holds it), already read into UTC
                         max_attempts=like.max_attempts,
                         idempotency_key=check_idempotency_key(idempotency_key),
                     )

@@ -646,6 +646,24 @@ def test_a_batch_takes_a_run_at_with_any_offset_python_allows(relay: Relay, db: 
     assert stored == [(when,), (when,)]
 
 
+@pytest.mark.parametrize("offset", [timedelta(hours=-17), timedelta(hours=1, microseconds=500_000)])
+def test_alike_jobs_in_a_batch_take_a_run_at_postgresql_cannot_read_with_its_offset(
+    relay: Relay, db: psycopg.Connection, dsn: str, offset: timedelta
+) -> None:
+    """A job alike an earlier one in the batch skipped the check that turns run_at into UTC: with a
+    key (sent row by row) its offset reached PostgreSQL as text, which refused it with a raw psycopg
+    error and left the caller's transaction aborted, though each job alone was stored."""
+    when = datetime(2030, 1, 1, 12, 0, tzinfo=timezone(offset))
+    with psycopg.connect(dsn) as conn:
+        ids = relay.enqueue_many(
+            [{"type": "t", "run_at": when}, {"type": "t", "run_at": when, "idempotency_key": f"odd-{offset}"}],
+            conn=conn,
+        )
+        assert conn.info.transaction_status == psycopg.pq.TransactionStatus.INTRANS
+    stored = db.execute("SELECT run_at FROM relay.jobs WHERE id = ANY(%s) ORDER BY id", (ids,)).fetchall()
+    assert stored == [(when,), (when,)]
+
+
 def test_a_payload_nested_to_the_limit_is_kept(relay: Relay, db: psycopg.Connection) -> None:
     job_id = relay.enqueue("deep", nested(99))  # 100 levels
     assert relay.get_job(job_id).payload == nested(99)

@@ -162,8 +162,8 @@ class Relay:
         """Register the decorated function as the handler of ``job_type``.
 
         ``timeout`` (seconds) fails an attempt that runs longer. A handler
-        with a second parameter (``def h(job, conn)``) is transactional unless
-        ``transactional=False``. ``concurrency=N`` caps running jobs of the type
+        with a second required parameter (``def h(job, conn)``) is
+        transactional unless ``transactional=False``. ``concurrency=N`` caps running jobs of the type
         across all workers; ``rate_limit=(N, seconds)`` caps starts per sliding
         window. ``cron="0 0 1 * *"`` (with ``timezone``) enqueues one job per
         tick into ``queue``; ``catch_up=True`` enqueues the latest tick missed

@@ -127,19 +127,20 @@ def make_spec(
         # Without a schedule none of them means anything (enqueue names its own
         # queue), and a mistyped zone or queue would go unnoticed.
         raise InvalidJobError("cron", "timezone, catch_up and queue apply to a schedule: give cron too")
+    if not callable(func):
+        raise InvalidJobError("handler", f"must be a function (or other callable), got {type(func).__name__}")
     if is_generator(func):
         raise InvalidJobError(
             "handler",
             "a generator function cannot be a handler: calling it runs none of its body "
             "(it only makes a generator); use def or async def, and return the result",
         )
+    signature = _signature(func)
     if transactional is None:
         # The worker passes (job, conn) by position: a keyword-only parameter (as a
-        # functools.partial's keywords become) cannot take the connection.
-        params = [
-            p for p in inspect.signature(func).parameters.values() if p.kind not in (p.VAR_KEYWORD, p.KEYWORD_ONLY)
-        ]
-        transactional = len(params) >= 2
+        # functools.partial's keywords become) cannot take the connection, and one
+        # with a default (def h(job, dry_run=False)) is the handler's own option.
+        transactional = signature is not None and _takes_a_second_argument(signature)
     if transactional and is_async(func):
         raise InvalidJobError(
             "transactional",
@@ -148,6 +149,8 @@ def make_spec(
             "(job, conn), or take only (job) (or pass transactional=False) and write through your own "
             "async connection, outside the completion",
         )
+    if signature is not None:
+        _check_callable_as_handler(job_type, signature, bool(transactional))
     return HandlerSpec(
         type=job_type,
         func=func,
@@ -162,3 +165,29 @@ def make_spec(
         catch_up=catch_up,
         queue=queue,
     )
+
+
+def _signature(func: Callable[..., Any]) -> inspect.Signature | None:
+    """``func``'s signature, or None where Python cannot tell it (some built-in callables)."""
+    try:
+        return inspect.signature(func)
+    except (TypeError, ValueError):
+        return None
+
+
+def _takes_a_second_argument(signature: inspect.Signature) -> bool:
+    """Whether a second positional argument is required: ``def h(job, conn)``."""
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    required = [p for p in signature.parameters.values() if p.kind in positional and p.default is p.empty]
+    return len(required) >= 2
+
+
+def _check_callable_as_handler(job_type: str, signature: inspect.Signature, transactional: bool) -> None:
+    """Refuse a handler the worker could not call: every attempt would fail with a TypeError until the job died."""
+    call = "handler(job, conn)" if transactional else "handler(job)"
+    try:
+        signature.bind(*([None] * (2 if transactional else 1)))
+    except TypeError as exc:
+        raise InvalidJobError(
+            "handler", f"the handler of {job_type!r} cannot be called as {call}, as the worker calls it: {exc}"
+        ) from None

@@ -283,8 +283,13 @@ def test_an_async_handler_cannot_be_transactional(relay: Relay) -> None:
             relay.handler("refund", **options)(func)
         assert refused.value.field == "transactional"
     assert "refund" not in relay.handlers
-    relay.handler("refund", transactional=False)(apply_refund)  # a second parameter of its own is fine
+
+    async def own_option(job: Job, conn: psycopg.Connection | None = None) -> None: ...
+
+    relay.handler("refund", transactional=False)(own_option)  # a second parameter of its own is fine
     assert not relay.handlers["refund"].transactional
+    with pytest.raises(InvalidJobError, match=r"cannot be called as handler\(job\)"):
+        relay.handler("refund_later", transactional=False)(apply_refund)  # it would never get its conn
 
 
 def test_an_async_generator_is_refused_as_a_handler(relay: Relay) -> None:

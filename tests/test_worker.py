@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import sys
 import threading
 import time
@@ -1755,3 +1756,50 @@ def test_a_busy_worker_holds_few_jobs_on_their_last_attempt_however_high_its_pre
         assert claimed <= 2 + 2 * 2, claimed
     finally:
         gate.set()
+
+
+def test_a_second_parameter_with_a_default_is_the_handlers_own_option_not_a_connection(
+    relay: Relay, db: psycopg.Connection
+) -> None:
+    """def build(job, dry_run=False) was taken as transactional: dry_run got a connection (truthy), so the
+    work was skipped inside a transaction held open for the whole run, and the job succeeded."""
+    seen: list[object] = []
+
+    @relay.handler("report")
+    def build(job: Job, dry_run: bool = False) -> str:
+        seen.append(dry_run)
+        return "skipped" if dry_run else "built"
+
+    assert not relay.handlers["report"].transactional
+    job_id = relay.enqueue("report")
+    with running_worker(relay):
+        wait_for(lambda: job_status(db, job_id) == "succeeded", what="the report to be built")
+    assert seen == [False] and relay.get_job(job_id).result == "built"
+
+
+def test_a_handler_the_worker_could_not_call_is_refused_at_registration(relay: Relay) -> None:
+    """Each was accepted, and every attempt failed with a TypeError until the job was dead."""
+
+    def no_job() -> None: ...
+
+    def keyword_job(*, job: Job) -> None: ...
+
+    def one_arg(job: Job) -> None: ...
+
+    for func, options, said in [
+        (no_job, {}, "cannot be called as handler(job)"),
+        (keyword_job, {}, "cannot be called as handler(job)"),
+        (one_arg, {"transactional": True}, "cannot be called as handler(job, conn)"),
+        (5, {}, "must be a function (or other callable), got int"),
+        ("reports.build", {}, "must be a function (or other callable), got str"),
+    ]:
+        with pytest.raises(InvalidJobError, match=re.escape(said)) as refused:
+            relay.handler("refused", **options)(func)  # type: ignore[arg-type]
+        assert refused.value.field == "handler"
+    assert "refused" not in relay.handlers
+
+    def flexible(*args: object) -> None: ...
+
+    relay.handler("flexible")(flexible)  # takes (job) as well as (job, conn)
+    relay.handler("flexible_tx", transactional=True)(flexible)
+    assert relay.handlers["flexible_tx"].transactional and not relay.handlers["flexible"].transactional

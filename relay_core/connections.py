@@ -52,6 +52,22 @@ def _sqlalchemy_connection(conn: Any) -> Any | None:
     return None
 
 
+def _check_driver(sa_conn: Any) -> None:
+    """Refuse a SQLAlchemy connection whose driver does not take ``%(name)s`` parameters (asyncpg, pg8000).
+
+    ``exec_driver_sql`` hands Relay's statements to the driver untouched: such
+    a driver failed with a syntax error at the first ``%`` and left the
+    caller's transaction aborted. Refused before anything is sent, it is not.
+    """
+    dialect = sa_conn.dialect
+    if dialect.paramstyle != "pyformat":
+        raise TypeError(
+            f"conn runs on SQLAlchemy's {dialect.driver} driver, whose statements take {dialect.paramstyle} "
+            "parameters; Relay's take %(name)s ones: use an engine on psycopg 3 (postgresql+psycopg://, "
+            "which Relay installs) or psycopg2 (postgresql+psycopg2://, sync only)"
+        )
+
+
 def _cursor(conn: Any, row_factory: Any) -> Any:
     """A cursor on the caller's psycopg connection that makes the rows Relay reads.
 
@@ -87,6 +103,7 @@ def fetch_all(conn: Any, sql: str, params: dict[str, Any]) -> list[dict[str, Any
         )
     sa_conn = _sqlalchemy_connection(conn)
     if sa_conn is not None:
+        _check_driver(sa_conn)
         result = sa_conn.exec_driver_sql(sql, params)
         if not result.returns_rows:
             return []
@@ -133,8 +150,10 @@ async def run_async(conn: Any, steps: Steps[T]) -> T:
             f"conn must be {ASYNC_KINDS}, not {type(conn).__name__}"
             + (": `relay.enqueue(..., conn=conn)` joins its transaction" if _is_sync_connection(conn) else "")
         )
-    if _made_by(conn, "sqlalchemy") and not hasattr(conn, "exec_driver_sql"):
-        conn = await conn.connection()  # an AsyncSession: its connection, in its transaction
+    if _made_by(conn, "sqlalchemy"):
+        if not hasattr(conn, "exec_driver_sql"):
+            conn = await conn.connection()  # an AsyncSession: its connection, in its transaction
+        _check_driver(conn)
     try:
         statement = next(steps)
         while True:

@@ -201,6 +201,36 @@ def test_enqueue_async_given_a_sync_connection_says_to_use_enqueue(relay: Relay,
         asyncio.run(relay.enqueue_async("send_email", conn=object()))
 
 
+def test_a_sqlalchemy_engine_on_asyncpg_is_refused_before_anything_is_sent(
+    relay: Relay, dsn: str, db: psycopg.Connection
+) -> None:
+    """asyncpg takes $1 parameters: Relay's %(name)s statement failed with a syntax error at "%"
+    and left the caller's transaction aborted. Now a clear TypeError, and the transaction goes on."""
+    import asyncpg
+
+    params = psycopg.conninfo.conninfo_to_dict(dsn)
+    server = {name: params[name] for name in ("host", "port", "user", "password") if name in params}
+
+    async def attempt() -> None:
+        engine = create_async_engine(
+            "postgresql+asyncpg://", async_creator=lambda: asyncpg.connect(database=params["dbname"], **server)
+        )
+        try:
+            async with AsyncSession(engine) as session, session.begin():
+                for enqueue in (
+                    relay.enqueue_async("send_email", conn=session),
+                    relay.enqueue_many_async([{"type": "send_email"}], conn=session),
+                ):
+                    with pytest.raises(TypeError, match="asyncpg driver, whose statements take numeric_dollar"):
+                        await enqueue
+                assert (await session.execute(sqlalchemy.text("SELECT 1"))).scalar() == 1
+        finally:
+            await engine.dispose()
+
+    asyncio.run(attempt())
+    assert jobs(db) == []
+
+
 def test_a_job_enqueued_from_asyncio_runs_on_an_async_handler(relay: Relay, dsn: str, db: psycopg.Connection) -> None:
     @relay.handler("welcome")
     async def welcome(job: Job) -> str:

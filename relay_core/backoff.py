@@ -31,8 +31,11 @@ class Backoff:
     def __post_init__(self) -> None:
         # A delay is at most cap * (1 + jitter): bounding both keeps every run_at readable.
         for field in fields(self):
-            if not math.isfinite(getattr(self, field.name)):
-                raise ValueError(f"backoff {field.name} must be a finite number")
+            value = getattr(self, field.name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise ValueError(f"backoff {field.name} must be a finite number, got {value!r}")
+            if value < 0:  # a negative base gave every retry at once; a negative factor, delays of either sign
+                raise ValueError(f"backoff {field.name} must not be negative, got {value!r}")
         if not 0 <= self.cap <= MAX_DELAY_SECONDS / 2:
             raise ValueError(f"backoff cap must be between 0 and {MAX_DELAY_SECONDS / 2:.0f} seconds")
         if not 0 <= self.jitter <= 1:

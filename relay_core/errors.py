@@ -6,7 +6,7 @@ outcome of their job; everything else a handler raises is a retryable failure.
 
 from __future__ import annotations
 
-from .backoff import MAX_DELAY_SECONDS
+from .backoff import MAX_DELAY_SECONDS, usable_delay
 
 
 class RelayError(Exception):
@@ -107,8 +107,8 @@ class Snooze(RelayError):
 
     def __init__(self, seconds: float) -> None:
         # Raised inside a handler, the ValueError is that attempt's failure, with this message.
-        if not 0 <= seconds <= MAX_DELAY_SECONDS:
-            raise ValueError(f"snooze seconds must be between 0 and {MAX_DELAY_SECONDS:.0f}, got {seconds!r}")
+        if not usable_delay(seconds):  # "10" or None raised TypeError; True passed as 1 s
+            raise ValueError(f"snooze seconds must be a number from 0 to {MAX_DELAY_SECONDS:.0f}, got {seconds!r}")
         super().__init__(f"snoozed for {seconds}s")
         self.seconds = float(seconds)
 

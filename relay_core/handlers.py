@@ -96,6 +96,8 @@ def make_spec(
     check_type(job_type)
     check_max_attempts(max_attempts)
     check_queue(queue)
+    if isinstance(backoff, type):
+        raise InvalidJobError("backoff", f"must be an instance, such as {backoff.__name__}(), not the class itself")
     if backoff is not None and not callable(getattr(backoff, "delay", None)):
         raise InvalidJobError(
             "backoff", f"must be a relay_core.Backoff (or have a delay(attempt) method), got {type(backoff).__name__}"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import numbers
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -113,16 +114,17 @@ class Job:
         """Report progress (shown on the job's admin page); False if the job is no longer ours.
 
         Each call is one fenced UPDATE, so report per step, not per item.
-        A percent that is not a finite number (NaN, infinity) raises
-        ValueError and writes nothing; finite ones are kept within 0 to 100.
+        A percent that is not a finite real number (NaN, infinity, text, a
+        bool, one too large for a float) raises ValueError and writes nothing; finite ones are kept within 0 to 100.
         An async handler awaits :meth:`progress_async` instead.
         """
         if self._report is None:
             return False
         value: dict[str, Any] = {}
         if percent is not None:
-            share = float(percent)
-            if not math.isfinite(share):
+            share = _finite_share(percent)
+            if share is None:
+                # Text ("50") or a bool would have been read as a number; 10**400 overflowed a float.
                 raise ValueError(f"percent must be a finite number, got {percent!r}")
             value["percent"] = max(0.0, min(100.0, share))
         if message is not None:
@@ -155,3 +157,14 @@ class Job:
             run_at=row["run_at"],
             created_at=row["created_at"],
         )
+
+
+def _finite_share(percent: object) -> float | None:
+    """``percent`` as a float, or None when it is no finite real number (a bool counts as none)."""
+    if isinstance(percent, bool) or not isinstance(percent, numbers.Real):
+        return None
+    try:
+        share = float(percent)
+    except OverflowError:
+        return None
+    return share if math.isfinite(share) else None

@@ -113,13 +113,18 @@ def test_snooze_runs_later_without_spending_an_attempt(relay: Relay, db: psycopg
 def test_a_snooze_or_backoff_too_long_for_a_readable_run_at_is_refused(relay: Relay, db: psycopg.Connection) -> None:
     """PostgreSQL stores now() + 1e12 s (year 33715), but no Python datetime holds it: the job's
     page and every listing that shows it would fail from then on. Such delays are refused instead."""
-    for bad in (1e12, float("inf"), float("nan")):
-        with pytest.raises(ValueError):
-            Snooze(bad)
+    for bad in (1e12, float("inf"), float("nan"), "10", None, True):  # the text and None raised TypeError
+        with pytest.raises(ValueError, match="snooze seconds must be a number"):
+            Snooze(bad)  # type: ignore[arg-type]
         with pytest.raises(ValueError):
             Backoff(base=bad, cap=bad)
     with pytest.raises(ValueError):
         Backoff(cap=60, jitter=1.5)
+    for field in ("base", "factor"):  # a negative base retried at once, every time
+        with pytest.raises(ValueError, match=f"backoff {field} must not be negative"):
+            Backoff(**{field: -1})
+    with pytest.raises(InvalidJobError, match=r"must be an instance, such as Backoff\(\)"):
+        relay.handler("nap_class", backoff=Backoff)(lambda job: None)  # type: ignore[arg-type]
 
     @relay.handler("nap", max_attempts=2)
     def nap(job: Job) -> None:
@@ -712,16 +717,17 @@ def test_progress_with_a_percent_that_is_not_a_number_is_refused_and_writes_noth
     @relay.handler("import_file")
     def import_file(job: Job) -> None:
         job.progress(30, "reading")
-        for bad in (float("nan"), float("inf"), float("-inf")):
+        for bad in (float("nan"), float("inf"), float("-inf"), "50", True, 10**400):
             try:
                 job.progress(bad, "never written")
             except ValueError as exc:
-                refused.append(str(exc))
+                refused.append(str(exc).split(", got ")[1][:10])
 
     job_id = relay.enqueue("import_file")
     with running_worker(relay):
         wait_for(lambda: job_status(db, job_id) == "succeeded")
-    assert refused == [f"percent must be a finite number, got {bad}" for bad in ("nan", "inf", "-inf")]
+    # Text and a bool were read as numbers; 10**400 raised OverflowError.
+    assert refused == ["nan", "inf", "-inf", "'50'", "True", "1" + "0" * 9]
     assert relay.get_job(job_id).progress == {"percent": 30.0, "message": "reading"}
 
 

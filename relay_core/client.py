@@ -148,7 +148,7 @@ class Relay:
         self,
         job_type: str,
         *,
-        max_attempts: int = DEFAULT_MAX_ATTEMPTS,
+        max_attempts: int | None = None,
         backoff: Backoff | None = None,
         timeout: float | None = None,
         transactional: bool | None = None,
@@ -176,7 +176,8 @@ class Relay:
             self.handlers[job_type] = make_spec(
                 job_type,
                 func,
-                max_attempts=max_attempts,
+                # Unsaid, this Relay's default (20 unless Relay(default_max_attempts=...) says otherwise).
+                max_attempts=self.default_max_attempts if max_attempts is None else max_attempts,
                 backoff=backoff,
                 timeout=timeout,
                 transactional=transactional,

@@ -848,3 +848,17 @@ def test_a_relay_used_before_a_fork_enqueues_from_both_processes(
         " FROM relay.jobs WHERE type = 'forked' GROUP BY 1 ORDER BY 1"
     ).fetchall()
     assert rows == [("child", 200, 0, 199), ("parent", 202, -1, 200)]
+
+
+def test_a_handler_that_names_no_max_attempts_takes_its_relays_default(dsn: str, db: psycopg.Connection) -> None:
+    """Relay(default_max_attempts=3) reached only types without a local handler: every type with one got 20."""
+    relay = Relay(dsn, default_max_attempts=3)
+    try:
+        relay.handler("digest")(lambda job: None)
+        relay.handler("invoice", max_attempts=7)(lambda job: None)
+        assert (relay.handlers["digest"].max_attempts, relay.handlers["invoice"].max_attempts) == (3, 7)
+        ids = [relay.enqueue("digest"), relay.enqueue("invoice")]
+    finally:
+        relay.close()
+    rows = db.execute("SELECT max_attempts FROM relay.jobs WHERE id = ANY(%s) ORDER BY id", (ids,)).fetchall()
+    assert rows == [(3,), (7,)]

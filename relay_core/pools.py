@@ -259,12 +259,16 @@ def unusable_setting(exc: psycopg.Error) -> bool:
 
     psycopg raises ProgrammingError for a connect_timeout that is no number,
     and "connection is bad" when libpq refuses the options outright (an
-    unknown sslmode, a port out of range, a keepalives that is no integer);
-    a server that cannot be reached fails later, as "connection failed".
+    unknown sslmode, a port out of range, a keepalives that is no integer),
+    each saying what is "invalid". A server that cannot be reached over TCP
+    fails later, as "connection failed"; over a Unix socket libpq may call
+    that connection bad at once too ("No such file or directory" while the
+    server is down), which is an outage to wait out, not a setting.
     """
     if isinstance(exc, psycopg.ProgrammingError):
         return True
-    return isinstance(exc, psycopg.OperationalError) and str(exc).startswith("connection is bad:")
+    text = str(exc)
+    return isinstance(exc, psycopg.OperationalError) and text.startswith("connection is bad:") and "invalid " in text
 
 
 def outdated_plan(exc: BaseException) -> bool:

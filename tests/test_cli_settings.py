@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import subprocess
+import time
 from pathlib import Path
 
 import psycopg
@@ -14,7 +15,7 @@ from relay_core import ConfigurationError, InvalidJobError, Relay
 from relay_core.cli import main
 from relay_web import config as web_config
 
-from .helpers import ROOT
+from .helpers import ROOT, start_worker_process, stop_process, wait_for
 
 
 def run(dsn: str, args: list[str], env: dict[str, str] | None = None, stdin: str | None = None) -> Result:
@@ -210,3 +211,21 @@ def test_a_module_that_fails_to_import_its_own_dependency_is_not_called_a_bad_ap
     assert done.stderr.strip().endswith("No module named 'a_dependency_not_installed'")
     missing = run_worker(python, worker_env, app="no_such_app:relay", cwd=tmp_path)
     assert missing.returncode == 2 and "Invalid value for --app: cannot import 'no_such_app'" in missing.stderr
+
+
+def test_a_worker_whose_unix_socket_server_is_down_waits_for_it(
+    python: str, worker_env: dict[str, str], dsn: str, tmp_path: Path
+) -> None:
+    """libpq calls a Unix-socket connection to a server that is not there "bad" at once, as it does a
+    setting it cannot use: the worker took a restarting server for a bad URL and exited."""
+    env = {**worker_env, "RELAY_DATABASE_URL": conninfo.make_conninfo(dsn, host=str(tmp_path), port="5432")}
+    log = tmp_path / "worker.log"
+    worker = start_worker_process(python, env, log=log)
+    try:
+        wait_for(lambda: "database unreachable; retrying" in log.read_text(), timeout=30, what="a retry")
+        time.sleep(3)  # past the first PoolTimeout, where the cause is read
+        assert worker.poll() is None, log.read_text()
+    finally:
+        code = stop_process(worker)
+    assert code == 0, log.read_text()
+    assert "Error:" not in log.read_text()

@@ -51,6 +51,12 @@ class Watchdog:
     """
 
     def __init__(self) -> None:
+        self._reset()
+        # A forked child starts with none of the parent's deadlines (its copies of the parent's
+        # sockets are the parent's to cut), no watchdog thread, and a lock nobody holds.
+        os.register_at_fork(after_in_child=self._reset)
+
+    def _reset(self) -> None:
         self._lock = threading.Condition()
         self._deadlines: dict[int, _Deadline] = {}
         self._ids = itertools.count(1)

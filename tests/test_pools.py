@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import subprocess
 import sys
 import threading
@@ -18,6 +19,7 @@ from relay_core import Relay
 from relay_core.connections import fetch_first_value
 from relay_core.migrate import migrate
 from relay_core.pools import IDLE_CHECK_FLOOR_SECONDS, IDLE_CHECK_SECONDS, RelayConnection, make_pool
+from relay_core.stalls import WATCHDOG, cut_after
 
 from .helpers import TcpProxy, running_worker, wait_for
 
@@ -181,3 +183,22 @@ def test_a_pool_made_before_a_fork_belongs_to_the_process_that_opens_it(
     script = Path(__file__).parent / "apps" / "fork_unopened_pool.py"
     result = subprocess.run([python, str(script)], env=worker_env, capture_output=True, text=True, timeout=60)
     assert (result.returncode, result.stdout.split()) == (0, ["child", "1", "parent", "2", "0"]), result.stderr
+
+
+def test_a_forked_child_leaves_the_parents_armed_connections_alone(dsn: str) -> None:
+    """A child copied the parent's deadlines, and its own first deadline started a watchdog that cut
+    the socket it shares with the parent: the parent's connection broke."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        handle = WATCHDOG.arm(conn, 0.5)
+        pid = os.fork()
+        if pid == 0:  # the child: a deadline of its own, then outlive the parent's
+            try:
+                with psycopg.connect(dsn, autocommit=True) as own, cut_after(own, 5.0):
+                    own.execute("SELECT 1")
+                time.sleep(1.5)
+            finally:
+                os._exit(0)
+        WATCHDOG.disarm(handle)  # the parent's block ended in time
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        assert conn.execute("SELECT 1").fetchone() == (1,)

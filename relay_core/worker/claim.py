@@ -18,7 +18,7 @@ from psycopg.rows import dict_row
 
 from ..pools import RelayPool, restore_transactions
 from ..queries import sql
-from ..stalls import WATCHDOG
+from ..stalls import WATCHDOG, cut_after
 
 #: Jobs that typically finish faster than this are prefetched; longer ones are not.
 PREFETCH_BELOW_SECONDS = 0.05
@@ -46,6 +46,8 @@ def prefetch_per_slot(typical_run: float) -> int:
 
 #: How long a stop waits for the server to take a claim's cancel request.
 CANCEL_WAIT_SECONDS = 1.0
+#: How long returning the jobs of a claim whose answer was lost may take before its connection is cut.
+HAND_BACK_UNHELD_LIMIT_SECONDS = 3.0
 #: How long after a stop a claim still running has its connection cut (see ``stalls``): past
 #: the wait for the cancel request, so a cancel the server took ends the claim first.
 CUT_AFTER_STOP_SECONDS = 1.5
@@ -146,9 +148,15 @@ def hand_back_unheld(pool: RelayPool, worker_id: str, held: dict[int, int]) -> l
     """Return the jobs claimed under ``worker_id`` whose leases are not in ``held`` (id -> token); their ids.
 
     After a claim failed on a broken connection: it may have committed, and
-    its jobs would wait for the sweeper with an attempt spent.
+    its jobs would wait for the sweeper with an attempt spent. Bounded like
+    the claim (a stop neither cancels nor waits for it): a database that
+    stopped answering gets its connection cut, and the next try, or the
+    sweeper, returns the jobs.
     """
-    with pool.connection(timeout=CLAIM_CONNECTION_WAIT_SECONDS) as conn:
+    with (
+        pool.connection(timeout=CLAIM_CONNECTION_WAIT_SECONDS) as conn,
+        cut_after(conn, HAND_BACK_UNHELD_LIMIT_SECONDS),
+    ):
         rows = conn.execute(
             sql("job_hand_back_unheld"),
             {"worker_id": worker_id, "ids": list(held), "tokens": list(held.values())},

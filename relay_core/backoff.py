@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-import math
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, fields
+
+from .finite import finite_real
 
 #: The longest delay before a job runs again (about a century). PostgreSQL
 #: stores now() + 1e12 s (year 33715), but no Python datetime can hold it, so
@@ -32,7 +33,7 @@ class Backoff:
         # A delay is at most cap * (1 + jitter): bounding both keeps every run_at readable.
         for field in fields(self):
             value = getattr(self, field.name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            if not finite_real(value):
                 raise ValueError(f"backoff {field.name} must be a finite number, got {value!r}")
             if value < 0:  # a negative base gave every retry at once; a negative factor, delays of either sign
                 raise ValueError(f"backoff {field.name} must not be negative, got {value!r}")
@@ -62,12 +63,7 @@ DEFAULT_BACKOFF = Backoff()
 
 def usable_delay(seconds: object) -> bool:
     """Whether ``seconds`` can put a job's next run that far ahead (a real number, 0 to MAX_DELAY_SECONDS)."""
-    return (
-        isinstance(seconds, (int, float))
-        and not isinstance(seconds, bool)
-        and math.isfinite(seconds)
-        and 0 <= seconds <= MAX_DELAY_SECONDS
-    )
+    return finite_real(seconds) and 0 <= seconds <= MAX_DELAY_SECONDS  # type: ignore[operator]
 
 
 def retry_delay(backoff: Backoff, attempt: int) -> tuple[float, str | None]:

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import asyncio
-import math
-import numbers
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
+from .finite import finite_real
 from .validation import storable_text
 
 
@@ -115,17 +114,18 @@ class Job:
 
         Each call is one fenced UPDATE, so report per step, not per item.
         A percent that is not a finite real number (NaN, infinity, text, a
-        bool, one too large for a float) raises ValueError and writes nothing; finite ones are kept within 0 to 100.
+        bool, one too large for a float) raises ValueError and writes
+        nothing; finite ones are kept within 0 to 100.
         An async handler awaits :meth:`progress_async` instead.
         """
         if self._report is None:
             return False
         value: dict[str, Any] = {}
         if percent is not None:
-            share = _finite_share(percent)
-            if share is None:
+            if not finite_real(percent):
                 # Text ("50") or a bool would have been read as a number; 10**400 overflowed a float.
                 raise ValueError(f"percent must be a finite number, got {percent!r}")
+            share = float(percent)  # type: ignore[arg-type]
             value["percent"] = max(0.0, min(100.0, share))
         if message is not None:
             # Text PostgreSQL cannot store (NUL, an undecodable file name's lone surrogates)
@@ -157,14 +157,3 @@ class Job:
             run_at=row["run_at"],
             created_at=row["created_at"],
         )
-
-
-def _finite_share(percent: object) -> float | None:
-    """``percent`` as a float, or None when it is no finite real number (a bool counts as none)."""
-    if isinstance(percent, bool) or not isinstance(percent, numbers.Real):
-        return None
-    try:
-        share = float(percent)
-    except OverflowError:
-        return None
-    return share if math.isfinite(share) else None

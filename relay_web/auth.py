@@ -10,7 +10,6 @@ tokens are refused. Every failure is a 401 or 403 problem.
 from __future__ import annotations
 
 import hashlib
-import math
 import re
 import time
 from typing import Any
@@ -26,6 +25,7 @@ from flask_jwt_extended import (
 )
 
 from relay_core import users
+from relay_core.finite import finite_real
 from relay_core.users import User
 from relay_core.validation import positive_number
 
@@ -86,7 +86,7 @@ def session_outlived(claims: dict[str, Any]) -> bool:
     bearer token.
     """
     began, now = claims.get("auth_time"), time.time()
-    if isinstance(began, bool) or not isinstance(began, int | float) or not math.isfinite(began):
+    if not finite_real(began):
         return True  # not a login time Relay writes: no session holds on it
     if began > now + LOGIN_CLOCK_LEEWAY_SECONDS:
         return True  # a login in the future would make a session that never ends

@@ -15,6 +15,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from .errors import InvalidJobError
+from .finite import finite_real as finite_real  # shared with relay_web, which imports validation
 
 QUEUE_NAME = re.compile(r"^[a-z0-9_][a-z0-9_.-]{0,62}$")
 MAX_TYPE_LENGTH = 200

@@ -25,9 +25,8 @@ from flask_jwt_extended import (
 )
 
 from relay_core import users
-from relay_core.finite import finite_real
 from relay_core.users import User
-from relay_core.validation import positive_number
+from relay_core.validation import finite_real, positive_number
 
 from .db import connection
 from .problems import Problem, unauthorized

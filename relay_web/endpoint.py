@@ -77,8 +77,8 @@ class Endpoint:
             found.add(401)
         if self.role == "admin":
             found.add(403)
-        if self.path or self.query or self.headers or self.body:
-            found.add(422)
+        if self.path or self.query or self.headers or self.body or not self.ignores_query:
+            found.add(422)  # a bad field, or a query parameter this endpoint does not know
         if self.body:
             found.update({400, 413, 415})
         return sorted(found)

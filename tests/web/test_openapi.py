@@ -84,6 +84,22 @@ def test_errors_are_documented_as_problems(client) -> None:
                 assert "401" in errors, (method, path)
 
 
+def test_refused_query_parameters_are_documented(client, auth) -> None:
+    """An endpoint that refuses a query parameter it does not know lists that 422 in the document."""
+    doc = _document(client)
+    admin = auth.headers("admin")
+    refresh = {"Authorization": f"Bearer {auth.tokens('admin')['refresh_token']}"}
+    calls = [("get", path, admin) for path, ops in doc["paths"].items() if "get" in ops and "{" not in path]
+    calls.append(("post", "/api/auth/refresh", refresh))
+    refused = []
+    for method, path, headers in calls:
+        response = getattr(client, method)(f"{path}?unknown=1", headers=headers)
+        if response.status_code == 422:
+            refused.append(path)
+            assert "422" in doc["paths"][path][method]["responses"], (method, path)
+    assert {"/api/admin/stats", "/api/admin/queues", "/api/admin/workers", "/api/auth/refresh"} <= set(refused)
+
+
 def test_document_comes_from_the_records(client) -> None:
     doc = _document(client)
     params = {p["name"]: p for p in doc["paths"]["/api/admin/jobs"]["get"]["parameters"]}

@@ -33,6 +33,7 @@ from relay_core import (
 )
 from relay_core.pools import all_in_use, make_pool
 from relay_core.queries import sql
+from relay_core.worker import runtime
 from relay_core.worker.claim import hand_back_unheld
 from relay_core.worker.config import WorkerConfig
 from relay_core.worker.ledger import Slot
@@ -1760,6 +1761,73 @@ def test_a_busy_worker_holds_few_jobs_on_their_last_attempt_however_high_its_pre
             gate.set()
         assert waiting <= 2 * 2, waiting
         assert claimed <= 2 + 2 * 2, claimed
+    finally:
+        gate.set()
+
+
+def _quick_states(db: psycopg.Connection) -> dict[str, int]:
+    rows = db.execute("SELECT status::text, count(*) FROM relay.jobs WHERE type = 'quick' GROUP BY 1").fetchall()
+    return dict(rows)
+
+
+def _train_prefetch_then_block_both_slots(relay: Relay, db: psycopg.Connection, worker: Worker, quick: int) -> None:
+    """Train ``worker`` (two slots) on quick jobs, then have one claim take two blocking jobs and ``quick`` more."""
+    wait_for(lambda: _quick_states(db).get("succeeded") == 300, what="the training jobs")
+    assert worker.prefetch() > 2 * 2, "the prefetch is trained high"
+    db.execute("DELETE FROM relay.jobs")
+    relay.enqueue_many(
+        [{"type": "blocking", "priority": 0} for _ in range(2)]
+        + [{"type": "quick", "priority": 1} for _ in range(quick)]
+    )
+    wait_for(lambda: worker.ledger.long_runs(time.monotonic(), 0.05) == 2, what="both slots held by blocking jobs")
+
+
+def test_jobs_prefetched_behind_long_runs_go_back_for_an_idle_worker(relay: Relay, db: psycopg.Connection) -> None:
+    """Prefetch trained on quick jobs took 32 of them in the claim that also took two long jobs.
+    Both slots took the long ones, and the quick ones stayed claimed (heartbeated) until those
+    ended, while a second worker sat idle. They go back to the queue unstarted, with the attempt
+    they never used, and the busy worker does not claim them again."""
+    gate = threading.Event()
+    relay.handler("quick")(lambda job: None)
+    relay.handler("blocking")(lambda job: gate.wait(60))
+    relay.enqueue_many([{"type": "quick"} for _ in range(300)])
+    try:
+        with running_worker(relay, concurrency=2, poll_interval=0.05, listen=False) as busy:
+            _train_prefetch_then_block_both_slots(relay, db, busy, quick=40)
+            assert _quick_states(db).get("claimed", 0) > 0, "quick jobs were prefetched behind the blocking ones"
+            with running_worker(relay, concurrency=2, poll_interval=0.05, listen=False) as idle:
+                wait_for(lambda: _quick_states(db) == {"succeeded": 40}, timeout=15, what="the quick jobs to run")
+                assert not gate.is_set()
+                ran_on = db.execute("SELECT DISTINCT claimed_by FROM relay.jobs WHERE type = 'quick'").fetchall()
+                assert ran_on == [(idle.id,)], "the busy worker ran none of them"
+                attempts = db.execute("SELECT DISTINCT attempts FROM relay.jobs WHERE type = 'quick'").fetchall()
+                assert attempts == [(1,)], "a job handed back unstarted keeps the attempt it never used"
+                assert busy.in_flight() == 2
+            gate.set()
+    finally:
+        gate.set()
+
+
+def test_a_stop_hands_back_the_jobs_waiting_for_a_slot_before_the_drain(
+    relay: Relay, db: psycopg.Connection, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The jobs waiting for a slot went back only after the drain wait for the running ones: up to
+    the whole shutdown timeout later, and a SIGKILL at its end spent their attempts."""
+    monkeypatch.setattr(runtime, "PREFETCH_HOLD_SECONDS", 600.0, raising=False)  # only the stop hands them back
+    gate = threading.Event()
+    relay.handler("quick")(lambda job: None)
+    relay.handler("blocking")(lambda job: gate.wait(60))
+    relay.enqueue_many([{"type": "quick"} for _ in range(300)])
+    try:
+        with running_worker(relay, concurrency=2, poll_interval=0.05, listen=False, shutdown_timeout=20) as worker:
+            _train_prefetch_then_block_both_slots(relay, db, worker, quick=20)
+            wait_for(lambda: worker.in_flight() > 2, what="quick jobs waiting for a slot")
+            worker.stop()
+            wait_for(lambda: _quick_states(db).get("claimed", 0) == 0, timeout=5, what="the waiting jobs handed back")
+            assert not gate.is_set() and not worker.stopped.is_set(), "handed back while the drain goes on"
+            assert db.execute("SELECT count(*) FROM relay.jobs WHERE status = 'claimed'").fetchone()[0] == 2
+            assert db.execute("SELECT max(attempts) FROM relay.jobs WHERE type = 'quick'").fetchone()[0] == 0
+            gate.set()
     finally:
         gate.set()
 

@@ -26,6 +26,9 @@ PREFETCH_BELOW_SECONDS = 0.05
 PREFETCH_WORK_SECONDS = 0.01
 #: ... and never more than this many jobs beyond the one it runs.
 MAX_PREFETCH_PER_SLOT = 16
+#: A prefetched job still waiting for a slot this long after its claim goes back to the queue:
+#: a hundred times what prefetch means it to wait, so every slot is held by a longer job.
+PREFETCH_HOLD_SECONDS = 1.0
 #: How long a claim waits for a pooled connection before the producer looks again whether
 #: it should stop: a stop during an outage must not wait out the pool's whole timeout.
 CLAIM_CONNECTION_WAIT_SECONDS = 1.0

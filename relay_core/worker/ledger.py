@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
@@ -30,6 +31,10 @@ from .outcome import Kind, Outcome
 
 #: Why a prefetched job went back to the queue unstarted (see ``Ledger.take_unrenewed``).
 NOT_STARTED = "not started: its lease ran out unrenewed while it waited for a slot"
+#: ... or (see ``Ledger.take_held_back``).
+HELD_BEHIND = "not started: every slot was busy with a longer job, so another worker may run it"
+#: Both: the job goes back to the queue unstarted, with the attempt it never used.
+UNSTARTED_REASONS = frozenset({NOT_STARTED, HELD_BEHIND})
 
 
 @dataclass
@@ -51,6 +56,8 @@ class Running:
     #: When the lease surely ran out (monotonic) unless a heartbeat renewed it since:
     #: counted from before the claim or the renewing heartbeat was sent.
     lease_expires: float = float("inf")
+    #: When the worker took it from the claim (monotonic): how long it has waited for a slot.
+    claimed_at: float = field(default_factory=time.monotonic)
 
 
 class Ledger:
@@ -228,17 +235,44 @@ class Ledger:
         expired: list[Job] = []
         unstarted: list[Job] = []
         with self.lock:
-            for jid, running in list(self.running.items()):
+            for running in list(self.running.values()):
                 if now > running.lease_expires and not running.job._lease_lost.is_set():
-                    running.job._lease_lost.set()
                     if running.slot is None:
-                        del self.running[jid]  # a slot that takes it from the inbox now skips it
-                        self.awaiting_write[jid] = running.job.lease_token
-                        self._completer.put(Outcome(running.job, Kind.SNOOZED, 0.0, message=NOT_STARTED))
-                        unstarted.append(running.job)
+                        unstarted.append(self._give_back_unstarted(running, NOT_STARTED))
                     else:
+                        running.job._lease_lost.set()
                         expired.append(running.job)
         return expired, unstarted
+
+    def take_held_back(self, now: float, longest_wait: float) -> list[Job]:
+        """Give back every job that has waited for a slot longer than ``longest_wait`` s at ``now``; those jobs.
+
+        A job is claimed ahead of a free slot only while jobs finish in
+        milliseconds. When every slot then takes a long job, the ones waiting
+        would wait for the long ones to end, while another worker may sit
+        idle: they go back to the queue, fenced, with the attempt they never
+        used, as ``take_unrenewed`` gives back a job whose lease ran out.
+        """
+        with self.lock:
+            return [
+                self._give_back_unstarted(running, HELD_BEHIND)
+                for running in list(self.running.values())
+                if running.slot is None and now - running.claimed_at > longest_wait and not running.job.lease_lost
+            ]
+
+    def _give_back_unstarted(self, running: Running, reason: str) -> Job:
+        """Queue the write that returns a job no slot has taken (called with the lock held); the job."""
+        job = running.job
+        job._lease_lost.set()
+        del self.running[job.id]  # a slot that takes it from the inbox now skips it
+        self.awaiting_write[job.id] = job.lease_token
+        self._completer.put(Outcome(job, Kind.SNOOZED, 0.0, message=reason))
+        return job
+
+    def long_runs(self, now: float, longer_than: float) -> int:
+        """How many slots have been running their job for longer than ``longer_than`` s at ``now``."""
+        with self.lock:
+            return sum(1 for r in self.running.values() if r.slot is not None and now - r.started > longer_than)
 
     def lost(self, lost: Mapping[int, int]) -> list[int]:
         """Let go of the runs whose leases (id -> token) a heartbeat found taken over; their ids.
@@ -281,6 +315,16 @@ class Ledger:
         return asked
 
     # -- shutdown ----------------------------------------------------------------
+
+    def close_unstarted(self) -> list[Running]:
+        """Move every job no slot has taken to closing, so none starts now: at shutdown, they go back first."""
+        with self.lock:
+            unstarted = [r for r in self.running.values() if r.slot is None]
+            for running in unstarted:
+                del self.running[running.job.id]
+                running.job._lease_lost.set()
+                self.closing[running.job.id] = running.job.lease_token
+        return unstarted
 
     def close(self) -> tuple[list[Running], list[tuple[Running, Outcome]]]:
         """Move every running and overdue job to closing, its handler told to stop: (unfinished, overdue)."""

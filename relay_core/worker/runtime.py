@@ -33,7 +33,14 @@ from ..queries import sql
 from ..signals import ShutdownSignals
 from . import executor, limits, periodic
 from .aio import SlotLoop
-from .claim import PREFETCH_BELOW_SECONDS, ClaimInFlight, claim_rows, hand_back_unheld, prefetch_per_slot
+from .claim import (
+    PREFETCH_BELOW_SECONDS,
+    PREFETCH_HOLD_SECONDS,
+    ClaimInFlight,
+    claim_rows,
+    hand_back_unheld,
+    prefetch_per_slot,
+)
 from .completer import Completer
 from .config import WorkerConfig
 from .ledger import Ledger, Running, Slot
@@ -157,6 +164,7 @@ class Worker:
             try:
                 self._check_timeouts()
                 self._flag_unrenewed(time.monotonic())
+                self._hand_back_held(time.monotonic())
             except Exception as exc:  # this thread stops handlers that must stop: it must outlive any bug
                 event(logging.ERROR, "lease watch failed", error=repr(exc))
 
@@ -170,6 +178,16 @@ class Worker:
                 logging.WARNING,
                 "lease ran out without a renewal before a slot was free; handing the jobs back",
                 job_ids=sorted(j.id for j in unstarted),
+            )
+
+    def _hand_back_held(self, now: float) -> None:
+        """Give back prefetched jobs held behind long runs, for other workers to run (see ``take_held_back``)."""
+        held = self.ledger.take_held_back(now, PREFETCH_HOLD_SECONDS)
+        if held:
+            event(
+                logging.INFO,
+                "every slot is busy with a longer job; handing back the jobs waiting for one",
+                job_ids=sorted(j.id for j in held),
             )
 
     def _on_lost(self, lost: Mapping[int, int]) -> None:
@@ -427,8 +445,18 @@ class Worker:
         return "no pooled connection became free in time"
 
     def prefetch(self) -> int:
-        """How many jobs to hold beyond the slots: the next few, while jobs are short (``prefetch_per_slot``)."""
-        return prefetch_per_slot(self._typical_run) * self.config.concurrency
+        """How many jobs to hold beyond the slots: the next few, while jobs are short (``prefetch_per_slot``).
+
+        None for a slot busy with a job that has run longer than short jobs
+        take: the typical run time learns of a long job only when it ends,
+        and until then the jobs held for that slot would wait behind it
+        (and the ones ``_hand_back_held`` gave back would be claimed again).
+        """
+        per_slot = prefetch_per_slot(self._typical_run)
+        if not per_slot:
+            return 0
+        long_runs = self.ledger.long_runs(time.monotonic(), PREFETCH_BELOW_SECONDS)
+        return per_slot * max(self.config.concurrency - long_runs, 0)
 
     def _produce(self) -> None:
         delay = 0.1
@@ -568,6 +596,14 @@ class Worker:
         # Before waiting for a duty in progress (a long prune, a vacuum): no check comes after it.
         if any(spec.cron for spec in self.handlers.values()):
             self._record_schedules_stopped(min(max(deadline - time.monotonic(), 1.0), SHUTDOWN_WRITES_SECONDS))
+        # Jobs waiting for a slot go back first: another worker can run them now, while this
+        # one waits for its running jobs, and a SIGKILL at the end of that wait would spend
+        # their attempts.
+        unstarted = self.ledger.close_unstarted()
+        handed_back_first = 0
+        if unstarted:
+            seconds = min(max(deadline - time.monotonic(), 1.0), SHUTDOWN_WRITES_SECONDS)
+            handed_back_first = hand_back(self.pool, self.ledger, unstarted, seconds)
         # Within the shutdown timeout, however long a duty waits for a database that is down.
         self.maintenance.stop_duties(max(deadline - time.monotonic(), 0.5))
         if self._unanswered_claim:
@@ -586,7 +622,7 @@ class Worker:
             """What is left of the writes' shared time: each wait for a connection ends with it."""
             return max(writes_end - time.monotonic(), 0.1)
 
-        handed_back = 0
+        handed_back = handed_back_first
         never_started = [r for r in unfinished if r.slot is None]
         if never_started:
             handed_back += hand_back(self.pool, self.ledger, never_started, left())
@@ -616,7 +652,7 @@ class Worker:
             handed_back=handed_back,
             # Left claimed (the database did not answer, or another worker holds the job now):
             # the sweeper returns them when their leases expire.
-            not_handed_back=len(unfinished) - handed_back,
+            not_handed_back=len(unstarted) + len(unfinished) - handed_back,
             timed_out_still_running=len(overdue),
         )
         self.stopped.set()

@@ -13,7 +13,7 @@ import logging
 from dataclasses import dataclass
 
 from ..logs import event
-from .ledger import NOT_STARTED
+from .ledger import UNSTARTED_REASONS
 from .outcome import Kind, Outcome
 
 
@@ -32,7 +32,7 @@ class Counters:
     def tell(self, outcome: Outcome, status: str | None) -> None:
         """Count and log what was written for one run (``status`` None: the lease was taken over)."""
         duration_ms = round(outcome.duration * 1000, 3)
-        if status is None and outcome.message == NOT_STARTED:
+        if status is None and outcome.message in UNSTARTED_REASONS:
             self._count("lost", logging.WARNING, "unstarted job not handed back: its lease was taken over", outcome)
         elif status is None:
             self._count(
@@ -60,8 +60,8 @@ class Counters:
             )
         elif outcome.kind is Kind.DEAD:
             self._count("dead", logging.ERROR, "job dead", outcome, duration_ms=duration_ms, error=outcome.message)
-        elif outcome.message == NOT_STARTED:
-            self._count("snoozed", logging.INFO, "job handed back", outcome, reason=NOT_STARTED)
+        elif outcome.message in UNSTARTED_REASONS:
+            self._count("snoozed", logging.INFO, "job handed back", outcome, reason=outcome.message)
         else:
             self._count("snoozed", logging.INFO, "job snoozed", outcome, snooze_s=outcome.delay)
 

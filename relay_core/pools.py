@@ -15,6 +15,7 @@ or within what is left of the checkout's own timeout, is cut and replaced.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import functools
 import logging
@@ -63,6 +64,28 @@ class CappedAttempt(AttemptWithBackoff):
         self.delay = min(self.delay, RECONNECT_MAX_DELAY_SECONDS)
 
 
+#: Every pool this process opened, so that the ones still open are closed when it exits.
+OPEN_POOLS: weakref.WeakSet[ReconnectingPool] = weakref.WeakSet()
+#: How long closing one pool at exit may wait for its threads.
+EXIT_CLOSE_SECONDS = 1.0
+
+
+@atexit.register
+def close_open_pools() -> None:
+    """Close the pools still open as the process exits, while their threads can still be joined.
+
+    A pool left open (``relay = Relay()`` at module level, never closed) is
+    otherwise closed by its finaliser during interpreter shutdown, when, on
+    Python 3.13 and newer, its threads can no longer be joined: the process
+    then waited 5 s for each of them (20 s for a program that enqueued one
+    job). A pool a forked process inherited is its parent's to close.
+    """
+    for pool in list(OPEN_POOLS):
+        if not pool.closed and not pool.inherited:
+            with contextlib.suppress(Exception):  # exiting anyway: one pool's failure must not keep the rest open
+                pool.close(timeout=EXIT_CLOSE_SECONDS)
+
+
 class ReconnectingPool(ConnectionPool):
     """A psycopg pool that tries to reconnect at least every RECONNECT_MAX_DELAY_SECONDS,
     and hands out the idle connection returned last.
@@ -90,6 +113,7 @@ class ReconnectingPool(ConnectionPool):
         # The pool's own hook for opening (open(), or open=True when it is made).
         self.pid = os.getpid()
         super()._open(*args, **kwargs)
+        OPEN_POOLS.add(self)
 
     @property
     def inherited(self) -> bool:

@@ -202,3 +202,23 @@ def test_a_forked_child_leaves_the_parents_armed_connections_alone(dsn: str) -> 
         _, status = os.waitpid(pid, 0)
         assert os.waitstatus_to_exitcode(status) == 0
         assert conn.execute("SELECT 1").fetchone() == (1,)
+
+
+def test_a_pool_left_open_is_closed_as_the_process_exits(dsn: str, db: psycopg.Connection) -> None:
+    """A pool never closed (``relay = Relay()`` at module level) was closed by its finaliser during
+    interpreter shutdown, when Python 3.13 and newer can no longer join its threads: a program that
+    enqueued one job and ended then waited 5 s for each of the pool's four threads. Relay closes
+    the pools still open at exit, while their threads can still be joined."""
+    script = (
+        "import logging, sys\n"
+        "logging.basicConfig(stream=sys.stderr, level=logging.WARNING)\n"
+        "logging.getLogger('psycopg.pool').setLevel(logging.DEBUG)\n"
+        "from relay_core import Relay\n"
+        f"relay = Relay({dsn!r})\n"
+        "relay.enqueue('left_open')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "pool 'relay-client' closed" in done.stderr, done.stderr[-2000:]
+    assert "couldn't stop thread" not in done.stderr
+    assert db.execute("SELECT count(*) FROM relay.jobs WHERE type = 'left_open'").fetchone()[0] == 1

@@ -185,6 +185,46 @@ def test_a_queue_named_twice_is_served_once() -> None:
     assert WorkerConfig(queues=("mail", "default", "mail")).queues == ("mail", "default")
 
 
+def test_queues_given_as_one_string_are_refused_not_split_into_letters() -> None:
+    """queues="emails" became the queues e, m, a, i, l and s: the worker started, served none
+    of the queues meant, and said nothing."""
+    with pytest.raises(ConfigurationError, match=r"queues=\['emails'\]"):
+        WorkerConfig(queues="emails")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        {"concurrency": 2.5},  # passed 1 <= x <= 1000, then the worker crashed after registering
+        {"concurrency": True},  # one slot, by accident
+        {"concurrency": "8"},  # TypeError from the comparison
+        {"lease_seconds": "30"},
+        {"heartbeat_interval": "3"},
+        {"poll_interval": None},
+        {"shutdown_timeout": "25"},
+        {"sweep_interval": False},
+    ],
+)
+def test_settings_of_the_wrong_type_are_refused_at_start(settings: dict[str, object]) -> None:
+    name = next(iter(settings))
+    with pytest.raises(ConfigurationError, match=name):
+        WorkerConfig(**settings)  # type: ignore[arg-type]
+
+
+def test_a_worker_without_handlers_refuses_to_start(relay: Relay, db: psycopg.Connection) -> None:
+    """A worker whose app registered no handler (a handlers module never imported) started and claimed
+    every job: each attempt failed with HandlerNotFound, and jobs with one attempt ended dead."""
+    job_id = relay.enqueue("send_email", max_attempts=1)
+    worker = relay.worker(poll_interval=0.05)
+    with pytest.raises(ConfigurationError, match="no handlers"):
+        worker.run(install_signals=False)
+    assert db.execute("SELECT status::text, attempts FROM relay.jobs WHERE id = %s", (job_id,)).fetchone() == (
+        "queued",
+        0,
+    )
+    assert db.execute("SELECT count(*) FROM relay.workers").fetchone()[0] == 0
+
+
 @pytest.mark.parametrize("value", ["nan", "inf", "-1"])
 def test_a_shutdown_timeout_a_worker_cannot_keep_is_refused_at_start(
     relay: Relay, monkeypatch: pytest.MonkeyPatch, value: str

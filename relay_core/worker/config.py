@@ -75,6 +75,9 @@ class WorkerConfig:
         if not self.worker_id:
             self.worker_id = _worker_id()
             self.owns_worker_id = True
+        if isinstance(self.queues, str):
+            # tuple("emails") is six one-letter queues, none of them the one meant.
+            raise ConfigurationError(f"queues must be a list of queue names, not one string: queues=[{self.queues!r}]")
         self.queues = tuple(dict.fromkeys(self.queues))  # each once, in the order given
         if not self.queues:
             raise ConfigurationError("a worker needs at least one queue")
@@ -83,8 +86,16 @@ class WorkerConfig:
                 check_queue(queue)
             except InvalidJobError as exc:
                 raise ConfigurationError(str(exc)) from None
+        if isinstance(self.concurrency, bool) or not isinstance(self.concurrency, int):
+            raise ConfigurationError(f"concurrency must be a whole number of slots, got {self.concurrency!r}")
         if not 1 <= self.concurrency <= MAX_CONCURRENCY:
             raise ConfigurationError(f"concurrency must be between 1 and {MAX_CONCURRENCY}, got {self.concurrency}")
+        for name in ("lease_seconds", "heartbeat_interval", "poll_interval", "sweep_interval", "shutdown_timeout"):
+            value = getattr(self, name)
+            if (value is not None or name != "heartbeat_interval") and (
+                isinstance(value, bool) or not isinstance(value, int | float)
+            ):
+                raise ConfigurationError(f"{name} must be a number of seconds, got {value!r}")
         if self.heartbeat_interval is None:
             self.heartbeat_interval = self.lease_seconds / 3
         for name in ("lease_seconds", "heartbeat_interval", "poll_interval", "sweep_interval"):

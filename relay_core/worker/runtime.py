@@ -363,6 +363,13 @@ class Worker:
                 signals.close()
 
     def _run(self) -> None:
+        if not self.handlers:
+            # Every job it claimed would fail (HandlerNotFound), spending attempts until dead:
+            # the usual cause is a module of handlers that was never imported.
+            raise ConfigurationError(
+                "this worker has no handlers: register them with @relay.handler(...) on the Relay it runs "
+                "(with `relay worker --app MODULE:ATTR`, in MODULE or a module it imports)"
+            )
         # Not open(wait=True): a worker started while the database is down (a deploy
         # during a failover) would give up after that wait and exit. Registration
         # retries instead, until the database answers or the worker is told to stop.

@@ -21,6 +21,7 @@ from .errors import ConfigurationError, InvalidJobError, MigrationError, RelayEr
 from .jsonb import float_changes
 from .settings import database_url, database_url_set
 from .validation import positive_number
+from .worker import require_handlers
 from .worker.config import MAX_CONCURRENCY
 from .worker.shutdown import exit_now
 
@@ -174,6 +175,7 @@ def worker(
         settings["listen"] = False
     try:
         running = app.worker(**settings)
+        require_handlers(running.handlers)
         running.run()
     except ConfigurationError as exc:
         raise click.ClickException(str(exc)) from None

@@ -30,7 +30,7 @@ from .validation import (
     check_seconds,
     new_job,
 )
-from .worker import Worker, WorkerConfig
+from .worker import Worker, WorkerConfig, require_handlers
 from .worker.shutdown import exit_now
 
 #: How long an enqueue without ``conn`` waits for a pooled connection by default (RELAY_DB_WAIT_SECONDS).
@@ -472,6 +472,7 @@ class Relay:
         return and let them run on beside their next attempt.
         """
         worker = self.worker(**settings)
+        require_handlers(worker.handlers)
         worker.run()
         if worker.handlers_left_running:
             exit_now()

@@ -229,3 +229,19 @@ def test_a_worker_whose_unix_socket_server_is_down_waits_for_it(
         code = stop_process(worker)
     assert code == 0, log.read_text()
     assert "Error:" not in log.read_text()
+
+
+def test_a_worker_whose_app_registered_no_handler_ends_with_one_line(
+    python: str, worker_env: dict[str, str], tmp_path: Path, db: psycopg.Connection
+) -> None:
+    """An app whose handlers live in a module it never imports: the worker started and spent the
+    attempts of every job it claimed (HandlerNotFound) until they were dead."""
+    (tmp_path / "empty_app.py").write_text("from relay_core import Relay\n\nrelay = Relay()\n")
+    db.execute("INSERT INTO relay.jobs (type, max_attempts) VALUES ('send_email', 1)")
+    done = run_worker(python, worker_env, app="empty_app:relay", cwd=tmp_path)
+    assert done.returncode == 1, done.stderr
+    assert done.stderr.strip().splitlines() == [
+        "Error: this worker has no handlers: register them with @relay.handler(...) on the Relay it runs "
+        "(with `relay worker --app MODULE:ATTR`, in MODULE or a module it imports)"
+    ]
+    assert db.execute("SELECT status::text, attempts FROM relay.jobs").fetchall() == [("queued", 0)]

@@ -215,9 +215,8 @@ def test_a_worker_without_handlers_refuses_to_start(relay: Relay, db: psycopg.Co
     """A worker whose app registered no handler (a handlers module never imported) started and claimed
     every job: each attempt failed with HandlerNotFound, and jobs with one attempt ended dead."""
     job_id = relay.enqueue("send_email", max_attempts=1)
-    worker = relay.worker(poll_interval=0.05)
     with pytest.raises(ConfigurationError, match="no handlers"):
-        worker.run(install_signals=False)
+        relay.run_worker(poll_interval=0.05)
     assert db.execute("SELECT status::text, attempts FROM relay.jobs WHERE id = %s", (job_id,)).fetchone() == (
         "queued",
         0,

@@ -3,6 +3,6 @@
 from __future__ import annotations
 
 from .config import WorkerConfig
-from .runtime import Worker
+from .runtime import Worker, require_handlers
 
-__all__ = ["Worker", "WorkerConfig"]
+__all__ = ["Worker", "WorkerConfig", "require_handlers"]

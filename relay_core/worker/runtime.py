@@ -67,6 +67,22 @@ POOL_THREAD_STOP_SECONDS = 0.3
 LAST_ATTEMPTS_AHEAD_PER_SLOT = 2
 
 
+def require_handlers(handlers: Mapping[str, HandlerSpec]) -> None:
+    """Refuse to run a worker process for an app that registered no handler.
+
+    Every job it claimed would fail (HandlerNotFound), spending attempts
+    until dead: the usual cause is a module of handlers never imported.
+    Checked where a worker owns its process (``relay worker``,
+    ``Relay.run_worker``); a ``Worker`` embedded elsewhere may run only the
+    registry and maintenance.
+    """
+    if not handlers:
+        raise ConfigurationError(
+            "this worker has no handlers: register them with @relay.handler(...) on the Relay it runs "
+            "(with `relay worker --app MODULE:ATTR`, in MODULE or a module it imports)"
+        )
+
+
 class Worker:
     """Runs the handlers of one Relay app until told to stop."""
 
@@ -363,13 +379,6 @@ class Worker:
                 signals.close()
 
     def _run(self) -> None:
-        if not self.handlers:
-            # Every job it claimed would fail (HandlerNotFound), spending attempts until dead:
-            # the usual cause is a module of handlers that was never imported.
-            raise ConfigurationError(
-                "this worker has no handlers: register them with @relay.handler(...) on the Relay it runs "
-                "(with `relay worker --app MODULE:ATTR`, in MODULE or a module it imports)"
-            )
         # Not open(wait=True): a worker started while the database is down (a deploy
         # during a failover) would give up after that wait and exit. Registration
         # retries instead, until the database answers or the worker is told to stop.

@@ -95,7 +95,9 @@ def fetch_all(conn: Any, sql: str, params: dict[str, Any]) -> list[dict[str, Any
     if isinstance(conn, psycopg.Connection):
         with _cursor(conn, dict_row) as cur:
             cur.execute(sql, params, prepare=_prepare(conn))
-            return cur.fetchall() if cur.description else []
+            # Every statement of Relay's returns rows. Not ``if cur.description``: in a
+            # pipeline (``conn.pipeline()``) that is None until the rows are fetched.
+            return cur.fetchall()
     if is_async_connection(conn):
         raise TypeError(
             f"conn is an asyncio connection ({type(conn).__name__}), which enqueue cannot use: "
@@ -170,7 +172,7 @@ async def _fetch_all_async(conn: Any, statement: Statement) -> list[dict[str, An
     if isinstance(conn, psycopg.AsyncConnection):
         async with _cursor(conn, dict_row) as cur:
             await cur.execute(statement.sql, statement.params, prepare=None)  # the caller's policy, as _prepare
-            return await cur.fetchall() if cur.description else []
+            return await cur.fetchall()  # rows even in a pipeline (see fetch_all)
     result = await conn.exec_driver_sql(statement.sql, statement.params)
     if not result.returns_rows:
         return []

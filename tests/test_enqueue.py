@@ -862,3 +862,23 @@ def test_a_handler_that_names_no_max_attempts_takes_its_relays_default(dsn: str,
         relay.close()
     rows = db.execute("SELECT max_attempts FROM relay.jobs WHERE id = ANY(%s) ORDER BY id", (ids,)).fetchall()
     assert rows == [(3,), (7,)]
+
+
+@pytest.mark.parametrize("autocommit", [True, False], ids=["autocommit", "transaction"])
+def test_enqueue_many_in_a_pipeline_returns_the_ids(
+    relay: Relay, dsn: str, db: psycopg.Connection, autocommit: bool
+) -> None:
+    """In ``conn.pipeline()`` a cursor has no description until its rows are fetched: the jobs were
+    inserted and enqueue_many raised IndexError, so a caller that retried made every job twice."""
+    publish_handlers(dsn, report=2)  # the published max_attempts is read in the pipeline too
+    with psycopg.connect(dsn, autocommit=autocommit) as conn:
+        with conn.pipeline():
+            ids = relay.enqueue_many([{"type": "report", "payload": {"n": n}} for n in range(3)], conn=conn)
+            keyed = relay.enqueue_many([{"type": "t", "idempotency_key": "k"}, {"type": "t"}], conn=conn)
+            again = relay.enqueue_many([{"type": "t", "idempotency_key": "k"}], conn=conn)
+        if not autocommit:
+            conn.commit()
+    assert again == keyed[:1]
+    rows = db.execute("SELECT id, type, max_attempts FROM relay.jobs ORDER BY id").fetchall()
+    assert [r[0] for r in rows] == sorted([*ids, *keyed]) and len(rows) == 5
+    assert [r[2] for r in rows if r[1] == "report"] == [2, 2, 2]

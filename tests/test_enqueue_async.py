@@ -255,3 +255,23 @@ def test_enqueue_many_async_refuses_a_batch_that_is_not_a_list_of_mappings(
         asyncio.run(relay.enqueue_many_async(batch))
     assert caught.value.field == field
     assert jobs(db) == []
+
+
+def test_enqueue_async_in_a_pipeline_returns_the_ids(relay: Relay, dsn: str, db: psycopg.Connection) -> None:
+    """In ``conn.pipeline()`` a cursor has no description until its rows are fetched: the jobs were
+    inserted while enqueue_many_async raised IndexError, enqueue_async returned None and a repeated
+    idempotency key raised "conflicted but its job vanished"."""
+
+    async def enqueue() -> tuple[list[int], int, int, int]:
+        async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn, conn.pipeline():
+            jobs = [{"type": "resize", "payload": {"n": n}} for n in range(3)]
+            many = await relay.enqueue_many_async(jobs, conn=conn)
+            one = await relay.enqueue_async("send_email", {"n": 3}, conn=conn)
+            keyed = await relay.enqueue_async("send_email", {"n": 4}, conn=conn, idempotency_key="order-8")
+            again = await relay.enqueue_async("send_email", {"n": 5}, conn=conn, idempotency_key="order-8")
+            return many, one, keyed, again
+
+    many, one, keyed, again = asyncio.run(enqueue())
+    assert again == keyed
+    stored = db.execute("SELECT id, payload->>'n' FROM relay.jobs ORDER BY id").fetchall()
+    assert stored == [(many[0], "0"), (many[1], "1"), (many[2], "2"), (one, "3"), (keyed, "4")]

@@ -17,11 +17,12 @@ import psycopg
 
 from . import users
 from .errors import ConfigurationError, RelayError
+from .jsonb import read_any_number
 from .pools import connection_options
 from .settings import database_url, env_int
 
 #: What a command says when the database has no Relay schema yet.
-MISSING_TABLES = "Relay's tables are missing: run `relay migrate` first"
+MISSING_TABLES = "Relay's tables are missing or older than this release: run `relay migrate` first"
 
 
 def connect() -> psycopg.Connection:
@@ -41,6 +42,9 @@ def connect() -> psycopg.Connection:
     # stricter level a requeue that waited for a worker's row lock failed with a
     # serialization error. Asked for in each BEGIN (nothing stays behind a pooler).
     conn.isolation_level = psycopg.IsolationLevel.READ_COMMITTED
+    # A requeue reads the job back: a payload with an integer of over 4,300 digits, or
+    # nested past Python's recursion limit, must read as on Relay's own connections.
+    read_any_number(conn)
     return conn
 
 
@@ -53,7 +57,8 @@ def database_errors() -> Iterator[None]:
     """
     try:
         yield
-    except psycopg.errors.UndefinedTable:
+    except (psycopg.errors.UndefinedTable, psycopg.errors.UndefinedFunction, psycopg.errors.UndefinedColumn):
+        # A table, function or column a later migration adds: the schema is behind this release.
         raise click.ClickException(MISSING_TABLES) from None
     except psycopg.Error as exc:
         lines = str(exc).strip().splitlines()

@@ -234,3 +234,41 @@ def test_a_worker_with_an_unreadable_database_url_stops_at_once_without_logging_
     assert done.returncode == 1, done.stderr
     assert "DATABASE_URL" in done.stderr and "percent-encod" in done.stderr, done.stderr
     assert "zzQpw4" not in done.stdout + done.stderr, done.stderr
+
+
+@pytest.mark.parametrize(
+    "payload",
+    ['{"n": 1' + "0" * 5000 + "}", "[" * 3000 + "]" * 3000],
+    ids=["an integer of 5,001 digits", "nested 3,000 deep"],
+)
+def test_requeue_takes_a_dead_job_whose_payload_python_json_cannot_read(
+    dsn: str, db: psycopg.Connection, payload: str
+) -> None:
+    """The job a worker turns dead because its payload cannot be read as JSON is the one an operator
+    requeues; the command read the job back with Python's own JSON reader, printed a traceback
+    (ValueError, RecursionError) and rolled the requeue back."""
+    job_id = db.execute(
+        "INSERT INTO relay.jobs (type, payload, status, finished_at) "
+        "VALUES ('t', %s::jsonb, 'dead', now()) RETURNING id",
+        (payload,),
+    ).fetchone()[0]
+    result = CliRunner().invoke(main, ["requeue", str(job_id)], env={"RELAY_DATABASE_URL": dsn})
+    assert result.exit_code == 0, result.output
+    assert db.execute("SELECT status::text FROM relay.jobs WHERE id = %s", (job_id,)).fetchone()[0] == "queued"
+
+
+def test_a_database_behind_this_release_is_told_to_migrate_not_shown_the_missing_function(
+    dsn: str, db: psycopg.Connection
+) -> None:
+    """A function a later migration adds was missing: "the database refused: function
+    relay.published_max_attempts(unknown, smallint) does not exist"."""
+    db.execute("ALTER FUNCTION relay.published_max_attempts(text, integer) RENAME TO published_max_attempts_gone")
+    try:
+        result = CliRunner().invoke(main, ["enqueue", "t", "{}"], env={"RELAY_DATABASE_URL": dsn})
+    finally:
+        db.execute("ALTER FUNCTION relay.published_max_attempts_gone(text, integer) RENAME TO published_max_attempts")
+    assert result.exit_code == 1
+    assert result.output.strip().splitlines() == [
+        "Error: Relay's tables are missing or older than this release: run `relay migrate` first"
+    ]
+    assert job_count(db) == 0

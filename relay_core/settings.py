@@ -39,13 +39,19 @@ def database_url(explicit: str | None = None) -> str:
     if dsn.startswith("postgres://"):
         dsn = "postgresql://" + dsn[len("postgres://") :]
     try:
-        conninfo.conninfo_to_dict(dsn)
+        parsed = conninfo.conninfo_to_dict(dsn)
     except psycopg.ProgrammingError as exc:
         # Here, not at the first connection: a pool would log libpq's message,
         # quoted password and all, on every attempt, and the worker would run on.
         raise ConfigurationError(
             f"the database URL (DATABASE_URL or RELAY_DATABASE_URL) cannot be read: {_redact(exc)}"
         ) from None
+    if dsn.startswith("postgresql://") and any("@" in host[1:] for host in str(parsed.get("host", "")).split(",")):
+        # libpq ends the password at its first "@": the rest of it became the host name, which
+        # every failed connection then logged. (A host starting with "@" is an abstract socket.)
+        raise ConfigurationError(
+            "the database URL (DATABASE_URL or RELAY_DATABASE_URL) has an '@' in its user or password: write it as %40"
+        )
     return dsn
 
 

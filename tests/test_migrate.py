@@ -136,6 +136,8 @@ def test_schedules_of_an_existing_database_keep_their_last_run(database_url: str
             # Not a cron job of its schedule, whatever its payload says:
             conn.execute(insert, ("nightly", "2030-01-03T03:00:00+00:00", "my-own-key"))
             conn.execute(insert, ("monthly", "not a time", "cron:monthly:not a time"))
+            # Shaped like a tick, but no such day: the cast failed the migration, and every later run of it.
+            conn.execute(insert, ("monthly", "2024-02-30T00:00:00+00:00", "cron:monthly:2024-02-30T00:00:00+00:00"))
             (newest,) = conn.execute("SELECT max(id) FROM relay.jobs WHERE type = 'nightly'").fetchone()
             newest -= 1
         assert migrator.migrate(dsn) == [f"{m.version:04d}_{m.name}" for m in migrator.available() if m.version > 8]

@@ -18,15 +18,27 @@ ALTER TABLE relay.schedules
 -- Existing schedules: the newest job a tick enqueued and retention still keeps,
 -- recognised by the idempotency key every tick's job carries. One read of the
 -- jobs table; a payload whose key matches but whose tick is not a timestamp
--- (a job some other code enqueued with such a key) is left alone.
+-- (a job some other code enqueued with such a key) is left alone, a date that
+-- looks like one but does not exist (2024-02-30) too: the cast would have
+-- failed the migration, and every later one, until the row was found by hand.
+-- (A temporary function: it goes with the migrating session.)
+CREATE OR REPLACE FUNCTION pg_temp.relay_tick_or_null(tick text) RETURNS timestamptz LANGUAGE plpgsql AS $$
+BEGIN
+    RETURN tick::timestamptz;
+EXCEPTION WHEN data_exception THEN
+    RETURN NULL;
+END
+$$;
+
 UPDATE relay.schedules AS s
-SET last_enqueued_tick = (j.payload->>'scheduled_for')::timestamptz, last_job_id = j.id
+SET last_enqueued_tick = j.tick, last_job_id = j.id
 FROM (
-    SELECT DISTINCT ON (type) type, id, payload
+    SELECT DISTINCT ON (type) type, id, pg_temp.relay_tick_or_null(payload->>'scheduled_for') AS tick
     FROM relay.jobs
     WHERE idempotency_key LIKE 'cron:%'
       AND idempotency_key = 'cron:' || type || ':' || (payload->>'scheduled_for')
       AND payload->>'scheduled_for' ~ '^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(\.\d+)?[+-]\d\d:\d\d(:\d\d)?$'
+      AND pg_temp.relay_tick_or_null(payload->>'scheduled_for') IS NOT NULL
     ORDER BY type, id DESC
 ) AS j
 WHERE j.type = s.type;

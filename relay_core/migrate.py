@@ -41,7 +41,6 @@ LOCK_PATIENCE_SECONDS = 600.0
 LOCK_RETRY_PAUSE_SECONDS = 1.0
 
 _CREATE_TABLE = """
-CREATE SCHEMA IF NOT EXISTS relay;
 CREATE TABLE IF NOT EXISTS relay.schema_migrations (
     version    integer PRIMARY KEY,
     name       text NOT NULL,
@@ -171,8 +170,13 @@ def _create_table_if_missing(conn: psycopg.Connection) -> None:
     """The schema and its migrations table, only when missing: a CREATE ... IF NOT EXISTS needs the
     privilege to create even when there is nothing to create, and a role allowed only its own schema
     would fail every deploy."""
-    exists = conn.execute("SELECT to_regclass('relay.schema_migrations') IS NOT NULL").fetchone()
-    if not (exists and exists[0]):
+    schema, table = conn.execute(
+        "SELECT to_regnamespace('relay') IS NOT NULL, to_regclass('relay.schema_migrations') IS NOT NULL"
+    ).fetchone()
+    if not schema:
+        # Not IF NOT EXISTS, for the same reason: a schema made for the role beforehand is enough.
+        conn.execute("CREATE SCHEMA relay")
+    if not table:
         conn.execute(_CREATE_TABLE)
 
 

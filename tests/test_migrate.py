@@ -105,7 +105,7 @@ def test_the_running_release_guard_recognises_what_breaks_it(statement: str) -> 
 def migrate_to(dsn: str, version: int) -> None:
     """Apply the shipped migrations up to ``version``, as an older release of Relay left the schema."""
     with psycopg.connect(dsn) as conn, conn.transaction():
-        conn.execute(migrator._CREATE_TABLE)
+        migrator._create_table_if_missing(conn)
         for migration in migrator.available():
             if migration.version <= version:
                 conn.execute(migration.sql)
@@ -261,6 +261,26 @@ def test_a_role_that_may_not_create_in_the_database_migrates_its_own_schema(data
         assert len(migrator.migrate(as_role)) == len(migrator.available())
         with psycopg.connect(dsn, autocommit=True) as admin:
             admin.execute(f'REVOKE CREATE ON DATABASE "{dbname}" FROM "{role}"')
+        assert migrator.migrate(as_role) == []
+    finally:
+        drop_database(dsn)
+        with psycopg.connect(database_url, autocommit=True) as admin:
+            admin.execute(f'DROP ROLE IF EXISTS "{role}"')
+
+
+def test_a_role_given_only_its_own_schema_makes_its_first_install(database_url: str) -> None:
+    """The schema made for the role beforehand, no CREATE on the database: the first `relay migrate`
+    failed with "permission denied for database", as CREATE SCHEMA IF NOT EXISTS asks for it anyway."""
+    dsn = fresh_database(database_url)
+    role = f"relay_app_{uuid.uuid4().hex[:8]}"
+    dbname = conninfo.conninfo_to_dict(dsn)["dbname"]
+    try:
+        with psycopg.connect(dsn, autocommit=True) as admin:
+            admin.execute(f'CREATE ROLE "{role}" LOGIN')
+            admin.execute(f'REVOKE CREATE ON DATABASE "{dbname}" FROM PUBLIC')
+            admin.execute(f'CREATE SCHEMA relay AUTHORIZATION "{role}"')
+        as_role = conninfo.make_conninfo(dsn, user=role)
+        assert len(migrator.migrate(as_role)) == len(migrator.available())
         assert migrator.migrate(as_role) == []
     finally:
         drop_database(dsn)

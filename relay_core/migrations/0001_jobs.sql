@@ -2,7 +2,16 @@
 -- Everything lives in the "relay" schema so Relay can share its users'
 -- application database without touching their tables.
 
-CREATE SCHEMA IF NOT EXISTS relay;
+-- The migrator has made the schema by now; IF NOT EXISTS would still ask for the
+-- privilege to create schemas in the database, which a role given only its own
+-- schema (made for it beforehand) does not have.
+DO $$
+BEGIN
+    IF to_regnamespace('relay') IS NULL THEN
+        CREATE SCHEMA relay;
+    END IF;
+END
+$$;
 
 -- The states of DESIGN section 3; an enum keeps every row in exactly one of them.
 CREATE TYPE relay.job_status AS ENUM ('queued', 'claimed', 'succeeded', 'dead', 'cancelled');

@@ -6,6 +6,8 @@ import re
 import subprocess
 import threading
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import psycopg
 import pytest
@@ -245,9 +247,10 @@ def test_a_migration_waiting_for_a_lock_lets_the_statements_behind_it_through(da
         drop_database(dsn)
 
 
-def test_a_role_that_may_not_create_in_the_database_migrates_its_own_schema(database_url: str) -> None:
-    """A least-privilege role owning schema relay, without CREATE on the database: `relay migrate`
-    with nothing pending failed with "permission denied for database" on every deploy."""
+@contextmanager
+def role_owning_its_schema(database_url: str) -> Iterator[tuple[str, str, str]]:
+    """A fresh database whose schema relay a new login role owns, with CREATE on the database revoked
+    from PUBLIC: (the admin DSN, the role's DSN, the role's name). Both are dropped afterwards."""
     dsn = fresh_database(database_url)
     role = f"relay_app_{uuid.uuid4().hex[:8]}"
     dbname = conninfo.conninfo_to_dict(dsn)["dbname"]
@@ -256,36 +259,32 @@ def test_a_role_that_may_not_create_in_the_database_migrates_its_own_schema(data
             admin.execute(f'CREATE ROLE "{role}" LOGIN')
             admin.execute(f'REVOKE CREATE ON DATABASE "{dbname}" FROM PUBLIC')
             admin.execute(f'CREATE SCHEMA relay AUTHORIZATION "{role}"')
-            admin.execute(f'GRANT CREATE ON DATABASE "{dbname}" TO "{role}"')
-        as_role = conninfo.make_conninfo(dsn, user=role)
-        assert len(migrator.migrate(as_role)) == len(migrator.available())
-        with psycopg.connect(dsn, autocommit=True) as admin:
-            admin.execute(f'REVOKE CREATE ON DATABASE "{dbname}" FROM "{role}"')
-        assert migrator.migrate(as_role) == []
+        yield dsn, conninfo.make_conninfo(dsn, user=role), role
     finally:
         drop_database(dsn)
         with psycopg.connect(database_url, autocommit=True) as admin:
             admin.execute(f'DROP ROLE IF EXISTS "{role}"')
+
+
+def test_a_role_that_may_not_create_in_the_database_migrates_its_own_schema(database_url: str) -> None:
+    """A least-privilege role owning schema relay, without CREATE on the database: `relay migrate`
+    with nothing pending failed with "permission denied for database" on every deploy."""
+    with role_owning_its_schema(database_url) as (dsn, as_role, role):
+        dbname = conninfo.conninfo_to_dict(dsn)["dbname"]
+        with psycopg.connect(dsn, autocommit=True) as admin:
+            admin.execute(f'GRANT CREATE ON DATABASE "{dbname}" TO "{role}"')
+        assert len(migrator.migrate(as_role)) == len(migrator.available())
+        with psycopg.connect(dsn, autocommit=True) as admin:
+            admin.execute(f'REVOKE CREATE ON DATABASE "{dbname}" FROM "{role}"')
+        assert migrator.migrate(as_role) == []
 
 
 def test_a_role_given_only_its_own_schema_makes_its_first_install(database_url: str) -> None:
     """The schema made for the role beforehand, no CREATE on the database: the first `relay migrate`
     failed with "permission denied for database", as CREATE SCHEMA IF NOT EXISTS asks for it anyway."""
-    dsn = fresh_database(database_url)
-    role = f"relay_app_{uuid.uuid4().hex[:8]}"
-    dbname = conninfo.conninfo_to_dict(dsn)["dbname"]
-    try:
-        with psycopg.connect(dsn, autocommit=True) as admin:
-            admin.execute(f'CREATE ROLE "{role}" LOGIN')
-            admin.execute(f'REVOKE CREATE ON DATABASE "{dbname}" FROM PUBLIC')
-            admin.execute(f'CREATE SCHEMA relay AUTHORIZATION "{role}"')
-        as_role = conninfo.make_conninfo(dsn, user=role)
+    with role_owning_its_schema(database_url) as (_dsn, as_role, _role):
         assert len(migrator.migrate(as_role)) == len(migrator.available())
         assert migrator.migrate(as_role) == []
-    finally:
-        drop_database(dsn)
-        with psycopg.connect(database_url, autocommit=True) as admin:
-            admin.execute(f'DROP ROLE IF EXISTS "{role}"')
 
 
 def test_a_migrator_waits_out_another_whatever_lock_timeout_the_database_sets(database_url: str) -> None:

@@ -291,7 +291,8 @@ def test_the_spec_says_an_action_without_a_body_may_answer_422_and_413(client) -
     doc = client.get("/api/openapi.json").get_json()
     cancel = doc["paths"]["/api/admin/jobs/{job_id}/cancel"]["post"]
     assert {"413", "422"} <= set(cancel["responses"]) and "requestBody" not in cancel
-    assert "422" not in doc["paths"]["/api/auth/refresh"]["post"]["responses"]
+    # The refresh ignores a body, so none is too large; its 422 is for a query parameter it does not know.
+    assert "413" not in doc["paths"]["/api/auth/refresh"]["post"]["responses"]
 
 
 @pytest.mark.parametrize(

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import os
 import socket
 import uuid
@@ -10,6 +9,7 @@ from dataclasses import dataclass, field
 
 from ..backoff import MAX_DELAY_SECONDS
 from ..errors import ConfigurationError
+from ..finite import finite_real
 from ..settings import env_bool, env_float, env_int, transaction_pooling
 from ..validation import InvalidJobError, check_queue
 from .retention import Retention
@@ -90,20 +90,17 @@ class WorkerConfig:
             raise ConfigurationError(f"concurrency must be a whole number of slots, got {self.concurrency!r}")
         if not 1 <= self.concurrency <= MAX_CONCURRENCY:
             raise ConfigurationError(f"concurrency must be between 1 and {MAX_CONCURRENCY}, got {self.concurrency}")
-        for name in ("lease_seconds", "heartbeat_interval", "poll_interval", "sweep_interval", "shutdown_timeout"):
-            value = getattr(self, name)
-            if (value is not None or name != "heartbeat_interval") and (
-                isinstance(value, bool) or not isinstance(value, int | float)
-            ):
-                raise ConfigurationError(f"{name} must be a number of seconds, got {value!r}")
-        if self.heartbeat_interval is None:
-            self.heartbeat_interval = self.lease_seconds / 3
+        # The lease first: the heartbeat's default is a third of it.
         for name in ("lease_seconds", "heartbeat_interval", "poll_interval", "sweep_interval"):
-            # NaN passes every comparison below, and a thread cannot wait an infinite time
-            # (nor longer than threading.TIMEOUT_MAX, about 292 years: an OverflowError mid-run).
-            if not (math.isfinite(getattr(self, name)) and 0 < getattr(self, name) <= MAX_DELAY_SECONDS):
+            if name == "heartbeat_interval" and self.heartbeat_interval is None:
+                self.heartbeat_interval = self.lease_seconds / 3
+            # NaN passes every comparison below, text or a bool is no number of seconds, and a thread
+            # cannot wait an infinite time (nor longer than threading.TIMEOUT_MAX, about 292 years:
+            # an OverflowError mid-run).
+            value = getattr(self, name)
+            if not (finite_real(value) and 0 < value <= MAX_DELAY_SECONDS):
                 raise ConfigurationError(
-                    f"{name} must be a positive number of seconds, at most {MAX_DELAY_SECONDS:.0f}"
+                    f"{name} must be a positive number of seconds, at most {MAX_DELAY_SECONDS:.0f}, got {value!r}"
                 )
         for name, shortest in MIN_INTERVAL_SECONDS.items():
             if getattr(self, name) < shortest:
@@ -128,7 +125,7 @@ class WorkerConfig:
             # PostgreSQL would store now() + lease, but a claimed job's claimed_until must stay readable.
             raise ConfigurationError(f"lease_seconds must be at most {MAX_DELAY_SECONDS:.0f}")
         # NaN would skip the wait for in-flight jobs; an infinite wait outlasts every drain window.
-        if not (math.isfinite(self.shutdown_timeout) and 0 <= self.shutdown_timeout <= MAX_DELAY_SECONDS):
+        if not (finite_real(self.shutdown_timeout) and 0 <= self.shutdown_timeout <= MAX_DELAY_SECONDS):
             raise ConfigurationError(f"shutdown_timeout must be a number of seconds from 0 to {MAX_DELAY_SECONDS:.0f}")
 
     @classmethod

@@ -322,8 +322,7 @@ class Ledger:
             unstarted = [r for r in self.running.values() if r.slot is None]
             for running in unstarted:
                 del self.running[running.job.id]
-                running.job._lease_lost.set()
-                self.closing[running.job.id] = running.job.lease_token
+            self._to_closing(unstarted)
         return unstarted
 
     def close(self) -> tuple[list[Running], list[tuple[Running, Outcome]]]:
@@ -333,12 +332,16 @@ class Ledger:
             overdue = list(self.overdue.values())
             self.running.clear()
             self.overdue.clear()
-            for running in unfinished + [run for run, _ in overdue]:
-                if running.slot is not None:
-                    running.slot.abandoned.set()
-                running.job._lease_lost.set()
-                self.closing[running.job.id] = running.job.lease_token
+            self._to_closing(unfinished + [run for run, _ in overdue])
         return unfinished, overdue
+
+    def _to_closing(self, runs: Iterable[Running]) -> None:
+        """Hold these runs' leases in closing, their handlers (if started) told to stop; called with the lock held."""
+        for running in runs:
+            if running.slot is not None:
+                running.slot.abandoned.set()
+            running.job._lease_lost.set()
+            self.closing[running.job.id] = running.job.lease_token
 
     def release(self, jobs: Iterable[Job]) -> None:
         """Stop holding the leases of jobs whose shutdown write is done (or failed)."""

@@ -639,9 +639,6 @@ class Worker:
             return max(writes_end - time.monotonic(), 0.1)
 
         handed_back = handed_back_first
-        never_started = [r for r in unfinished if r.slot is None]
-        if never_started:
-            handed_back += hand_back(self.pool, self.ledger, never_started, left())
         self.completer.stop(left())  # writes the outcomes of the jobs that finished
         if overdue:
             record_overdue(self.completer, self.ledger, [decided for _, decided in overdue], left(), self._on_written)
@@ -650,11 +647,11 @@ class Worker:
                 conn.execute(sql("worker_stop"), {"id": self.id, "started_at": self.maintenance.registered_at})
         except (psycopg.Error, PoolTimeout) as exc:
             event(logging.WARNING, "could not record worker stop", error=str(exc))
-        # The last write: from here to the process's exit must fit in the hand-back grace.
-        still_running = [r for r in unfinished if r.slot is not None]
-        self.handlers_left_running = len(still_running) + len(overdue)
-        if still_running:
-            handed_back += hand_back(self.pool, self.ledger, still_running, left())
+        # The last write: from here to the process's exit must fit in the hand-back grace. Every
+        # unfinished job had started (the unstarted ones went back first, and nothing was claimed since).
+        self.handlers_left_running = len(unfinished) + len(overdue)
+        if unfinished:
+            handed_back += hand_back(self.pool, self.ledger, unfinished, left())
         # Bounded too: a heartbeat connecting to a database that is down must not hold up the exit.
         self.maintenance.stop_heartbeats(1.0)
         # The pool's threads are joined one by one: those reconnecting to a database that stopped

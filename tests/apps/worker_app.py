@@ -54,6 +54,11 @@ def mark_run(job: Job) -> None:
         marks.write(f"{job.id}\n")
 
 
+@relay.handler("noop", max_attempts=5)
+def noop_run(job: Job) -> None:
+    """Do nothing: the shortest job there is, which the worker prefetches most of."""
+
+
 @relay.handler("record_async", max_attempts=5)
 async def record_run_async(job: Job) -> str:
     """The async twin of ``record``: record start, await ``payload.sleep`` seconds, record end."""

@@ -343,7 +343,11 @@ main.add_command(user)
 @click.option("--fresh", is_flag=True, help="Delete the embedded database's data and start over.")
 @click.option("--orders-per-minute", type=click.FloatRange(min=0.1, max=6000), default=30.0, show_default=True)
 def demo(port: int, fresh: bool, orders_per_minute: float) -> None:
-    """Run the whole product here: database, dashboard, two workers and a shop placing orders."""
+    """Run the whole product here: database, dashboard, two workers and a shop placing orders.
+
+    On DATABASE_URL when set (refused if its default queue holds jobs the shop
+    cannot run), else on an embedded PostgreSQL. Log in as the user `demo`.
+    """
     from .demo import DemoError, run
 
     try:

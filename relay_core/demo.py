@@ -47,7 +47,9 @@ from .pools import connection_options
 from .settings import database_url, database_url_set
 from .signals import ShutdownSignals
 
-ADMIN = "admin"
+#: The demo's own user (role admin): named for the demo, so that on a DATABASE_URL
+#: holding an application's users, the password it sets every run is no one else's.
+DEMO_USER = "demo"
 WORKERS = 2
 WORKER_SHUTDOWN_SECONDS = 10.0
 READY_TIMEOUT = 60.0
@@ -66,6 +68,37 @@ class DemoError(RelayError):
 def demo_data_dir() -> Path:
     """The embedded cluster of the demo: per user, apart from ``relay prove``'s."""
     return default_data_dir().parent / "demo-pgdata"
+
+
+def refuse_foreign_jobs(dsn: str) -> None:
+    """Refuse a database whose default queue holds jobs the shop has no handler for.
+
+    The demo's workers serve that queue; a job of another type they claim
+    fails with HandlerNotFound and spends an attempt each time, until it is
+    dead. A DATABASE_URL holding an application's own jobs is no place for them.
+    """
+    from relay_shop.jobs import relay as shop
+
+    try:
+        with _connect(dsn) as conn:
+            if conn.execute("SELECT to_regclass('relay.jobs')").fetchone()[0] is None:
+                return
+            foreign = [
+                row[0]
+                for row in conn.execute(
+                    "SELECT DISTINCT type FROM relay.jobs WHERE queue = 'default' AND status IN ('queued', 'claimed')"
+                    " AND type <> ALL(%s) ORDER BY type LIMIT 5",
+                    (sorted(shop.handlers),),
+                )
+            ]
+    except psycopg.Error as exc:
+        raise DemoError(f"could not read DATABASE_URL's jobs: {exc}") from None
+    if foreign:
+        raise DemoError(
+            f"DATABASE_URL's default queue holds jobs the demo's workers cannot run ({', '.join(foreign)}):"
+            " they would claim them and spend their attempts; point DATABASE_URL at a database of its own,"
+            " or unset it for the embedded one"
+        )
 
 
 def _free_port() -> int:
@@ -168,9 +201,11 @@ class Demo:
         return pgserver.get_server(str(data_dir), cleanup_mode="stop").get_uri()
 
     def prepare(self, dsn: str) -> str:
-        """Migrate, create the shop's tables, set the admin's password; return the password."""
+        """Migrate, create the shop's tables, set the demo user's password; return the password."""
         from relay_shop.models import create_schema, make_engine
 
+        if database_url_set():
+            refuse_foreign_jobs(dsn)
         applied = Relay(dsn).migrate()
         engine = make_engine(dsn)
         try:
@@ -181,10 +216,10 @@ class Demo:
         password = secrets.token_urlsafe(12)
         with _connect(dsn) as conn:
             try:
-                users.create_user(conn, ADMIN, password, "admin")
+                users.create_user(conn, DEMO_USER, password, "admin")
                 how = "created"
             except users.UserExists:
-                users.set_password(conn, ADMIN, password)
+                users.set_password(conn, DEMO_USER, password)
                 how = "exists from an earlier run; new password set"
             # Last month's settlement report once, so the periodic job has a result to show.
             month = conn.execute("SELECT to_char(now() - interval '1 month', 'YYYY-MM')").fetchone()[0]
@@ -192,7 +227,7 @@ class Demo:
                 Relay(dsn).enqueue(
                     "settlement_report", {"month": month}, conn=conn, idempotency_key=f"demo:settlement:{month}"
                 )
-        self.step(3, f"admin user: {ADMIN} ({how})")
+        self.step(3, f"user: {DEMO_USER}, role admin ({how})")
         return password
 
     def spawn(self, name: str, argv: list[str], env: dict[str, str], log_dir: Path) -> Child:
@@ -309,12 +344,12 @@ class Demo:
     def banner(self, dsn: str, password: str, log_dir: Path) -> None:
         """Where to look and how to log in."""
         base = f"http://127.0.0.1:{self.port}"
-        login = f'{{"username": "{ADMIN}", "password": "{password}"}}'
+        login = f'{{"username": "{DEMO_USER}", "password": "{password}"}}'
         self.say()
         self.say("Relay is running.")
         self.say()
         self.say(f"  URL:       {base}/")
-        self.say(f"  username:  {ADMIN}")
+        self.say(f"  username:  {DEMO_USER}")
         self.say(f"  password:  {password}   (shown once; the next `relay demo` sets a new one)")
         self.say()
         self.say(f"  API:       curl -s -X POST {base}/api/auth/login -H 'Content-Type: application/json' -d '{login}'")

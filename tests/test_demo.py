@@ -35,6 +35,8 @@ from sqlalchemy import event
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session
 
+from relay_core import Relay, users
+
 from .helpers import ROOT, call, free_port, running_worker, wait_for
 
 pytestmark = pytest.mark.slow
@@ -89,12 +91,24 @@ def jobs(base: str, token: str, **filters: str) -> list[dict[str, Any]]:
     return page["jobs"]
 
 
+APPLICATION_ADMIN_PASSWORD = "the application's own admin password"
+
+
+def demo_env(dsn: str) -> dict[str, str]:
+    """The environment a newcomer's shell would give ``relay demo``, DATABASE_URL set to the test database."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RELAY_", "SHOP_", "PORT"))}
+    env.update(DATABASE_URL=dsn, PYTHONUNBUFFERED="1")
+    return env
+
+
 def test_relay_demo_shows_every_outcome_and_stops_without_losing_a_job(
     dsn: str, db: psycopg.Connection, python: str
 ) -> None:
     port = free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("RELAY_", "SHOP_", "PORT"))}
-    env.update(DATABASE_URL=dsn, PYTHONUNBUFFERED="1")
+    env = demo_env(dsn)
+    # The database's own admin: the demo logs in as a user of its own and leaves this one's password alone.
+    Relay(dsn).migrate()
+    users.create_user(db, "admin", APPLICATION_ADMIN_PASSWORD, "admin")
     proc = subprocess.Popen(
         [python, "-m", "relay_core", "demo", "--port", str(port), "--orders-per-minute", "120"],
         env=env,
@@ -107,13 +121,15 @@ def test_relay_demo_shows_every_outcome_and_stops_without_losing_a_job(
     out = Output(proc.stdout)
     try:
         password = wait_for(lambda: out.field("password"), timeout=60, what="the demo's banner")
-        assert out.field("username") == "admin"
+        assert out.field("username") == "demo"
         base = out.field("URL").rstrip("/")
         assert base == f"http://127.0.0.1:{port}", out.text
         assert "[1/6] database: DATABASE_URL" in out.text
 
-        status, login = call("POST", f"{base}/api/auth/login", {"username": "admin", "password": password})
+        status, login = call("POST", f"{base}/api/auth/login", {"username": "demo", "password": password})
         assert status == 200, login
+        admin = {"username": "admin", "password": APPLICATION_ADMIN_PASSWORD}
+        assert call("POST", f"{base}/api/auth/login", admin)[0] == 200
         token = login["access_token"]
 
         wanted = {"send_confirmation_email", "print_shipping_label", "deliver_webhook", "settlement_report"}
@@ -155,6 +171,49 @@ def test_relay_demo_shows_every_outcome_and_stops_without_losing_a_job(
     assert workers[0] == 2 and workers[1] == 2, "both workers registered and stopped gracefully"
     with socket.socket() as sock:
         assert sock.connect_ex(("127.0.0.1", port)) != 0, "the web app is still listening"
+
+
+def test_relay_demo_refuses_a_database_whose_default_queue_holds_jobs_it_cannot_run(
+    dsn: str, db: psycopg.Connection, relay: Relay, python: str
+) -> None:
+    """Its workers would claim the application's jobs and spend their attempts on HandlerNotFound."""
+    relay.migrate()
+    job_id = relay.enqueue("import_ledger", {"file": "2026-11.csv"})
+    elsewhere = relay.enqueue("import_ledger", {"file": "2026-10.csv"}, queue="ledgers")
+    done = subprocess.run(
+        [python, "-m", "relay_core", "demo", "--port", str(free_port())],
+        env=demo_env(dsn),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "default queue holds jobs the demo's workers cannot run (import_ledger)" in done.stderr
+    rows = db.execute("SELECT id, status::text, attempts FROM relay.jobs ORDER BY id").fetchall()
+    assert rows == [(job_id, "queued", 0), (elsewhere, "queued", 0)]
+    assert db.execute("SELECT count(*) FROM relay.users").fetchone()[0] == 0
+    # On a queue of its own the application's job is out of the demo's way: it gets as far as the banner.
+    db.execute("UPDATE relay.jobs SET queue = 'ledgers'")
+    proc = subprocess.Popen(
+        [python, "-m", "relay_core", "demo", "--port", str(free_port())],
+        env=demo_env(dsn),
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    out = Output(proc.stdout)
+    try:
+        wait_for(lambda: out.field("password"), timeout=60, what="the demo's banner")
+    finally:
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(45) == 0, out.text
+    assert db.execute("SELECT status::text, attempts FROM relay.jobs WHERE id = %s", (job_id,)).fetchone() == (
+        "queued",
+        0,
+    )
 
 
 # -- the example shop's own promises ------------------------------------------------

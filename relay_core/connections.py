@@ -37,8 +37,16 @@ def _made_by(conn: Any, package: str) -> bool:
 
 
 def is_async_connection(conn: Any) -> bool:
-    """Whether ``conn`` is an asyncio connection (psycopg or SQLAlchemy): its calls must be awaited."""
-    return isinstance(conn, psycopg.AsyncConnection) or _made_by(conn, "sqlalchemy.ext.asyncio")
+    """Whether ``conn`` is an asyncio connection (psycopg or SQLAlchemy): its calls must be awaited.
+
+    Of SQLAlchemy's asyncio objects only an AsyncConnection and an AsyncSession
+    are in a transaction; an AsyncEngine or a session factory is not one.
+    """
+    if isinstance(conn, psycopg.AsyncConnection):
+        return True
+    return _made_by(conn, "sqlalchemy.ext.asyncio") and (
+        hasattr(conn, "exec_driver_sql") or (hasattr(conn, "connection") and hasattr(conn, "flush"))
+    )
 
 
 def _sqlalchemy_connection(conn: Any) -> Any | None:

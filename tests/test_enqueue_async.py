@@ -17,9 +17,10 @@ from typing import Any
 import psycopg
 import pytest
 import sqlalchemy
-from sqlalchemy.ext.asyncio import AsyncSession, create_async_engine
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker, create_async_engine
 
 from relay_core import InvalidJobError, Job, Relay
+from relay_core.connections import ASYNC_KINDS
 
 from .helpers import job_status, publish_handlers, running_worker, wait_for
 
@@ -199,6 +200,19 @@ def test_enqueue_async_given_a_sync_connection_says_to_use_enqueue(relay: Relay,
         engine.dispose()
     with pytest.raises(TypeError, match="AsyncConnection"):
         asyncio.run(relay.enqueue_async("send_email", conn=object()))
+
+
+def test_an_async_engine_or_session_factory_is_refused_as_no_transaction(relay: Relay, dsn: str) -> None:
+    """Neither is a transaction to join: each is refused with the kinds that are, by either call."""
+    engine = create_async_engine("postgresql+psycopg://", async_creator=lambda: psycopg.AsyncConnection.connect(dsn))
+    try:
+        for given in (engine, async_sessionmaker(engine)):
+            with pytest.raises(TypeError, match=f"conn must be {ASYNC_KINDS}, not"):
+                asyncio.run(relay.enqueue_async("send_email", conn=given))
+            with pytest.raises(TypeError, match=r"conn must be .* \(or, with enqueue_async, "):
+                relay.enqueue("send_email", conn=given)
+    finally:
+        asyncio.run(engine.dispose())
 
 
 def test_a_sqlalchemy_engine_on_asyncpg_is_refused_before_anything_is_sent(

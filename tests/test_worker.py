@@ -39,6 +39,7 @@ from relay_core.worker.config import WorkerConfig
 from relay_core.worker.ledger import Slot
 from relay_core.worker.maintenance import Maintenance, heartbeat_once, sweep_once
 from relay_core.worker.outage import OutageLog
+from relay_core.worker.retention import Retention
 
 from .helpers import TcpProxy, free_port, job_status, running_worker, status_counts, wait_for
 
@@ -203,12 +204,26 @@ def test_queues_given_as_one_string_are_refused_not_split_into_letters() -> None
         {"poll_interval": None},
         {"shutdown_timeout": "25"},
         {"sweep_interval": False},
+        {"listen": "false"},  # a true value: the worker listened
+        {"self_vacuum": "no"},
+        {"retention": 3600},  # every prune pass failed, and the registry and rate records were never trimmed
     ],
 )
 def test_settings_of_the_wrong_type_are_refused_at_start(settings: dict[str, object]) -> None:
     name = next(iter(settings))
     with pytest.raises(ConfigurationError, match=name):
         WorkerConfig(**settings)  # type: ignore[arg-type]
+    if settings[name] is not None:  # relay.worker(poll_interval=None) means the default, as an unset CLI option
+        with pytest.raises(ConfigurationError, match=name):
+            Relay("postgresql://relay@127.0.0.1/relay").worker(**settings)
+
+
+def test_retention_none_turns_pruning_off_in_a_worker_made_by_relay_worker() -> None:
+    """relay.worker(retention=None) was read as "not given": the worker pruned at the default ages."""
+    app = Relay("postgresql://relay@127.0.0.1/relay")
+    assert app.worker(retention=None).config.retention is None
+    assert app.worker(retention=Retention(dead=60)).config.retention == Retention(dead=60)
+    assert app.worker().config.retention == Retention()
 
 
 def test_a_worker_without_handlers_refuses_to_start(relay: Relay, db: psycopg.Connection) -> None:

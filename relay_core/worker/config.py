@@ -86,6 +86,14 @@ class WorkerConfig:
                 check_queue(queue)
             except InvalidJobError as exc:
                 raise ConfigurationError(str(exc)) from None
+        for name in ("listen", "self_vacuum"):
+            # "false" is a true value: a string here would turn on what it means to turn off.
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigurationError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if self.retention is not None and not isinstance(self.retention, Retention):
+            raise ConfigurationError(
+                f"retention must be a Retention(succeeded=..., cancelled=..., dead=...) or None, got {self.retention!r}"
+            )
         if isinstance(self.concurrency, bool) or not isinstance(self.concurrency, int):
             raise ConfigurationError(f"concurrency must be a whole number of slots, got {self.concurrency!r}")
         if not 1 <= self.concurrency <= MAX_CONCURRENCY:
@@ -148,7 +156,8 @@ class WorkerConfig:
         queues = os.environ.get("RELAY_QUEUES")
         if queues:
             values["queues"] = tuple(q.strip() for q in queues.split(",") if q.strip())
-        given = {k: v for k, v in overrides.items() if v is not None}
+        # None stands for "not given" (the CLI's unset options), except retention=None, which turns pruning off.
+        given = {k: v for k, v in overrides.items() if v is not None or k == "retention"}
         values.update(given)
         try:
             return cls(**values)  # type: ignore[arg-type]

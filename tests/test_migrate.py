@@ -308,3 +308,40 @@ def test_a_migrator_waits_out_another_whatever_lock_timeout_the_database_sets(da
         assert migrated == [[f"{m.version:04d}_{m.name}" for m in migrator.available()]]
     finally:
         drop_database(dsn)
+
+
+def test_a_rate_window_past_31_days_written_by_hand_no_longer_stops_every_claim(database_url: str) -> None:
+    """relay.type_limits accepted a rate_period_seconds of 'Infinity' or NaN, and every worker's claim,
+    which evaluates each limit's window, then failed with "interval out of range" on every queue.
+    Migration 0020 brings such rows down to the 31-day bound and refuses new ones."""
+    from relay_core.queries import sql
+
+    dsn = fresh_database(database_url)
+    try:
+        migrate_to(dsn, 19)
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            conn.execute(
+                "INSERT INTO relay.type_limits (type, rate_limit, rate_period_seconds) VALUES "
+                "('forever', 5, 'Infinity'), ('nan', 5, 'NaN'), ('huge', 5, 1e300), ('hour', 5, 3600)"
+            )
+            # A start of each inside its window: the claim evaluates a window only to count starts.
+            conn.execute("INSERT INTO relay.rate_starts (type, started_at) SELECT type, now() FROM relay.type_limits")
+            conn.execute("INSERT INTO relay.jobs (status, type, payload) VALUES ('queued', 'send_email', '{}')")
+            claim = {
+                "queues": ["default"],
+                "limit": 1,
+                "worker_id": "w",
+                "lease_seconds": 30,
+                "locked": True,
+                "last_attempt_room": 100,
+            }
+            with pytest.raises(psycopg.errors.DatetimeFieldOverflow):
+                conn.execute(sql("job_claim"), claim)
+            assert migrator.migrate(dsn) == ["0020_type_limits_window_bounded"]
+            windows = conn.execute("SELECT type, rate_period_seconds FROM relay.type_limits ORDER BY type").fetchall()
+            assert windows == [("forever", 2678400), ("hour", 3600), ("huge", 2678400), ("nan", 2678400)]
+            assert len(conn.execute(sql("job_claim"), claim).fetchall()) == 1
+            with pytest.raises(psycopg.errors.CheckViolation, match="type_limits_rate_window_at_most_31_days"):
+                conn.execute("UPDATE relay.type_limits SET rate_period_seconds = 'Infinity' WHERE type = 'hour'")
+    finally:
+        drop_database(dsn)

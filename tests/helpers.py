@@ -82,6 +82,19 @@ def publish_handlers(dsn: str, **max_attempts: int) -> None:
         app.close()
 
 
+def claim_params(**given: object) -> dict[str, object]:
+    """The parameters of the job_claim statement run by hand: one job of the default queue, under the limits lock."""
+    return {
+        "queues": ["default"],
+        "limit": 1,
+        "worker_id": "w",
+        "lease_seconds": 30,
+        "locked": True,
+        "last_attempt_room": 100,
+        **given,
+    }
+
+
 def job_status(conn: psycopg.Connection, job_id: int) -> str:
     """The status of one job."""
     row = conn.execute("SELECT status::text FROM relay.jobs WHERE id = %s", (job_id,)).fetchone()

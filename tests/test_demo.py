@@ -101,24 +101,28 @@ def demo_env(dsn: str) -> dict[str, str]:
     return env
 
 
-def test_relay_demo_shows_every_outcome_and_stops_without_losing_a_job(
-    dsn: str, db: psycopg.Connection, python: str
-) -> None:
-    port = free_port()
-    env = demo_env(dsn)
-    # The database's own admin: the demo logs in as a user of its own and leaves this one's password alone.
-    Relay(dsn).migrate()
-    users.create_user(db, "admin", APPLICATION_ADMIN_PASSWORD, "admin")
+def start_demo(python: str, dsn: str, *options: str) -> tuple[subprocess.Popen, Output]:
+    """``relay demo`` on the test database in a session of its own (Ctrl-C reaches it alone), and its output."""
     proc = subprocess.Popen(
-        [python, "-m", "relay_core", "demo", "--port", str(port), "--orders-per-minute", "120"],
-        env=env,
+        [python, "-m", "relay_core", "demo", *options],
+        env=demo_env(dsn),
         cwd=ROOT,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
         start_new_session=True,
     )
-    out = Output(proc.stdout)
+    return proc, Output(proc.stdout)
+
+
+def test_relay_demo_shows_every_outcome_and_stops_without_losing_a_job(
+    dsn: str, db: psycopg.Connection, python: str
+) -> None:
+    port = free_port()
+    # The database's own admin: the demo logs in as a user of its own and leaves this one's password alone.
+    Relay(dsn).migrate()
+    users.create_user(db, "admin", APPLICATION_ADMIN_PASSWORD, "admin")
+    proc, out = start_demo(python, dsn, "--port", str(port), "--orders-per-minute", "120")
     try:
         password = wait_for(lambda: out.field("password"), timeout=60, what="the demo's banner")
         assert out.field("username") == "demo"
@@ -195,16 +199,7 @@ def test_relay_demo_refuses_a_database_whose_default_queue_holds_jobs_it_cannot_
     assert db.execute("SELECT count(*) FROM relay.users").fetchone()[0] == 0
     # On a queue of its own the application's job is out of the demo's way: it gets as far as the banner.
     db.execute("UPDATE relay.jobs SET queue = 'ledgers'")
-    proc = subprocess.Popen(
-        [python, "-m", "relay_core", "demo", "--port", str(free_port())],
-        env=demo_env(dsn),
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
-    out = Output(proc.stdout)
+    proc, out = start_demo(python, dsn, "--port", str(free_port()))
     try:
         wait_for(lambda: out.field("password"), timeout=60, what="the demo's banner")
     finally:

@@ -16,7 +16,7 @@ from psycopg import conninfo
 from relay_core import Relay
 from relay_core import migrate as migrator
 
-from .helpers import publish_handlers, wait_for
+from .helpers import claim_params, publish_handlers, wait_for
 
 
 def fresh_database(server_dsn: str) -> str:
@@ -327,14 +327,7 @@ def test_a_rate_window_past_31_days_written_by_hand_no_longer_stops_every_claim(
             # A start of each inside its window: the claim evaluates a window only to count starts.
             conn.execute("INSERT INTO relay.rate_starts (type, started_at) SELECT type, now() FROM relay.type_limits")
             conn.execute("INSERT INTO relay.jobs (status, type, payload) VALUES ('queued', 'send_email', '{}')")
-            claim = {
-                "queues": ["default"],
-                "limit": 1,
-                "worker_id": "w",
-                "lease_seconds": 30,
-                "locked": True,
-                "last_attempt_room": 100,
-            }
+            claim = claim_params()
             with pytest.raises(psycopg.errors.DatetimeFieldOverflow):
                 conn.execute(sql("job_claim"), claim)
             assert migrator.migrate(dsn) == ["0020_type_limits_window_bounded"]

@@ -22,7 +22,7 @@ from relay_core.worker.maintenance import sweep_once
 from relay_core.worker.periodic import enqueue_due, publish
 from relay_core.worker.retention import Retention, prune_once
 
-from .helpers import job_status, running_worker, start_worker_process, stop_process, wait_for
+from .helpers import claim_params, job_status, running_worker, start_worker_process, stop_process, wait_for
 
 
 def test_paused_queue_is_skipped_and_the_pause_survives_restarts(relay: Relay, dsn: str, db) -> None:
@@ -117,14 +117,7 @@ def test_a_rate_limited_start_is_stamped_when_its_claim_ran_not_when_it_began_to
     that waited 1 s under a limit of 1 per 2 s let the next start come 1 s after it."""
     db.execute("INSERT INTO relay.type_limits (type, rate_limit, rate_period_seconds) VALUES ('rl', 1, 2.0)")
     relay.enqueue("rl")
-    params = {
-        "queues": ["default"],
-        "limit": 1,
-        "worker_id": "w-1",
-        "lease_seconds": 30.0,
-        "locked": True,
-        "last_attempt_room": 100,
-    }
+    params = claim_params(worker_id="w-1")
     claimed: list[list[tuple]] = []
 
     def claim_behind_the_lock(conn: psycopg.Connection) -> None:
@@ -900,11 +893,10 @@ def test_the_unlocked_claim_takes_nothing_once_any_type_has_a_limit(relay: Relay
     from relay_core.queries import sql
 
     relay.enqueue_many([{"type": "free"} for _ in range(3)])
-    params = {"queues": ["default"], "limit": 1, "worker_id": "w", "lease_seconds": 30, "last_attempt_room": 100}
-    assert len(db.execute(sql("job_claim"), {**params, "locked": False}).fetchall()) == 1
+    assert len(db.execute(sql("job_claim"), claim_params(locked=False)).fetchall()) == 1
     db.execute("INSERT INTO relay.type_limits (type, max_running) VALUES ('other', 1)")
-    assert db.execute(sql("job_claim"), {**params, "locked": False}).fetchall() == []
-    assert len(db.execute(sql("job_claim"), {**params, "locked": True}).fetchall()) == 1
+    assert db.execute(sql("job_claim"), claim_params(locked=False)).fetchall() == []
+    assert len(db.execute(sql("job_claim"), claim_params()).fetchall()) == 1
 
 
 def test_a_retention_pass_that_hits_its_cap_asks_for_another_soon() -> None:
@@ -937,14 +929,7 @@ def test_limits_the_claim_cannot_hold_are_refused_at_registration(relay: Relay, 
     relay.handler("widest", concurrency=int4_max, rate_limit=(int4_max, month))(lambda job: None)
     limits.publish(db, relay.handlers.values())
     relay.enqueue_many([{"type": "widest"} for _ in range(2)])
-    params = {
-        "queues": ["default"],
-        "limit": 1,
-        "worker_id": "w",
-        "lease_seconds": 30,
-        "locked": True,
-        "last_attempt_room": 100,
-    }
+    params = claim_params()
     assert len(db.execute(sql("job_claim"), params).fetchall()) == 1
     assert len(db.execute(sql("job_claim"), params).fetchall()) == 1
 

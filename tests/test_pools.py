@@ -135,7 +135,13 @@ def test_a_column_retyped_under_prepared_statements_costs_no_claim_and_no_enqueu
             after = [app.enqueue("note", {}), *app.enqueue_many([{"type": "note"}, {"type": "note"}])]
             wait_for(lambda: set(after) <= set(ran), what="the jobs enqueued after the change ran")
 
-            rows = db.execute("SELECT id, status::text FROM relay.jobs ORDER BY id").fetchall()
+            # The completions are outdated too (they return the id): each is sent again, not left
+            # to a lease that runs out and a second run.
+            def all_succeeded() -> list[tuple] | None:
+                rows = db.execute("SELECT id, status::text FROM relay.jobs ORDER BY id").fetchall()
+                return rows if all(status == "succeeded" for _, status in rows) else None
+
+            rows = wait_for(all_succeeded, timeout=15, what="every completion written")
     finally:
         app.close()
     everything = [*before, from_other, *after]
@@ -222,3 +228,42 @@ def test_a_pool_left_open_is_closed_as_the_process_exits(dsn: str, db: psycopg.C
     assert "pool 'relay-client' closed" in done.stderr, done.stderr[-2000:]
     assert "couldn't stop thread" not in done.stderr
     assert db.execute("SELECT count(*) FROM relay.jobs WHERE type = 'left_open'").fetchone()[0] == 1
+
+
+def test_a_completion_outdated_by_a_retyped_column_is_sent_again_not_left_to_its_lease(unmigrated_dsn: str) -> None:
+    """The completion returns the id too: once a column changed type under it, the server refused
+    the prepared statement, and the completer gave the job up to its lease (a second run 30 s later)."""
+    from psycopg.rows import dict_row
+
+    from relay_core.job import Job
+    from relay_core.queries import sql
+    from relay_core.worker.completer import Completer
+    from relay_core.worker.outcome import Kind, Outcome
+
+    from .helpers import claim_params
+
+    dsn = unmigrated_dsn
+    migrate(dsn)
+    app = Relay(dsn)
+    try:
+        app.enqueue_many([{"type": "note"} for _ in range(7)])
+    finally:
+        app.close()
+    with psycopg.connect(dsn, autocommit=True, row_factory=dict_row) as db:
+        jobs = [Job.from_row(row) for row in db.execute(sql("job_claim"), claim_params(limit=7))]
+        assert len(jobs) == 7
+        pool = make_pool(dsn, name="completer-test", min_size=1, max_size=1)
+        pool.open(wait=True)
+        written: dict[int, str] = {}
+        completer = Completer(pool, lambda batch, done: written.update(done))
+        try:
+            for job in jobs[:6]:  # one at a time on the pool's one connection, which then prepares the statement
+                completer._write_until_done([Outcome(job, Kind.SUCCEEDED, 0.0)])
+            db.execute("ALTER TABLE relay.jobs ALTER COLUMN id TYPE integer")
+            # One outcome alone: a refused batch of several is split and each sent again, which hid this.
+            completer._write_until_done([Outcome(jobs[6], Kind.SUCCEEDED, 0.0)])
+        finally:
+            pool.close()
+        statuses = db.execute("SELECT status::text AS status, count(*) AS n FROM relay.jobs GROUP BY 1").fetchall()
+    assert statuses == [{"status": "succeeded", "n": 7}]
+    assert written == {job.id: "succeeded" for job in jobs}

@@ -18,7 +18,7 @@ import psycopg
 from psycopg_pool import PoolTimeout
 
 from ..logs import event
-from ..pools import RelayPool, restore_transactions
+from ..pools import RelayPool, outdated_plan, restore_transactions
 from ..queries import sql
 from .outage import OutageLog, PooledCallLog, next_retry_delay
 from .outcome import Kind, Outcome
@@ -29,6 +29,8 @@ STOP_GIVE_UP_SECONDS = 8.0
 #: How long one write waits for a pooled connection before it counts as failed and is retried:
 #: short, so a write retrying through an outage hears a stop within about this long.
 CONNECTION_WAIT_SECONDS = 1.0
+#: How many times a write refused for an outdated prepared statement is sent again on fresh connections.
+OUTDATED_PLAN_TRIES = 3
 
 
 class Completer:
@@ -102,6 +104,7 @@ class Completer:
     def _write_until_done(self, batch: list[Outcome]) -> None:
         delay = 0.1
         answer_lost = False  # a write failed once it was sent: it may have committed
+        outdated_tries = 0
         while True:
             left = self._time_left()
             began = time.monotonic()
@@ -124,6 +127,11 @@ class Completer:
                 delay = next_retry_delay(delay)
                 continue
             except Exception as exc:
+                if outdated_plan(exc) and outdated_tries < OUTDATED_PLAN_TRIES:
+                    # A retyped column outdated the prepared statement: it ran nothing, and the
+                    # pool has replaced its connections (see RelayPool.connection), so send it again.
+                    outdated_tries += 1
+                    continue
                 # Not an outage (a refusal by the database, or a value that cannot be
                 # sent): one bad outcome must not block the others or stop this thread.
                 if len(batch) > 1:

@@ -832,6 +832,33 @@ def test_a_progress_report_tells_the_handler_of_a_cancel_request_before_the_next
     assert job_status(db, job_id) == "cancelled"
 
 
+def test_a_handler_that_fails_after_its_cancel_request_arrived_keeps_its_error(
+    relay: Relay, db: psycopg.Connection
+) -> None:
+    """Once the worker knew of the cancel, any exception ended the job cancelled with no error
+    recorded; the same failure before the heartbeat brought the request was kept. Either way the
+    job ends cancelled, and the attempt's error is in its history."""
+    asked = threading.Event()
+
+    @relay.handler("import_rows")
+    def import_rows(job: Job) -> None:
+        asked.wait(20)
+        job.progress(10)  # brings the cancel request
+        assert job.cancel_requested
+        raise ValueError("row 12 has no date")
+
+    job_id = relay.enqueue("import_rows", max_attempts=1)
+    with running_worker(relay, lease_seconds=60.0, heartbeat_interval=25.0):
+        wait_for(lambda: job_status(db, job_id) == "claimed", what="the job to start")
+        relay.cancel(job_id)
+        asked.set()
+        wait_for(lambda: job_status(db, job_id) != "claimed", what="the job to end")
+    job = relay.get_job(job_id)
+    assert (job.status, job.attempts) == ("cancelled", 1)
+    assert job.last_error is not None and "row 12 has no date" in job.last_error
+    assert [entry["type"] for entry in job.errors] == ["ValueError"]
+
+
 def test_a_heartbeat_renews_what_it_can_and_skips_a_row_another_transaction_holds(
     relay: Relay, db: psycopg.Connection, dsn: str
 ) -> None:

@@ -106,8 +106,10 @@ def _ended_by(exc: BaseException, job: Job, spec: HandlerSpec | None, worker_id:
                 return Outcome(job, Kind.SNOOZED, took, delay=float(seconds))  # type: ignore[arg-type]
             exc = RelayError(f"{type(exc).__name__} without a usable delay (seconds={seconds!r})")
         message, entry = describe(exc, job, worker_id)
-        if isinstance(exc, JobCancelled) or job.cancel_requested:
+        if isinstance(exc, JobCancelled):
             return Outcome(job, Kind.CANCELLED, took, message=message, error=entry)
+        # Any other failure is recorded as one, also of a job asked to cancel: job_fail_many
+        # then ends it cancelled, with this attempt's error in its history like every other.
         if isinstance(exc, PermanentFailure) or job.attempt >= job.max_attempts:
             return Outcome(job, Kind.DEAD, took, message=message, error=entry)
         delay, problem = retry_delay(spec.backoff if spec else DEFAULT_BACKOFF, job.attempt)

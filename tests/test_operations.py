@@ -802,6 +802,22 @@ def test_sweeper_ends_an_expired_job_cancelled_when_a_cancel_was_pending(relay: 
     assert (totals.succeeded, totals.failed, totals.dead) == (0, 1, 0)
 
 
+def test_the_sweeper_logs_each_job_it_rescues(
+    relay: Relay, db: psycopg.Connection, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The sweep logged only how many jobs it rescued: a job that died on an expired lease had no line naming it."""
+    requeued, dead = relay.enqueue("report", queue="sweep"), relay.enqueue("report", queue="sweep", max_attempts=1)
+    db.execute(sql("job_claim"), claim_params(queues=["sweep"], limit=2, worker_id="gone", lease_seconds=0))
+    caplog.set_level("WARNING", logger="relay")
+    assert sweep_once(db) == {"queued": 1, "dead": 1, "cancelled": 0}
+    lines = {
+        (r.job_id, r.type, r.attempt, r.worker_id, r.ended)
+        for r in caplog.records
+        if r.getMessage() == "job lease expired"
+    }
+    assert lines == {(requeued, "report", 1, "gone", "queued"), (dead, "report", 1, "gone", "dead")}
+
+
 def test_the_claim_stops_before_a_job_on_its_last_attempt_that_it_has_no_room_for(
     relay: Relay, db: psycopg.Connection
 ) -> None:

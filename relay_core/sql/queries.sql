@@ -344,7 +344,7 @@ WHERE j.id IN (
     FOR UPDATE SKIP LOCKED
 )
   AND j.status = 'claimed' AND j.claimed_until < now()
-RETURNING j.id, j.status::text AS status;
+RETURNING j.id, j.status::text AS status, j.type, j.attempts, j.claimed_by;
 
 -- name: job_lock_for_action
 -- Admin: lock one job before acting on it, and read the state the action is

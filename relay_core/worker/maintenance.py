@@ -67,8 +67,18 @@ def sweep_once(conn: psycopg.Connection, limit: int = SWEEP_BATCH, restart_grace
     while True:
         rows = conn.execute(sql("job_rescue_expired"), params).fetchall()
         conn.commit()
-        for _id, status in rows:
+        for job_id, status, job_type, attempt, worker in rows:
             counts[status] += 1
+            # One line per job, as for every other end of an attempt: which job, and where it went.
+            event(
+                logging.WARNING,
+                "job lease expired",
+                job_id=job_id,
+                type=job_type,
+                attempt=attempt,
+                worker_id=worker,
+                ended=status,
+            )
         if len(rows) < limit:
             return counts
 

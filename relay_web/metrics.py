@@ -54,14 +54,21 @@ class RelayCollector:
             "Live workers that serve the queue (0 with jobs queued: nothing will run them).",
             labels=["queue"],
         )
+        paused = GaugeMetricFamily(
+            "relay_queue_paused",
+            "1 while the queue is paused (its jobs wait on purpose, however old), else 0.",
+            labels=["queue"],
+        )
         for depth in depths:
             for state, n in depth.counts.items():
                 jobs.add_metric([depth.queue, state], n)
             age.add_metric([depth.queue], depth.oldest_runnable_age_seconds or 0.0)
             serving.add_metric([depth.queue], depth.live_workers)
+            paused.add_metric([depth.queue], 1.0 if depth.paused else 0.0)
         yield jobs
         yield age
         yield serving
+        yield paused
 
         succeeded = CounterMetricFamily("relay_jobs_succeeded", "Attempts that succeeded.", labels=["queue", "type"])
         failed = CounterMetricFamily(

@@ -157,6 +157,12 @@ def test_each_queue_counts_the_live_workers_that_serve_it(client, admin, relay: 
         text = client.get("/metrics").get_data(as_text=True)
         assert 'relay_queue_live_workers{queue="mail"} 1.0' in text
         assert 'relay_queue_live_workers{queue="emial"} 0.0' in text
+        assert 'relay_queue_paused{queue="mail"} 0.0' in text
+        relay.pause_queue("emial")
+        text = client.get("/metrics").get_data(as_text=True)
+        assert 'relay_queue_paused{queue="emial"} 1.0' in text
+        assert 'relay_queue_paused{queue="mail"} 0.0' in text
+        relay.resume_queue("emial")
         assert {d.queue for d in monitor.queue_depths(db) if d.unserved} == {"media", "emial"}
         # A worker silent for less than the stale limit still counts.
         assert {d.queue: d.live_workers for d in monitor.queue_depths(db, stale_seconds=3600)}["media"] == 1

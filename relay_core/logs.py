@@ -118,6 +118,14 @@ def configure(level: str | int = "INFO", fmt: str | None = None) -> None:
         # Their INFO is a line per pooled connection handed out: warnings and worse (errors under --log-level error).
         library.setLevel(max(logger.level, logging.WARNING))
         library.propagate = False
+    root = logging.getLogger()
+    if not root.handlers:
+        # A process of Relay's own (``relay worker``): the application's loggers (a handler's
+        # logging.getLogger(__name__)) and its warnings write the same lines to the same stream,
+        # JSON a log pipeline can parse, and their INFO is kept rather than dropped by Python's fallback.
+        root.addHandler(handler)
+        root.setLevel(logger.level)
+        logging.captureWarnings(True)
     pool = logging.getLogger("psycopg.pool")
     if not any(isinstance(f, RepeatsFilter) for f in pool.filters):
         pool.addFilter(RepeatsFilter(POOL_CONNECT_WARNING))

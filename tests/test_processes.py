@@ -446,3 +446,25 @@ def test_json_logs_stay_json_when_the_database_drops_the_workers_connections(
             raise AssertionError(f"not a JSON line: {line!r}") from None
     assert any(e["logger"] == "psycopg.pool" and e["level"] == "warning" for e in entries), lines
     assert any(e["message"] == "job succeeded" and e["job_id"] == job_id for e in entries), lines
+
+
+def test_with_json_logs_the_applications_own_log_lines_and_warnings_are_json_too(
+    relay: Relay, db: psycopg.Connection, python: str, worker_env: dict, tmp_path: Path
+) -> None:
+    """Only Relay's loggers wrote JSON: a handler's own logger.info was dropped, its warnings came out
+    as bare text over several lines, and a log pipeline parsing each line as JSON broke on them."""
+    log = tmp_path / "worker.log"
+    job_id = relay.enqueue("app_logs")
+    command = [python, "-m", "relay_core", "--log-format", "json", "worker", "--app", "tests.apps.worker_app:relay"]
+    with open(log, "ab") as out:
+        worker = subprocess.Popen(command, env=worker_env, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        wait_for(lambda: status_counts(db).get("succeeded") == 1, what="the job to run")
+        wait_for(lambda: "deprecated" in log.read_text(), what="the warning logged")
+    finally:
+        stop_process(worker)
+    entries = [json.loads(line) for line in log.read_text().splitlines()]  # every line is one JSON object
+    messages = [entry["message"] for entry in entries]
+    assert "imported 41 rows\nrow 12 skipped" in messages
+    assert any("the v1 export format is deprecated\nuse v2" in message for message in messages)
+    assert any(entry.get("job_id") == job_id and entry["message"] == "job succeeded" for entry in entries)

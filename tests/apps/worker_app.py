@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import logging
 import os
 import time
+import warnings
 
 from psycopg_pool import ConnectionPool
 
@@ -52,6 +54,13 @@ def mark_run(job: Job) -> None:
     millisecond, so the worker holds many per slot; a written line survives the worker's death."""
     with open(job.payload["path"], "a") as marks:
         marks.write(f"{job.id}\n")
+
+
+@relay.handler("app_logs", max_attempts=1)
+def app_logs_run(job: Job) -> None:
+    """Log as an application does, through its own logger and a warning, lines with line breaks in them."""
+    logging.getLogger("worker_app").info("imported %s rows\nrow 12 skipped", 41)
+    warnings.warn("the v1 export format is deprecated\nuse v2", UserWarning, stacklevel=1)
 
 
 @relay.handler("noop", max_attempts=5)

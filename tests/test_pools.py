@@ -21,7 +21,7 @@ from relay_core.migrate import migrate
 from relay_core.pools import IDLE_CHECK_FLOOR_SECONDS, IDLE_CHECK_SECONDS, RelayConnection, make_pool
 from relay_core.stalls import WATCHDOG, cut_after
 
-from .helpers import TcpProxy, running_worker, wait_for
+from .helpers import TcpProxy, claim_params, running_worker, wait_for
 
 
 def test_the_pool_hands_out_the_connection_returned_last(dsn: str) -> None:
@@ -239,8 +239,6 @@ def test_a_completion_outdated_by_a_retyped_column_is_sent_again_not_left_to_its
     from relay_core.queries import sql
     from relay_core.worker.completer import Completer
     from relay_core.worker.outcome import Kind, Outcome
-
-    from .helpers import claim_params
 
     dsn = unmigrated_dsn
     migrate(dsn)

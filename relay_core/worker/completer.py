@@ -29,8 +29,6 @@ STOP_GIVE_UP_SECONDS = 8.0
 #: How long one write waits for a pooled connection before it counts as failed and is retried:
 #: short, so a write retrying through an outage hears a stop within about this long.
 CONNECTION_WAIT_SECONDS = 1.0
-#: How many times a write refused for an outdated prepared statement is sent again on fresh connections.
-OUTDATED_PLAN_TRIES = 3
 
 
 class Completer:
@@ -104,7 +102,7 @@ class Completer:
     def _write_until_done(self, batch: list[Outcome]) -> None:
         delay = 0.1
         answer_lost = False  # a write failed once it was sent: it may have committed
-        outdated_tries = 0
+        sent_again = False  # once already, after a schema change outdated its prepared statement
         while True:
             left = self._time_left()
             began = time.monotonic()
@@ -127,10 +125,11 @@ class Completer:
                 delay = next_retry_delay(delay)
                 continue
             except Exception as exc:
-                if outdated_plan(exc) and outdated_tries < OUTDATED_PLAN_TRIES:
-                    # A retyped column outdated the prepared statement: it ran nothing, and the
-                    # pool has replaced its connections (see RelayPool.connection), so send it again.
-                    outdated_tries += 1
+                if outdated_plan(exc) and not sent_again:
+                    # A retyped column outdated the prepared statement: it ran nothing, and the pool
+                    # replaces every connection that prepared it (see RelayPool.connection), so the
+                    # write goes once more on a fresh one, as an enqueue does (_run_on_fresh_connection).
+                    sent_again = True
                     continue
                 # Not an outage (a refusal by the database, or a value that cannot be
                 # sent): one bad outcome must not block the others or stop this thread.

@@ -106,7 +106,14 @@ class JobPage:
 @dataclass(frozen=True)
 class QueueDepth:
     """One queue: its jobs per state, how long its oldest due job has waited, whether it is paused,
-    and how many live workers serve it."""
+    how many live workers serve it, and how many of its claimed jobs have lapsed leases.
+
+    A lapsed lease is a claimed job whose worker stopped heartbeating (killed,
+    hung, cut off from the database): it counts as claimed, but nothing runs
+    it until a live worker's sweeper puts it back, within a sweep interval of
+    the lease running out. Lapsed leases that stay are a queue no live worker
+    sweeps.
+    """
 
     queue: str
     counts: dict[str, int]
@@ -114,6 +121,7 @@ class QueueDepth:
     oldest_runnable_age_seconds: float | None
     paused: bool = False
     live_workers: int = 0
+    lapsed_leases: int = 0
 
     @property
     def unserved(self) -> bool:
@@ -314,9 +322,9 @@ def status_counts(conn: psycopg.Connection) -> dict[str, int]:
 
 
 def queue_depths(conn: psycopg.Connection, *, stale_seconds: float = DEFAULT_STALE_SECONDS) -> list[QueueDepth]:
-    """Every queue that holds jobs or is paused, with its depth by state, the age of its oldest due job
-    and its live workers (a worker silent for longer than both ``stale_seconds`` and two of its
-    heartbeat intervals is gone: ``relay.worker_state``)."""
+    """Every queue that holds jobs or is paused, with its depth by state, the age of its oldest due job,
+    its live workers (a worker silent for longer than both ``stale_seconds`` and two of its
+    heartbeat intervals is gone: ``relay.worker_state``) and its lapsed leases."""
     counts = queue_counts(conn)
     paused = set(admin.paused_queues(conn))
     for queue in sorted(paused - set(counts)):
@@ -341,6 +349,7 @@ def queue_depths(conn: psycopg.Connection, *, stale_seconds: float = DEFAULT_STA
                 oldest_runnable_age_seconds=age,
                 paused=queue in paused,
                 live_workers=row["live_workers"],
+                lapsed_leases=row["lapsed_leases"],
             )
         )
     return depths

@@ -59,16 +59,23 @@ class RelayCollector:
             "1 while the queue is paused (its jobs wait on purpose, however old), else 0.",
             labels=["queue"],
         )
+        lapsed = GaugeMetricFamily(
+            "relay_queue_lapsed_leases",
+            "Claimed jobs whose lease ran out (their worker stopped heartbeating) that no sweeper has put back yet.",
+            labels=["queue"],
+        )
         for depth in depths:
             for state, n in depth.counts.items():
                 jobs.add_metric([depth.queue, state], n)
             age.add_metric([depth.queue], depth.oldest_runnable_age_seconds or 0.0)
             serving.add_metric([depth.queue], depth.live_workers)
             paused.add_metric([depth.queue], 1.0 if depth.paused else 0.0)
+            lapsed.add_metric([depth.queue], depth.lapsed_leases)
         yield jobs
         yield age
         yield serving
         yield paused
+        yield lapsed
 
         succeeded = CounterMetricFamily("relay_jobs_succeeded", "Attempts that succeeded.", labels=["queue", "type"])
         failed = CounterMetricFamily(
@@ -121,7 +128,7 @@ def _check_token() -> None:
     ignores_query=True,
 )
 def metrics() -> Response:
-    """Prometheus text format: queue depth by state, outcomes by type, failure ratio, oldest job age, workers."""
+    """Prometheus text format: queue depths, oldest waits, lapsed leases, outcomes by type, failure ratio, workers."""
     _check_token()
     registry = CollectorRegistry(auto_describe=False)
     registry.register(RelayCollector(worker_stale_seconds()))

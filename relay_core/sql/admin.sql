@@ -155,6 +155,9 @@ ORDER BY queue, state;
 -- The workers: alive by relay.worker_state, as on the workers page. A queue
 -- that holds queued jobs and has none is one nothing will drain: a queue name
 -- mistyped at enqueue, or a cron handler's queue no worker was started for.
+-- The lapsed leases: claimed jobs whose lease ran out, whose worker stopped
+-- heartbeating (killed, hung, cut off) and which no live worker's sweeper has
+-- put back yet; read from jobs_lease_idx, so only lapsed leases are visited.
 SELECT q.queue, (
     WITH RECURSIVE priorities AS (
         (SELECT priority FROM relay.jobs
@@ -177,6 +180,8 @@ SELECT q.queue, (
  WHERE q.queue = ANY (w.queues)
    AND relay.worker_state(w.stopped_at, w.last_seen_at, w.heartbeat_seconds, %(stale_seconds)s::float8) = 'alive'
 )::int AS live_workers,
+(SELECT count(*) FROM relay.jobs AS j
+ WHERE j.status = 'claimed' AND j.claimed_until < now() AND j.queue = q.queue)::int AS lapsed_leases,
 now() AS now
 FROM unnest(%(queues)s::text[]) AS q(queue);
 

@@ -61,6 +61,10 @@ class QueueRecord(Record):
         description="Live workers that serve this queue. With jobs queued and none, nothing will run them: "
         "a queue name mistyped at enqueue, or a queue no worker was started for."
     )
+    lapsed_leases: int = Field(
+        description="Claimed jobs whose lease ran out: their worker stopped heartbeating (killed, hung, cut off), "
+        "and no live worker's sweeper has put them back yet. They count as claimed, but nothing runs them."
+    )
 
     @classmethod
     def of(cls, depth: QueueDepth) -> QueueRecord:
@@ -72,6 +76,7 @@ class QueueRecord(Record):
             oldest_runnable_age_seconds=depth.oldest_runnable_age_seconds,
             paused=depth.paused,
             live_workers=depth.live_workers,
+            lapsed_leases=depth.lapsed_leases,
         )
 
 

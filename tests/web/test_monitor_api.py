@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import signal
+import time
 from datetime import UTC, datetime, timedelta
 
 import psycopg
@@ -9,7 +11,7 @@ import pytest
 
 from relay_core import Backoff, PermanentFailure, Relay, monitor
 
-from ..helpers import running_worker, wait_for
+from ..helpers import running_worker, start_worker_process, stop_process, wait_for
 from .helpers import assert_problem
 from .states import make_dead
 
@@ -167,6 +169,44 @@ def test_each_queue_counts_the_live_workers_that_serve_it(client, admin, relay: 
         # A worker silent for less than the stale limit still counts.
         assert {d.queue: d.live_workers for d in monitor.queue_depths(db, stale_seconds=3600)}["media"] == 1
     assert {d.queue: d.live_workers for d in monitor.queue_depths(db)} == {"mail": 0, "media": 0, "emial": 0}
+
+
+def test_a_sigkilled_workers_job_shows_as_a_lapsed_lease_until_a_sweeper_puts_it_back(
+    client, admin, relay: Relay, db, python: str, worker_env: dict, tmp_path
+) -> None:
+    """A job held by a killed worker counts as claimed, and nothing runs it: the lapsed-lease gauge says so."""
+
+    def lapsed() -> tuple[int, str]:
+        queues = client.get("/api/admin/queues", headers=admin).get_json()["queues"]
+        (mail,) = [q for q in queues if q["name"] == "mail"]
+        return mail["lapsed_leases"], client.get("/metrics").get_data(as_text=True)
+
+    job_id = relay.enqueue("record", {"sleep": 120}, queue="mail")
+    doomed = start_worker_process(python, worker_env, "--queues", "mail", "--lease", "2", log=tmp_path / "worker.log")
+    try:
+        wait_for(
+            lambda: db.execute("SELECT 1 FROM relay_test.executions WHERE job_id = %s", (job_id,)).fetchone(),
+            what="the job to start",
+        )
+        time.sleep(3)  # past one lease: the worker's heartbeats keep it from lapsing
+        count, text = lapsed()
+        assert count == 0
+        assert 'relay_queue_lapsed_leases{queue="mail"} 0.0' in text
+        doomed.send_signal(signal.SIGKILL)
+        assert doomed.wait(10) == -signal.SIGKILL
+    finally:
+        stop_process(doomed)
+    wait_for(lambda: lapsed()[0] == 1, timeout=15, what="the lease to lapse")
+    assert 'relay_queue_lapsed_leases{queue="mail"} 1.0' in lapsed()[1]
+    assert monitor.status_counts(db)["claimed"] == 1
+    # A live worker's sweeper puts it back, whatever queues that worker serves.
+    with running_worker(relay, queues=("elsewhere",)):
+        wait_for(lambda: lapsed()[0] == 0, what="a sweeper to put the job back")
+    assert 'relay_queue_lapsed_leases{queue="mail"} 0.0' in lapsed()[1]
+    assert db.execute("SELECT status::text, attempts FROM relay.jobs WHERE id = %s", (job_id,)).fetchone() == (
+        "queued",
+        1,
+    )
 
 
 def test_a_worker_that_heartbeats_slowly_is_alive_between_its_beats(client, admin, relay: Relay, db) -> None:

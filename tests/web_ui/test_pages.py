@@ -477,7 +477,9 @@ def test_dead_view_says_at_least_when_there_are_too_many_to_count(
     assert "2+ dead" in html
 
 
-def test_queues_page_shows_depth_wait_and_paused(viewer: DashboardClient, busy: dict[str, int], relay: Relay) -> None:
+def test_queues_page_shows_depth_wait_paused_and_lapsed_leases(
+    viewer: DashboardClient, busy: dict[str, int], jobs: Jobs, relay: Relay
+) -> None:
     relay.pause_queue("media")
     relay.pause_queue("idle")
     html = _text(viewer.get("/queues"))
@@ -495,6 +497,12 @@ def test_queues_page_shows_depth_wait_and_paused(viewer: DashboardClient, busy: 
     assert re.search(r'<div class="tile hot"><span class="tile-n">0</span><span class="tile-l">workers</span>', html)
     overview = _text(viewer.get("/"))
     assert overview.count(">no worker</span>") == 1
+    # media's running job holds a live lease; once it lapses, the page says nothing runs it.
+    assert "lost its worker" not in html
+    lapse = "UPDATE relay.jobs SET claimed_until = now() - interval '1 second' WHERE id = %s"
+    jobs.db.execute(lapse, (busy["claimed"],))
+    html = _text(viewer.get("/queues"))
+    assert "1 running job of media lost its worker (the lease ran out)" in html
 
 
 def test_workers_page_lists_the_registry(viewer: DashboardClient, relay: Relay) -> None:

@@ -77,7 +77,7 @@ def _whole_form() -> None:
 
 
 @bp.after_request
-def _headers(response: Response) -> Response:
+def page_headers(response: Response) -> Response:
     """CSP, no framing, no caching of job data, and partials kept apart from pages in caches."""
     response.headers["Content-Security-Policy"] = CONTENT_SECURITY_POLICY
     response.headers["X-Frame-Options"] = "DENY"

@@ -20,7 +20,7 @@ from relay_core import IllegalTransition, JobNotFound, RelayError
 from ..errors import http_problem, transition_detail
 from ..health import MISSING_SCHEMA_ERRORS, missing_schema_problem
 from ..problems import Problem
-from .blueprint import bp
+from .blueprint import bp, page_headers
 from .render import is_htmx, page
 
 log = logging.getLogger("relay.web")
@@ -112,7 +112,8 @@ def _no_such_page(exc: NotFound | MethodNotAllowed) -> Response:
     preferred = request.accept_mimetypes.best_match(["application/problem+json", "application/json", "text/html"])
     # A dashboard view's own 404 (a job id out of range) is a page whoever asks.
     if request.blueprint == bp.name or (preferred == "text/html" and not request.path.startswith(MACHINE_PATHS)):
-        return _http(exc)
+        # Outside the dashboard's routes its after_request never runs: the page gets its headers here.
+        return page_headers(_http(exc))
     return http_problem(exc)
 
 

@@ -329,6 +329,9 @@ def test_an_unknown_address_is_a_page_in_a_browser_and_a_problem_elsewhere(viewe
         response = viewer.client.get(path, headers=browser)
         assert (response.status_code, response.mimetype) == (404, "text/html"), path
         assert "No such page" in _text(response) and 'href="/">Go to the overview<' in _text(response)
+        # Served outside the dashboard's routes, the page still carries the dashboard's headers.
+        assert "frame-ancestors 'none'" in response.headers["Content-Security-Policy"], path
+        assert (response.headers["X-Frame-Options"], response.headers["Cache-Control"]) == ("DENY", "no-store")
     for path, headers in (("/api/admin/nope", browser), ("/metrics/nope", browser), ("/nope", {"Accept": "*/*"})):
         response = viewer.client.get(path, headers=headers)
         assert (response.status_code, response.mimetype) == (404, "application/problem+json"), path
@@ -342,6 +345,7 @@ def test_a_button_only_address_opened_in_a_browser_is_a_page_saying_so(viewer: D
         response = viewer.client.get(path, headers=browser)
         assert (response.status_code, response.mimetype) == (405, "text/html"), path
         assert "opening it does nothing" in _text(response) and "POST" in response.headers["Allow"]
+        assert "script-src 'self'" in response.headers["Content-Security-Policy"], path
     api = viewer.client.get("/api/admin/jobs/requeue", headers=browser)
     assert (api.status_code, api.mimetype) == (405, "application/problem+json")
 

@@ -1,10 +1,10 @@
 """JWT authentication and roles, on flask-jwt-extended.
 
-Access tokens are short-lived and carry the role; refresh tokens are longer
-lived and are checked against the database on every use, so deleting a user
-or changing their password ends their sessions within one access-token
-lifetime. Only HS256 is accepted, so ``alg: none`` and algorithm-confusion
-tokens are refused. Every failure is a 401 or 403 problem.
+Access tokens are short-lived, refresh tokens longer lived; both carry a mark
+of the password they were issued under and are checked against the database
+on every use, so deleting a user or changing their password ends their
+sessions at once, and a role lowered holds from the next request. Only HS256
+is accepted, so ``alg: none`` and algorithm-confusion tokens are refused. Every failure is a 401 or 403 problem.
 """
 
 from __future__ import annotations
@@ -147,7 +147,11 @@ def require(role: str) -> dict[str, Any]:
         user = session_user(claims)
         if user is None:
             raise invalid_token()
-        held = user.role
+    else:
+        # An API access token too: a user removed, demoted or whose password changed lost
+        # what the token says at once, not one token lifetime (up to a year) later.
+        user = token_holder(claims)
+    held = user.role
     if held not in ROLES:
         raise unauthorized("The token carries no role Relay knows; log in again.", slug="token-invalid")
     if ROLES.index(held) < ROLES.index(role):
@@ -178,6 +182,27 @@ def session_user(claims: dict[str, Any]) -> User | None:
     return user
 
 
+def token_holder(claims: dict[str, Any]) -> User:
+    """The user an API token (access or refresh) names, as stored now, while the password it was issued under holds.
+
+    Raises a 401 problem for a subject that is no user id Relay writes, and
+    one saying the session ended once the user was removed or their password
+    changed (a token issued before access tokens carried the mark ends too).
+    """
+    account = user_id(claims)
+    if account is None:
+        raise invalid_token()
+    with connection() as conn:
+        user = users.get_user(conn, account)
+    if user is None or claims.get("pwd") != session_mark(user):
+        raise unauthorized(
+            "This session has ended (the user was removed or changed password); log in again.",
+            slug="session-ended",
+            invalid_token=True,
+        )
+    return user
+
+
 def refresh_claims() -> dict[str, Any]:
     """The claims of the request's refresh token (401 problem without a valid one)."""
     verify_jwt_in_request(refresh=True, locations=["headers"])
@@ -197,7 +222,8 @@ def session_mark(user: User) -> str:
 
 def access_token(user: User) -> tuple[str, int]:
     """A new access token for ``user`` and its lifetime in seconds."""
-    token = create_access_token(identity=str(user.id), additional_claims={"role": user.role, "username": user.username})
+    claims = {"role": user.role, "username": user.username, "pwd": session_mark(user)}
+    token = create_access_token(identity=str(user.id), additional_claims=claims)
     return token, int(current_app.config["JWT_ACCESS_TOKEN_EXPIRES"].total_seconds())
 
 

@@ -69,16 +69,6 @@ def refresh(claims: dict[str, Any]) -> TokenRecord:
     Send the refresh token as ``Authorization: Bearer <refresh token>``. A
     user removed, or whose password changed, since login must log in again.
     """
-    user_id = auth.user_id(claims)
-    if user_id is None:
-        raise auth.invalid_token()
-    with connection() as conn:
-        user = users.get_user(conn, user_id)
-    if user is None or claims.get("pwd") != auth.session_mark(user):
-        raise unauthorized(
-            "This session has ended (the user was removed or changed password); log in again.",
-            slug="session-ended",
-            invalid_token=True,
-        )
+    user = auth.token_holder(claims)
     access, expires_in = auth.access_token(user)
     return TokenRecord(access_token=access, expires_in=expires_in, username=user.username, role=user.role)  # type: ignore[arg-type]

@@ -14,7 +14,7 @@ import pytest
 from flask import Flask
 from flask_jwt_extended import create_access_token, create_refresh_token
 
-from relay_core import users
+from relay_core import Relay, users
 
 from .conftest import PASSWORD, SECRET, AuthActions
 from .helpers import assert_problem
@@ -186,6 +186,30 @@ def test_password_change_or_removal_ends_refresh_sessions(client, auth: AuthActi
     for token in (frank, grace):
         response = client.post("/api/auth/refresh", headers={"Authorization": f"Bearer {token}"})
         assert_problem(response, 401, "session-ended")
+
+
+def test_an_access_token_ends_at_once_when_its_user_is_removed_demoted_or_changes_password(
+    client, auth: AuthActions, relay: Relay, dsn: str
+) -> None:
+    """Access tokens were checked by signature and expiry only: a deleted admin could pause queues
+    for the rest of the token's lifetime, which RELAY_ACCESS_TOKEN_SECONDS lets run to a year."""
+    for name in ("ivan", "judy", "kim"):
+        auth.create_user(name, "admin")
+    ivan, judy, kim = (
+        {"Authorization": f"Bearer {auth.login(name).get_json()['access_token']}"} for name in ("ivan", "judy", "kim")
+    )
+    for holder in (ivan, judy, kim):
+        assert client.get("/api/admin/jobs", headers=holder).status_code == 200
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        users.delete_user(conn, "ivan")
+        users.set_password(conn, "judy", "a brand new password", hasher=users.make_hasher(1, 1024, 1))
+        users.set_role(conn, "kim", "viewer")
+    for holder in (ivan, judy):
+        assert_problem(client.post("/api/admin/queues/default/pause", headers=holder), 401, "session-ended")
+        assert_problem(client.get("/api/admin/jobs", headers=holder), 401, "session-ended")
+    assert_problem(client.post("/api/admin/queues/default/pause", headers=kim), 403, "forbidden")
+    assert client.get("/api/admin/jobs", headers=kim).status_code == 200
+    assert relay.paused_queues() == []
 
 
 def test_hash_is_upgraded_when_parameters_change(make_app, auth: AuthActions, db: psycopg.Connection) -> None:

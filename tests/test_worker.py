@@ -1958,3 +1958,30 @@ def test_a_handler_the_worker_could_not_call_is_refused_at_registration(relay: R
     relay.handler("flexible")(flexible)  # takes (job) as well as (job, conn)
     relay.handler("flexible_tx", transactional=True)(flexible)
     assert relay.handlers["flexible_tx"].transactional and not relay.handlers["flexible"].transactional
+
+
+def test_a_completion_written_while_a_heartbeat_runs_is_not_reported_as_a_lease_taken_over(
+    relay: Relay, db: psycopg.Connection, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The heartbeat reads the held leases, the completer commits an outcome, the heartbeat finds that lease
+    no longer claimed: it warned "leases taken over by another worker" with one worker running, before the
+    completer let go of the lease. The completer's fenced write is what knows; the heartbeat leaves it to it."""
+
+    @relay.handler("quick")
+    def quick(job) -> None:
+        pass
+
+    caplog.set_level("INFO", logger="relay")
+    job_id = relay.enqueue("quick")
+    # Heartbeats every 100 s: none runs on its own while the test beats by hand.
+    with running_worker(relay, lease_seconds=300.0, heartbeat_interval=None) as worker:
+        wait_for(lambda: relay.get_job(job_id).status == "succeeded", what="the job to succeed")
+        wait_for(lambda: not worker.ledger.awaiting_write, what="the completer to let go of the lease")
+        (token,) = db.execute("SELECT lease_token FROM relay.jobs WHERE id = %s", (job_id,)).fetchone()
+        # The moment of the race: written, and the completer not yet back to the ledger.
+        with worker.ledger.lock:
+            worker.ledger.awaiting_write[job_id] = token
+        worker.maintenance.heartbeat()
+        assert worker.ledger.awaiting_write == {job_id: token}
+    warnings = [r.getMessage() for r in caplog.records if r.name == "relay" and r.levelname == "WARNING"]
+    assert not [m for m in warnings if "taken over" in m], warnings

@@ -281,6 +281,11 @@ class Ledger:
         answer a job may have finished and been claimed again by this worker,
         and that new run's lease is valid. A job whose completion was written
         while the heartbeat ran is not among them.
+
+        Nor is any job awaiting its write: the completer may have committed it
+        between the heartbeat's snapshot and its renewal, and not yet said so
+        (``written``). Its fenced write knows whether the lease was taken over,
+        and reports it then.
         """
         taken: list[int] = []
         with self.lock:
@@ -294,9 +299,6 @@ class Ledger:
                     taken.append(jid)
                 elif overdue is not None and overdue[0].job.lease_token == token:
                     del self.overdue[jid]  # the sweeper decided it; the thread's end changes nothing
-                    taken.append(jid)
-                elif self.awaiting_write.get(jid) == token:
-                    del self.awaiting_write[jid]
                     taken.append(jid)
                 elif self.closing.get(jid) == token:
                     del self.closing[jid]

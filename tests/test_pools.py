@@ -265,3 +265,40 @@ def test_a_completion_outdated_by_a_retyped_column_is_sent_again_not_left_to_its
         statuses = db.execute("SELECT status::text AS status, count(*) AS n FROM relay.jobs GROUP BY 1").fetchall()
     assert statuses == [{"status": "succeeded", "n": 7}]
     assert written == {job.id: "succeeded" for job in jobs}
+
+
+def test_a_completion_stuck_on_a_stalled_connection_at_stop_is_named_in_the_log(
+    relay: Relay, dsn: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A write sent just before the database stopped answering never came back by the stop: the worker
+    said it stopped with nothing left claimed, and its jobs waited out their leases with no line naming them."""
+    from psycopg.rows import dict_row
+
+    from relay_core.job import Job
+    from relay_core.queries import sql
+    from relay_core.worker.completer import Completer
+    from relay_core.worker.outcome import Kind, Outcome
+
+    caplog.set_level("INFO", logger="relay")
+    relay.enqueue_many([{"type": "note"} for _ in range(2)])
+    with psycopg.connect(dsn, autocommit=True, row_factory=dict_row) as db:
+        first, second = [Job.from_row(row) for row in db.execute(sql("job_claim"), claim_params(limit=2))]
+    proxy = TcpProxy("127.0.0.1", int(conninfo.conninfo_to_dict(dsn).get("port") or 5432))
+    pool = make_pool(conninfo.make_conninfo(dsn, port=str(proxy.port)), name="stuck-completer", min_size=1, max_size=1)
+    pool.open(wait=True)
+    completer = Completer(pool, lambda batch, done: None)
+    completer.start()
+    try:
+        with pool.connection() as conn:  # used just now: the pool hands it out unchecked
+            conn.execute("SELECT 1")
+        proxy.flowing.clear()
+        completer.put(Outcome(first, Kind.SUCCEEDED, 0.0))
+        time.sleep(0.5)  # sent, and unanswered
+        completer.put(Outcome(second, Kind.SUCCEEDED, 0.0))  # queued behind it
+        completer.stop(0.5)
+        (line,) = [r for r in caplog.records if r.getMessage().startswith("completion still unanswered")]
+        assert line.levelname == "ERROR"
+        assert line.job_ids == [first.id, second.id]
+    finally:
+        proxy.close()
+        pool.close(timeout=1)

@@ -49,6 +49,7 @@ class Completer:
         # Set by stop(): when writes that keep failing are given up, and the wake from a retry's backoff.
         self._give_up_at: float | None = None
         self._stopping = threading.Event()
+        self._writing: list[Outcome] = []  # the batch being written now, for stop() to name
 
     def start(self) -> None:
         """Start writing."""
@@ -71,6 +72,26 @@ class Completer:
         self._inbox.put(None)
         # A write in flight waits no longer than the deadline for a connection; a moment more for its answer.
         self._thread.join(timeout + 0.5)
+        if self._thread.is_alive():
+            # A write sent on a connection that stopped answering: no statement of Relay's has a
+            # time limit there, so it may never come back. Its jobs, and those queued behind it,
+            # stay claimed unless it lands; say which, as a write given up says.
+            unwritten = list(self._writing)
+            behind: list[Outcome | None] = []
+            while True:
+                try:
+                    behind.append(self._inbox.get_nowait())
+                except queue.Empty:
+                    break
+            for item in behind:  # still the thread's to write, should its write come back
+                self._inbox.put(item)
+            unwritten += [item for item in behind if item is not None]
+            event(
+                logging.ERROR,
+                "completion still unanswered when the worker stopped; unless it lands, "
+                "the sweeper will return these jobs",
+                job_ids=sorted(o.job.id for o in unwritten),
+            )
 
     def _loop(self) -> None:
         stopping = False
@@ -100,6 +121,13 @@ class Completer:
         return None if give_up_at is None else give_up_at - time.monotonic()
 
     def _write_until_done(self, batch: list[Outcome]) -> None:
+        self._writing = batch
+        try:
+            self._write_batch(batch)
+        finally:
+            self._writing = []
+
+    def _write_batch(self, batch: list[Outcome]) -> None:
         delay = 0.1
         answer_lost = False  # a write failed once it was sent: it may have committed
         sent_again = False  # once already, after a schema change outdated its prepared statement
@@ -135,7 +163,7 @@ class Completer:
                 # sent): one bad outcome must not block the others or stop this thread.
                 if len(batch) > 1:
                     for outcome in batch:
-                        self._write_until_done([outcome])
+                        self._write_batch([outcome])
                     return
                 job = batch[0].job
                 event(

@@ -181,9 +181,16 @@ def load(given: Mapping[str, Any] | None = None) -> dict[str, Any]:
     settings["RELAY_DB_WAIT_SECONDS"] = relay.db_wait
     settings["RELAY_MAX_PAYLOAD_BYTES"] = relay.max_payload_bytes
     secret = _secret(given, production)
+    flask_secret = _flask_secret(given, secret, production)
+    # Said once every setting is known to work: an app that cannot start says only why.
+    if production and settings["RELAY_METRICS_TOKEN"] is None:
+        log.warning(
+            "no RELAY_METRICS_TOKEN set: /metrics answers anyone who can reach the app "
+            "(queue names, job types, counts); set one and give it to your scraper"
+        )
     settings.update(
         JWT_SECRET_KEY=secret,
-        SECRET_KEY=_flask_secret(given, secret, production),
+        SECRET_KEY=flask_secret,
         JWT_ALGORITHM="HS256",
         JWT_DECODE_ALGORITHMS=["HS256"],
         # The API reads tokens from the Authorization header only (views pass

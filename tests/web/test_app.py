@@ -20,7 +20,15 @@ from relay_web import create_app
 from .conftest import SECRET
 
 ROOT = Path(__file__).resolve().parents[2]
-SETTINGS = ("JWT_SECRET_KEY", "SECRET_KEY", "RELAY_ENV", "DATABASE_URL", "RELAY_DATABASE_URL", "RELAY_PROXY_HOPS")
+SETTINGS = (
+    "JWT_SECRET_KEY",
+    "SECRET_KEY",
+    "RELAY_ENV",
+    "DATABASE_URL",
+    "RELAY_DATABASE_URL",
+    "RELAY_PROXY_HOPS",
+    "RELAY_METRICS_TOKEN",
+)
 
 
 @pytest.fixture
@@ -81,6 +89,23 @@ def test_a_setting_too_large_to_work_is_a_startup_error(clean_env, dsn: str, nam
 def test_a_secret_or_token_that_cannot_work_is_a_startup_error(clean_env, dsn: str, given: dict, said: str) -> None:
     with pytest.raises(ConfigurationError, match=re.escape(said)):
         create_app({"RELAY_DATABASE_URL": dsn, **given})
+
+
+def test_production_without_a_metrics_token_says_metrics_are_open(
+    clean_env, dsn: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """/metrics names every queue and job type; in production, open to anyone was a silent default."""
+
+    def open_warnings() -> list[str]:
+        return [r.getMessage() for r in caplog.records if "no RELAY_METRICS_TOKEN set" in r.getMessage()]
+
+    caplog.set_level("WARNING", logger="relay.web")
+    create_app({"RELAY_DATABASE_URL": dsn, "JWT_SECRET_KEY": SECRET})
+    assert len(open_warnings()) == 1
+    create_app({"RELAY_DATABASE_URL": dsn, "JWT_SECRET_KEY": SECRET, "RELAY_METRICS_TOKEN": "scrape-me"})
+    clean_env.setenv("RELAY_ENV", "development")
+    create_app({"RELAY_DATABASE_URL": dsn})
+    assert len(open_warnings()) == 1
 
 
 def test_a_blank_database_url_is_named_as_the_variable_it_is(clean_env) -> None:

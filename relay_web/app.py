@@ -36,9 +36,21 @@ def _trust_proxies(app: Flask) -> None:
         app.wsgi_app = ProxyFix(app.wsgi_app, x_for=hops, x_proto=hops, x_host=0, x_port=0, x_prefix=0)  # type: ignore[method-assign]
 
 
+#: A year of HTTPS only, once a browser has reached the app over HTTPS.
+HSTS = "max-age=31536000"
+
+
 def _no_sniffing_no_caching(response: Response) -> Response:
-    """API answers carry tokens and job data: never cached, never content-sniffed."""
+    """API answers carry tokens and job data: never cached, never content-sniffed.
+
+    Over HTTPS (said by the proxies RELAY_PROXY_HOPS trusts, on a platform)
+    the browser is also told to use nothing else: a later ``http://`` link
+    would otherwise send the dashboard's login form in clear before any
+    redirect. Over plain HTTP the header is meaningless and not sent.
+    """
     response.headers.setdefault("X-Content-Type-Options", "nosniff")
+    if request.is_secure:
+        response.headers.setdefault("Strict-Transport-Security", HSTS)
     if request.path.startswith("/api/"):
         response.headers.setdefault("Cache-Control", "no-store")
     return response

@@ -379,3 +379,15 @@ def test_schedules_and_limits_are_listed(client, viewer, relay: Relay, db) -> No
         {"type": "send_email", "max_running": 3, "rate_limit": 100, "rate_period_seconds": 60.0, "running": 0}
     ]
     assert_problem(client.get("/api/admin/limits"), 401)
+
+
+def test_answers_over_https_tell_the_browser_to_stay_on_https(client, make_app, admin) -> None:
+    """Over HTTPS every answer carries HSTS, as the platform's proxy reports HTTPS; over plain HTTP none does."""
+    for path in ("/healthz", "/login", "/api/admin/queues"):
+        secure = client.get(path, headers=admin, base_url="https://relay.example")
+        assert secure.headers["Strict-Transport-Security"] == "max-age=31536000", path
+        assert "Strict-Transport-Security" not in client.get(path, headers=admin).headers, path
+    proxied = make_app(RELAY_PROXY_HOPS=1).test_client()
+    behind = proxied.get("/healthz", headers={"X-Forwarded-Proto": "https", "X-Forwarded-For": "203.0.113.9"})
+    assert behind.headers["Strict-Transport-Security"] == "max-age=31536000"
+    assert "Strict-Transport-Security" not in proxied.get("/healthz", headers={"X-Forwarded-Proto": "http"}).headers

@@ -1985,3 +1985,33 @@ def test_a_completion_written_while_a_heartbeat_runs_is_not_reported_as_a_lease_
         assert worker.ledger.awaiting_write == {job_id: token}
     warnings = [r.getMessage() for r in caplog.records if r.name == "relay" and r.levelname == "WARNING"]
     assert not [m for m in warnings if "taken over" in m], warnings
+
+
+def test_a_worker_does_not_sweep_a_lease_it_still_holds(relay: Relay, db: psycopg.Connection) -> None:
+    """After an outage longer than the lease, a worker's own sweep could get through before its heartbeat
+    and completer did, and return jobs it was running or about to record: they ran a second time."""
+    release = threading.Event()
+    runs: list[int] = []
+
+    @relay.handler("held")
+    def held(job) -> None:
+        runs.append(job.id)
+        release.wait(30)
+
+    job_id = relay.enqueue("held")
+    # Heartbeats every 100 s: the lease set back below stays run out while the sweeper passes many times.
+    with running_worker(relay, lease_seconds=300.0, heartbeat_interval=None, sweep_interval=0.1) as worker:
+        wait_for(lambda: runs == [job_id], what="the job to start")
+        (token,) = db.execute("SELECT lease_token FROM relay.jobs WHERE id = %s", (job_id,)).fetchone()
+        db.execute("UPDATE relay.jobs SET claimed_until = now() - interval '1 second' WHERE id = %s", (job_id,))
+        swept = worker.maintenance.sweeps
+        wait_for(lambda: worker.maintenance.sweeps >= swept + 3, what="three sweeps")
+        assert db.execute("SELECT status::text, lease_token FROM relay.jobs WHERE id = %s", (job_id,)).fetchone() == (
+            "claimed",
+            token,
+        )
+        # Another worker's sweeper, which does not hold it, still returns it.
+        assert sweep_once(db, held={job_id: token + 1})["queued"] == 1
+        release.set()
+        wait_for(lambda: not worker.ledger.awaiting_write and worker.in_flight() == 0, what="the run to end")
+    assert runs[0] == job_id

@@ -320,6 +320,10 @@ RETURNING j.id;
 -- included, whose outcomes wait to be written). The grace gives the workers
 -- that hold them time to renew them (workers pass their lease, at most a
 -- minute). A start time ahead of now() (the clock stepped back) grants none.
+-- The leases in %(held_ids)s / %(held_tokens)s are the sweeping worker's own,
+-- which it renews or ends itself: after an outage longer than the lease, its
+-- own sweep ran before its heartbeat and completer got through, and returned
+-- jobs whose successes it was about to write, which then ran again.
 -- transition: claimed -> queued, dead, cancelled
 UPDATE relay.jobs AS j
 SET status = CASE WHEN j.cancel_requested_at IS NOT NULL THEN 'cancelled'
@@ -336,10 +340,12 @@ SET status = CASE WHEN j.cancel_requested_at IS NOT NULL THEN 'cancelled'
         'traceback', NULL)),
     claimed_until = NULL
 WHERE j.id IN (
-    SELECT id FROM relay.jobs
-    WHERE status = 'claimed' AND claimed_until < now()
+    SELECT e.id FROM relay.jobs AS e
+    WHERE e.status = 'claimed' AND e.claimed_until < now()
       AND pg_postmaster_start_time() NOT BETWEEN now() - make_interval(secs => %(restart_grace)s) AND now()
-    ORDER BY claimed_until
+      AND NOT EXISTS (SELECT FROM unnest(%(held_ids)s::bigint[], %(held_tokens)s::integer[]) AS own(id, token)
+                      WHERE own.id = e.id AND own.token = e.lease_token)
+    ORDER BY e.claimed_until
     LIMIT %(limit)s
     FOR UPDATE SKIP LOCKED
 )

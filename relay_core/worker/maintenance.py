@@ -16,7 +16,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from datetime import datetime
 
 import psycopg
@@ -52,7 +52,12 @@ RESTART_GRACE_MAX_SECONDS = 60.0
 REGISTRY_KEEP_SECONDS = 7 * 86400.0
 
 
-def sweep_once(conn: psycopg.Connection, limit: int = SWEEP_BATCH, restart_grace: float = 0.0) -> dict[str, int]:
+def sweep_once(
+    conn: psycopg.Connection,
+    limit: int = SWEEP_BATCH,
+    restart_grace: float = 0.0,
+    held: Mapping[int, int] | None = None,
+) -> dict[str, int]:
     """Return expired leases to the queue (or to dead, or to cancelled when an
     admin had asked the job to stop); count per new status.
 
@@ -60,10 +65,17 @@ def sweep_once(conn: psycopg.Connection, limit: int = SWEEP_BATCH, restart_grace
     sweeper holds and re-checks the lease in its own WHERE. Within
     ``restart_grace`` seconds of the server's start it returns nothing, so
     live workers renew the leases an outage let run out (workers pass their
-    lease, at most RESTART_GRACE_MAX_SECONDS).
+    lease, at most RESTART_GRACE_MAX_SECONDS). The leases in ``held``
+    (id -> token) are the sweeping worker's own, left to it to renew or end.
     """
     counts = {"queued": 0, "dead": 0, "cancelled": 0}
-    params = {"limit": limit, "restart_grace": restart_grace}
+    own = dict(held or {})
+    params = {
+        "limit": limit,
+        "restart_grace": restart_grace,
+        "held_ids": list(own),
+        "held_tokens": list(own.values()),
+    }
     while True:
         rows = conn.execute(sql("job_rescue_expired"), params).fetchall()
         conn.commit()
@@ -261,7 +273,11 @@ class Maintenance:
     def sweep(self) -> dict[str, int]:
         """Run the sweeper once."""
         with self._pool.connection() as conn:
-            counts = sweep_once(conn, restart_grace=min(self._lease_seconds, RESTART_GRACE_MAX_SECONDS))
+            counts = sweep_once(
+                conn,
+                restart_grace=min(self._lease_seconds, RESTART_GRACE_MAX_SECONDS),
+                held=self._held_leases(),
+            )
         self.sweeps += 1
         if any(counts.values()):
             event(

@@ -4,7 +4,8 @@ Access tokens are short-lived, refresh tokens longer lived; both carry a mark
 of the password they were issued under and are checked against the database
 on every use, so deleting a user or changing their password ends their
 sessions at once, and a role lowered holds from the next request. Only HS256
-is accepted, so ``alg: none`` and algorithm-confusion tokens are refused. Every failure is a 401 or 403 problem.
+is accepted, so ``alg: none`` and algorithm-confusion tokens are refused.
+Every failure is a 401 or 403 problem.
 """
 
 from __future__ import annotations

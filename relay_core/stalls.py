@@ -93,6 +93,16 @@ class Watchdog:
                 cut(first.conn)
 
 
+#: The least time a statement gets before its connection is cut, however little of its time was
+#: left: a database that answers at all answers Relay's statements in milliseconds.
+LEAST_CUT_SECONDS = 0.2
+
+
+def seconds_until(end: float) -> float:
+    """Seconds from now to ``end`` (a ``time.monotonic()``), never under ``LEAST_CUT_SECONDS``."""
+    return max(end - time.monotonic(), LEAST_CUT_SECONDS)
+
+
 #: The process's watchdog: one thread, started the first time a connection is armed.
 WATCHDOG = Watchdog()
 
@@ -105,3 +115,13 @@ def cut_after(conn: psycopg.Connection, seconds: float) -> Iterator[None]:
         yield
     finally:
         WATCHDOG.disarm(handle)
+
+
+@contextmanager
+def cut_at(conn: psycopg.Connection, end: float | None) -> Iterator[None]:
+    """Cut ``conn`` if the block is still running at ``end`` (see ``seconds_until``); None: never."""
+    if end is None:
+        yield
+        return
+    with cut_after(conn, seconds_until(end)):
+        yield

@@ -1505,6 +1505,61 @@ def test_a_handler_hears_its_lease_ran_out_while_the_database_stalls(dsn: str, r
     assert [e["type"] for e in record.errors] == ["LeaseLost"], record.errors
 
 
+def test_a_worker_told_to_stop_while_its_database_stalls_exits_within_its_drain_window(
+    dsn: str, relay: Relay, db: psycopg.Connection, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Every connection hangs (storage stopped, a proxy stopped forwarding) and SIGTERM comes: the
+    schedules' stop, the duty in progress, the finished job's outcome, the registry's stop and the
+    hand-back each waited their own course, and the worker exited some 7 s past its shutdown timeout:
+    with the default 25 s, after Render's and Heroku's SIGKILL at 30 s. What is left after the
+    in-flight wait now shares ``SHUTDOWN_WRITES_SECONDS``, whatever came before it took."""
+    caplog.set_level("INFO", logger="relay")
+    params = conninfo.conninfo_to_dict(dsn)
+    proxy = TcpProxy(str(params.get("host", "127.0.0.1")), int(params.get("port", 5432)))
+    through = Relay(conninfo.make_conninfo(dsn, host="127.0.0.1", port=str(proxy.port)))
+    quick_started, finish_quick, release_long = threading.Event(), threading.Event(), threading.Event()
+
+    @through.handler("quick")
+    def quick(job: Job) -> None:
+        quick_started.set()
+        finish_quick.wait(30)
+
+    @through.handler("long")
+    def long(job: Job) -> None:
+        release_long.wait(60)
+
+    through.handler("tick", cron="0 0 1 1 *")(lambda job: None)  # the schedules' stop is written at shutdown
+    quick_id, long_id = relay.enqueue("quick"), relay.enqueue("long")
+    settings = {"concurrency": 2, "shutdown_timeout": 2.0, "sweep_interval": 0.1, "listen": False}
+    worker = Worker(through.dsn, through.handlers, WorkerConfig(**settings))  # type: ignore[arg-type]
+    thread = threading.Thread(target=worker.run, kwargs={"install_signals": False}, daemon=True)
+    thread.start()
+    try:
+        wait_for(lambda: status_counts(db).get("claimed") == 2, what="both jobs to start")
+        assert quick_started.wait(10)
+        proxy.flowing.clear()
+        time.sleep(0.3)  # a sweep is under way, waiting for its answer
+        finish_quick.set()  # its success waits in the completer, which cannot write it
+        time.sleep(0.2)
+        told = time.monotonic()
+        worker.stop()
+        assert worker.stopped.wait(30), "the worker never stopped"
+        took = time.monotonic() - told
+    finally:
+        worker.stop()
+        release_long.set()
+        proxy.flowing.set()
+        thread.join(30)
+        through.close()
+        proxy.close()
+    limit = 2.0 + runtime.SHUTDOWN_WRITES_SECONDS + runtime.EXIT_SECONDS
+    assert took < limit, f"stopped {took:.1f} s after it was told to; the drain window promised {limit:.1f} s"
+    (stopped,) = [r for r in caplog.records if r.getMessage() == "worker stopped"]
+    assert (stopped.handed_back, stopped.not_handed_back) == (0, 1)
+    # Nothing was lost: each job is still claimed (the sweeper's once its lease ends) or was written after all.
+    assert {job_status(db, quick_id), job_status(db, long_id)} <= {"claimed", "succeeded"}
+
+
 @contextmanager
 def a_claim_whose_answer_is_held(
     dsn: str, relay: Relay, db: psycopg.Connection, ran: list[int]

@@ -18,7 +18,7 @@ from psycopg.rows import dict_row
 
 from ..pools import RelayPool, restore_transactions
 from ..queries import sql
-from ..stalls import WATCHDOG, cut_after
+from ..stalls import WATCHDOG, cut_at
 
 #: Jobs that typically finish faster than this are prefetched; longer ones are not.
 PREFETCH_BELOW_SECONDS = 0.05
@@ -147,18 +147,23 @@ def claim_rows(pool: RelayPool, params: dict[str, Any], in_flight: ClaimInFlight
     return rows, sent
 
 
-def hand_back_unheld(pool: RelayPool, worker_id: str, held: dict[int, int]) -> list[int]:
+def hand_back_unheld(
+    pool: RelayPool, worker_id: str, held: dict[int, int], seconds: float = HAND_BACK_UNHELD_LIMIT_SECONDS
+) -> list[int]:
     """Return the jobs claimed under ``worker_id`` whose leases are not in ``held`` (id -> token); their ids.
 
     After a claim failed on a broken connection: it may have committed, and
     its jobs would wait for the sweeper with an attempt spent. Bounded like
-    the claim (a stop neither cancels nor waits for it): a database that
-    stopped answering gets its connection cut, and the next try, or the
+    the claim (a stop neither cancels nor waits for it): the wait for a
+    connection and the statement end within ``seconds`` (a database that
+    stopped answering gets its connection cut), and the next try, or the
     sweeper, returns the jobs.
     """
+    end = time.monotonic() + seconds
     with (
-        pool.connection(timeout=CLAIM_CONNECTION_WAIT_SECONDS) as conn,
-        cut_after(conn, HAND_BACK_UNHELD_LIMIT_SECONDS),
+        pool.connection(timeout=min(CLAIM_CONNECTION_WAIT_SECONDS, seconds)) as conn,
+        cut_at(conn, end),
+        conn.transaction(),  # the commit is bounded too
     ):
         rows = conn.execute(
             sql("job_hand_back_unheld"),

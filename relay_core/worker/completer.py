@@ -20,6 +20,7 @@ from psycopg_pool import PoolTimeout
 from ..logs import event
 from ..pools import RelayPool, outdated_plan, restore_transactions
 from ..queries import sql
+from ..stalls import cut_at
 from .outage import OutageLog, PooledCallLog, next_retry_delay
 from .outcome import Kind, Outcome
 
@@ -29,6 +30,8 @@ STOP_GIVE_UP_SECONDS = 8.0
 #: How long one write waits for a pooled connection before it counts as failed and is retried:
 #: short, so a write retrying through an outage hears a stop within about this long.
 CONNECTION_WAIT_SECONDS = 1.0
+#: Of stop()'s time, what is kept for the answer of a write sent just before its give-up.
+ANSWER_GRACE_SECONDS = 0.5
 
 
 class Completer:
@@ -60,18 +63,18 @@ class Completer:
         self._inbox.put(outcome)
 
     def stop(self, timeout: float = STOP_GIVE_UP_SECONDS) -> None:
-        """Write everything queued so far, then stop; give up on what cannot be written in ``timeout`` s.
+        """Write everything queued so far, then stop; return within ``timeout`` s, written or not.
 
-        A batch already retrying through an outage is given up at the same
-        deadline: the worker's drain window is not the place to wait for the
-        database (the leases of what was not written expire, and the sweeper
-        returns those jobs).
+        A batch already retrying through an outage is given up before then:
+        the worker's drain window is not the place to wait for the database
+        (the leases of what was not written expire, and the sweeper returns
+        those jobs).
         """
-        self._give_up_at = time.monotonic() + timeout
+        # A write in flight waits no longer than the give-up for a connection; what is left is for its answer.
+        self._give_up_at = time.monotonic() + max(timeout - ANSWER_GRACE_SECONDS, timeout / 2)
         self._stopping.set()
         self._inbox.put(None)
-        # A write in flight waits no longer than the deadline for a connection; a moment more for its answer.
-        self._thread.join(timeout + 0.5)
+        self._thread.join(timeout)
         if self._thread.is_alive():
             # A write sent on a connection that stopped answering: no statement of Relay's has a
             # time limit there, so it may never come back. Its jobs, and those queued behind it,
@@ -211,19 +214,21 @@ class Completer:
         except Exception as exc:  # the thread outlives any bookkeeping bug
             event(logging.ERROR, "bookkeeping after a completion write failed", error=repr(exc), jobs=len(batch))
 
-    def write(self, batch: list[Outcome], timeout: float | None = None) -> dict[int, str]:
+    def write(self, batch: list[Outcome], timeout: float | None = None, bounded: bool = False) -> dict[int, str]:
         """Record a batch in one statement per outcome kind.
 
         Returns the status written for each job that was still this worker's:
         not always the outcome's own (a failure of a job an admin asked to
         cancel ends it cancelled). ``timeout`` bounds the wait for a pooled
-        connection (the pool's own timeout if None).
+        connection (the pool's own timeout if None); ``bounded``, the whole
+        write: a database that stops answering has its connection cut then.
         """
         written: dict[int, str] = {o.job.id: "succeeded" for o in batch if o.kind is Kind.COMMITTED}
         statements = [(name, params) for name, params in _statements(batch) if params["ids"]]
         if not statements:
             return written
-        with self._pool.connection(timeout=timeout) as conn:
+        end = None if timeout is None or not bounded else time.monotonic() + timeout
+        with self._pool.connection(timeout=timeout) as conn, cut_at(conn, end):
             if len(statements) == 1:
                 # The usual batch (all successes) is one statement: autocommit, one round trip.
                 name, params = statements[0]

@@ -31,9 +31,11 @@ from ..logs import event
 from ..pools import all_in_use, make_pool, unusable_setting, worker_application_name
 from ..queries import sql
 from ..signals import ShutdownSignals
+from ..stalls import seconds_until
 from . import executor, limits, periodic
 from .aio import SlotLoop
 from .claim import (
+    HAND_BACK_UNHELD_LIMIT_SECONDS,
     PREFETCH_BELOW_SECONDS,
     PREFETCH_HOLD_SECONDS,
     ClaimInFlight,
@@ -49,7 +51,7 @@ from .maintenance import Maintenance, register
 from .outage import POOL_EXHAUSTED, OutageLog, PooledCallLog, next_retry_delay
 from .outcome import Kind, Outcome, describe
 from .retention import prune_once
-from .shutdown import SHUTDOWN_WRITES_SECONDS, hand_back, record_overdue, write_within
+from .shutdown import SHUTDOWN_WRITES_SECONDS, WriteTime, hand_back, record_overdue, write_within
 from .tally import Counters
 from .vacuum import vacuum_if_needed
 
@@ -61,8 +63,11 @@ REGISTER_WAIT_SECONDS = 2.0
 LEASE_WATCH_SECONDS = 0.2
 #: At shutdown, the pause between tries to return the jobs of a claim whose answer was lost.
 RETURN_UNHELD_RETRY_SECONDS = 0.1
-#: At the end of a shutdown, how long each of the pool's threads gets to stop.
-POOL_THREAD_STOP_SECONDS = 0.3
+#: At the end of a shutdown, how long the heartbeat thread gets to stop, and each of the pool's threads.
+HEARTBEAT_STOP_SECONDS = 0.3
+POOL_THREAD_STOP_SECONDS = 0.2
+#: After the shutdown's writes, what stopping the heartbeats and the pool's (three) threads may take.
+EXIT_SECONDS = HEARTBEAT_STOP_SECONDS + 3 * POOL_THREAD_STOP_SECONDS
 #: Jobs on their last attempt a worker holds per slot beyond those its slots run (see ``last_attempt_room``).
 LAST_ATTEMPTS_AHEAD_PER_SLOT = 2
 
@@ -93,6 +98,7 @@ class Worker:
         self.id = self.config.worker_id
         self.counters = Counters()
         self.stopping = threading.Event()
+        self._stop_asked_at: float | None = None  # time.monotonic() of the first stop(): the drain window's start
         self.stopped = threading.Event()
         self._wake = threading.Event()
         #: A claim failed on a broken connection and may have committed: its jobs are claimed
@@ -518,7 +524,7 @@ class Worker:
             if len(jobs) < free:
                 self._wake.wait(self.config.poll_interval)
 
-    def _return_unheld(self) -> None:
+    def _return_unheld(self, seconds: float = HAND_BACK_UNHELD_LIMIT_SECONDS) -> None:
         """Return the jobs a claim took whose answer was lost, when no other process can hold them.
 
         A worker id given in the settings may be another process's too (one
@@ -527,7 +533,7 @@ class Worker:
         """
         if not self.config.owns_worker_id:
             return
-        returned = hand_back_unheld(self.pool, self.id, self.ledger.held_leases())
+        returned = hand_back_unheld(self.pool, self.id, self.ledger.held_leases(), seconds)
         if returned:
             event(logging.WARNING, "returned jobs a claim took whose answer was lost", job_ids=sorted(returned))
 
@@ -553,7 +559,7 @@ class Worker:
         end = time.monotonic() + seconds
         while True:
             try:
-                self._return_unheld()
+                self._return_unheld(seconds_until(end))
                 return
             except (psycopg.Error, PoolTimeout) as exc:
                 if time.monotonic() + RETURN_UNHELD_RETRY_SECONDS >= end:
@@ -585,6 +591,8 @@ class Worker:
         that stopped forwarding) is cancelled, so the shutdown and its drain
         window begin now rather than when the database lets the claim finish.
         """
+        if self._stop_asked_at is None:
+            self._stop_asked_at = time.monotonic()
         self.stopping.set()
         self._wake.set()
         self._claim_in_flight.cancel()
@@ -604,46 +612,55 @@ class Worker:
         process exits, so its job goes back only once nothing but the
         heartbeat thread is left to stop, with a short grace before another
         worker may start it. Until then heartbeats keep every lease alive.
+
+        However long the database takes, the worker stops within the timeout
+        and ``SHUTDOWN_WRITES_SECONDS + EXIT_SECONDS``: the platform's SIGKILL
+        comes then, and a write still waiting would be lost with the process
+        anyway (the sweeper returns what was not written).
         """
-        deadline = time.monotonic() + self.config.shutdown_timeout
+        # From the stop, not from here: a claim the database held up took some of the window.
+        deadline = (self._stop_asked_at or time.monotonic()) + self.config.shutdown_timeout
+        final = deadline + SHUTDOWN_WRITES_SECONDS  # the last write ends by then
+
+        def before_deadline() -> float:
+            """The time of a write ahead of the in-flight wait: within the deadline, if it can be."""
+            return min(max(deadline - time.monotonic(), 1.0), SHUTDOWN_WRITES_SECONDS, seconds_until(final))
+
         # Nothing but heartbeats is needed from here on; these stop while in-flight jobs run on.
         if self.listener:
             self.listener.stop()
         # Before waiting for a duty in progress (a long prune, a vacuum): no check comes after it.
         if any(spec.cron for spec in self.handlers.values()):
-            self._record_schedules_stopped(min(max(deadline - time.monotonic(), 1.0), SHUTDOWN_WRITES_SECONDS))
+            self._record_schedules_stopped(before_deadline())
         # Jobs waiting for a slot go back first: another worker can run them now, while this
         # one waits for its running jobs, and a SIGKILL at the end of that wait would spend
         # their attempts.
         unstarted = self.ledger.close_unstarted()
         handed_back_first = 0
         if unstarted:
-            seconds = min(max(deadline - time.monotonic(), 1.0), SHUTDOWN_WRITES_SECONDS)
-            handed_back_first = hand_back(self.pool, self.ledger, unstarted, seconds)
+            handed_back_first = hand_back(self.pool, self.ledger, unstarted, before_deadline())
         # Within the shutdown timeout, however long a duty waits for a database that is down.
         self.maintenance.stop_duties(max(deadline - time.monotonic(), 0.5))
         if self._unanswered_claim:
             # A stop between a lost claim answer and the next claim: nothing else would return
             # those jobs before their leases ran out, and the sweeper would spend their attempt.
-            self._return_unheld_while_stopping(min(max(deadline - time.monotonic(), 1.0), SHUTDOWN_WRITES_SECONDS))
+            self._return_unheld_while_stopping(before_deadline())
         while self.in_flight() and time.monotonic() < deadline and self.config.shutdown_timeout > 0:
             time.sleep(0.02)
         self._check_timeouts()  # a job past its deadline has its timeout recorded, not its attempt refunded
         unfinished, overdue = self.ledger.close()
         for _ in self._slots:
             self._inbox.put(None)
-        writes_end = time.monotonic() + SHUTDOWN_WRITES_SECONDS
-
-        def left() -> float:
-            """What is left of the writes' shared time: each wait for a connection ends with it."""
-            return max(writes_end - time.monotonic(), 0.1)
+        # The writes share what is left of their time; whatever came before took some of it
+        # only when the database held it up, and then these cannot be written either.
+        writes = WriteTime(min(time.monotonic() + SHUTDOWN_WRITES_SECONDS, final), 2 + bool(overdue) + bool(unfinished))
 
         handed_back = handed_back_first
-        self.completer.stop(left())  # writes the outcomes of the jobs that finished
+        self.completer.stop(writes.next())  # writes the outcomes of the jobs that finished
         if overdue:
-            record_overdue(self.completer, self.ledger, [decided for _, decided in overdue], left(), self._on_written)
+            record_overdue(self.completer, self.ledger, [d for _, d in overdue], writes.next(), self._on_written)
         try:
-            with write_within(self.pool, left()) as conn:
+            with write_within(self.pool, writes.next()) as conn:
                 conn.execute(sql("worker_stop"), {"id": self.id, "started_at": self.maintenance.registered_at})
         except (psycopg.Error, PoolTimeout) as exc:
             event(logging.WARNING, "could not record worker stop", error=str(exc))
@@ -651,9 +668,9 @@ class Worker:
         # unfinished job had started (the unstarted ones went back first, and nothing was claimed since).
         self.handlers_left_running = len(unfinished) + len(overdue)
         if unfinished:
-            handed_back += hand_back(self.pool, self.ledger, unfinished, left())
+            handed_back += hand_back(self.pool, self.ledger, unfinished, writes.next())
         # Bounded too: a heartbeat connecting to a database that is down must not hold up the exit.
-        self.maintenance.stop_heartbeats(1.0)
+        self.maintenance.stop_heartbeats(HEARTBEAT_STOP_SECONDS)
         # The pool's threads are joined one by one: those reconnecting to a database that stopped
         # answering would each take the whole wait.
         self.pool.close(timeout=POOL_THREAD_STOP_SECONDS)

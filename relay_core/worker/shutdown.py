@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
@@ -22,7 +23,7 @@ from psycopg_pool import PoolTimeout
 from ..logs import event
 from ..pools import RelayPool
 from ..queries import sql
-from ..stalls import cut_after
+from ..stalls import LEAST_CUT_SECONDS, cut_at, seconds_until
 from .completer import Completer
 from .ledger import Ledger, Running
 from .outcome import Outcome
@@ -35,27 +36,47 @@ HAND_BACK_GRACE_SECONDS = 2.0
 #: registry's stop) shares this many seconds: with the database down none of it can be
 #: written, and waiting for each in turn would outlast a platform's drain window.
 SHUTDOWN_WRITES_SECONDS = 3.0
-#: A shutdown write's connection is cut this long after its statement timeout should have ended
-#: it: the database stopped answering, and the timeout never arrives (see ``stalls``).
+#: Of a shutdown write's time, the last this many seconds are left for its statement timeout's
+#: answer: past them the connection is cut, since the database stopped answering and the timeout
+#: never arrives (see ``stalls``).
 CUT_GRACE_SECONDS = 0.5
+
+
+class WriteTime:
+    """The time a shutdown's last writes share, each taking what is left of it in turn.
+
+    A write is given what is left less the least each write after it needs,
+    so a database that holds up the first (the completer's, on a connection
+    that stopped answering) leaves the others their try without the last one
+    ending past the shared end.
+    """
+
+    def __init__(self, end: float, writes: int) -> None:
+        self._end = end  # a time.monotonic()
+        self._writes_left = writes
+
+    def next(self) -> float:
+        """Seconds for the next write."""
+        self._writes_left = max(self._writes_left - 1, 0)
+        return seconds_until(self._end - self._writes_left * LEAST_CUT_SECONDS)
 
 
 @contextmanager
 def write_within(pool: RelayPool, timeout: float) -> Iterator[psycopg.Connection]:
-    """A pooled connection for a shutdown write, in a transaction whose statements end within ``timeout`` s.
+    """A pooled connection for a shutdown write, in a transaction that ends within ``timeout`` s.
 
-    The wait for the connection ends by then, and so does a statement the
-    database holds up (a lock on the jobs table: the server's statement
-    timeout; a database that stopped answering: the connection is cut a
-    moment later): the drain window is not the place to wait for either.
+    The wait for the connection counts, and a statement the database holds
+    up ends by then too (a lock on the jobs table: the server's statement
+    timeout; a database that stopped answering: the connection is cut): the
+    drain window is not the place to wait for either.
     """
-    with (
-        pool.connection(timeout=timeout) as conn,
-        cut_after(conn, timeout + CUT_GRACE_SECONDS),
-        conn.transaction(),
-    ):
-        conn.execute("SELECT set_config('statement_timeout', %s, true)", (f"{max(int(timeout * 1000), 1)}ms",))
-        yield conn
+    end = time.monotonic() + timeout
+    with pool.connection(timeout=timeout) as conn:
+        left = seconds_until(end)
+        statement_seconds = max(left - CUT_GRACE_SECONDS, left / 2)
+        with cut_at(conn, end), conn.transaction():
+            conn.execute("SELECT set_config('statement_timeout', %s, true)", (f"{int(statement_seconds * 1000)}ms",))
+            yield conn
 
 
 def hand_back(pool: RelayPool, ledger: Ledger, unfinished: list[Running], timeout: float) -> int:
@@ -102,7 +123,7 @@ def record_overdue(
     for outcome in decided:
         outcome.delay = max(outcome.delay, HAND_BACK_GRACE_SECONDS)
     try:
-        written = completer.write(decided, timeout=timeout)
+        written = completer.write(decided, timeout=timeout, bounded=True)
     except (psycopg.Error, PoolTimeout) as exc:
         event(
             logging.ERROR,

@@ -22,3 +22,18 @@ def test_dashboard_series_exist(client, relay: Relay, db) -> None:
     assert used, "the dashboard draws nothing"
     assert used <= exposed, f"not exposed by /metrics: {sorted(used - exposed)}"
     assert {"relay_jobs", "relay_queue_oldest_job_age_seconds", "relay_workers_alive"} <= used
+
+
+def test_every_series_is_read_from_the_chosen_deployment_only() -> None:
+    """Each panel takes the highest value across the web processes that report one database; with a
+    staging and a production Relay scraped into one Prometheus, that was the highest of the two."""
+    dashboard = json.loads(DASHBOARD.read_text())
+    variables = {v["name"]: v for v in dashboard["templating"]["list"]}
+    assert variables["job"]["query"]["query"] == "label_values(relay_jobs, job)"
+    assert not variables["job"]["includeAll"] and not variables["job"]["multi"]
+    assert '{job=~"$job"}' in variables["queue"]["query"]["query"]
+    exprs = [target["expr"] for panel in dashboard["panels"] for target in panel["targets"]]
+    selectors = [m for expr in exprs for m in re.finditer(r"relay_\w+(\{[^}]*\})?", expr)]
+    assert selectors
+    unfiltered = [m.group(0) for m in selectors if 'job=~"$job"' not in (m.group(1) or "")]
+    assert not unfiltered, f"series read from every deployment: {unfiltered}"

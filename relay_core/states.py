@@ -1,7 +1,7 @@
 """The job state machine of DESIGN section 3, written down once.
 
-Every SQL statement that writes ``status`` names its transition in
-``sql/queries.sql``; the tests check each one against :data:`TRANSITIONS`.
+Every SQL statement that writes ``status`` names its transition beside it
+in ``sql/*.sql``; the tests check each one against :data:`TRANSITIONS`.
 """
 
 from __future__ import annotations

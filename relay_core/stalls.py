@@ -94,13 +94,14 @@ class Watchdog:
 
 
 #: The least time a statement gets before its connection is cut, however little of its time was
-#: left: a database that answers at all answers Relay's statements in milliseconds.
-LEAST_CUT_SECONDS = 0.2
+#: left: a database that answers at all answers the statements cut this way (a hand-back, a
+#: shutdown's last writes) in a few milliseconds, and one that stopped answering is not waited on.
+SHORTEST_CUT_SECONDS = 0.05
 
 
 def seconds_until(end: float) -> float:
-    """Seconds from now to ``end`` (a ``time.monotonic()``), never under ``LEAST_CUT_SECONDS``."""
-    return max(end - time.monotonic(), LEAST_CUT_SECONDS)
+    """Seconds from now to ``end`` (a ``time.monotonic()``), never under ``SHORTEST_CUT_SECONDS``."""
+    return max(end - time.monotonic(), SHORTEST_CUT_SECONDS)
 
 
 #: The process's watchdog: one thread, started the first time a connection is armed.

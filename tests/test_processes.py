@@ -137,8 +137,15 @@ def test_sigterm_stops_the_worker_in_time_while_a_lock_on_the_jobs_table_holds_u
     assert job_row(db, job_id)[0] == "claimed"
 
 
+@pytest.mark.parametrize("shutdown_timeout", [0, 1])
 def test_sigterm_stops_the_worker_in_time_while_its_database_connection_has_stalled(
-    relay: Relay, db: psycopg.Connection, dsn: str, python: str, worker_env: dict, tmp_path: Path
+    relay: Relay,
+    db: psycopg.Connection,
+    dsn: str,
+    python: str,
+    worker_env: dict,
+    tmp_path: Path,
+    shutdown_timeout: int,
 ) -> None:
     """A database (or a proxy in front of it) that stops answering while TCP still acknowledges.
 
@@ -149,23 +156,30 @@ def test_sigterm_stops_the_worker_in_time_while_its_database_connection_has_stal
     database answered again, however long the platform's SIGKILL took: now
     the stop cuts the stalled connection, and the shutdown's writes give up
     within their share of the drain window.
+
+    The process exits within the shutdown timeout and 4 s of the SIGTERM, as
+    the docs promise (25 s and 4 s inside Render's and Heroku's 30 s): it
+    took up to 4.6 s past a timeout of 0 when each step had its own floor.
     """
     params = conninfo.conninfo_to_dict(dsn)
     proxy = TcpProxy(str(params.get("host", "127.0.0.1")), int(params.get("port", 5432)))
     env = dict(worker_env, RELAY_DATABASE_URL=conninfo.make_conninfo(dsn, host="127.0.0.1", port=str(proxy.port)))
     log = tmp_path / "worker.log"
-    args = ("--concurrency", "2", "--lease", "60", "--shutdown-timeout", "1")
-    worker = start_worker_process(python, env, *args, log=log)
+    args = ("--concurrency", "2", "--lease", "60", "--shutdown-timeout", str(shutdown_timeout))
+    worker = start_worker_process(python, dict(env, RELAY_HEARTBEAT_INTERVAL="1"), *args, log=log)
     try:
         job_id = relay.enqueue("record", {"sleep": 30})
         wait_for(lambda: executions(db, job_id), what="the job to start")
         proxy.flowing.clear()
-        time.sleep(3)  # the next claim, or the idle check before it, is waiting on the stalled connection
+        time.sleep(3)  # the next claim (or the idle check before it) and a heartbeat wait on the stalled connection
+        signalled = time.monotonic()
         terminate(worker, log, within=15)
+        took = time.monotonic() - signalled
     finally:
         proxy.flowing.set()
         stop_process(worker)
         proxy.close()
+    assert took < shutdown_timeout + 4.0, f"exited {took:.2f} s after SIGTERM; its log:\n" + log.read_text()
     assert "hand-back failed" in log.read_text()
     # Not lost: the job stays the stopped worker's until its lease expires and a sweeper returns it.
     assert job_row(db, job_id)[0] == "claimed"

@@ -1512,7 +1512,8 @@ def test_a_worker_told_to_stop_while_its_database_stalls_exits_within_its_drain_
     schedules' stop, the duty in progress, the finished job's outcome, the registry's stop and the
     hand-back each waited their own course, and the worker exited some 7 s past its shutdown timeout:
     with the default 25 s, after Render's and Heroku's SIGKILL at 30 s. What is left after the
-    in-flight wait now shares ``SHUTDOWN_WRITES_SECONDS``, whatever came before it took."""
+    in-flight wait now shares ``SHUTDOWN_WRITES_SECONDS``, whatever came before it took.
+    (tests/test_processes.py measures a real process's exit after SIGTERM.)"""
     caplog.set_level("INFO", logger="relay")
     params = conninfo.conninfo_to_dict(dsn)
     proxy = TcpProxy(str(params.get("host", "127.0.0.1")), int(params.get("port", 5432)))
@@ -1552,7 +1553,7 @@ def test_a_worker_told_to_stop_while_its_database_stalls_exits_within_its_drain_
         thread.join(30)
         through.close()
         proxy.close()
-    limit = 2.0 + runtime.SHUTDOWN_WRITES_SECONDS + runtime.EXIT_SECONDS
+    limit = 2.0 + runtime.SHUTDOWN_OVERRUN_SECONDS
     assert took < limit, f"stopped {took:.1f} s after it was told to; the drain window promised {limit:.1f} s"
     (stopped,) = [r for r in caplog.records if r.getMessage() == "worker stopped"]
     assert (stopped.handed_back, stopped.not_handed_back) == (0, 1)

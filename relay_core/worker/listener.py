@@ -45,10 +45,10 @@ class Listener:
         """Start listening."""
         self._thread.start()
 
-    def stop(self) -> None:
-        """Stop listening (returns within about a second)."""
+    def stop(self, timeout: float = 2.0) -> None:
+        """Stop listening; wait up to ``timeout`` s (about a second is enough) for the thread to end."""
         self._stop.set()
-        self._thread.join(2.0)
+        self._thread.join(timeout)
 
     def _loop(self) -> None:
         delay = 0.1

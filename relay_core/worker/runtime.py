@@ -31,7 +31,7 @@ from ..logs import event
 from ..pools import all_in_use, make_pool, unusable_setting, worker_application_name
 from ..queries import sql
 from ..signals import ShutdownSignals
-from ..stalls import seconds_until
+from ..stalls import SHORTEST_CUT_SECONDS, seconds_until
 from . import executor, limits, periodic
 from .aio import SlotLoop
 from .claim import (
@@ -63,11 +63,18 @@ REGISTER_WAIT_SECONDS = 2.0
 LEASE_WATCH_SECONDS = 0.2
 #: At shutdown, the pause between tries to return the jobs of a claim whose answer was lost.
 RETURN_UNHELD_RETRY_SECONDS = 0.1
-#: At the end of a shutdown, how long the heartbeat thread gets to stop, and each of the pool's threads.
-HEARTBEAT_STOP_SECONDS = 0.3
-POOL_THREAD_STOP_SECONDS = 0.2
-#: After the shutdown's writes, what stopping the heartbeats and the pool's (three) threads may take.
-EXIT_SECONDS = HEARTBEAT_STOP_SECONDS + 3 * POOL_THREAD_STOP_SECONDS
+#: At the end of a shutdown, how long the heartbeat thread gets to stop, and each of the pool's
+#: threads (its three workers and its scheduler, joined one after another).
+HEARTBEAT_STOP_SECONDS = 0.2
+POOL_THREAD_STOP_SECONDS = 0.1
+#: A worker stops at most this long after its shutdown timeout ends (counted from the stop),
+#: however the database behaves: the shared time of the last writes, the least each step
+#: (four before the in-flight wait, four after it) gets once that ran out, and the threads'
+#: stop. The platform's drain window must hold this beyond the timeout, and a moment more for
+#: the process's own exit: the docs promise 4 s.
+SHUTDOWN_OVERRUN_SECONDS = (
+    SHUTDOWN_WRITES_SECONDS + 8 * SHORTEST_CUT_SECONDS + HEARTBEAT_STOP_SECONDS + 4 * POOL_THREAD_STOP_SECONDS
+)
 #: Jobs on their last attempt a worker holds per slot beyond those its slots run (see ``last_attempt_room``).
 LAST_ATTEMPTS_AHEAD_PER_SLOT = 2
 
@@ -614,7 +621,7 @@ class Worker:
         worker may start it. Until then heartbeats keep every lease alive.
 
         However long the database takes, the worker stops within the timeout
-        and ``SHUTDOWN_WRITES_SECONDS + EXIT_SECONDS``: the platform's SIGKILL
+        and ``SHUTDOWN_OVERRUN_SECONDS``: the platform's SIGKILL
         comes then, and a write still waiting would be lost with the process
         anyway (the sweeper returns what was not written).
         """
@@ -623,12 +630,12 @@ class Worker:
         final = deadline + SHUTDOWN_WRITES_SECONDS  # the last write ends by then
 
         def before_deadline() -> float:
-            """The time of a write ahead of the in-flight wait: within the deadline, if it can be."""
+            """The time of a step ahead of the in-flight wait: within the deadline, if it can be."""
             return min(max(deadline - time.monotonic(), 1.0), SHUTDOWN_WRITES_SECONDS, seconds_until(final))
 
         # Nothing but heartbeats is needed from here on; these stop while in-flight jobs run on.
         if self.listener:
-            self.listener.stop()
+            self.listener.stop(before_deadline())
         # Before waiting for a duty in progress (a long prune, a vacuum): no check comes after it.
         if any(spec.cron for spec in self.handlers.values()):
             self._record_schedules_stopped(before_deadline())
@@ -640,7 +647,7 @@ class Worker:
         if unstarted:
             handed_back_first = hand_back(self.pool, self.ledger, unstarted, before_deadline())
         # Within the shutdown timeout, however long a duty waits for a database that is down.
-        self.maintenance.stop_duties(max(deadline - time.monotonic(), 0.5))
+        self.maintenance.stop_duties(min(max(deadline - time.monotonic(), 0.5), seconds_until(final)))
         if self._unanswered_claim:
             # A stop between a lost claim answer and the next claim: nothing else would return
             # those jobs before their leases ran out, and the sweeper would spend their attempt.

@@ -23,7 +23,7 @@ from psycopg_pool import PoolTimeout
 from ..logs import event
 from ..pools import RelayPool
 from ..queries import sql
-from ..stalls import LEAST_CUT_SECONDS, cut_at, seconds_until
+from ..stalls import SHORTEST_CUT_SECONDS, cut_at, seconds_until
 from .completer import Completer
 from .ledger import Ledger, Running
 from .outcome import Outcome
@@ -35,7 +35,7 @@ HAND_BACK_GRACE_SECONDS = 2.0
 #: After the in-flight wait of a shutdown, what is left to write (outcomes, hand-backs, the
 #: registry's stop) shares this many seconds: with the database down none of it can be
 #: written, and waiting for each in turn would outlast a platform's drain window.
-SHUTDOWN_WRITES_SECONDS = 3.0
+SHUTDOWN_WRITES_SECONDS = 2.5
 #: Of a shutdown write's time, the last this many seconds are left for its statement timeout's
 #: answer: past them the connection is cut, since the database stopped answering and the timeout
 #: never arrives (see ``stalls``).
@@ -58,7 +58,7 @@ class WriteTime:
     def next(self) -> float:
         """Seconds for the next write."""
         self._writes_left = max(self._writes_left - 1, 0)
-        return seconds_until(self._end - self._writes_left * LEAST_CUT_SECONDS)
+        return seconds_until(self._end - self._writes_left * SHORTEST_CUT_SECONDS)
 
 
 @contextmanager

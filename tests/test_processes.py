@@ -106,6 +106,39 @@ def test_sigterm_hands_back_unfinished_jobs_at_once(
         stop_process(worker)
 
 
+def test_a_second_sigterm_cuts_the_wait_for_a_duty_short(
+    relay: Relay, db: psycopg.Connection, dsn: str, python: str, worker_env: dict, tmp_path: Path
+) -> None:
+    """A second signal cuts the shutdown's wait short: the operator pressing Ctrl-C twice, or a
+    platform that sends SIGTERM again. It ended the wait for running jobs, but not the wait for a
+    duty in progress (a sweep whose database stopped answering): that still took the whole
+    shutdown timeout, 60 s here."""
+    params = conninfo.conninfo_to_dict(dsn)
+    proxy = TcpProxy(str(params.get("host", "127.0.0.1")), int(params.get("port", 5432)))
+    through = conninfo.make_conninfo(dsn, host="127.0.0.1", port=str(proxy.port))
+    env = dict(worker_env, RELAY_DATABASE_URL=through, RELAY_SWEEP_INTERVAL="0.2")
+    log = tmp_path / "worker.log"
+    worker = start_worker_process(python, env, "--lease", "90", "--shutdown-timeout", "60", log=log)
+    try:
+        job_id = relay.enqueue("record", {"sleep": 120})
+        wait_for(lambda: executions(db, job_id), what="the job to start")
+        proxy.flowing.clear()
+        time.sleep(1.0)  # a sweep is waiting for its answer
+        worker.send_signal(signal.SIGTERM)
+        time.sleep(3.0)  # past the claim's cut: the shutdown is waiting for the duty
+        again = time.monotonic()
+        terminate(worker, log, within=30)
+        took = time.monotonic() - again
+    finally:
+        proxy.flowing.set()
+        stop_process(worker)
+        proxy.close()
+    assert took < 5.0, f"exited {took:.1f} s after the second SIGTERM; its log:\n" + log.read_text()
+    assert "second signal" in log.read_text()
+    # Not lost: the job stays the stopped worker's until its lease expires and a sweeper returns it.
+    assert job_row(db, job_id)[0] == "claimed"
+
+
 def test_sigterm_stops_the_worker_in_time_while_a_lock_on_the_jobs_table_holds_up_its_statements(
     relay: Relay, db: psycopg.Connection, dsn: str, python: str, worker_env: dict, tmp_path: Path
 ) -> None:

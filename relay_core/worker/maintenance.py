@@ -233,6 +233,10 @@ class Maintenance:
         self._stop_duties.set()
         self._duties_thread.join(timeout)
 
+    def duties_running(self) -> bool:
+        """Whether a duty is still in progress after :meth:`stop_duties` (or the duties never stopped)."""
+        return self._duties_thread.is_alive()
+
     def stop_heartbeats(self, timeout: float = 5.0) -> None:
         """Stop renewing leases: the worker has nothing left to hold."""
         self._stop_heartbeats.set()

@@ -106,6 +106,7 @@ class Worker:
         self.counters = Counters()
         self.stopping = threading.Event()
         self._stop_asked_at: float | None = None  # time.monotonic() of the first stop(): the drain window's start
+        self._hurried_at: float | None = None  # time.monotonic() of a second signal: nothing more is waited for
         self.stopped = threading.Event()
         self._wake = threading.Event()
         #: A claim failed on a broken connection and may have committed: its jobs are claimed
@@ -609,6 +610,7 @@ class Worker:
         if self.stopping.is_set():
             event(logging.WARNING, "second signal: handing back in-flight jobs now", signal=signum)
             self.config.shutdown_timeout = 0
+            self._hurried_at = time.monotonic()
         event(logging.INFO, "shutdown requested", signal=signal.Signals(signum).name)
         self.stop()
 
@@ -627,15 +629,21 @@ class Worker:
         """
         # From the stop, not from here: a claim the database held up took some of the window.
         deadline = (self._stop_asked_at or time.monotonic()) + self.config.shutdown_timeout
-        final = deadline + SHUTDOWN_WRITES_SECONDS  # the last write ends by then
+
+        def final() -> float:
+            """When the last write ends: the writes' time after the deadline, or after a second signal."""
+            hurried_at = self._hurried_at
+            return (deadline if hurried_at is None else min(deadline, hurried_at)) + SHUTDOWN_WRITES_SECONDS
 
         def before_deadline() -> float:
             """The time of a step ahead of the in-flight wait: within the deadline, if it can be."""
-            return min(max(deadline - time.monotonic(), 1.0), SHUTDOWN_WRITES_SECONDS, seconds_until(final))
+            return min(max(deadline - time.monotonic(), 1.0), SHUTDOWN_WRITES_SECONDS, seconds_until(final()))
 
         # Nothing but heartbeats is needed from here on; these stop while in-flight jobs run on.
+        # Not waited for: it ends within a second on its own, and one whose database stopped
+        # answering would hold up the shutdown for nothing.
         if self.listener:
-            self.listener.stop(before_deadline())
+            self.listener.stop(timeout=0)
         # Before waiting for a duty in progress (a long prune, a vacuum): no check comes after it.
         if any(spec.cron for spec in self.handlers.values()):
             self._record_schedules_stopped(before_deadline())
@@ -646,13 +654,17 @@ class Worker:
         handed_back_first = 0
         if unstarted:
             handed_back_first = hand_back(self.pool, self.ledger, unstarted, before_deadline())
-        # Within the shutdown timeout, however long a duty waits for a database that is down.
-        self.maintenance.stop_duties(min(max(deadline - time.monotonic(), 0.5), seconds_until(final)))
+        # Within the shutdown timeout, however long a duty waits for a database that is down,
+        # and no longer once a second signal asks for the hand-back now.
+        self.maintenance.stop_duties(0)
+        duties_end = min(max(deadline, time.monotonic() + 0.5), final())
+        while self.maintenance.duties_running() and time.monotonic() < duties_end and self._hurried_at is None:
+            time.sleep(0.02)
         if self._unanswered_claim:
             # A stop between a lost claim answer and the next claim: nothing else would return
             # those jobs before their leases ran out, and the sweeper would spend their attempt.
             self._return_unheld_while_stopping(before_deadline())
-        while self.in_flight() and time.monotonic() < deadline and self.config.shutdown_timeout > 0:
+        while self.in_flight() and time.monotonic() < deadline and self._hurried_at is None:
             time.sleep(0.02)
         self._check_timeouts()  # a job past its deadline has its timeout recorded, not its attempt refunded
         unfinished, overdue = self.ledger.close()
@@ -660,7 +672,9 @@ class Worker:
             self._inbox.put(None)
         # The writes share what is left of their time; whatever came before took some of it
         # only when the database held it up, and then these cannot be written either.
-        writes = WriteTime(min(time.monotonic() + SHUTDOWN_WRITES_SECONDS, final), 2 + bool(overdue) + bool(unfinished))
+        writes = WriteTime(
+            min(time.monotonic() + SHUTDOWN_WRITES_SECONDS, final()), 2 + bool(overdue) + bool(unfinished)
+        )
 
         handed_back = handed_back_first
         self.completer.stop(writes.next())  # writes the outcomes of the jobs that finished

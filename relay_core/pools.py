@@ -37,14 +37,16 @@ from psycopg_pool.base import AttemptWithBackoff
 
 from .jsonb import read_any_number
 from .settings import transaction_pooling
-from .stalls import cut_after
+from .stalls import SHORTEST_CUT_SECONDS, cut_after
 
 #: A connection idle longer than this is checked before it is handed out.
 IDLE_CHECK_SECONDS = 1.0
 #: The longest an idle connection's check may take before the connection is cut.
 IDLE_CHECK_LIMIT_SECONDS = 5.0
-#: ... and the least, however little of the checkout's timeout is left.
-IDLE_CHECK_FLOOR_SECONDS = 0.25
+#: ... and the least, however little of the checkout's timeout is left: a database that answers
+#: at all answers the check in milliseconds, and a shutdown's last writes, each given little
+#: time once a stalled database used up theirs, must not each wait longer on it.
+IDLE_CHECK_FLOOR_SECONDS = SHORTEST_CUT_SECONDS
 #: The longest wait between the pool's attempts to reconnect to a database that went away.
 RECONNECT_MAX_DELAY_SECONDS = 2.0
 

@@ -17,6 +17,8 @@ from ..pools import connection_options
 from .outage import OutageLog, next_retry_delay
 
 CHANNEL = "relay_jobs"
+#: How long one wait for notifications lasts: a stop is heard within about this long.
+NOTIFY_WAIT_SECONDS = 0.2
 
 
 class Listener:
@@ -46,7 +48,7 @@ class Listener:
         self._thread.start()
 
     def stop(self, timeout: float = 2.0) -> None:
-        """Stop listening; wait up to ``timeout`` s (about a second is enough) for the thread to end."""
+        """Stop listening; wait up to ``timeout`` s for the thread to end (``NOTIFY_WAIT_SECONDS`` is enough)."""
         self._stop.set()
         self._thread.join(timeout)
 
@@ -63,7 +65,7 @@ class Listener:
                     self._wake()  # anything enqueued while we were not listening
                     delay = 0.1
                     while not self._stop.is_set():
-                        for note in conn.notifies(timeout=1.0):
+                        for note in conn.notifies(timeout=NOTIFY_WAIT_SECONDS):
                             if note.payload in self._queues:
                                 self._wake()
             except psycopg.Error as exc:

@@ -63,9 +63,9 @@ REGISTER_WAIT_SECONDS = 2.0
 LEASE_WATCH_SECONDS = 0.2
 #: At shutdown, the pause between tries to return the jobs of a claim whose answer was lost.
 RETURN_UNHELD_RETRY_SECONDS = 0.1
-#: At the end of a shutdown, how long the heartbeat thread gets to stop, and each of the pool's
-#: threads (its three workers and its scheduler, joined one after another).
-HEARTBEAT_STOP_SECONDS = 0.2
+#: At the end of a shutdown, how long the heartbeat and listener threads get to stop (together),
+#: and each of the pool's threads (its three workers and its scheduler, joined one after another).
+THREADS_STOP_SECONDS = 0.25
 POOL_THREAD_STOP_SECONDS = 0.1
 #: A worker stops at most this long after its shutdown timeout ends (counted from the stop),
 #: however the database behaves: the shared time of the last writes, the least each step
@@ -73,7 +73,7 @@ POOL_THREAD_STOP_SECONDS = 0.1
 #: stop. The platform's drain window must hold this beyond the timeout, and a moment more for
 #: the process's own exit: the docs promise 4 s.
 SHUTDOWN_OVERRUN_SECONDS = (
-    SHUTDOWN_WRITES_SECONDS + 8 * SHORTEST_CUT_SECONDS + HEARTBEAT_STOP_SECONDS + 4 * POOL_THREAD_STOP_SECONDS
+    SHUTDOWN_WRITES_SECONDS + 8 * SHORTEST_CUT_SECONDS + THREADS_STOP_SECONDS + 4 * POOL_THREAD_STOP_SECONDS
 )
 #: Jobs on their last attempt a worker holds per slot beyond those its slots run (see ``last_attempt_room``).
 LAST_ATTEMPTS_AHEAD_PER_SLOT = 2
@@ -640,8 +640,8 @@ class Worker:
             return min(max(deadline - time.monotonic(), 1.0), SHUTDOWN_WRITES_SECONDS, seconds_until(final()))
 
         # Nothing but heartbeats is needed from here on; these stop while in-flight jobs run on.
-        # Not waited for: it ends within a second on its own, and one whose database stopped
-        # answering would hold up the shutdown for nothing.
+        # Not waited for until the end: one whose database stopped answering would hold up
+        # the shutdown for nothing.
         if self.listener:
             self.listener.stop(timeout=0)
         # Before waiting for a duty in progress (a long prune, a vacuum): no check comes after it.
@@ -690,8 +690,12 @@ class Worker:
         self.handlers_left_running = len(unfinished) + len(overdue)
         if unfinished:
             handed_back += hand_back(self.pool, self.ledger, unfinished, writes.next())
-        # Bounded too: a heartbeat connecting to a database that is down must not hold up the exit.
-        self.maintenance.stop_heartbeats(HEARTBEAT_STOP_SECONDS)
+        # Bounded too: a heartbeat connecting to a database that is down must not hold up the
+        # exit. The listener, told to stop at the start, has ended by now unless its database stalled.
+        threads_end = time.monotonic() + THREADS_STOP_SECONDS
+        self.maintenance.stop_heartbeats(THREADS_STOP_SECONDS)
+        if self.listener:
+            self.listener.stop(timeout=max(threads_end - time.monotonic(), 0.0))
         # The pool's threads are joined one by one: those reconnecting to a database that stopped
         # answering would each take the whole wait.
         self.pool.close(timeout=POOL_THREAD_STOP_SECONDS)

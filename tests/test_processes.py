@@ -8,6 +8,8 @@ import os
 import signal
 import subprocess
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import psycopg
@@ -106,6 +108,34 @@ def test_sigterm_hands_back_unfinished_jobs_at_once(
         stop_process(worker)
 
 
+@contextmanager
+def a_job_running_behind_a_proxy(
+    relay: Relay, db: psycopg.Connection, dsn: str, python: str, worker_env: dict, log: Path, *args: str, **env: str
+) -> Iterator[tuple[subprocess.Popen, TcpProxy, int]]:
+    """A worker process started with ``args`` and ``env`` whose database is reached through a proxy
+    (clear ``flowing`` to stall it), running a job that sleeps two minutes: (the worker, the proxy,
+    the job's id). On the way out the proxy flows again, and the worker is stopped."""
+    params = conninfo.conninfo_to_dict(dsn)
+    proxy = TcpProxy(str(params.get("host", "127.0.0.1")), int(params.get("port", 5432)))
+    through = conninfo.make_conninfo(dsn, host="127.0.0.1", port=str(proxy.port))
+    worker = start_worker_process(python, dict(worker_env, RELAY_DATABASE_URL=through, **env), *args, log=log)
+    try:
+        job_id = relay.enqueue("record", {"sleep": 120})
+        wait_for(lambda: executions(db, job_id), what="the job to start")
+        yield worker, proxy, job_id
+    finally:
+        proxy.flowing.set()
+        stop_process(worker)
+        proxy.close()
+
+
+def seconds_to_exit(worker: subprocess.Popen, log: Path) -> float:
+    """SIGTERM ``worker`` (see ``terminate``) and return how long it took to exit."""
+    signalled = time.monotonic()
+    terminate(worker, log, within=30)
+    return time.monotonic() - signalled
+
+
 def test_a_second_sigterm_cuts_the_wait_for_a_duty_short(
     relay: Relay, db: psycopg.Connection, dsn: str, python: str, worker_env: dict, tmp_path: Path
 ) -> None:
@@ -113,26 +143,18 @@ def test_a_second_sigterm_cuts_the_wait_for_a_duty_short(
     platform that sends SIGTERM again. It ended the wait for running jobs, but not the wait for a
     duty in progress (a sweep whose database stopped answering): that still took the whole
     shutdown timeout, 60 s here."""
-    params = conninfo.conninfo_to_dict(dsn)
-    proxy = TcpProxy(str(params.get("host", "127.0.0.1")), int(params.get("port", 5432)))
-    through = conninfo.make_conninfo(dsn, host="127.0.0.1", port=str(proxy.port))
-    env = dict(worker_env, RELAY_DATABASE_URL=through, RELAY_SWEEP_INTERVAL="0.2")
     log = tmp_path / "worker.log"
-    worker = start_worker_process(python, env, "--lease", "90", "--shutdown-timeout", "60", log=log)
-    try:
-        job_id = relay.enqueue("record", {"sleep": 120})
-        wait_for(lambda: executions(db, job_id), what="the job to start")
+    args = ("--lease", "90", "--shutdown-timeout", "60")
+    with a_job_running_behind_a_proxy(relay, db, dsn, python, worker_env, log, *args, RELAY_SWEEP_INTERVAL="0.2") as (
+        worker,
+        proxy,
+        job_id,
+    ):
         proxy.flowing.clear()
         time.sleep(1.0)  # a sweep is waiting for its answer
         worker.send_signal(signal.SIGTERM)
         time.sleep(3.0)  # past the claim's cut: the shutdown is waiting for the duty
-        again = time.monotonic()
-        terminate(worker, log, within=30)
-        took = time.monotonic() - again
-    finally:
-        proxy.flowing.set()
-        stop_process(worker)
-        proxy.close()
+        took = seconds_to_exit(worker, log)
     assert took < 5.0, f"exited {took:.1f} s after the second SIGTERM; its log:\n" + log.read_text()
     assert "second signal" in log.read_text()
     # Not lost: the job stays the stopped worker's until its lease expires and a sweeper returns it.
@@ -194,24 +216,16 @@ def test_sigterm_stops_the_worker_in_time_while_its_database_connection_has_stal
     the docs promise (25 s and 4 s inside Render's and Heroku's 30 s): it
     took up to 4.6 s past a timeout of 0 when each step had its own floor.
     """
-    params = conninfo.conninfo_to_dict(dsn)
-    proxy = TcpProxy(str(params.get("host", "127.0.0.1")), int(params.get("port", 5432)))
-    env = dict(worker_env, RELAY_DATABASE_URL=conninfo.make_conninfo(dsn, host="127.0.0.1", port=str(proxy.port)))
     log = tmp_path / "worker.log"
     args = ("--concurrency", "2", "--lease", "60", "--shutdown-timeout", str(shutdown_timeout))
-    worker = start_worker_process(python, dict(env, RELAY_HEARTBEAT_INTERVAL="1"), *args, log=log)
-    try:
-        job_id = relay.enqueue("record", {"sleep": 30})
-        wait_for(lambda: executions(db, job_id), what="the job to start")
+    with a_job_running_behind_a_proxy(relay, db, dsn, python, worker_env, log, *args, RELAY_HEARTBEAT_INTERVAL="1") as (
+        worker,
+        proxy,
+        job_id,
+    ):
         proxy.flowing.clear()
         time.sleep(3)  # the next claim (or the idle check before it) and a heartbeat wait on the stalled connection
-        signalled = time.monotonic()
-        terminate(worker, log, within=15)
-        took = time.monotonic() - signalled
-    finally:
-        proxy.flowing.set()
-        stop_process(worker)
-        proxy.close()
+        took = seconds_to_exit(worker, log)
     assert took < shutdown_timeout + 4.0, f"exited {took:.2f} s after SIGTERM; its log:\n" + log.read_text()
     assert "hand-back failed" in log.read_text()
     # Not lost: the job stays the stopped worker's until its lease expires and a sweeper returns it.

@@ -225,8 +225,19 @@ class TcpProxy:
         self._released.set()
 
     def close(self) -> None:
+        """Stop accepting and end every connection at both ends.
+
+        Each socket is shut down before it is closed: a close alone does not
+        wake a pipe thread blocked reading it, so the database never heard the
+        client go, and a session left in a transaction (a write sent into a
+        stall) kept its locks, holding up the next test's TRUNCATE. The freed
+        descriptor could also be reused by another connection that the pipe
+        thread would then write into.
+        """
         self.flowing.set()
         self._released.set()
         self.server.close()
         for sock in self.sockets:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
             sock.close()

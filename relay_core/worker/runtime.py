@@ -609,7 +609,6 @@ class Worker:
         """SIGTERM/SIGINT (on the signal watcher's thread): stop; a second one hands back in-flight jobs now."""
         if self.stopping.is_set():
             event(logging.WARNING, "second signal: handing back in-flight jobs now", signal=signum)
-            self.config.shutdown_timeout = 0
             self._hurried_at = time.monotonic()
         event(logging.INFO, "shutdown requested", signal=signal.Signals(signum).name)
         self.stop()
@@ -628,7 +627,9 @@ class Worker:
         anyway (the sweeper returns what was not written).
         """
         # From the stop, not from here: a claim the database held up took some of the window.
-        deadline = (self._stop_asked_at or time.monotonic()) + self.config.shutdown_timeout
+        # A second signal before this point leaves running jobs no time at all.
+        timeout = 0.0 if self._hurried_at is not None else self.config.shutdown_timeout
+        deadline = (self._stop_asked_at or time.monotonic()) + timeout
 
         def final() -> float:
             """When the last write ends: the writes' time after the deadline, or after a second signal."""

@@ -54,6 +54,10 @@ STR_SETTINGS = ("RELAY_ENV", "RELAY_METRICS_TOKEN")
 NON_PRODUCTION = frozenset({"development", "test"})
 
 
+#: What the dashboard's session cookie may say of cross-site requests (``JWT_COOKIE_SAMESITE``).
+#: Not None: the cookie would then go with a cross-site form's POST.
+COOKIE_SAMESITE = ("Lax", "Strict")
+
 #: The smallest limit on a request's body: room for any job at the default payload limit.
 MIN_REQUEST_BYTES = 1024 * 1024
 
@@ -201,7 +205,8 @@ def load(given: Mapping[str, Any] | None = None) -> dict[str, Any]:
         JWT_ENCODE_ISSUER="relay",
         JWT_DECODE_ISSUER="relay",
         JWT_COOKIE_SECURE=production,
-        JWT_COOKIE_SAMESITE="Strict",
+        # Lax: see dashboard/session.py. Strict may be given instead (JWT_* overrides win).
+        JWT_COOKIE_SAMESITE="Lax",
         JWT_COOKIE_CSRF_PROTECT=True,
         # Flask's own session cookie carries only a dashboard action's message from a
         # plain form's POST to the page it redirects to (see dashboard/render.py).
@@ -215,6 +220,11 @@ def load(given: Mapping[str, Any] | None = None) -> dict[str, Any]:
     for key, value in given.items():
         if key not in settings or (key.startswith("JWT_") and key != "JWT_SECRET_KEY"):
             settings[key] = value
+    if settings["JWT_COOKIE_SAMESITE"] not in COOKIE_SAMESITE:
+        raise ConfigurationError(
+            f"JWT_COOKIE_SAMESITE must be one of {', '.join(COOKIE_SAMESITE)}, not "
+            f"{settings['JWT_COOKIE_SAMESITE']!r}: the dashboard's session cookie must stay off cross-site POSTs"
+        )
     return settings
 
 

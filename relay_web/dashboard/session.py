@@ -1,11 +1,11 @@
 """Dashboard sessions: the same users and roles as the API, the JWT in a cookie.
 
 The token lives in an HttpOnly cookie (Secure over HTTPS or in production,
-SameSite=Lax) that page scripts cannot read. Every state-changing request must
-also carry the token's CSRF value, which the page holds in a meta tag and
-sends as the ``X-CSRF-TOKEN`` header (htmx) or a hidden ``csrf_token`` field
-(plain forms); a cross-site form has the cookie withheld and cannot know the
-value.
+SameSite=Lax unless ``JWT_COOKIE_SAMESITE`` says Strict) that page scripts
+cannot read. Every state-changing request must also carry the token's CSRF
+value, which the page holds in a meta tag and sends as the ``X-CSRF-TOKEN``
+header (htmx) or a hidden ``csrf_token`` field (plain forms); a cross-site
+form has the cookie withheld and cannot know the value.
 
 Lax rather than Strict: an on-call engineer opens links pasted into chat,
 and Strict would drop the cookie on that first navigation and show the login
@@ -91,7 +91,7 @@ def _set_cookie(response: Response, token: str) -> None:
         path=config.get("JWT_ACCESS_COOKIE_PATH", "/"),
         secure=bool(config.get("JWT_COOKIE_SECURE")) or request.is_secure,
         httponly=True,
-        samesite="Lax",
+        samesite=config["JWT_COOKIE_SAMESITE"],
     )
 
 
@@ -118,7 +118,7 @@ def end(response: Response) -> None:
         path=config.get("JWT_ACCESS_COOKIE_PATH", "/"),
         secure=bool(config.get("JWT_COOKIE_SECURE")) or request.is_secure,
         httponly=True,
-        samesite="Lax",
+        samesite=config["JWT_COOKIE_SAMESITE"],
     )
 
 

@@ -13,7 +13,7 @@ from flask import Flask
 from flask_jwt_extended import create_access_token
 from werkzeug.test import EnvironBuilder, run_wsgi_app
 
-from relay_core import users
+from relay_core import ConfigurationError, users
 
 from .conftest import DashboardClient, Jobs, make_user, page_csrf
 
@@ -88,6 +88,22 @@ def test_login_sets_an_httponly_samesite_cookie_and_goes_to_next(anonymous: Dash
     assert "SameSite=Lax" in cookie
     assert "Secure" not in cookie  # plain http in tests
     assert anonymous.get("/dead").status_code == 200
+
+
+def test_the_cookie_keeps_the_samesite_the_settings_give(app: Flask, make_app, dsn: str) -> None:
+    """The settings said Strict while every cookie went out Lax: a deployment that chose Strict
+    (JWT_COOKIE_SAMESITE, as flask-jwt-extended names it) got Lax without a word."""
+    assert app.config["JWT_COOKIE_SAMESITE"] == "Lax"
+    make_user(dsn, "ops", "admin")
+    client = DashboardClient(make_app(JWT_COOKIE_SAMESITE="Strict").test_client(), dsn)
+    assert "SameSite=Strict" in _cookie(client.login("ops"))
+    assert "SameSite=Strict" in _cookie(client.post("/logout", htmx=False))
+
+
+@pytest.mark.parametrize("samesite", ["None", "lax", "", None])
+def test_a_samesite_the_dashboard_cannot_keep_stops_the_app_at_start(make_app, samesite: object) -> None:
+    with pytest.raises(ConfigurationError, match="JWT_COOKIE_SAMESITE"):
+        make_app(JWT_COOKIE_SAMESITE=samesite)
 
 
 def test_cookie_is_secure_over_https(app: Flask, dsn: str) -> None:

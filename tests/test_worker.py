@@ -40,6 +40,7 @@ from relay_core.worker.ledger import Slot
 from relay_core.worker.maintenance import Maintenance, heartbeat_once, sweep_once
 from relay_core.worker.outage import OutageLog
 from relay_core.worker.retention import Retention
+from relay_core.worker.shutdown import HAND_BACK_GRACE_SECONDS
 
 from .helpers import TcpProxy, free_port, job_status, running_worker, status_counts, wait_for
 
@@ -1796,6 +1797,41 @@ def test_worker_run_returns_to_its_caller_with_a_handler_left_running(relay: Rel
         stopper.join(30)
     assert worker.handlers_left_running == 1
     assert job_status(db, job_id) == "queued", "handed back"
+
+
+def test_a_hand_back_held_up_by_a_row_lock_still_waits_out_the_grace_after_it(
+    relay: Relay, db: psycopg.Connection
+) -> None:
+    """A job handed back while its handler still runs must not start elsewhere until the stopping
+    process is gone. Its retry was counted from the hand-back's transaction start: a hand-back that
+    waited on a row lock (an admin's bulk operation) committed with most of the grace spent."""
+    release = threading.Event()
+    relay.handler("stuck")(lambda job: release.wait(30))
+    job_id = relay.enqueue("stuck")
+    worker = Worker(relay.dsn, relay.handlers, WorkerConfig(poll_interval=0.1, shutdown_timeout=0.2))
+    thread = threading.Thread(target=worker.run, kwargs={"install_signals": False}, daemon=True)
+    thread.start()
+    try:
+        wait_for(lambda: job_status(db, job_id) == "claimed", what="the job to start")
+        with psycopg.connect(relay.dsn) as blocker:
+            blocker.execute("SELECT FROM relay.jobs WHERE id = %s FOR UPDATE", (job_id,))
+            worker.stop()
+            wait_for(
+                lambda: db.execute(
+                    "SELECT count(*) FROM pg_stat_activity WHERE %s = ANY(pg_blocking_pids(pid))",
+                    (blocker.info.backend_pid,),
+                ).fetchone()[0],
+                what="the hand-back to wait on the lock",
+            )
+            time.sleep(1.0)
+            released_at = blocker.execute("SELECT clock_timestamp()").fetchone()[0]
+        thread.join(10)
+        assert not thread.is_alive()
+    finally:
+        release.set()
+    status, run_at = db.execute("SELECT status::text, run_at FROM relay.jobs WHERE id = %s", (job_id,)).fetchone()
+    assert status == "queued", "handed back"
+    assert run_at - released_at >= timedelta(seconds=HAND_BACK_GRACE_SECONDS)
 
 
 def test_a_maintenance_duty_that_raises_leaves_the_sweeper_running(relay: Relay, db: psycopg.Connection) -> None:

@@ -380,7 +380,7 @@ class Worker:
         """Run until :meth:`stop` (or SIGTERM/SIGINT), then shut down gracefully.
 
         Handlers still running when the shutdown ends had their jobs handed
-        back, to start elsewhere after a 2-second grace: ``handlers_left_running``
+        back, to start elsewhere 2 s after the shutdown's last write: ``handlers_left_running``
         says how many. ``relay worker`` and :meth:`Relay.run_worker`, which own
         their process, then end it at once (:func:`exit_now`); a caller that
         goes on after ``run`` returns should do the same when that is not zero.
@@ -680,7 +680,8 @@ class Worker:
         handed_back = handed_back_first
         self.completer.stop(writes.next())  # writes the outcomes of the jobs that finished
         if overdue:
-            record_overdue(self.completer, self.ledger, [d for _, d in overdue], writes.next(), self._on_written)
+            overdue_decided = [d for _, d in overdue]
+            record_overdue(self.completer, self.ledger, overdue_decided, writes.next(), writes.left(), self._on_written)
         try:
             with write_within(self.pool, writes.next()) as conn:
                 conn.execute(sql("worker_stop"), {"id": self.id, "started_at": self.maintenance.registered_at})

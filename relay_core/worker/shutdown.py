@@ -29,8 +29,8 @@ from .ledger import Ledger, Running
 from .outcome import Outcome
 
 #: A job handed back at shutdown while its handler thread still ran waits this
-#: long before another worker may start it: the thread stops only when the
-#: worker process exits, a moment after the hand-back.
+#: long after the shutdown's last write ends before another worker may start
+#: it: the thread stops only when the worker process exits, a moment later.
 HAND_BACK_GRACE_SECONDS = 2.0
 #: After the in-flight wait of a shutdown, what is left to write (outcomes, hand-backs, the
 #: registry's stop) shares this many seconds: with the database down none of it can be
@@ -60,6 +60,22 @@ class WriteTime:
         self._writes_left = max(self._writes_left - 1, 0)
         return seconds_until(self._end - self._writes_left * SHORTEST_CUT_SECONDS)
 
+    def left(self) -> float:
+        """Seconds until the last write ends."""
+        return seconds_until(self._end)
+
+
+def still_running_delay(writes_left: float) -> float:
+    """How long a job whose handler thread still runs waits before it may run again, from its write.
+
+    The write's ``now()`` is when its transaction began; a lock or a slow
+    database may hold that write, and the writes after it, for up to
+    ``writes_left`` seconds. Counted from the transaction's start, a grace of
+    its own would be spent by then, and another worker could start the job
+    while the thread, which stops only as the process exits, still ran it.
+    """
+    return writes_left + HAND_BACK_GRACE_SECONDS
+
 
 @contextmanager
 def write_within(pool: RelayPool, timeout: float) -> Iterator[psycopg.Connection]:
@@ -83,11 +99,13 @@ def hand_back(pool: RelayPool, ledger: Ledger, unfinished: list[Running], timeou
     """Return unfinished jobs to the queue, fenced, with their attempt given back; how many went back.
 
     Until then their leases are in the ledger's ``closing``, which heartbeats renew.
+    Jobs whose handlers still run are handed back by the shutdown's last write:
+    nothing but the process's exit comes after its ``timeout``.
     """
     rows: list[tuple[int]] = []
     jobs = [r.job for r in unfinished]
     # A job that never left the prefetch can run elsewhere at once; one whose thread still runs waits.
-    delays = [0.0 if r.slot is None else HAND_BACK_GRACE_SECONDS for r in unfinished]
+    delays = [0.0 if r.slot is None else still_running_delay(timeout) for r in unfinished]
     try:
         with write_within(pool, timeout) as conn:
             rows = conn.execute(
@@ -112,16 +130,18 @@ def record_overdue(
     ledger: Ledger,
     decided: list[Outcome],
     timeout: float,
+    writes_left: float,
     on_written: Callable[[list[Outcome], dict[int, str]], None],
 ) -> None:
     """Write the timeouts of handlers that never returned: the attempt counts.
 
     Handing them back would give the attempt back, and a handler that
-    hangs every time would then never reach dead. Their retry waits at
-    least the hand-back grace, like a handed-back job's.
+    hangs every time would then never reach dead. Their threads still run,
+    so their retry waits as a handed-back job's does, until the grace after
+    the shutdown's writes, which end within ``writes_left`` seconds.
     """
     for outcome in decided:
-        outcome.delay = max(outcome.delay, HAND_BACK_GRACE_SECONDS)
+        outcome.delay = max(outcome.delay, still_running_delay(writes_left))
     try:
         written = completer.write(decided, timeout=timeout, bounded=True)
     except (psycopg.Error, PoolTimeout) as exc:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import importlib.util
 import os
 import secrets
 import signal
@@ -41,7 +42,7 @@ from psycopg import conninfo
 
 from . import monitor, users
 from .client import Relay
-from .embedded import default_data_dir
+from .embedded import INSTALL_DEMO, default_data_dir
 from .errors import ConfigurationError, RelayError
 from .pools import connection_options
 from .settings import database_url, database_url_set
@@ -54,6 +55,30 @@ WORKERS = 2
 WORKER_SHUTDOWN_SECONDS = 10.0
 READY_TIMEOUT = 60.0
 SHOP_APP = "relay_shop.jobs:relay"
+
+
+#: What the demo runs besides Relay, by module (the ``demo`` extra installs them): always,
+#: and for the embedded PostgreSQL when no DATABASE_URL is set.
+DEMO_MODULES = {"sqlalchemy": "the shop's models", "aiosmtpd": "the shop's SMTP sink"}
+EMBEDDED_MODULES = {"pgserver": "the embedded PostgreSQL"}
+
+
+def missing_packages(embedded: bool) -> list[str]:
+    """The modules the demo needs that are not installed, each with what it is for.
+
+    Checked before anything starts: found missing halfway, the demo would
+    leave a migrated database and processes that fail one by one.
+    """
+    needed = {**DEMO_MODULES, **(EMBEDDED_MODULES if embedded else {})}
+    missing = []
+    for module, purpose in needed.items():
+        try:
+            found = importlib.util.find_spec(module) is not None
+        except ImportError:
+            found = False
+        if not found:
+            missing.append(f"{module} ({purpose})")
+    return missing
 
 
 def _connect(dsn: str) -> psycopg.Connection:
@@ -324,6 +349,9 @@ class Demo:
 
     def _run(self) -> int:
         self.say("Relay demo: the example shop (examples/relay_shop) on a Relay queue")
+        missing = missing_packages(embedded=not database_url_set())
+        if missing:
+            raise DemoError(f"the demo needs {', '.join(missing)}, which Relay itself does not: {INSTALL_DEMO}")
         if not _port_is_free(self.port):
             raise DemoError(f"port {self.port} on 127.0.0.1 is in use; pass --port (or set PORT)")
         dsn = self.database()

@@ -12,6 +12,9 @@ from pathlib import Path
 
 from .errors import ConfigurationError
 
+#: How to install what the demo and the embedded PostgreSQL need (the ``demo`` extra).
+INSTALL_DEMO = "pip install 'relay-queue[demo]' (in a checkout: pip install -e '.[demo]')"
+
 
 def default_data_dir() -> Path:
     """A per-user directory for the embedded cluster's data."""
@@ -27,8 +30,11 @@ def start(data_dir: Path | None = None, *, cleanup: str = "stop") -> str:
     """
     try:
         import pgserver
-    except ImportError as exc:  # pragma: no cover - pgserver is a dependency
-        raise ConfigurationError("no DATABASE_URL set and the embedded PostgreSQL (pgserver) is not installed") from exc
+    except ImportError as exc:
+        raise ConfigurationError(
+            "no DATABASE_URL set and the embedded PostgreSQL (pgserver) is not installed: set DATABASE_URL, "
+            f"or {INSTALL_DEMO}"
+        ) from exc
     data_dir = data_dir or default_data_dir()
     data_dir.mkdir(parents=True, exist_ok=True)
     with warnings.catch_warnings():

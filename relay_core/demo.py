@@ -32,7 +32,6 @@ import tempfile
 import threading
 import time
 import urllib.request
-import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
@@ -42,7 +41,7 @@ from psycopg import conninfo
 
 from . import monitor, users
 from .client import Relay
-from .embedded import INSTALL_DEMO, default_data_dir
+from .embedded import INSTALL_DEMO, default_data_dir, load_pgserver
 from .errors import ConfigurationError, RelayError
 from .pools import connection_options
 from .settings import database_url, database_url_set
@@ -209,11 +208,7 @@ class Demo:
                 raise DemoError("--fresh starts the embedded database over; it does nothing to DATABASE_URL's")
             self.step(1, "database: DATABASE_URL")
             return dsn
-        with warnings.catch_warnings():
-            # pgserver asks platformdirs for a runtime dir at import; its fallback warning is noise here.
-            warnings.simplefilter("ignore")
-            import pgserver
-
+        pgserver = load_pgserver()
         data_dir = demo_data_dir()
         data_dir.parent.mkdir(parents=True, exist_ok=True)
         reused = data_dir.exists() and any(data_dir.iterdir())

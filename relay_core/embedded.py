@@ -6,9 +6,11 @@ directory is kept, so a second start reuses it.
 
 from __future__ import annotations
 
+import logging
 import os
 import warnings
 from pathlib import Path
+from types import ModuleType
 
 from .errors import ConfigurationError
 
@@ -28,13 +30,7 @@ def start(data_dir: Path | None = None, *, cleanup: str = "stop") -> str:
     ``cleanup="stop"`` stops the server when this process exits; ``"delete"``
     also removes its data; ``None`` leaves it running.
     """
-    try:
-        import pgserver
-    except ImportError as exc:
-        raise ConfigurationError(
-            "no DATABASE_URL set and the embedded PostgreSQL (pgserver) is not installed: set DATABASE_URL, "
-            f"or {INSTALL_DEMO}"
-        ) from exc
+    pgserver = load_pgserver()
     data_dir = data_dir or default_data_dir()
     data_dir.mkdir(parents=True, exist_ok=True)
     with warnings.catch_warnings():
@@ -42,3 +38,23 @@ def start(data_dir: Path | None = None, *, cleanup: str = "stop") -> str:
         warnings.simplefilter("ignore")
         server = pgserver.get_server(str(data_dir), cleanup_mode=cleanup)
     return server.get_uri()
+
+
+def load_pgserver() -> ModuleType:
+    """The ``pgserver`` module, or a ConfigurationError saying how to install it.
+
+    Its log says only what went well: every initdb and pg_ctl run, output and
+    all, at INFO, which the CLI shows. Its warnings and errors still show.
+    """
+    try:
+        with warnings.catch_warnings():
+            # pgserver asks platformdirs for a runtime dir at import; its fallback warning is noise here.
+            warnings.simplefilter("ignore")
+            import pgserver
+    except ImportError as exc:
+        raise ConfigurationError(
+            "no DATABASE_URL set and the embedded PostgreSQL (pgserver) is not installed: set DATABASE_URL, "
+            f"or {INSTALL_DEMO}"
+        ) from exc
+    logging.getLogger("pgserver").setLevel(logging.WARNING)
+    return pgserver

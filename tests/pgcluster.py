@@ -2,9 +2,9 @@
 
 The shared test server must never be restarted (other test runs use it), so
 tests of database outages start their own cluster from the binaries the
-``pgserver`` package ships (a dependency of Relay, so present wherever the
-tests run). PostgreSQL refuses to run as root; as root the cluster runs as the
-``pgserver`` system user, the one the embedded server uses too.
+``pgserver`` package ships (in the ``test`` extra, through ``demo``, so present
+wherever the tests run). PostgreSQL refuses to run as root; as root the cluster
+runs as the ``pgserver`` system user, the one the embedded server uses too.
 """
 
 from __future__ import annotations

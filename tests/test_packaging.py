@@ -119,3 +119,20 @@ runpy.run_module("relay_core", run_name="__main__")
     done = run_without_extras(python, program, clean_env(XDG_DATA_HOME=str(tmp_path)))
     assert done.returncode != 0, done.stdout + done.stderr
     assert "the embedded PostgreSQL (pgserver) is not installed: set DATABASE_URL, or pip install" in done.stderr
+
+
+def test_the_embedded_postgresql_starts_without_printing_its_commands(tmp_path: Path, python: str) -> None:
+    """pgserver logs every initdb and pg_ctl it runs, output and all, at INFO, which the CLI shows:
+    a newcomer's first ``relay demo`` opened with some forty lines of it."""
+    done = subprocess.run(
+        [python, "-m", "relay_core", "prove", "--jobs", "20", "--workers", "1"],
+        env=clean_env(XDG_DATA_HOME=str(tmp_path)),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "no DATABASE_URL: starting an embedded PostgreSQL" in done.stderr
+    assert "jobs lost:        0" in done.stdout
+    assert "pgserver" not in done.stderr, done.stderr

@@ -711,7 +711,8 @@ def test_a_job_cancelled_while_it_waits_in_the_worker_for_a_slot_never_starts(
 ) -> None:
     """A prefetched job is claimed before a slot is free, so a cancel can only ask it to stop.
     The worker learned of the request at its next heartbeat, and started the handler anyway:
-    one that does its work without checking (sends the e-mail) ended the job succeeded."""
+    one that does its work without checking (sends the e-mail) ended the job succeeded.
+    Its claim counted an attempt that never ran: it is given back, as a hand-back gives it."""
     release = threading.Event()
     started: list[str] = []
     relay.handler("short")(lambda job: None)
@@ -736,6 +737,7 @@ def test_a_job_cancelled_while_it_waits_in_the_worker_for_a_slot_never_starts(
         release.set()
         wait_for(lambda: job_status(db, waiting) != "claimed", what="the victim's end")
     assert (job_status(db, waiting), started) == ("cancelled", [])
+    assert db.execute("SELECT attempts FROM relay.jobs WHERE id = %s", (waiting,)).fetchone()[0] == 0
     assert job_status(db, blocking) == "succeeded"
 
 

@@ -155,10 +155,13 @@ RETURNING id;
 
 -- name: job_cancel_running_many
 -- A handler stopped after cancellation was requested: the job ends cancelled, fenced.
+-- A job cancelled while it waited in its worker for a slot (%(unstarted)s) never
+-- ran: it gets back the attempt its claim counted, as a hand-back gives it back.
 -- transition: claimed -> cancelled
 UPDATE relay.jobs AS j
-SET status = 'cancelled', finished_at = now(), claimed_until = NULL
-FROM unnest(%(ids)s::bigint[], %(tokens)s::integer[]) AS c(id, token)
+SET status = 'cancelled', finished_at = now(), claimed_until = NULL,
+    attempts = CASE WHEN c.unstarted THEN greatest(j.attempts - 1, 0) ELSE j.attempts END
+FROM unnest(%(ids)s::bigint[], %(tokens)s::integer[], %(unstarted)s::boolean[]) AS c(id, token, unstarted)
 WHERE j.id = c.id AND j.lease_token = c.token AND j.status = 'claimed'
 RETURNING j.id, j.status::text AS status;
 

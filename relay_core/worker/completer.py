@@ -271,5 +271,5 @@ def _statements(batch: list[Outcome]) -> list[tuple[str, dict[str, list[object]]
             ),
         ),
         ("job_snooze_many", _fenced(snoozed, delays=[o.delay for o in snoozed])),
-        ("job_cancel_running_many", _fenced(cancelled)),
+        ("job_cancel_running_many", _fenced(cancelled, unstarted=[not o.handler_started for o in cancelled])),
     ]

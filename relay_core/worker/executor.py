@@ -48,7 +48,10 @@ def run(job: Job, handlers: Mapping[str, HandlerSpec], pool: ConnectionPool, wor
         if job.cancel_requested:
             # Cancelled while it waited in this worker for a slot (claimed, so the cancel could
             # only ask): it ends cancelled without starting, as a handler checking first would.
-            raise JobCancelled(f"job {job.id} was cancelled before its handler started")
+            unstarted = JobCancelled(f"job {job.id} was cancelled before its handler started")
+            outcome = _ended_by(unstarted, job, spec, worker_id, time.monotonic() - started)
+            outcome.handler_started = False
+            return outcome
         if isinstance(job.payload, UnreadableJson):
             # Written with SQL by another program: no attempt can read it, so none is spent retrying.
             raise PermanentFailure(f"the payload of job {job.id} cannot be read: {job.payload.reason}")

@@ -38,6 +38,8 @@ class Outcome:
     message: str | None = None
     error: dict[str, Any] | None = None
     result: str | None = None  # the handler's return value as JSON text
+    #: False for a job that ended before its handler was called: its attempt never ran.
+    handler_started: bool = True
 
     def error_json(self) -> str:
         """The error-history entry as JSON text for ``job_fail_many``."""

@@ -116,6 +116,13 @@ def start_worker_process(
     return subprocess.Popen(command, env=env, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
 
 
+def run_relay(python: str, env: dict[str, str], *args: str, timeout: float = 60.0) -> subprocess.CompletedProcess:
+    """Run ``relay ARGS`` as a process of its own to its end; its exit code and output."""
+    return subprocess.run(
+        [python, "-m", "relay_core", *args], env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout
+    )
+
+
 def stop_process(proc: subprocess.Popen, timeout: float = 30.0) -> int:
     """SIGTERM a process and wait for it; SIGKILL if it does not stop."""
     if proc.poll() is None:

@@ -37,7 +37,7 @@ from sqlalchemy.orm import Session
 
 from relay_core import Relay, users
 
-from .helpers import ROOT, call, free_port, running_worker, wait_for
+from .helpers import ROOT, call, free_port, run_relay, running_worker, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -184,14 +184,7 @@ def test_relay_demo_refuses_a_database_whose_default_queue_holds_jobs_it_cannot_
     relay.migrate()
     job_id = relay.enqueue("import_ledger", {"file": "2026-11.csv"})
     elsewhere = relay.enqueue("import_ledger", {"file": "2026-10.csv"}, queue="ledgers")
-    done = subprocess.run(
-        [python, "-m", "relay_core", "demo", "--port", str(free_port())],
-        env=demo_env(dsn),
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    done = run_relay(python, demo_env(dsn), "demo", "--port", str(free_port()))
     assert done.returncode == 1, done.stdout + done.stderr
     assert "default queue holds jobs the demo's workers cannot run (import_ledger)" in done.stderr
     rows = db.execute("SELECT id, status::text, attempts FROM relay.jobs ORDER BY id").fetchall()

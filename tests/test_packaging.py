@@ -14,7 +14,7 @@ from pathlib import Path
 
 import psycopg
 
-from .helpers import ROOT, free_port
+from .helpers import ROOT, free_port, run_relay
 
 #: The top-level modules of the ``demo`` and ``shop`` extras.
 EXTRAS_MODULES = ("sqlalchemy", "aiosmtpd", "pgserver")
@@ -124,14 +124,7 @@ runpy.run_module("relay_core", run_name="__main__")
 def test_the_embedded_postgresql_starts_without_printing_its_commands(tmp_path: Path, python: str) -> None:
     """pgserver logs every initdb and pg_ctl it runs, output and all, at INFO, which the CLI shows:
     a newcomer's first ``relay demo`` opened with some forty lines of it."""
-    done = subprocess.run(
-        [python, "-m", "relay_core", "prove", "--jobs", "20", "--workers", "1"],
-        env=clean_env(XDG_DATA_HOME=str(tmp_path)),
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    done = run_relay(python, clean_env(XDG_DATA_HOME=str(tmp_path)), "prove", "--jobs", "20", "--workers", "1")
     assert done.returncode == 0, done.stdout + done.stderr
     assert "no DATABASE_URL: starting an embedded PostgreSQL" in done.stderr
     assert "jobs lost:        0" in done.stdout

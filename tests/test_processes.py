@@ -18,7 +18,7 @@ from psycopg import conninfo
 
 from relay_core import Relay
 
-from .helpers import ROOT, TcpProxy, start_worker_process, status_counts, stop_process, wait_for
+from .helpers import ROOT, TcpProxy, run_relay, start_worker_process, status_counts, stop_process, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -454,14 +454,8 @@ def test_sigterm_and_sigkill_mid_batch_rerun_only_jobs_in_flight_in_the_killed_p
 
 
 def test_relay_prove_finds_no_duplicates_and_loses_nothing(dsn: str, worker_env: dict, python: str) -> None:
-    result = subprocess.run(
-        [python, "-m", "relay_core", "prove", "--workers", "3", "--jobs", "5000", "--concurrency", "4"],
-        env=worker_env,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    prove = ["prove", "--workers", "3", "--jobs", "5000", "--concurrency", "4"]
+    result = run_relay(python, worker_env, *prove, timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
     lines = dict(line.split(":", 1) for line in result.stdout.splitlines() if ":" in line)
     assert lines["workers"].strip() == "3 processes"

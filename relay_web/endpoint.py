@@ -90,6 +90,9 @@ def _detail(error: dict[str, Any]) -> str:
         message = message.removeprefix(prefix)
     if error.get("type") == "extra_forbidden":
         message = "is not a known field"
+    if error.get("type") == "finite_number":
+        # Also what a number past a float's range gets: JSON allows 1e400, and it reads as infinity.
+        message = "must be a finite number: not NaN or Infinity, and one past a float's range (1e400) as a string"
     if error.get("type") == "string_pattern_mismatch":
         pattern = error.get("ctx", {}).get("pattern")
         if pattern == NO_NUL:
@@ -123,13 +126,23 @@ def _single_values(pairs: Any, where: str) -> tuple[dict[str, str], list[dict[st
     return values, errors
 
 
-def _valid_but_refused(reason: str) -> None:
-    # Two limits of the JSON parser refuse valid JSON, and saying "not valid
+def _valid_but_refused(reason: str, raw: bytes) -> None:
+    # Three limits of the JSON parser refuse valid JSON, and saying "not valid
     # JSON" would send a client looking for a syntax error that is not there.
     # Numbers of up to 4,300 digits are read (Python's own limit for
     # int <-> str); a longer one is "out of range". Arrays and objects nested
     # past the parser's recursion limit are refused before Relay's own
-    # payload depth check could name the limit, so it is named here.
+    # payload depth check could name the limit, so it is named here. A \u
+    # escape of half a UTF-16 surrogate pair is valid JSON (JavaScript writes
+    # one for a string cut inside an emoji) but no text: a 422 like any other
+    # text that is not valid Unicode.
+    if "surrogate" in reason or "hex escape" in reason:
+        try:
+            json.loads(raw)
+        except (ValueError, RecursionError):
+            return  # broken JSON after all (``\u12"``)
+        detail = "has a string with half of a UTF-16 surrogate pair (a lone \\ud800-\\udfff); send both halves"
+        raise validation_problem([{"field": "body", "in": "body", "detail": detail}])
     if reason.startswith("number out of range"):
         where = reason.removeprefix("number out of range").strip()
         detail = f"has a number with more than 4,300 digits ({where}); send it as a string"
@@ -158,7 +171,7 @@ def _parse_body(model: type[BaseModel]) -> BaseModel:
     except ValidationError as exc:
         invalid = [e for e in exc.errors(include_url=False) if e.get("type") == "json_invalid"]
         if invalid:
-            _valid_but_refused(str(invalid[0].get("ctx", {}).get("error", "")))
+            _valid_but_refused(str(invalid[0].get("ctx", {}).get("error", "")), raw)
             raise Problem(400, "Bad Request", "The body is not valid JSON.") from None
         if any(e.get("type") == "model_type" and not e.get("loc") for e in exc.errors(include_url=False)):
             raise validation_problem([{"field": "body", "in": "body", "detail": "must be a JSON object"}]) from None

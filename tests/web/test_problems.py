@@ -52,6 +52,38 @@ def test_a_number_too_long_to_read_is_named_not_called_invalid_json(client, admi
     assert db.execute("SELECT count(*) FROM relay.jobs").fetchone()[0] == 1
 
 
+@pytest.mark.parametrize("escaped", ["\\ud83d", "\\udc00x", "\\ud83d\\ud83d"])
+def test_half_a_surrogate_pair_is_named_not_called_invalid_json(client, admin, db, escaped: str) -> None:
+    """Valid JSON (JavaScript writes it for a string cut inside an emoji), but no text: a 422 naming it."""
+    for path, data in (
+        ("/api/admin/jobs", '{"type": "t", "payload": {"to": "' + escaped + '"}}'),
+        ("/api/auth/login", '{"username": "ops", "password": "' + escaped + '"}'),
+    ):
+        response = client.post(path, headers=admin, data=data, content_type="application/json")
+        body = assert_problem(response, 422, "validation")
+        assert "half of a UTF-16 surrogate pair" in body["errors"][0]["detail"], body
+    assert db.execute("SELECT count(*) FROM relay.jobs").fetchone()[0] == 0
+    broken = '{"type": "t", "payload": {"to": "\\u12"}}'
+    response = client.post("/api/admin/jobs", headers=admin, data=broken, content_type="application/json")
+    assert assert_problem(response, 400)["detail"] == "The body is not valid JSON."
+
+
+@pytest.mark.parametrize("number", ["1e400", "-1e99999999999999999999", "NaN", "Infinity"])
+def test_a_number_no_float_holds_is_refused_saying_how_to_send_it(client, admin, db, number: str) -> None:
+    """1e400 is valid JSON, read as infinity: "should be a finite number" told a client its finite number was not."""
+    data = '{"type": "t", "payload": {"v": ' + number + "}}"
+    response = client.post("/api/admin/jobs", headers=admin, data=data, content_type="application/json")
+    body = assert_problem(response, 422, "validation")
+    assert body["errors"] == [
+        {
+            "field": "payload.v",
+            "in": "body",
+            "detail": "must be a finite number: not NaN or Infinity, and one past a float's range (1e400) as a string",
+        }
+    ]
+    assert db.execute("SELECT count(*) FROM relay.jobs").fetchone()[0] == 0
+
+
 @pytest.mark.parametrize(
     "number", ["1e-400", "12345678901234567.5", "0.10000000000000000001", "1e-99999999999999999999"]
 )

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 
 import psycopg
-from flask import Flask, Response
+from flask import Flask, Response, request
 from psycopg_pool import PoolTimeout
 from werkzeug.exceptions import HTTPException, MethodNotAllowed
 
@@ -56,6 +56,18 @@ def transition_detail(exc: IllegalTransition) -> str:
     return f"Job {exc.job_id} is {exc.current}; {exc.rule}."
 
 
+def timed_out_detail(filters: str) -> str:
+    """What to do about a statement the statement timeout ended, for the API and the dashboard.
+
+    An action on one job or one queue reads one row: it ran out of time
+    waiting for a lock another transaction holds, and narrowing filters it
+    does not take is no advice. Listings and bulk actions read many rows.
+    """
+    if request.view_args and ({"job_id", "queue"} & set(request.view_args)):
+        return "The database gave up waiting: another transaction holds what this needs. Try again shortly."
+    return f"The database gave up on this query; narrow the filters ({filters}) and try again."
+
+
 def _illegal(exc: IllegalTransition) -> Response:
     return Problem(
         409,
@@ -95,7 +107,7 @@ def _too_slow(exc: psycopg.errors.QueryCanceled) -> Response:
     return Problem(
         503,
         "Query took too long",
-        "The database gave up on this query; narrow the filters (status, queue, type) and try again.",
+        timed_out_detail("status, queue, type"),
         slug="query-timeout",
         headers={"Retry-After": "1"},
     ).response()

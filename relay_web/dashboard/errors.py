@@ -17,7 +17,7 @@ from werkzeug.exceptions import HTTPException, MethodNotAllowed, NotFound
 
 from relay_core import IllegalTransition, JobNotFound, RelayError
 
-from ..errors import http_problem, transition_detail
+from ..errors import http_problem, timed_out_detail, transition_detail
 from ..health import MISSING_SCHEMA_ERRORS, missing_schema_problem
 from ..problems import Problem
 from .blueprint import bp, page_headers
@@ -120,9 +120,7 @@ def _no_such_page(exc: NotFound | MethodNotAllowed) -> Response:
 @bp.errorhandler(psycopg.errors.QueryCanceled)
 def _too_slow(exc: psycopg.errors.QueryCanceled) -> Response:
     log.warning("dashboard query cancelled by statement_timeout: %s", exc)
-    return error_page(
-        503, "Query took too long", "Narrow the filters (state, queue, type) and try again.", {"Retry-After": "1"}
-    )
+    return error_page(503, "Query took too long", timed_out_detail("state, queue, type"), {"Retry-After": "1"})
 
 
 @bp.errorhandler(psycopg.OperationalError)

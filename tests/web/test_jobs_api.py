@@ -496,6 +496,23 @@ def test_a_bulk_action_cut_off_part_way_says_how_many_jobs_changed(make_app, aut
     assert again.get_json() == {"action": "cancel", "changed": 500}
 
 
+def test_an_action_on_one_job_or_queue_held_up_by_a_lock_says_so(make_app, auth, relay: Relay, dsn: str) -> None:
+    """It got the listings' advice, "narrow the filters (status, queue, type)", though it takes none."""
+    client = make_app(RELAY_STATEMENT_TIMEOUT_MS=300).test_client()
+    headers = auth.headers("admin")
+    job_id = relay.enqueue("held", queue="mail")
+    assert client.post("/api/admin/queues/mail/pause", headers=headers).status_code == 200
+    with psycopg.connect(dsn) as holder:
+        holder.execute("SELECT FROM relay.jobs WHERE id = %s FOR UPDATE", (job_id,))
+        holder.execute("SELECT FROM relay.queues WHERE name = 'mail' FOR UPDATE")
+        for path in (f"/api/admin/jobs/{job_id}/cancel", "/api/admin/queues/mail/resume"):
+            body = assert_problem(client.post(path, headers=headers), 503, "query-timeout")
+            assert "another transaction holds what this needs" in body["detail"], body
+            assert "filters" not in body["detail"]
+    assert relay.get_job(job_id).status == "queued"
+    assert client.get("/api/admin/queues", headers=headers).get_json()["queues"][0]["paused"] is True
+
+
 def test_bulk_bodies_are_validated(client, admin) -> None:
     assert_problem(client.post("/api/admin/jobs/requeue", headers=admin, json={"status": "queued"}), 422)
     assert_problem(client.post("/api/admin/jobs/requeue", headers=admin, json={"typo": "x"}), 422)

@@ -253,6 +253,19 @@ def test_a_requeue_all_cut_off_part_way_says_how_many_it_requeued(make_app, dsn:
     )
 
 
+def test_a_cancel_held_up_by_a_lock_says_so(make_app, dsn: str, relay: Relay) -> None:
+    """It said "Narrow the filters (state, queue, type)" on a job's own page, which has none."""
+    admin = _logged_in(make_app(RELAY_STATEMENT_TIMEOUT_MS=300), dsn, "admin")
+    job_id = relay.enqueue("resize_image")
+    with psycopg.connect(dsn) as holder:
+        holder.execute("SELECT FROM relay.jobs WHERE id = %s FOR UPDATE", (job_id,))
+        response = admin.post(f"/jobs/{job_id}/cancel")
+    assert response.status_code == 503
+    html = _text(response)
+    assert "another transaction holds what this needs" in html and "filters" not in html
+    assert relay.get_job(job_id).status == "queued"
+
+
 def test_bulk_requeue_needs_a_type(admin: DashboardClient) -> None:
     response = admin.post("/dead/requeue", {})
     assert response.status_code == 400

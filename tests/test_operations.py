@@ -270,6 +270,27 @@ def test_a_tick_that_fell_due_while_a_worker_ran_is_enqueued_however_late(relay:
     ]
 
 
+def test_a_worker_with_a_long_lease_counts_as_running_until_two_heartbeats_are_missed(
+    relay: Relay, db: psycopg.Connection
+) -> None:
+    """Worker a ran through the tick, but with a 900 s lease it heartbeats every 300 s: last heard from
+    before the tick, it counted as not running, and when a worker started since checked first, the tick
+    was skipped as missed. It runs now; a worker silent for over two of its intervals still does not count."""
+    specs, tick, late = hourly_rollup_two_hours_ahead(relay, db)
+    assert enqueue_due(db, specs, clock=tick - timedelta(seconds=1)) == []
+    db.execute(
+        "INSERT INTO relay.workers (id, host, pid, queues, concurrency, started_at, last_seen_at, heartbeat_seconds)"
+        " VALUES ('a', 'h', 1, '{default}', 8, %s, %s, 300), ('b', 'h', 2, '{default}', 8, %s, %s, 300)",
+        (tick - timedelta(hours=1), tick - timedelta(seconds=590), tick + timedelta(minutes=4), late),
+    )
+    assert enqueue_due(db, specs, clock=late) == [("hourly_rollup", tick.isoformat())]
+    db.execute("DELETE FROM relay.jobs")
+    db.execute("UPDATE relay.schedules SET last_tick = last_tick - interval '1 hour'")
+    db.execute("UPDATE relay.workers SET last_seen_at = %s WHERE id = 'a'", (tick - timedelta(seconds=610),))
+    assert enqueue_due(db, specs, clock=late) == []
+    assert db.execute("SELECT count(*) FROM relay.jobs").fetchone()[0] == 0
+
+
 def test_a_tick_that_fell_due_while_the_schedule_was_removed_is_skipped_when_it_comes_back(
     relay: Relay, db: psycopg.Connection
 ) -> None:

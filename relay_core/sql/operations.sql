@@ -106,7 +106,10 @@ WHERE type = %(type)s;
 -- Whether a worker serving the queue and checking the schedule was running at
 -- a moment: it registered before it and was heard from after it (heartbeats
 -- come from their own thread, so a worker whose maintenance was held up still
--- counts). A worker without the schedule (a deploy that had removed it) never
+-- counts), or within two of its heartbeat intervals before it, as the admin
+-- surface counts a worker alive: heartbeats come every lease / 3, so with a
+-- long lease a running worker may not have been heard from since the moment
+-- (nor, after an outage, since the database came back). A worker without the schedule (a deploy that had removed it) never
 -- saw its tick; one registered by an older Relay records no schedules and
 -- counts by its queues (migration 0017). A worker draining its jobs on the way
 -- out no longer checks (migration 0018); a stop time older than the
@@ -114,7 +117,8 @@ WHERE type = %(type)s;
 SELECT EXISTS (
     SELECT 1 FROM relay.workers
     WHERE %(queue)s = ANY(queues) AND (schedules IS NULL OR %(type)s = ANY(schedules))
-      AND started_at <= %(at)s AND last_seen_at >= %(at)s
+      AND started_at <= %(at)s
+      AND last_seen_at >= %(at)s - make_interval(secs => 2 * coalesce(heartbeat_seconds, 0))
       AND (stopped_at IS NULL OR stopped_at >= %(at)s)
       AND (schedules_stopped_at IS NULL OR schedules_stopped_at < started_at OR schedules_stopped_at >= %(at)s)
 ) AS running;

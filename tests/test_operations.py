@@ -4,6 +4,7 @@ cooperative cancel, progress and results."""
 from __future__ import annotations
 
 import itertools
+import logging
 import threading
 import time
 import uuid
@@ -291,6 +292,32 @@ def test_a_worker_with_a_long_lease_counts_as_running_until_two_heartbeats_are_m
     assert db.execute("SELECT count(*) FROM relay.jobs").fetchone()[0] == 0
 
 
+def test_workers_of_an_old_release_leave_a_changed_schedule_to_the_ones_that_published_it(
+    relay: Relay, db: psycopg.Connection, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A rolling deploy moves a report from 03:00 to 04:00. The new release's workers publish 04:00 as they
+    start; the old release's, still running, went on enqueuing 03:00, so that day the report ran twice."""
+    relay.handler("report", cron="0 3 * * *")(lambda job: None)
+    old = list(relay.handlers.values())
+    new_release = Relay(relay.dsn)
+    new_release.handler("report", cron="0 4 * * *")(lambda job: None)
+    new = list(new_release.handlers.values())
+    publish(db, old)
+    publish(db, new)
+    today = db.execute("SELECT now()").fetchone()[0].astimezone(UTC).replace(hour=0, minute=0, second=0, microsecond=0)
+    three, four = today + timedelta(days=1, hours=3), today + timedelta(days=1, hours=4)
+    with caplog.at_level(logging.WARNING, logger="relay"):
+        for _ in range(2):
+            assert enqueue_due(db, old, clock=three + timedelta(seconds=1)) == []
+    outdated = [r for r in caplog.records if "published a different schedule" in r.getMessage()]
+    assert len(outdated) == 1, "warned once"
+    assert outdated[0].schedule == "0 3 * * * (UTC, queue default)"
+    assert outdated[0].published == "0 4 * * * (UTC, queue default)"
+    assert enqueue_due(db, new, clock=four + timedelta(seconds=1)) == [("report", four.isoformat())]
+    assert db.execute("SELECT payload->>'scheduled_for' FROM relay.jobs").fetchall() == [(four.isoformat(),)]
+    new_release.close()
+
+
 def test_a_tick_that_fell_due_while_the_schedule_was_removed_is_skipped_when_it_comes_back(
     relay: Relay, db: psycopg.Connection
 ) -> None:
@@ -391,13 +418,14 @@ def test_a_schedule_another_transaction_holds_is_skipped_then_moves_on_from_its_
     t0, t1, t2 = (datetime(2030, 1, 1, 0, 0, s, tzinfo=UTC) for s in (0, 1, 2))
     db.execute("INSERT INTO relay.schedules (type, cron, last_tick) VALUES ('each_second', '* * * * * *', %s)", (t0,))
     advance = sql("schedule_advance")
+    schedule = {"type": "each_second", "cron": "* * * * * *", "timezone": "UTC", "queue": "default"}
     with psycopg.connect(dsn) as a, psycopg.connect(dsn) as b:
         b.execute("SET lock_timeout = '5s'")
-        assert a.execute(advance, {"type": "each_second", "tick": t1, "next_tick": t2}).fetchone() == (t0,)
-        assert b.execute(advance, {"type": "each_second", "tick": t2, "next_tick": t2}).fetchone() is None
+        assert a.execute(advance, {**schedule, "tick": t1, "next_tick": t2}).fetchone()[:3] == (True, t0, True)
+        assert b.execute(advance, {**schedule, "tick": t2, "next_tick": t2}).fetchone() is None
         b.rollback()
         a.commit()
-        assert b.execute(advance, {"type": "each_second", "tick": t2, "next_tick": t2}).fetchone() == (t1,)
+        assert b.execute(advance, {**schedule, "tick": t2, "next_tick": t2}).fetchone()[:3] == (True, t1, True)
         b.commit()
     assert db.execute("SELECT last_tick FROM relay.schedules").fetchone() == (t2,)
 

@@ -85,13 +85,26 @@ RETURNING type, cron, timezone, queue, last_tick, next_tick;
 -- from, so the ticks passed in between can be told: read FOR UPDATE, so the
 -- latest committed tick, not the snapshot's. SKIP LOCKED: a row another
 -- transaction holds (a worker enqueuing this tick, an operator's open
--- transaction) is skipped until the next check, rather than waited for with
--- every other maintenance duty of the worker (the sweeper among them) behind it.
-UPDATE relay.schedules AS s
-SET last_tick = %(tick)s, next_tick = %(next_tick)s, updated_at = now()
-FROM (SELECT type, last_tick FROM relay.schedules WHERE type = %(type)s FOR UPDATE SKIP LOCKED) AS before
-WHERE s.type = before.type AND (s.last_tick IS NULL OR s.last_tick < %(tick)s)
-RETURNING before.last_tick AS previous_tick;
+-- transaction) is skipped until the next check (no row), rather than waited
+-- for with every other maintenance duty of the worker (the sweeper among them)
+-- behind it. Only a worker whose schedule is the one published (cron, time
+-- zone, queue) may advance it: in a rolling deploy that changes a schedule,
+-- the old workers still running would otherwise enqueue the old expression's
+-- ticks beside the new one's. Returns what was published, for the others.
+WITH before AS (
+    SELECT type, last_tick, cron, timezone, queue,
+           (cron, timezone, queue) = (%(cron)s, %(timezone)s, %(queue)s) AS current
+    FROM relay.schedules WHERE type = %(type)s FOR UPDATE SKIP LOCKED
+), advanced AS (
+    UPDATE relay.schedules AS s
+    SET last_tick = %(tick)s, next_tick = %(next_tick)s, updated_at = now()
+    FROM before
+    WHERE s.type = before.type AND before.current AND (s.last_tick IS NULL OR s.last_tick < %(tick)s)
+    RETURNING before.last_tick AS previous_tick
+)
+SELECT EXISTS (SELECT FROM advanced) AS won, (SELECT previous_tick FROM advanced) AS previous_tick,
+       before.current, before.cron, before.timezone, before.queue
+FROM before;
 
 -- name: schedule_record_run
 -- The tick just enqueued is the schedule's last run, written in the transaction

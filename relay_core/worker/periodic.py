@@ -59,6 +59,31 @@ def publish(conn: psycopg.Connection, specs: Iterable[HandlerSpec]) -> None:
     conn.commit()
 
 
+#: The schedules this process found published differently from its own, each warned about once.
+_OUTDATED_WARNED: set[tuple[str, ...]] = set()
+
+
+def _report_outdated(spec: HandlerSpec, published: list[str]) -> None:
+    """Warn, once per process and schedule, that another worker published a different one.
+
+    In a rolling deploy that changes a schedule, the workers of the old
+    release leave its ticks to the new ones, which published theirs when they
+    started; a worker that keeps warning runs an out-of-date release.
+    """
+    key = (spec.type, spec.cron, spec.timezone, spec.queue, *published)
+    if key in _OUTDATED_WARNED:
+        return
+    _OUTDATED_WARNED.add(key)
+    cron, timezone, queue = published
+    event(
+        logging.WARNING,
+        "another worker published a different schedule for this type; this worker leaves its ticks to those",
+        type=spec.type,
+        schedule=f"{spec.cron} ({spec.timezone}, queue {spec.queue})",
+        published=f"{cron} ({timezone}, queue {queue})",
+    )
+
+
 #: How many passed ticks a warning counts exactly (an every-second schedule after a long outage passes thousands).
 PASSED_TICKS_COUNTED = 1000
 
@@ -142,12 +167,23 @@ def _enqueue_latest_tick(
         now = clock or _db_now(conn)
         tick = previous_tick(spec.cron, spec.timezone, now)
         following = next_tick(spec.cron, spec.timezone, now)
-        won = conn.execute(
-            sql("schedule_advance"), {"type": spec.type, "tick": tick, "next_tick": following}
-        ).fetchone()
+        advance = {
+            "type": spec.type,
+            "cron": spec.cron,
+            "timezone": spec.timezone,
+            "queue": spec.queue,
+            "tick": tick,
+            "next_tick": following,
+        }
+        row = conn.execute(sql("schedule_advance"), advance).fetchone()
+        if row is None:
+            return None  # held by another transaction, or deleted: the next check looks again
+        won, previous, current, *published = row
+        if not current:
+            _report_outdated(spec, published)
         if not won:
             return None
-        _report_passed_ticks(spec, won[0], tick)
+        _report_passed_ticks(spec, previous, tick)
         if (
             is_missed(tick, now)
             and not spec.catch_up

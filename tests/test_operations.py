@@ -296,25 +296,47 @@ def test_workers_of_an_old_release_leave_a_changed_schedule_to_the_ones_that_pub
     relay: Relay, db: psycopg.Connection, caplog: pytest.LogCaptureFixture
 ) -> None:
     """A rolling deploy moves a report from 03:00 to 04:00. The new release's workers publish 04:00 as they
-    start; the old release's, still running, went on enqueuing 03:00, so that day the report ran twice."""
+    start; the old release's, still running, went on enqueuing 03:00, so that day the report ran twice.
+    An old worker restarted during the deploy publishes 03:00 again: the new ones leave it the schedule
+    while it checks it, and take it back once it stops."""
     relay.handler("report", cron="0 3 * * *")(lambda job: None)
     old = list(relay.handlers.values())
     new_release = Relay(relay.dsn)
     new_release.handler("report", cron="0 4 * * *")(lambda job: None)
     new = list(new_release.handlers.values())
-    publish(db, old)
-    publish(db, new)
+    db.execute(
+        "INSERT INTO relay.workers (id, host, pid, queues, concurrency, heartbeat_seconds, schedules)"
+        " VALUES ('new-1', 'h', 1, '{default}', 8, 10, '{report}'), ('old-2', 'h', 2, '{default}', 8, 10, '{report}')"
+    )
+    publish(db, old, published_by="old-1")
+    publish(db, new, published_by="new-1")
     today = db.execute("SELECT now()").fetchone()[0].astimezone(UTC).replace(hour=0, minute=0, second=0, microsecond=0)
     three, four = today + timedelta(days=1, hours=3), today + timedelta(days=1, hours=4)
     with caplog.at_level(logging.WARNING, logger="relay"):
         for _ in range(2):
-            assert enqueue_due(db, old, clock=three + timedelta(seconds=1)) == []
+            assert enqueue_due(db, old, clock=three + timedelta(seconds=1), worker_id="old-1") == []
     outdated = [r for r in caplog.records if "published a different schedule" in r.getMessage()]
     assert len(outdated) == 1, "warned once"
     assert outdated[0].schedule == "0 3 * * * (UTC, queue default)"
     assert outdated[0].published == "0 4 * * * (UTC, queue default)"
-    assert enqueue_due(db, new, clock=four + timedelta(seconds=1)) == [("report", four.isoformat())]
+    assert enqueue_due(db, new, clock=four + timedelta(seconds=1), worker_id="new-1") == [("report", four.isoformat())]
     assert db.execute("SELECT payload->>'scheduled_for' FROM relay.jobs").fetchall() == [(four.isoformat(),)]
+
+    # old-2 restarts mid-deploy and publishes 03:00 again: it runs the schedule while it checks it.
+    db.execute("DELETE FROM relay.jobs")
+    publish(db, old, published_by="old-2")
+    day_after = four + timedelta(days=1)
+    assert enqueue_due(db, new, clock=day_after + timedelta(seconds=1), worker_id="new-1") == []
+    db.execute("UPDATE relay.workers SET stopped_at = now() WHERE id = 'old-2'")
+    with caplog.at_level(logging.WARNING, logger="relay"):
+        assert enqueue_due(db, new, clock=day_after + timedelta(seconds=1), worker_id="new-1") == []
+    assert "took over a periodic schedule whose publisher no longer checks it" in caplog.text
+    published = "SELECT cron, published_by FROM relay.schedules WHERE type = 'report'"
+    assert db.execute(published).fetchone() == ("0 4 * * *", "new-1")
+    next_day = day_after + timedelta(days=1)
+    assert enqueue_due(db, new, clock=next_day + timedelta(seconds=1), worker_id="new-1") == [
+        ("report", next_day.isoformat())
+    ]
     new_release.close()
 
 

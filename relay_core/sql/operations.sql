@@ -68,10 +68,10 @@ WHERE s.started_at < now() - make_interval(secs => coalesce(
 
 -- name: schedule_upsert
 -- A worker publishes a periodic schedule; a changed cron expression starts from now.
-INSERT INTO relay.schedules (type, cron, timezone, queue, last_tick, next_tick, updated_at)
-VALUES (%(type)s, %(cron)s, %(timezone)s, %(queue)s, %(last_tick)s, %(next_tick)s, now())
+INSERT INTO relay.schedules (type, cron, timezone, queue, last_tick, next_tick, updated_at, published_by)
+VALUES (%(type)s, %(cron)s, %(timezone)s, %(queue)s, %(last_tick)s, %(next_tick)s, now(), %(published_by)s)
 ON CONFLICT (type) DO UPDATE
-SET cron = excluded.cron, timezone = excluded.timezone, queue = excluded.queue,
+SET cron = excluded.cron, timezone = excluded.timezone, queue = excluded.queue, published_by = excluded.published_by,
     last_tick = CASE WHEN (relay.schedules.cron, relay.schedules.timezone) = (excluded.cron, excluded.timezone)
                      THEN relay.schedules.last_tick ELSE excluded.last_tick END,
     next_tick = CASE WHEN (relay.schedules.cron, relay.schedules.timezone) = (excluded.cron, excluded.timezone)
@@ -90,11 +90,20 @@ RETURNING type, cron, timezone, queue, last_tick, next_tick;
 -- behind it. Only a worker whose schedule is the one published (cron, time
 -- zone, queue) may advance it: in a rolling deploy that changes a schedule,
 -- the old workers still running would otherwise enqueue the old expression's
--- ticks beside the new one's. Returns what was published, for the others.
+-- ticks beside the new one's. Returns what was published, and whether the
+-- worker that published it still checks it (alive by its heartbeats, as in
+-- relay.worker_state with the default 60 s, and not shutting down), for the
+-- others: a schedule its publisher no longer checks is theirs to take over.
 WITH before AS (
-    SELECT type, last_tick, cron, timezone, queue,
-           (cron, timezone, queue) = (%(cron)s, %(timezone)s, %(queue)s) AS current
-    FROM relay.schedules WHERE type = %(type)s FOR UPDATE SKIP LOCKED
+    SELECT s.type, s.last_tick, s.cron, s.timezone, s.queue,
+           (s.cron, s.timezone, s.queue) = (%(cron)s, %(timezone)s, %(queue)s) AS current,
+           EXISTS (
+               SELECT FROM relay.workers w
+               WHERE w.id = s.published_by AND w.stopped_at IS NULL
+                 AND (w.schedules_stopped_at IS NULL OR w.schedules_stopped_at < w.started_at)
+                 AND w.last_seen_at >= now() - make_interval(secs => greatest(60, 2 * coalesce(w.heartbeat_seconds, 0)))
+           ) AS publisher_checks
+    FROM relay.schedules s WHERE s.type = %(type)s FOR UPDATE OF s SKIP LOCKED
 ), advanced AS (
     UPDATE relay.schedules AS s
     SET last_tick = %(tick)s, next_tick = %(next_tick)s, updated_at = now()
@@ -103,7 +112,7 @@ WITH before AS (
     RETURNING before.last_tick AS previous_tick
 )
 SELECT EXISTS (SELECT FROM advanced) AS won, (SELECT previous_tick FROM advanced) AS previous_tick,
-       before.current, before.cron, before.timezone, before.queue
+       before.current, before.publisher_checks, before.cron, before.timezone, before.queue
 FROM before;
 
 -- name: schedule_record_run

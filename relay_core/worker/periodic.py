@@ -39,24 +39,28 @@ def checked_schedules(specs: Iterable[HandlerSpec]) -> list[str]:
     return sorted(spec.type for spec in specs if spec.cron)
 
 
-def publish(conn: psycopg.Connection, specs: Iterable[HandlerSpec]) -> None:
-    """Record this worker's schedules; a new or changed schedule starts from now."""
+def publish(conn: psycopg.Connection, specs: Iterable[HandlerSpec], published_by: str | None = None) -> None:
+    """Record this worker's (``published_by``'s) schedules; a new or changed schedule starts from now."""
     now = _db_now(conn)
     for spec in specs:
-        if not spec.cron:
-            continue
-        conn.execute(
-            sql("schedule_upsert"),
-            {
-                "type": spec.type,
-                "cron": spec.cron,
-                "timezone": spec.timezone,
-                "queue": spec.queue,
-                "last_tick": previous_tick(spec.cron, spec.timezone, now),
-                "next_tick": next_tick(spec.cron, spec.timezone, now),
-            },
-        )
+        if spec.cron:
+            _publish_one(conn, spec, now, published_by)
     conn.commit()
+
+
+def _publish_one(conn: psycopg.Connection, spec: HandlerSpec, now: datetime, published_by: str | None) -> None:
+    conn.execute(
+        sql("schedule_upsert"),
+        {
+            "type": spec.type,
+            "cron": spec.cron,
+            "timezone": spec.timezone,
+            "queue": spec.queue,
+            "last_tick": previous_tick(spec.cron, spec.timezone, now),
+            "next_tick": next_tick(spec.cron, spec.timezone, now),
+            "published_by": published_by,
+        },
+    )
 
 
 #: The schedules this process found published differently from its own, each warned about once.
@@ -68,7 +72,7 @@ def _report_outdated(spec: HandlerSpec, published: list[str]) -> None:
 
     In a rolling deploy that changes a schedule, the workers of the old
     release leave its ticks to the new ones, which published theirs when they
-    started; a worker that keeps warning runs an out-of-date release.
+    started, while the worker that published it still checks it.
     """
     key = (spec.type, spec.cron, spec.timezone, spec.queue, *published)
     if key in _OUTDATED_WARNED:
@@ -116,6 +120,7 @@ def enqueue_due(
     clock: datetime | None = None,
     running_since: datetime | None = None,
     queues: Iterable[str] = (),
+    worker_id: str | None = None,
 ) -> list[tuple[str, str]]:
     """Enqueue every schedule's latest due tick that nobody enqueued yet; return (type, tick) pairs.
 
@@ -142,7 +147,7 @@ def enqueue_due(
             continue
         checker_since = running_since if spec.queue in serving else None
         try:
-            tick = _enqueue_latest_tick(conn, spec, clock, checker_since)
+            tick = _enqueue_latest_tick(conn, spec, clock, checker_since, worker_id)
         except psycopg.Error as exc:
             if conn.broken or conn.closed:
                 raise  # the database is out of reach: every schedule waits for it (the caller's outage handling)
@@ -157,11 +162,18 @@ def enqueue_due(
 
 
 def _enqueue_latest_tick(
-    conn: psycopg.Connection, spec: HandlerSpec, clock: datetime | None, checker_since: datetime | None
+    conn: psycopg.Connection,
+    spec: HandlerSpec,
+    clock: datetime | None,
+    checker_since: datetime | None,
+    worker_id: str | None,
 ) -> datetime | None:
     """Enqueue ``spec``'s latest due tick if nobody has and it is not missed, in one transaction; that tick.
 
     ``checker_since``: when the worker checking, which serves the schedule's queue, registered.
+    A schedule published differently is left alone while the worker that
+    published it checks it, and taken over (``spec`` published, starting from
+    now) once it does not.
     """
     with conn.transaction():
         now = clock or _db_now(conn)
@@ -178,9 +190,21 @@ def _enqueue_latest_tick(
         row = conn.execute(sql("schedule_advance"), advance).fetchone()
         if row is None:
             return None  # held by another transaction, or deleted: the next check looks again
-        won, previous, current, *published = row
+        won, previous, current, publisher_checks, *published = row
         if not current:
-            _report_outdated(spec, published)
+            if publisher_checks:
+                _report_outdated(spec, published)
+                return None
+            _publish_one(conn, spec, now, worker_id)
+            cron, timezone, queue = published
+            event(
+                logging.WARNING,
+                "took over a periodic schedule whose publisher no longer checks it",
+                type=spec.type,
+                schedule=f"{spec.cron} ({spec.timezone}, queue {spec.queue})",
+                published=f"{cron} ({timezone}, queue {queue})",
+            )
+            return None
         if not won:
             return None
         _report_passed_ticks(spec, previous, tick)

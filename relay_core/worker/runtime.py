@@ -235,7 +235,11 @@ class Worker:
 
     def _enqueue_periodic(self, conn: psycopg.Connection) -> None:
         periodic.enqueue_due(
-            conn, self.handlers.values(), running_since=self.maintenance.registered_at, queues=self.config.queues
+            conn,
+            self.handlers.values(),
+            running_since=self.maintenance.registered_at,
+            queues=self.config.queues,
+            worker_id=self.id,
         )
 
     def _report_progress(self, job: Job, progress: dict) -> bool:  # type: ignore[type-arg]
@@ -441,7 +445,7 @@ class Worker:
             limits.publish_max_attempts(conn, self.handlers.values())
             limits.publish(conn, self.handlers.values())
             self.limits_exist = bool(conn.execute(sql("type_limits_exist")).fetchone()[0])
-            periodic.publish(conn, self.handlers.values())
+            periodic.publish(conn, self.handlers.values(), published_by=self.id)
 
     def _with_retry(self, action) -> None:  # type: ignore[no-untyped-def]
         delay = 0.1

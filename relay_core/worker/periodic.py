@@ -78,14 +78,21 @@ def _report_outdated(spec: HandlerSpec, published: list[str]) -> None:
     if key in _OUTDATED_WARNED:
         return
     _OUTDATED_WARNED.add(key)
-    cron, timezone, queue = published
     event(
         logging.WARNING,
         "another worker published a different schedule for this type; this worker leaves its ticks to those",
         type=spec.type,
-        schedule=f"{spec.cron} ({spec.timezone}, queue {spec.queue})",
-        published=f"{cron} ({timezone}, queue {queue})",
+        **_both_schedules(spec, published),
     )
+
+
+def _both_schedules(spec: HandlerSpec, published: list[str]) -> dict[str, str]:
+    """This worker's schedule for ``spec``'s type and the one published, as log fields."""
+    cron, timezone, queue = published
+    return {
+        "schedule": f"{spec.cron} ({spec.timezone}, queue {spec.queue})",
+        "published": f"{cron} ({timezone}, queue {queue})",
+    }
 
 
 #: How many passed ticks a warning counts exactly (an every-second schedule after a long outage passes thousands).
@@ -196,13 +203,11 @@ def _enqueue_latest_tick(
                 _report_outdated(spec, published)
                 return None
             _publish_one(conn, spec, now, worker_id)
-            cron, timezone, queue = published
             event(
                 logging.WARNING,
                 "took over a periodic schedule whose publisher no longer checks it",
                 type=spec.type,
-                schedule=f"{spec.cron} ({spec.timezone}, queue {spec.queue})",
-                published=f"{cron} ({timezone}, queue {queue})",
+                **_both_schedules(spec, published),
             )
             return None
         if not won:

@@ -24,3 +24,11 @@ def assert_problem(response: Any, status: int, slug: str | None = None) -> dict[
     for leak in LEAKS:
         assert leak not in text, f"{leak!r} leaked: {text}"
     return body
+
+
+def refused_job_errors(client: Any, admin: dict[str, str], db: Any, data: str) -> list[dict[str, Any]]:
+    """POST ``data`` (raw JSON) as a job: refused with a 422 and nothing stored; the field errors."""
+    response = client.post("/api/admin/jobs", headers=admin, data=data, content_type="application/json")
+    body = assert_problem(response, 422, "validation")
+    assert db.execute("SELECT count(*) FROM relay.jobs").fetchone()[0] == 0
+    return body["errors"]

@@ -6,9 +6,10 @@ this module only answers which tick is due and which comes next.
 
 from __future__ import annotations
 
+import functools
 import re
 from datetime import UTC, datetime, timedelta
-from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
+from zoneinfo import ZoneInfo, ZoneInfoNotFoundError, available_timezones
 
 from croniter import CroniterBadDateError, croniter
 
@@ -32,6 +33,16 @@ CRON_FIELDS = (5, 6)
 _RANDOM_FIELD = re.compile(r"(?:^|,)\s*R(?:$|[(/,])", re.IGNORECASE)
 
 
+#: Zone names that mean the zone the machine is set to, not one zone for every worker.
+MACHINE_ZONES = frozenset({"localtime"})
+
+
+@functools.cache
+def _iana_zones() -> frozenset[str]:
+    """The zone names this machine's zone database lists (read once: it scans a directory)."""
+    return frozenset(available_timezones())
+
+
 def check_cron(expression: str, timezone: str) -> None:
     """Refuse an invalid cron expression or an unknown time zone.
 
@@ -53,10 +64,20 @@ def check_cron(expression: str, timezone: str) -> None:
     # A name, not a tzinfo: it is stored in relay.schedules and read by every worker.
     if not isinstance(timezone, str):
         raise InvalidJobError("timezone", f"must be an IANA time zone name such as 'Europe/Berlin', got {timezone!r}")
+    if timezone in MACHINE_ZONES:
+        raise InvalidJobError(
+            "timezone",
+            f"{timezone!r} is whatever zone this machine is set to, which another worker's may not be: "
+            "name the IANA zone itself, such as 'Europe/Berlin'",
+        )
     try:
         ZoneInfo(timezone)
     except (ZoneInfoNotFoundError, ValueError):
         raise InvalidJobError("timezone", f"{timezone!r} is not a known IANA time zone name") from None
+    if timezone not in _iana_zones():
+        # A file the zone database directory also holds (posixrules, right/UTC, posix/Europe/Berlin):
+        # ZoneInfo reads it, but it is no zone name, and right/ ones count leap seconds.
+        raise InvalidJobError("timezone", f"{timezone!r} is not an IANA time zone name")
     # Well-formed is not enough: "0 0 30 2 *" (February 30th) parses but never
     # fires, and would fail every worker at start instead of here.
     try:

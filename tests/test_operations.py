@@ -601,6 +601,13 @@ def test_invalid_cron_or_timezone_is_refused(relay: Relay) -> None:
         relay.handler("bad", cron="every tuesday")(lambda job: None)
     with pytest.raises(InvalidJobError, match="timezone"):
         relay.handler("bad2", cron="@daily", timezone="Mars/Olympus")(lambda job: None)
+    # Names ZoneInfo reads that mean another zone on another worker's machine, or are no zone names.
+    with pytest.raises(InvalidJobError, match="whatever zone this machine is set to"):
+        relay.handler("bad_local", cron="@daily", timezone="localtime")(lambda job: None)
+    for name in ("posixrules", "right/UTC", "posix/Europe/Berlin"):
+        with pytest.raises(InvalidJobError, match=r"is not an? (known )?IANA time zone name"):
+            relay.handler("bad_file", cron="@daily", timezone=name)(lambda job: None)
+    relay.handler("good_zone", cron="@daily", timezone="US/Eastern")(lambda job: None)
     with pytest.raises(InvalidJobError, match="never fires"):
         relay.handler("bad3", cron="0 0 30 2 *")(lambda job: None)  # February 30th
     with pytest.raises(InvalidJobError, match="never fires"):

@@ -91,17 +91,17 @@ RETURNING type, cron, timezone, queue, last_tick, next_tick;
 -- zone, queue) may advance it: in a rolling deploy that changes a schedule,
 -- the old workers still running would otherwise enqueue the old expression's
 -- ticks beside the new one's. Returns what was published, and whether the
--- worker that published it still checks it (alive by its heartbeats, as in
--- relay.worker_state with the default 60 s, and not shutting down), for the
--- others: a schedule its publisher no longer checks is theirs to take over.
+-- worker that published it still checks it (alive by relay.worker_state, with
+-- RELAY_WORKER_STALE_SECONDS' default, and not shutting down), for the others:
+-- a schedule its publisher no longer checks is theirs to take over.
 WITH before AS (
     SELECT s.type, s.last_tick, s.cron, s.timezone, s.queue,
            (s.cron, s.timezone, s.queue) = (%(cron)s, %(timezone)s, %(queue)s) AS current,
            EXISTS (
                SELECT FROM relay.workers w
-               WHERE w.id = s.published_by AND w.stopped_at IS NULL
+               WHERE w.id = s.published_by
+                 AND relay.worker_state(w.stopped_at, w.last_seen_at, w.heartbeat_seconds, 60) = 'alive'
                  AND (w.schedules_stopped_at IS NULL OR w.schedules_stopped_at < w.started_at)
-                 AND w.last_seen_at >= now() - make_interval(secs => greatest(60, 2 * coalesce(w.heartbeat_seconds, 0)))
            ) AS publisher_checks
     FROM relay.schedules s WHERE s.type = %(type)s FOR UPDATE OF s SKIP LOCKED
 ), advanced AS (
@@ -131,16 +131,18 @@ WHERE type = %(type)s;
 -- counts), or within two of its heartbeat intervals before it, as the admin
 -- surface counts a worker alive: heartbeats come every lease / 3, so with a
 -- long lease a running worker may not have been heard from since the moment
--- (nor, after an outage, since the database came back). A worker without the schedule (a deploy that had removed it) never
--- saw its tick; one registered by an older Relay records no schedules and
--- counts by its queues (migration 0017). A worker draining its jobs on the way
+-- (nor, after an outage, since the database came back); bounded as
+-- relay.worker_state bounds it (migration 0019). A worker without the
+-- schedule (a deploy that had removed it) never saw its tick; one registered
+-- by an older Relay records no schedules and counts by its queues (migration
+-- 0017). A worker draining its jobs on the way
 -- out no longer checks (migration 0018); a stop time older than the
 -- registration is an earlier one's, left by a release that did not clear it.
 SELECT EXISTS (
     SELECT 1 FROM relay.workers
     WHERE %(queue)s = ANY(queues) AND (schedules IS NULL OR %(type)s = ANY(schedules))
       AND started_at <= %(at)s
-      AND last_seen_at >= %(at)s - make_interval(secs => 2 * coalesce(heartbeat_seconds, 0))
+      AND last_seen_at >= %(at)s - make_interval(secs => least(2 * coalesce(heartbeat_seconds, 0), 1e8))
       AND (stopped_at IS NULL OR stopped_at >= %(at)s)
       AND (schedules_stopped_at IS NULL OR schedules_stopped_at < started_at OR schedules_stopped_at >= %(at)s)
 ) AS running;

@@ -740,23 +740,31 @@ def test_a_finished_state_is_listed_from_its_index_whatever_newer_jobs_the_table
 
 
 def test_the_registry_forgets_workers_last_heard_from_over_a_week_ago(relay: Relay, db: psycopg.Connection) -> None:
+    """Never one relay.worker_state still calls alive: a worker that heartbeats every five days is
+    alive ten days after its last beat, and forgetting it after seven made it vanish from the
+    workers page and from its queues' live workers while it ran."""
     add = (
-        "INSERT INTO relay.workers (id, host, pid, queues, concurrency, started_at, last_seen_at, stopped_at)"
-        " VALUES (%s, 'h', 1, '{default}', 8, now() - %s::interval, now() - %s::interval, now() - %s::interval)"
+        "INSERT INTO relay.workers (id, host, pid, queues, concurrency, started_at, last_seen_at, stopped_at,"
+        " heartbeat_seconds) VALUES (%s, 'h', 1, '{default}', 8, now() - %s::interval, now() - %s::interval,"
+        " now() - %s::interval, %s)"
     )
-    for worker_id, started, seen, stopped in [
-        ("stopped-8d", "9 days", "8 days", "8 days"),
-        ("gone-8d", "9 days", "8 days", None),
-        ("stopped-6d", "9 days", "6 days", "6 days"),
-        ("gone-6d", "9 days", "6 days", None),
-        ("alive-since-9d", "9 days", "1 second", None),
+    five_days = 5 * 86400
+    for worker_id, started, seen, stopped, heartbeat in [
+        ("stopped-8d", "9 days", "8 days", "8 days", None),
+        ("gone-8d", "9 days", "8 days", None, None),
+        ("stopped-6d", "9 days", "6 days", "6 days", None),
+        ("gone-6d", "9 days", "6 days", None, None),
+        ("alive-since-9d", "9 days", "1 second", None, None),
+        ("beats-every-5d-seen-8d", "20 days", "8 days", None, five_days),
+        ("beats-every-5d-gone-11d", "20 days", "11 days", None, five_days),
+        ("beats-every-5d-stopped-8d", "20 days", "8 days", "8 days", five_days),
     ]:
-        db.execute(add, (worker_id, started, seen, stopped))
+        db.execute(add, (worker_id, started, seen, stopped, heartbeat))
     with running_worker(relay, retention=None) as worker:
         wait_for(lambda: worker.maintenance.registered_at is not None, what="the worker to register")
         worker.maintenance.prune()  # also where retention is off
         kept = {row[0] for row in db.execute("SELECT id FROM relay.workers")}
-    assert kept == {"stopped-6d", "gone-6d", "alive-since-9d", worker.id}
+    assert kept == {"stopped-6d", "gone-6d", "alive-since-9d", "beats-every-5d-seen-8d", worker.id}
 
 
 def test_running_job_is_cancelled_cooperatively(relay: Relay, db: psycopg.Connection) -> None:

@@ -58,6 +58,12 @@ def test_a_table_autovacuum_skips_is_vacuumed_once_dead_rows_pass_the_threshold(
 
     assert "jobs" in vacuumed
     wait_for(lambda: _jobs_stats(db) == (0, vacuums_before + 1), timeout=10, what="the vacuum counted")
+    # Autovacuum off is autoanalyze off too: without an ANALYZE the planner kept the row
+    # counts and value spread of the table's first days, whatever the backlog became.
+    assert db.execute(
+        "SELECT analyze_count > 0 AND n_mod_since_analyze = 0 FROM pg_stat_user_tables"
+        " WHERE relid = 'relay.jobs'::regclass"
+    ).fetchone()[0]
 
 
 @pytest.mark.usefixtures("jobs_without_autovacuum")

@@ -429,9 +429,12 @@ WHERE id = %(id)s AND started_at = %(started_at)s;
 -- Forget workers that stopped, or went quiet without stopping (killed, their
 -- machine gone), over %(keep_seconds)s ago: every start of a worker process adds
 -- a row, so without this the registry grew with every deploy and restart.
+-- Never one relay.worker_state still calls alive (silent for less than two of
+-- its heartbeat intervals, however long those are).
 DELETE FROM relay.workers
 WHERE last_seen_at < now() - make_interval(secs => %(keep_seconds)s)
-  AND coalesce(stopped_at, last_seen_at) < now() - make_interval(secs => %(keep_seconds)s);
+  AND coalesce(stopped_at, last_seen_at) < now() - make_interval(secs => %(keep_seconds)s)
+  AND relay.worker_state(stopped_at, last_seen_at, heartbeat_seconds, %(keep_seconds)s) <> 'alive';
 
 -- name: proof_setup
 -- `relay prove`: a fresh executions log and no proof jobs left from an earlier run.

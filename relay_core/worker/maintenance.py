@@ -120,7 +120,7 @@ def heartbeat_once(
 
 
 def forget_old_workers(conn: psycopg.Connection, keep_seconds: float = REGISTRY_KEEP_SECONDS) -> int:
-    """Delete the registry rows of workers last heard from over ``keep_seconds`` ago; how many.
+    """Delete the registry rows of workers last heard from over ``keep_seconds`` ago and not alive; how many.
 
     Apart from retention, which a worker may have switched off: the registry
     is the workers' bookkeeping, not the jobs' history.

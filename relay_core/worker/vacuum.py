@@ -5,7 +5,9 @@ dead row version behind, every pruned job another. Autovacuum makes that space
 reusable; on a server where it is switched off (for the whole server, or for
 one table) retention can delete all it likes and the table and its indexes
 still grow without bound. There the worker does autovacuum's job for Relay's
-tables, with autovacuum's own trigger rule. Where autovacuum runs, this does
+tables, with autovacuum's own trigger rule, and analyzes them as it goes
+(autovacuum off is autoanalyze off too, and a planner left with the table's
+first statistics misjudges a backlog). Where autovacuum runs, this does
 nothing but one cheap catalog read.
 
 ``VACUUM (SKIP_LOCKED)`` lets two workers that decide at once skip each other
@@ -59,7 +61,7 @@ def vacuum_if_needed(conn: psycopg.Connection) -> list[str]:
     conn.autocommit = True  # VACUUM cannot run inside a transaction
     try:
         for table in tables:
-            conn.execute(pgsql.SQL("VACUUM (SKIP_LOCKED) {}").format(pgsql.Identifier("relay", table)))
+            conn.execute(pgsql.SQL("VACUUM (SKIP_LOCKED, ANALYZE) {}").format(pgsql.Identifier("relay", table)))
     finally:
         restore_transactions(conn)
     event(logging.INFO, "vacuumed tables autovacuum does not reach", tables=",".join(tables))

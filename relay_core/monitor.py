@@ -3,7 +3,11 @@
 Listings page by keyset, bulk actions walk the table in short batches, and
 every count comes from the counters migration 0003 keeps, never from a count
 over ``relay.jobs``. Flask-free: the web app, the CLI and exporters share it.
-Every function takes a psycopg connection the caller owns.
+Every function takes a psycopg connection the caller owns. Readers that
+read the counters and then relay.jobs (``queue_depths``) belong on an
+autocommit connection: a transaction that kept the counters locked while it
+waited for relay.jobs would deadlock with TRUNCATE relay.jobs, which takes
+the two the other way round.
 """
 
 from __future__ import annotations
@@ -289,18 +293,30 @@ def created_in_this_transaction(conn: psycopg.Connection, job_id: int) -> bool:
 # -- counters ------------------------------------------------------------------
 
 
-def fold_counters(conn: psycopg.Connection) -> bool:
-    """Fold the counter deltas into one row per key; False if another process is folding.
+def fold_counters(conn: psycopg.Connection, *, rows: int | None = None) -> bool:
+    """Fold the counter deltas into one row per key; False when it could not fold now.
 
     Readers call it before reading so the counter tables stay a few rows long
     whatever the write rate; a long-lived process (a worker) may call it on a
-    timer so the deltas never pile up while nobody looks.
+    timer so the deltas never pile up while nobody looks. ``rows`` bounds the
+    deltas folded of each table, so a reader under a statement timeout folds
+    a share of a pile that built up while no worker ran instead of timing out
+    on all of it (the reads stay exact either way: they sum what is left).
+
+    The fold commits in a transaction of its own, at READ COMMITTED whatever
+    the connection's level. On a connection already inside a transaction it
+    folds nothing: held until that transaction ended, the counters' rows
+    would be locked ahead of relay.jobs, the reverse of TRUNCATE relay.jobs's
+    order, and the two would deadlock. False too while another process folds.
     """
+    if conn.info.transaction_status != psycopg.pq.TransactionStatus.IDLE:
+        return False
     with conn.transaction():
+        conn.execute("SET TRANSACTION ISOLATION LEVEL READ COMMITTED")
         if not _rows(conn, "job_counts_fold_lock", {"key": FOLD_LOCK_KEY})[0]["locked"]:
             return False
-        _rows(conn, "job_counts_fold", {})
-        _rows(conn, "job_outcomes_fold", {"keep_minutes": OUTCOME_MINUTES_KEPT})
+        _rows(conn, "job_counts_fold", {"rows": rows})
+        _rows(conn, "job_outcomes_fold", {"rows": rows, "keep_minutes": OUTCOME_MINUTES_KEPT})
     return True
 
 

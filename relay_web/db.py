@@ -22,12 +22,15 @@ from flask import Flask, current_app
 from psycopg.abc import RV, PQGen
 from psycopg_pool import ConnectionPool
 
-from relay_core import Relay
+from relay_core import Relay, monitor
 from relay_core.jsonb import read_any_number
 from relay_core.pools import ReconnectingPool, connection_options
 from relay_core.timestamps import read_any_timestamp
 
 EXTENSION = "relay.db"
+#: Counter deltas of each table a page folds before it reads (see monitor.fold_counters):
+#: a share, so a pile left while no worker ran never runs a page into its statement timeout.
+FOLD_ROWS_PER_READ = 50_000
 
 
 class BoundedConnection(psycopg.Connection):
@@ -154,3 +157,23 @@ def connection() -> Iterator[psycopg.Connection]:
     """A pooled connection of the current app."""
     with get_database().connection() as conn:
         yield conn
+
+
+@contextmanager
+def counters_read() -> Iterator[psycopg.Connection]:
+    """A pooled connection for a page that reads the counters and then relay.jobs, counters folded first.
+
+    Each statement commits on its own (autocommit), so no lock outlives the
+    statement that took it: a transaction that held the counters while it went
+    on to read relay.jobs would deadlock with TRUNCATE relay.jobs, which holds
+    relay.jobs and then empties the counters. The reads gain nothing from one
+    transaction anyway: at READ COMMITTED each statement has its own snapshot.
+    """
+    with connection() as conn:
+        conn.autocommit = True
+        try:
+            monitor.fold_counters(conn, rows=FOLD_ROWS_PER_READ)
+            yield conn
+        finally:
+            if not conn.closed:
+                conn.autocommit = False

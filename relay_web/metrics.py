@@ -18,7 +18,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from relay_core import monitor
 
 from .config import worker_stale_seconds
-from .db import connection
+from .db import counters_read
 from .endpoint import endpoint
 from .health import migrations_pending
 from .problems import unauthorized
@@ -34,10 +34,9 @@ class RelayCollector:
 
     def collect(self) -> Iterator[Metric]:
         """The series of one scrape (503 while the schema is behind this release, as /readyz says)."""
-        with connection() as conn:
+        with counters_read() as conn:
             if not monitor.schema_is_current(conn):
                 raise migrations_pending()
-            monitor.fold_counters(conn)
             depths = monitor.queue_depths(conn, stale_seconds=self.stale_seconds)
             totals = monitor.outcome_totals(conn)
             recent = monitor.stats(conn)

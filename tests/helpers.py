@@ -34,6 +34,39 @@ def wait_for(condition: Callable[[], object], timeout: float = 30.0, interval: f
         time.sleep(interval)
 
 
+def read_while_truncating(dsn: str, db: psycopg.Connection, read: Callable[[], Any]) -> tuple[Any, str | None]:
+    """Run ``read`` (a page that reads the counters, then relay.queues, then relay.jobs) while another
+    connection runs TRUNCATE relay.jobs, in the order that deadlocks a reader which keeps the counters
+    locked: the read is held on relay.queues, after the counters, until the TRUNCATE holds relay.jobs
+    and reaches the counters (or has ended). Returns what ``read`` returned and the TRUNCATE's error."""
+    results: dict[str, Any] = {}
+
+    def truncate() -> None:
+        try:
+            with psycopg.connect(dsn, autocommit=True) as conn:
+                conn.execute("TRUNCATE relay.jobs")
+            results["truncate"] = None
+        except psycopg.Error as exc:
+            results["truncate"] = f"{type(exc).__name__}: {exc}"
+
+    def waiting_on(table: str) -> bool:
+        query = "SELECT EXISTS (SELECT FROM pg_locks WHERE NOT granted AND relation = %s::regclass)"
+        return bool(db.execute(query, (table,)).fetchone()[0])
+
+    reading = threading.Thread(target=lambda: results.update(read=read()))
+    truncating = threading.Thread(target=truncate)
+    with psycopg.connect(dsn) as holding:
+        holding.execute("LOCK TABLE relay.queues IN ACCESS EXCLUSIVE MODE")
+        reading.start()
+        wait_for(lambda: waiting_on("relay.queues"), what="the read waits for relay.queues")
+        truncating.start()
+        wait_for(lambda: waiting_on("relay.job_counts") or "truncate" in results, what="TRUNCATE at the counters")
+    reading.join(30)
+    truncating.join(30)
+    assert not reading.is_alive() and not truncating.is_alive(), "the read or the TRUNCATE hangs"
+    return results["read"], results["truncate"]
+
+
 @contextmanager
 def running_worker(relay: Relay, **settings: object) -> Iterator[Worker]:
     """Run a worker for ``relay`` in a thread; stop it gracefully on exit."""

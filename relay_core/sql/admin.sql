@@ -115,27 +115,36 @@ SELECT xmin = pg_current_xact_id()::xid AS created_here FROM relay.jobs WHERE id
 SELECT pg_try_advisory_xact_lock(%(key)s) AS locked;
 
 -- name: job_counts_fold
--- Replace the committed count deltas with one row per (queue, state). Deltas
--- that commit meanwhile are not seen by the DELETE and stay for the next fold.
+-- Replace up to %(rows)s committed count deltas (all of them when NULL) with
+-- one row per (queue, state). Deltas that commit meanwhile are not seen and
+-- stay for the next fold. Picked by ctid so a bounded fold is one TID scan.
 WITH folded AS (
-    DELETE FROM relay.job_counts RETURNING queue, state, n
+    DELETE FROM relay.job_counts
+    WHERE ctid = ANY (ARRAY(SELECT ctid FROM relay.job_counts LIMIT %(rows)s))
+    RETURNING queue, state, n
+), kept AS (
+    INSERT INTO relay.job_counts (queue, state, n)
+    SELECT queue, state, sum(n) FROM folded GROUP BY queue, state HAVING sum(n) <> 0
 )
-INSERT INTO relay.job_counts (queue, state, n)
-SELECT queue, state, sum(n) FROM folded GROUP BY queue, state HAVING sum(n) <> 0;
+SELECT count(*) AS folded FROM folded;
 
 -- name: job_outcomes_fold
--- Replace the committed outcome deltas with one row per (minute, queue, type);
--- minutes older than %(keep_minutes)s fold into one '-infinity' row per
--- (queue, type) that keeps the all-time totals.
+-- Replace up to %(rows)s committed outcome deltas (all of them when NULL) with
+-- one row per (minute, queue, type); minutes older than %(keep_minutes)s fold
+-- into one '-infinity' row per (queue, type) that keeps the all-time totals.
 WITH folded AS (
-    DELETE FROM relay.job_outcomes RETURNING minute, queue, type, succeeded, failed, dead
+    DELETE FROM relay.job_outcomes
+    WHERE ctid = ANY (ARRAY(SELECT ctid FROM relay.job_outcomes LIMIT %(rows)s))
+    RETURNING minute, queue, type, succeeded, failed, dead
+), kept AS (
+    INSERT INTO relay.job_outcomes (minute, queue, type, succeeded, failed, dead)
+    SELECT CASE WHEN minute < date_trunc('minute', now()) - make_interval(mins => %(keep_minutes)s::int)
+                THEN '-infinity'::timestamptz ELSE minute END AS bucket,
+           queue, type, sum(succeeded), sum(failed), sum(dead)
+    FROM folded
+    GROUP BY bucket, queue, type
 )
-INSERT INTO relay.job_outcomes (minute, queue, type, succeeded, failed, dead)
-SELECT CASE WHEN minute < date_trunc('minute', now()) - make_interval(mins => %(keep_minutes)s::int)
-            THEN '-infinity'::timestamptz ELSE minute END AS bucket,
-       queue, type, sum(succeeded), sum(failed), sum(dead)
-FROM folded
-GROUP BY bucket, queue, type;
+SELECT count(*) AS folded FROM folded;
 
 -- name: job_counts_by_queue
 -- Jobs per (queue, state) from the counters, never from relay.jobs.

@@ -13,7 +13,7 @@ from flask import Blueprint
 from relay_core import admin, monitor
 
 from ..config import worker_stale_seconds
-from ..db import connection
+from ..db import connection, counters_read
 from ..endpoint import endpoint
 from ..records.ops import (
     LimitRecord,
@@ -39,8 +39,7 @@ bp = Blueprint("monitor", __name__, url_prefix="/admin")
 @endpoint(tag="monitor", role="viewer", responses={200: QueuesRecord})
 def queues(claims: dict[str, Any]) -> QueuesRecord:
     """Every queue's depth by state and the age of its oldest job that is due to run."""
-    with connection() as conn:
-        monitor.fold_counters(conn)
+    with counters_read() as conn:
         depths = monitor.queue_depths(conn, stale_seconds=worker_stale_seconds())
     return QueuesRecord(queues=[QueueRecord.of(depth) for depth in depths])
 
@@ -102,8 +101,7 @@ def workers(claims: dict[str, Any]) -> WorkersRecord:
 @endpoint(tag="monitor", role="viewer", responses={200: StatsRecord})
 def stats(claims: dict[str, Any]) -> StatsRecord:
     """Jobs by status, and attempts succeeded, failed and dead per minute over the last hour."""
-    with connection() as conn:
-        monitor.fold_counters(conn)
+    with counters_read() as conn:
         found = monitor.stats(conn)
     return StatsRecord(
         counts=StatusCountsRecord(**found.counts),

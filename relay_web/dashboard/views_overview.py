@@ -12,7 +12,7 @@ from flask import Response
 from relay_core import JobStatus, monitor
 
 from ..config import worker_stale_seconds
-from ..db import connection
+from ..db import counters_read
 from . import chart, formatting
 from .blueprint import bp
 from .render import page
@@ -44,8 +44,7 @@ def oldest_wait(depths: list[monitor.QueueDepth]) -> float | None:
 def overview() -> Response:
     """Counts by state and queue, throughput over the last hour, oldest due job, workers alive, newest dead jobs."""
     stale = worker_stale_seconds()
-    with connection() as conn:
-        monitor.fold_counters(conn)
+    with counters_read() as conn:
         depths = monitor.queue_depths(conn, stale_seconds=stale)
         minutes = monitor.outcomes_per_minute(conn)
         workers = monitor.worker_counts(conn, stale_seconds=stale)

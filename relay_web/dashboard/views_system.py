@@ -7,7 +7,7 @@ from flask import Response
 from relay_core import admin, monitor
 
 from ..config import worker_stale_seconds
-from ..db import connection
+from ..db import connection, counters_read
 from . import formatting
 from .blueprint import bp
 from .render import answer_plain_form, is_htmx, kept_notice, page
@@ -18,8 +18,7 @@ REFRESH_SECONDS = 10
 
 
 def _queues(notice: str | None = None) -> Response:
-    with connection() as conn:
-        monitor.fold_counters(conn)
+    with counters_read() as conn:
         depths = sorted(monitor.queue_depths(conn, stale_seconds=worker_stale_seconds()), key=lambda d: d.queue)
     return page("queues", depths=depths, notice=notice, refresh_seconds=REFRESH_SECONDS)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import signal
+import threading
 import time
 from datetime import UTC, datetime, timedelta
 
@@ -10,8 +11,9 @@ import psycopg
 import pytest
 
 from relay_core import Backoff, PermanentFailure, Relay, monitor
+from relay_core.queries import sql
 
-from ..helpers import running_worker, start_worker_process, stop_process, wait_for
+from ..helpers import read_while_truncating, running_worker, start_worker_process, stop_process, wait_for
 from .helpers import assert_problem
 from .states import make_dead
 
@@ -391,3 +393,71 @@ def test_answers_over_https_tell_the_browser_to_stay_on_https(client, make_app, 
     behind = proxied.get("/healthz", headers={"X-Forwarded-Proto": "https", "X-Forwarded-For": "203.0.113.9"})
     assert behind.headers["Strict-Transport-Security"] == "max-age=31536000"
     assert "Strict-Transport-Security" not in proxied.get("/healthz", headers={"X-Forwarded-Proto": "http"}).headers
+
+
+@pytest.mark.parametrize("path", ["/metrics", "/api/admin/queues"])
+def test_truncating_the_jobs_while_a_scrape_reads_the_counters_deadlocks_nothing(
+    path: str, client, admin, relay: Relay, dsn: str, db
+) -> None:
+    """A reader that held the counters (a fold, a count) while it went on to read relay.jobs deadlocked
+    with TRUNCATE relay.jobs, which holds relay.jobs and then empties the counters: one of the two was
+    cancelled, the scrape answering 503 'database cannot be reached'."""
+    relay.enqueue("t", {}, queue="mail")
+    answer, truncate_error = read_while_truncating(dsn, db, lambda: client.get(path, headers=admin))
+    assert truncate_error is None
+    assert answer.status_code == 200, answer.get_data(as_text=True)
+    assert _counter_counts(db) == _true_counts(db) == {}
+
+
+def test_a_pile_of_counter_deltas_no_worker_folded_does_not_time_the_scrape_out(
+    make_app, admin, relay: Relay, db
+) -> None:
+    """A scrape folded every delta in one statement: a million left while no worker ran took longer
+    than the web's statement timeout, and /metrics and the queues page answered 503 until a worker
+    came back. A scrape folds a share; what it reads still sums every delta left."""
+    relay.enqueue("t", {}, queue="mail")
+    db.execute(
+        "INSERT INTO relay.job_counts (queue, state, n) "
+        "SELECT 'mail', 'queued', CASE WHEN g % 2 = 0 THEN 1 ELSE -1 END FROM generate_series(1, 1000000) AS g"
+    )
+    client = make_app(RELAY_STATEMENT_TIMEOUT_MS=400).test_client()
+    scrape = client.get("/metrics")
+    assert scrape.status_code == 200, scrape.get_data(as_text=True)
+    assert 'relay_jobs{queue="mail",state="queued"} 1.0' in scrape.get_data(as_text=True)
+    queues = client.get("/api/admin/queues", headers=admin)
+    assert queues.status_code == 200 and queues.get_json()["queues"][0]["counts"]["queued"] == 1
+    assert db.execute("SELECT count(*) FROM relay.job_counts").fetchone()[0] < 1_000_000 - 50_000
+    assert monitor.fold_counters(db)
+    assert db.execute("SELECT count(*) FROM relay.job_counts").fetchone()[0] == 1
+    assert _counter_counts(db) == _true_counts(db)
+
+
+def test_folding_on_a_repeatable_read_connection_folds_at_read_committed(relay: Relay, dsn: str, db) -> None:
+    """A fold on a REPEATABLE READ connection kept the snapshot its first statement took: when a fold
+    another process committed meanwhile had deleted rows it went on to delete, it failed with a
+    serialization error instead of leaving those rows to the fold that took them."""
+    for i in range(4):
+        relay.enqueue("t", {"i": i})
+    outcome: dict[str, object] = {}
+
+    def fold() -> None:
+        try:
+            outcome["folded"] = monitor.fold_counters(repeatable)
+        except psycopg.Error as exc:
+            outcome["error"] = exc
+
+    with psycopg.connect(dsn) as repeatable, psycopg.connect(dsn) as other:
+        repeatable.isolation_level = psycopg.IsolationLevel.REPEATABLE_READ
+        other.execute(sql("job_counts_fold"), {"rows": None})  # another fold, not yet committed
+        folding = threading.Thread(target=fold)
+        folding.start()
+        wait_for(
+            lambda: db.execute(
+                "SELECT EXISTS (SELECT FROM pg_locks WHERE locktype = 'transactionid' AND NOT granted)"
+            ).fetchone()[0],
+            what="the fold waits for the other fold's rows",
+        )
+        other.commit()
+        folding.join(30)
+    assert outcome == {"folded": True}
+    assert _counter_counts(db) == _true_counts(db)

@@ -12,6 +12,7 @@ import pytest
 from relay_core import Relay
 from relay_core.worker import periodic
 
+from ..helpers import read_while_truncating
 from .conftest import TRACEBACK, DashboardClient, Jobs
 from .support import PASSWORD
 
@@ -628,3 +629,16 @@ def test_the_api_still_answers_problems(anonymous: DashboardClient) -> None:
 
 def test_traceback_constant_is_a_real_one() -> None:
     assert TRACEBACK.startswith("Traceback (most recent call last):")
+
+
+@pytest.mark.parametrize("path", ["/", "/queues"])
+def test_truncating_the_jobs_while_a_page_reads_the_counters_deadlocks_nothing(
+    path: str, viewer: DashboardClient, jobs: Jobs, dsn: str, db: psycopg.Connection
+) -> None:
+    """The overview and the queues page held the counters while they went on to read relay.jobs: with
+    TRUNCATE relay.jobs between the two, one of them was cancelled as a deadlock."""
+    jobs.add(queue="mail")
+    page, truncate_error = read_while_truncating(dsn, db, lambda: viewer.get(path))
+    assert truncate_error is None
+    assert page.status_code == 200, _text(page)
+    assert db.execute("SELECT coalesce(sum(n), 0) FROM relay.job_counts").fetchone()[0] == 0

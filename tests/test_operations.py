@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import signal
 import threading
 import time
 import uuid
@@ -84,6 +85,58 @@ def test_type_concurrency_limit_holds_across_worker_processes(
     # No attempt was spent twice, and no claim or completion failed on a serialization error.
     assert db.execute("SELECT max(attempts), max(jsonb_array_length(errors)) FROM relay.jobs").fetchone() == (1, 0)
     assert not [log for log in logs if "could not serialize" in log.read_text()]
+
+
+LIMITS_LOCK = (
+    "SELECT pid, granted FROM pg_locks WHERE locktype = 'advisory' AND objsubid = 1"
+    " AND ((classid::bigint << 32) | objid::bigint) = 7265108723"
+)
+
+
+def test_a_worker_frozen_right_after_its_claim_holds_no_lock_that_stops_the_others(
+    relay: Relay, db: psycopg.Connection, dsn: str, python: str, worker_env: dict
+) -> None:
+    """The claim under the limits lock sent BEGIN, then the lock and the claim, and its COMMIT
+    only once the claimed rows were back: between the two the server waited for the client while
+    holding the lock every limited claim needs. A worker stopped there (SIGSTOP here; a paused
+    host or a cut network path alike) stopped every other worker's claims, on every queue."""
+    worker = start_worker_process(python, worker_env, "--concurrency", "2")
+    try:
+        wait_for(lambda: db.execute("SELECT count(*) FROM relay.type_limits").fetchone()[0], what="limits published")
+        with psycopg.connect(dsn, autocommit=True) as holding:
+            holding.execute("SELECT pg_advisory_lock(7265108723)")
+            relay.enqueue("noop")
+            wait_for(
+                lambda: [row for row in db.execute(LIMITS_LOCK).fetchall() if not row[1]],
+                what="the worker's claim waiting for the limits lock",
+            )
+            worker.send_signal(signal.SIGSTOP)
+            holding.execute("SELECT pg_advisory_unlock(7265108723)")
+        try:
+            wait_for(lambda: job_counts(db) == {"claimed": 1}, timeout=10, what="the claim committed")
+            # Nobody holds the lock now: the frozen worker's claim ended on the server.
+            assert db.execute(LIMITS_LOCK).fetchall() == []
+            with psycopg.connect(dsn, autocommit=True) as other:
+                other.execute("SET lock_timeout = '2s'")
+                other.execute("BEGIN")
+                other.execute(sql("claim_limits_lock"))
+                other.execute("COMMIT")
+        finally:
+            worker.send_signal(signal.SIGCONT)
+        wait_for(lambda: job_counts(db) == {"succeeded": 1}, what="the job ran once the worker woke")
+    finally:
+        stop_process(worker)
+
+
+def test_the_limits_lock_is_taken_even_while_no_limit_is_seen(db: psycopg.Connection, dsn: str) -> None:
+    """The lock statement took the lock only if its own snapshot saw a limit row: a limit that
+    committed between it and the claim was enforced by two claims at once, neither locked."""
+    assert db.execute("SELECT count(*) FROM relay.type_limits").fetchone()[0] == 0
+    with psycopg.connect(dsn) as first, psycopg.connect(dsn) as second:
+        first.execute(sql("claim_limits_lock"))
+        second.execute("SET lock_timeout = '200ms'")
+        with pytest.raises(psycopg.errors.LockNotAvailable):
+            second.execute(sql("claim_limits_lock"))
 
 
 def job_counts(db: psycopg.Connection) -> dict[str, int]:

@@ -4,8 +4,10 @@
 -- name: claim_limits_lock
 -- Claims that may hit a type limit serialise on one advisory lock, taken in the
 -- claim's transaction before the claim statement, so that statement's snapshot
--- sees every earlier claim. Without limits no lock is taken.
-SELECT pg_advisory_xact_lock(7265108723) FROM relay.type_limits LIMIT 1;
+-- sees every earlier claim. Taken whether or not this statement's snapshot sees
+-- a limit: one that committed just after it would be enforced by the claim's
+-- later snapshot, by two claims at once, neither holding the lock.
+SELECT pg_advisory_xact_lock(7265108723);
 
 -- name: type_limits_exist
 -- Whether any job type has a limit (workers check each second to pick the claim's path).

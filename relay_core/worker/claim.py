@@ -121,8 +121,8 @@ def claim_rows(pool: RelayPool, params: dict[str, Any], in_flight: ClaimInFlight
     While no job type has a limit (``params["locked"]`` false) the claim is one
     autocommit statement that itself refuses to claim once a limit exists.
     When limits exist, the limits lock and the claim travel together in one
-    pipelined transaction, still one round trip (behind a transaction pooler,
-    one each: see ``RelayPool.pipeline``).
+    pipelined transaction, one round trip (behind a transaction pooler, one
+    each: see ``RelayPool.pipeline``).
 
     The send time is taken once a pooled connection is in hand: after an
     outage, or while handlers hold every connection, the wait for one can
@@ -132,11 +132,7 @@ def claim_rows(pool: RelayPool, params: dict[str, Any], in_flight: ClaimInFlight
     with pool.connection(timeout=CLAIM_CONNECTION_WAIT_SECONDS) as conn, in_flight.running_on(conn):
         sent = time.monotonic()
         if params["locked"]:
-            with pool.pipeline(conn), conn.transaction():
-                conn.execute(sql("claim_limits_lock"), prepare=True)
-                cur = conn.cursor(row_factory=dict_row)
-                cur.execute(sql("job_claim"), params, prepare=True)
-            rows = cur.fetchall()
+            rows = _claim_under_limits_lock(pool, conn, params)
         else:
             conn.autocommit = True
             try:
@@ -145,6 +141,34 @@ def claim_rows(pool: RelayPool, params: dict[str, Any], in_flight: ClaimInFlight
             finally:
                 restore_transactions(conn)
     return rows, sent
+
+
+def _claim_under_limits_lock(pool: RelayPool, conn: psycopg.Connection, params: dict[str, Any]) -> list[dict]:
+    """BEGIN, the limits lock, the claim and COMMIT, sent together and ended by one Sync.
+
+    psycopg's ``transaction()`` in a pipeline syncs after BEGIN and sends the
+    COMMIT only once the claim's rows are back: in between the server waits,
+    idle in transaction, holding the lock every limited claim needs. A worker
+    frozen there (stopped, its host paused, its network cut) stopped every
+    other worker's claims, on every queue, until the server noticed it was
+    gone. Here the server commits without waiting for this client.
+    """
+    conn.autocommit = True
+    try:
+        try:
+            with pool.pipeline(conn):
+                conn.execute("BEGIN")
+                conn.execute(sql("claim_limits_lock"), prepare=True)
+                cur = conn.cursor(row_factory=dict_row)
+                cur.execute(sql("job_claim"), params, prepare=True)
+                conn.execute("COMMIT")
+        except BaseException:
+            if not conn.broken and conn.info.transaction_status != psycopg.pq.TransactionStatus.IDLE:
+                conn.execute("ROLLBACK")
+            raise
+        return cur.fetchall()
+    finally:
+        restore_transactions(conn)
 
 
 def hand_back_unheld(

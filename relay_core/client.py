@@ -270,10 +270,12 @@ class Relay:
 
         The server refused that statement before it ran, and any statement
         before it changed nothing (a lookup, or a keyed insert that found its
-        key held), so the whole enqueue runs once more, on a connection that
-        prepares its statements anew (see ``RelayPool.replace_if_outdated``).
+        key held) or was rolled back with it (a bulk enqueue's insert runs in
+        one transaction with its lookups), so the whole enqueue runs once
+        more, on a connection that prepares its statements anew (see
+        ``RelayPool.replace_if_outdated``).
         """
-        with self.pool.connection() as fresh:
+        with self.pool.connection() as fresh, fresh.transaction():
             return run(fresh, steps)
 
     def _takes_published(self, job: NewJob, max_attempts: int | None) -> bool:
@@ -302,7 +304,9 @@ class Relay:
         if conn is not None:
             return run(conn, steps)
         try:
-            with self.pool.connection() as own:  # autocommit: the insert is one statement, its own transaction
+            # One transaction: a bulk enqueue may follow its insert with lookups of keys already
+            # held, and should one of them fail the insert must not stay behind the retry below.
+            with self.pool.connection() as own, own.transaction():
                 return run(own, steps)
         except psycopg.errors.FeatureNotSupported as exc:
             if not outdated_plan(exc):

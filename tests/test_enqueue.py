@@ -882,3 +882,26 @@ def test_enqueue_many_in_a_pipeline_returns_the_ids(
     rows = db.execute("SELECT id, type, max_attempts FROM relay.jobs ORDER BY id").fetchall()
     assert [r[0] for r in rows] == sorted([*ids, *keyed]) and len(rows) == 5
     assert [r[2] for r in rows if r[1] == "report"] == [2, 2, 2]
+
+
+def test_a_bulk_enqueue_retried_after_a_schema_change_inserts_each_job_once(dsn: str, db: psycopg.Connection) -> None:
+    """A bulk enqueue whose insert committed and whose next statement (the lookup of a key already
+    held) met a plan the schema change had outdated ran again on a fresh connection: the
+    first insert stayed, and every job without a key was there twice, one copy nobody knew of."""
+    relay = Relay(dsn, pool_size=1)
+    try:
+        relay.enqueue("t", {}, idempotency_key="k1")
+        # Both statements prepared on the pool's one connection.
+        relay.enqueue_many([{"type": "t", "payload": {"warm": 1}}, {"type": "t", "idempotency_key": "k1"}])
+        db.execute("ALTER TABLE relay.jobs ALTER COLUMN idempotency_key TYPE varchar(200)")
+        try:
+            later = datetime.now(UTC) + timedelta(hours=1)  # a run_at: the insert is prepared afresh
+            ids = relay.enqueue_many(
+                [{"type": "t", "payload": {"n": "once"}, "run_at": later}, {"type": "t", "idempotency_key": "k1"}]
+            )
+        finally:
+            db.execute("ALTER TABLE relay.jobs ALTER COLUMN idempotency_key TYPE text")
+    finally:
+        relay.close()
+    rows = db.execute("SELECT id FROM relay.jobs WHERE payload->>'n' = 'once'").fetchall()
+    assert [row[0] for row in rows] == [ids[0]]

@@ -165,7 +165,7 @@ class Relay:
         with a second required parameter (``def h(job, conn)``) is
         transactional unless ``transactional=False``. ``concurrency=N`` caps running jobs of the type
         across all workers; ``rate_limit=(N, seconds)`` caps starts per sliding
-        window. ``cron="0 0 1 * *"`` (with ``timezone``) enqueues one job per
+        window (1 ms to 31 days). ``cron="0 0 1 * *"`` (with ``timezone``) enqueues one job per
         tick into ``queue``; ``catch_up=True`` enqueues the latest tick missed
         while no worker ran.
         """

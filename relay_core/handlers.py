@@ -18,6 +18,9 @@ MAX_LIMIT = 2**31 - 1
 #: a window PostgreSQL cannot subtract from now() would fail every claim of
 #: the whole fleet, not just this type's; each start is also kept this long.
 MAX_RATE_PERIOD_SECONDS = 31 * 86400.0
+#: The shortest rate window. PostgreSQL's clock counts microseconds: a window
+#: shorter than one is no time at all, and no start ever fell inside it.
+MIN_RATE_PERIOD_SECONDS = 0.001
 
 
 @dataclass(frozen=True)
@@ -117,6 +120,8 @@ def make_spec(
             most=MAX_RATE_PERIOD_SECONDS,
             too_long=f"the window must be at most {MAX_RATE_PERIOD_SECONDS:.0f} s (31 days)",
         )
+        if period < MIN_RATE_PERIOD_SECONDS:
+            raise InvalidJobError("rate_limit", f"the window must be at least {MIN_RATE_PERIOD_SECONDS:g} s (1 ms)")
         rate_limit = (rate_limit[0], period)
     # A string such as "no" would count as true: a flag must be one.
     if not isinstance(catch_up, bool):

@@ -124,6 +124,7 @@ def claim_params(**given: object) -> dict[str, object]:
         "lease_seconds": 30,
         "locked": True,
         "last_attempt_room": 100,
+        "idle_slots": 100,
         **given,
     }
 

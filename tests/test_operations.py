@@ -164,6 +164,57 @@ def test_rate_limit_holds_back_without_failing(
     assert starts[-1] - starts[0] >= timedelta(seconds=4.0)
 
 
+@pytest.mark.slow
+def test_a_rate_limited_job_is_not_prefetched_behind_a_long_one_so_its_window_holds(
+    relay: Relay, db: psycopg.Connection, python: str, worker_env: dict
+) -> None:
+    """A start counts against its window when the job is claimed. Jobs prefetched behind a long one
+    started 0.8 s after their claim, and the next window's claims started 1.2 s after them: one
+    slot, a limit of five per 2 s, and all ten starts came within 2 s."""
+    worker = start_worker_process(python, worker_env, "--concurrency", "1")
+    try:
+        # Short jobs first, so the worker holds jobs beyond its slot.
+        relay.enqueue_many([{"type": "noop"} for _ in range(60)])
+        wait_for(lambda: job_counts(db).get("succeeded") == 60, timeout=30, what="the short jobs")
+        limited = relay.enqueue_many(
+            [{"type": "record", "payload": {"sleep": 0.8}}] + [{"type": "rate_limited"} for _ in range(10)]
+        )[1:]
+        wait_for(lambda: job_counts(db).get("succeeded") == 71, timeout=60, what="the rate-limited jobs")
+    finally:
+        stop_process(worker)
+    starts = [
+        row[0]
+        for row in db.execute(
+            "SELECT at FROM relay_test.executions WHERE phase = 'start' AND job_id = ANY(%s) ORDER BY at", (limited,)
+        )
+    ]
+    assert len(starts) == 10
+    most = max(sum(1 for s in starts[i:] if s - start < timedelta(seconds=2.0)) for i, start in enumerate(starts))
+    assert most <= 5, f"{most} starts within 2 s under a limit of 5"
+
+
+def test_the_claim_gives_limited_jobs_only_to_idle_slots_and_prefetches_the_rest(
+    relay: Relay, db: psycopg.Connection
+) -> None:
+    db.execute("INSERT INTO relay.type_limits (type, rate_limit, rate_period_seconds) VALUES ('rl', 10, 60)")
+    db.execute("INSERT INTO relay.type_limits (type, max_running) VALUES ('cl', 10)")
+    first, rate, second, concurrency, third = relay.enqueue_many(
+        [{"type": "u"}, {"type": "rl"}, {"type": "u"}, {"type": "cl"}, {"type": "u"}]
+    )
+
+    def claim(idle_slots: int) -> list[int]:
+        rows = db.execute(sql("job_claim"), claim_params(limit=5, idle_slots=idle_slots)).fetchall()
+        db.execute("UPDATE relay.jobs SET status = 'queued', claimed_by = NULL, claimed_until = NULL")
+        return sorted(row[0] for row in rows)
+
+    # One idle slot takes the first job; the limited ones behind it would wait for it.
+    assert claim(1) == [first, second, third]
+    assert claim(2) == [first, rate, second, third]
+    assert claim(4) == [first, rate, second, concurrency, third]
+    # No idle slot: a claim for prefetch alone takes no limited job.
+    assert claim(0) == [first, second, third]
+
+
 def test_a_rate_limited_start_is_stamped_when_its_claim_ran_not_when_it_began_to_wait_for_the_lock(
     relay: Relay, db: psycopg.Connection, dsn: str
 ) -> None:
@@ -933,6 +984,7 @@ def test_sweeper_ends_an_expired_job_cancelled_when_a_cancel_was_pending(relay: 
             "lease_seconds": 0,
             "locked": False,
             "last_attempt_room": 100,
+            "idle_slots": 100,
         },
     )
     assert relay.cancel(job_id).cancel_requested_at is not None
@@ -972,7 +1024,7 @@ def test_the_claim_stops_before_a_job_on_its_last_attempt_that_it_has_no_room_fo
     once = relay.enqueue_many([{"type": "once", "queue": "last", "max_attempts": 1} for _ in range(4)])
     later = relay.enqueue("twice", queue="last", max_attempts=2)
     urgent = relay.enqueue("twice", queue="last", max_attempts=2, priority=-1)
-    params = {"queues": ["last"], "limit": 10, "worker_id": "w", "lease_seconds": 30, "locked": False}
+    params = {"queues": ["last"], "limit": 10, "worker_id": "w", "lease_seconds": 30, "locked": False, "idle_slots": 10}
 
     def claim(room: int) -> list[int]:
         return sorted(row[0] for row in db.execute(sql("job_claim"), {**params, "last_attempt_room": room}))
@@ -1075,6 +1127,8 @@ def test_limits_the_claim_cannot_hold_are_refused_at_registration(relay: Relay, 
         {"rate_limit": (100, 10**400)},  # too large for a float: it raised a bare OverflowError
         {"rate_limit": (100, float("inf"))},
         {"rate_limit": (1, month + 1)},
+        {"rate_limit": (1, 1e-9)},  # shorter than the database clock counts: it never limited
+        {"rate_limit": (1, 0.0009)},
         {"rate_limit": (int4_max + 1, 60)},
         {"rate_limit": (True, 60)},
         {"concurrency": int4_max + 1},
@@ -1084,6 +1138,7 @@ def test_limits_the_claim_cannot_hold_are_refused_at_registration(relay: Relay, 
     assert "too_big" not in relay.handlers
     # The largest limits allowed work in the claim, start after start.
     relay.handler("widest", concurrency=int4_max, rate_limit=(int4_max, month))(lambda job: None)
+    relay.handler("narrowest", rate_limit=(1, 0.001))(lambda job: None)
     limits.publish(db, relay.handlers.values())
     relay.enqueue_many([{"type": "widest"} for _ in range(2)])
     params = claim_params()

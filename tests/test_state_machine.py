@@ -158,6 +158,7 @@ def test_every_transition_seen_under_real_work_is_legal(relay: Relay, audited: p
             "lease_seconds": 0,
             "locked": False,
             "last_attempt_room": 100,
+            "idle_slots": 100,
         },
     )
     assert sweep_once(audited)["queued"] == 1
@@ -170,6 +171,7 @@ def test_every_transition_seen_under_real_work_is_legal(relay: Relay, audited: p
             "lease_seconds": 30,
             "locked": False,
             "last_attempt_room": 100,
+            "idle_slots": 100,
         },
     ).fetchone()[7]
     handed = audited.execute(

@@ -114,6 +114,12 @@ SELECT type, max_attempts FROM relay.job_types WHERE type = ANY(%(types)s::text[
 -- take the worker past %(last_attempt_room)s such jobs (its idle slots plus a
 -- few held ahead of them): it takes the jobs before that one, never any after
 -- it, so no job is passed over and the next claim starts from it.
+-- A job of a limited type is taken only where it falls among the first
+-- %(idle_slots)s jobs of the claim (slots take claimed jobs in this order): it
+-- counts as running, and as a start in its rate window, from its claim, so it
+-- must not wait behind another job for a slot. Prefetched behind a 0.8 s job,
+-- five jobs limited to five starts per 2 s started 0.8 s after their claim and
+-- the next five 1.2 s after them: ten starts within 2 s.
 -- transition: queued -> claimed
 WITH room AS (
     -- How many more jobs of each limited type may start now (no row: unlimited).
@@ -150,10 +156,12 @@ WITH room AS (
                  count(*) FILTER (WHERE ranked.last_attempt)
                      OVER (ORDER BY ranked.priority, ranked.run_at, ranked.id) AS last_attempts
           FROM (SELECT candidates.*,
-                       row_number() OVER (PARTITION BY type ORDER BY priority, run_at, id) AS nth
+                       row_number() OVER (PARTITION BY type ORDER BY priority, run_at, id) AS nth,
+                       -- Its place among all the candidates: at most its place in the claim.
+                       row_number() OVER (ORDER BY priority, run_at, id) AS place
                 FROM candidates) AS ranked
           LEFT JOIN room ON room.type = ranked.type
-          WHERE room.n IS NULL OR ranked.nth <= room.n) AS ordered
+          WHERE room.n IS NULL OR (ranked.nth <= room.n AND ranked.place <= %(idle_slots)s)) AS ordered
     WHERE last_attempts <= %(last_attempt_room)s
     ORDER BY priority, run_at, id
     LIMIT %(limit)s

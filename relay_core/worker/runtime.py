@@ -349,6 +349,7 @@ class Worker:
             "lease_seconds": self.config.lease_seconds,
             "locked": self.limits_exist,
             "last_attempt_room": self.last_attempt_room(),
+            "idle_slots": self.idle_slots(),
         }
         rows, sent = claim_rows(self.pool, params, self._claim_in_flight)
         jobs = [Job.from_row(row) for row in rows]
@@ -365,9 +366,15 @@ class Worker:
         LAST_ATTEMPTS_AHEAD_PER_SLOT per slot, against up to
         MAX_PREFETCH_PER_SLOT of jobs with attempts to spare.
         """
-        concurrency = self.config.concurrency
-        idle = max(concurrency - self.in_flight(), 0)
-        return max(idle + concurrency * LAST_ATTEMPTS_AHEAD_PER_SLOT - self.ledger.waiting_on_last_attempt(), 0)
+        ahead = self.config.concurrency * LAST_ATTEMPTS_AHEAD_PER_SLOT
+        return max(self.idle_slots() + ahead - self.ledger.waiting_on_last_attempt(), 0)
+
+    def idle_slots(self) -> int:
+        """Slots with no job to run, not even one waiting: a job claimed for one starts at once.
+
+        The claim gives only these the jobs of limited types (see THE CLAIM).
+        """
+        return max(self.config.concurrency - self.in_flight(), 0)
 
     def _dispatch(self, jobs: list[Job], sent: float | None = None) -> None:
         """Hand claimed jobs to the slots; ``sent`` is when the claim was sent (monotonic)."""

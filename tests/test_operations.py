@@ -193,6 +193,22 @@ def test_a_rate_limited_job_is_not_prefetched_behind_a_long_one_so_its_window_ho
     assert most <= 5, f"{most} starts within 2 s under a limit of 5"
 
 
+def test_the_claim_returns_its_jobs_in_claim_order(db: psycopg.Connection) -> None:
+    """Slots take claimed jobs in the order the claim returns them. The UPDATE returned them in
+    whatever order its join met them: of 136 jobs claimed from 1,000, urgent ones came back behind
+    others, to wait for a slot behind them (and a limited job, given only to an idle slot, too)."""
+    db.execute(
+        "INSERT INTO relay.jobs (status, type, payload, queue, priority, run_at, max_attempts) "
+        "SELECT 'queued', 'u', '{}', 'default', (g * 7919) % 10, now() - (g * 104729 % 3600) * interval '1 s', 25 "
+        "FROM generate_series(1, 1000) AS g"
+    )
+    db.execute("ANALYZE relay.jobs")
+    rows = db.execute(sql("job_claim"), claim_params(limit=136)).fetchall()
+    order = [(row[3], row[8], row[0]) for row in rows]  # priority, run_at, id
+    assert len(order) == 136
+    assert order == sorted(order)
+
+
 def test_the_claim_gives_limited_jobs_only_to_idle_slots_and_prefetches_the_rest(
     relay: Relay, db: psycopg.Connection
 ) -> None:

@@ -190,7 +190,9 @@ WITH room AS (
     SELECT claimed.type, statement_timestamp() FROM claimed
     JOIN relay.type_limits AS l ON l.type = claimed.type AND l.rate_limit IS NOT NULL
 )
-SELECT * FROM claimed;
+-- In claim order, the order slots take them in: the UPDATE returns rows in
+-- whatever order its join met them, and urgent jobs came back behind others.
+SELECT * FROM claimed ORDER BY priority, run_at, id;
 
 -- name: job_heartbeat_many
 -- Extend the leases a worker still holds. Returns a row per lease still its

@@ -283,8 +283,10 @@ def test_a_completion_stuck_on_a_stalled_connection_at_stop_is_named_in_the_log(
     relay.enqueue_many([{"type": "note"} for _ in range(2)])
     with psycopg.connect(dsn, autocommit=True, row_factory=dict_row) as db:
         first, second = [Job.from_row(row) for row in db.execute(sql("job_claim"), claim_params(limit=2))]
-    proxy = TcpProxy("127.0.0.1", int(conninfo.conninfo_to_dict(dsn).get("port") or 5432))
-    pool = make_pool(conninfo.make_conninfo(dsn, port=str(proxy.port)), name="stuck-completer", min_size=1, max_size=1)
+    params = conninfo.conninfo_to_dict(dsn)
+    proxy = TcpProxy(str(params.get("host", "127.0.0.1")), int(params.get("port", 5432)))
+    proxied = conninfo.make_conninfo(dsn, host="127.0.0.1", port=str(proxy.port))
+    pool = make_pool(proxied, name="stuck-completer", min_size=1, max_size=1)
     pool.open(wait=True)
     completer = Completer(pool, lambda batch, done: None)
     completer.start()

@@ -993,15 +993,7 @@ def test_sweeper_ends_an_expired_job_cancelled_when_a_cancel_was_pending(relay: 
     job_id = relay.enqueue("report", queue="sweep")
     db.execute(
         sql("job_claim"),
-        {
-            "queues": ["sweep"],
-            "limit": 1,
-            "worker_id": "gone",
-            "lease_seconds": 0,
-            "locked": False,
-            "last_attempt_room": 100,
-            "idle_slots": 100,
-        },
+        claim_params(queues=["sweep"], limit=1, worker_id="gone", lease_seconds=0, locked=False),
     )
     assert relay.cancel(job_id).cancel_requested_at is not None
     assert sweep_once(db) == {"queued": 0, "dead": 0, "cancelled": 1}

@@ -21,7 +21,7 @@ from relay_core.queries import QUERIES, sql
 from relay_core.states import NEW, TRANSITIONS, is_legal
 from relay_core.worker.maintenance import sweep_once
 
-from .helpers import running_worker, wait_for
+from .helpers import claim_params, running_worker, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 WRITES_STATUS = re.compile(r"\bSET\s+status\s*=|\bUPDATE\s+relay\.jobs\b[\s\S]*?\bstatus\s*=", re.IGNORECASE)
@@ -151,28 +151,12 @@ def test_every_transition_seen_under_real_work_is_legal(relay: Relay, audited: p
     expiring = relay.enqueue("ok", queue="sweep")
     audited.execute(
         sql("job_claim"),
-        {
-            "queues": ["sweep"],
-            "limit": 5,
-            "worker_id": "gone",
-            "lease_seconds": 0,
-            "locked": False,
-            "last_attempt_room": 100,
-            "idle_slots": 100,
-        },
+        claim_params(queues=["sweep"], limit=5, worker_id="gone", lease_seconds=0, locked=False),
     )
     assert sweep_once(audited)["queued"] == 1
     token = audited.execute(
         sql("job_claim"),
-        {
-            "queues": ["sweep"],
-            "limit": 5,
-            "worker_id": "w",
-            "lease_seconds": 30,
-            "locked": False,
-            "last_attempt_room": 100,
-            "idle_slots": 100,
-        },
+        claim_params(queues=["sweep"], limit=5, worker_id="w", lease_seconds=30, locked=False),
     ).fetchone()[7]
     handed = audited.execute(
         sql("job_hand_back_many"), {"ids": [expiring], "tokens": [token], "delays": [0.0]}

@@ -128,6 +128,17 @@ def test_a_worker_frozen_right_after_its_claim_holds_no_lock_that_stops_the_othe
         stop_process(worker)
 
 
+def test_a_claim_that_waited_for_the_limits_lock_takes_a_job_that_fell_due_meanwhile(relay: Relay, dsn: str) -> None:
+    """The claim judged which jobs were due by when its transaction began, before its wait for the
+    limits lock: a job enqueued during the wait was not due yet, and waited for the next claim."""
+    with psycopg.connect(dsn) as claimer:
+        claimer.execute(sql("claim_limits_lock"))  # its transaction has begun
+        job_id = relay.enqueue("noop")
+        rows = claimer.execute(sql("job_claim"), claim_params(limit=5)).fetchall()
+        claimer.commit()
+    assert [row[0] for row in rows] == [job_id]
+
+
 def test_the_limits_lock_is_taken_even_while_no_limit_is_seen(db: psycopg.Connection, dsn: str) -> None:
     """The lock statement took the lock only if its own snapshot saw a limit row: a limit that
     committed between it and the claim was enforced by two claims at once, neither locked."""

@@ -143,7 +143,9 @@ WITH room AS (
             AND (%(locked)s OR NOT EXISTS (SELECT 1 FROM relay.type_limits))) AS q
     CROSS JOIN LATERAL (
         SELECT id, type, priority, run_at, attempts + 1 >= max_attempts AS last_attempt FROM relay.jobs
-        WHERE queue = q.name AND status = 'queued' AND run_at <= now()
+        -- Due by this statement's clock: now() is when the transaction began, before a wait for the
+        -- limits lock, and a job enqueued during the wait would wait for the next claim.
+        WHERE queue = q.name AND status = 'queued' AND run_at <= statement_timestamp()
           AND type NOT IN (SELECT type FROM room WHERE n <= 0)
         ORDER BY priority, run_at, id
         LIMIT %(limit)s

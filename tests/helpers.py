@@ -200,7 +200,9 @@ class TcpProxy:
     open: a database that stalls rather than refuses. Setting ``hold_answers_with``
     holds back the database's answers that carry those bytes (the statements
     still arrive and run), and :meth:`cut` then breaks every connection: those
-    answers are lost in transit.
+    answers are lost in transit. Setting ``stall_after_next_write`` lets one
+    more read of a client's bytes through, then stalls as clearing
+    ``flowing`` does: a client frozen right after one write.
     """
 
     def __init__(self, host: str, port: int, listen_port: int = 0) -> None:
@@ -210,6 +212,7 @@ class TcpProxy:
         self.flowing = threading.Event()
         self.flowing.set()
         self.hold_answers_with: bytes | None = None
+        self.stall_after_next_write = threading.Event()
         self._released = threading.Event()
         self.sockets: list[socket.socket] = []
         self.server = socket.create_server(("127.0.0.1", listen_port))
@@ -250,6 +253,9 @@ class TcpProxy:
                     self._released.wait()
                     return  # the answer is lost with its connection
                 dst.sendall(data)
+                if not answers and self.stall_after_next_write.is_set():
+                    self.stall_after_next_write.clear()
+                    self.flowing.clear()
         except OSError:
             pass
         finally:

@@ -3,13 +3,14 @@ cooperative cancel, progress and results."""
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import signal
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -18,13 +19,22 @@ import psycopg
 import pytest
 
 from relay_core import Backoff, IllegalTransition, Job, Relay, RelayError, Snooze, admin, monitor
-from relay_core.pools import worker_application_name
+from relay_core.pools import make_pool, worker_application_name
 from relay_core.queries import sql
+from relay_core.worker.claim import ClaimInFlight, claim_rows, claim_under_limits_lock
 from relay_core.worker.maintenance import sweep_once
 from relay_core.worker.periodic import enqueue_due, publish
 from relay_core.worker.retention import Retention, prune_once
 
-from .helpers import claim_params, job_status, running_worker, start_worker_process, stop_process, wait_for
+from .helpers import (
+    TcpProxy,
+    claim_params,
+    job_status,
+    running_worker,
+    start_worker_process,
+    stop_process,
+    wait_for,
+)
 
 
 def test_paused_queue_is_skipped_and_the_pause_survives_restarts(relay: Relay, dsn: str, db) -> None:
@@ -128,15 +138,69 @@ def test_a_worker_frozen_right_after_its_claim_holds_no_lock_that_stops_the_othe
         stop_process(worker)
 
 
-def test_a_claim_that_waited_for_the_limits_lock_takes_a_job_that_fell_due_meanwhile(relay: Relay, dsn: str) -> None:
-    """The claim judged which jobs were due by when its transaction began, before its wait for the
-    limits lock: a job enqueued during the wait was not due yet, and waited for the next claim."""
-    with psycopg.connect(dsn) as claimer:
-        claimer.execute(sql("claim_limits_lock"))  # its transaction has begun
+def test_a_worker_frozen_right_after_its_first_send_of_a_limited_claim_holds_no_lock(
+    relay: Relay, db: psycopg.Connection, dsn: str
+) -> None:
+    """psycopg sends each statement of a pipeline as it is queued: a worker frozen after sending
+    BEGIN and the lock, before the claim and COMMIT, held the lock every limited claim needs until
+    the server dropped its connection. The whole transaction now travels in one message."""
+    params = psycopg.conninfo.conninfo_to_dict(dsn)
+    proxy = TcpProxy(str(params.get("host", "127.0.0.1")), int(params.get("port", 5432)))
+    pool = make_pool(
+        psycopg.conninfo.make_conninfo(dsn, host="127.0.0.1", port=str(proxy.port)), name="t", min_size=1, max_size=1
+    )
+    pool.open(wait=True)
+    # The first checkout checks the connection, and the first limited claim prepares the claim on it:
+    # the claim below then sends nothing before its own message.
+    claim_rows(pool, claim_params(limit=5), ClaimInFlight())
+    job_id = relay.enqueue("noop")
+    claim = threading.Thread(
+        target=lambda: suppress_errors(claim_rows, pool, claim_params(limit=5), ClaimInFlight()), daemon=True
+    )
+    try:
+        with psycopg.connect(dsn, autocommit=True) as holding:
+            holding.execute("SELECT pg_advisory_lock(7265108723)")
+            proxy.stall_after_next_write.set()  # the worker freezes once its first write is out
+            claim.start()
+            wait_for(
+                lambda: [row for row in db.execute(LIMITS_LOCK).fetchall() if not row[1]],
+                what="the frozen worker's claim waiting for the limits lock",
+            )
+            holding.execute("SELECT pg_advisory_unlock(7265108723)")
+        wait_for(lambda: job_status(db, job_id) == "claimed", timeout=10, what="the claim committed")
+        # The server ended the claim's transaction without another byte from the worker.
+        wait_for(lambda: db.execute(LIMITS_LOCK).fetchall() == [], timeout=5, what="the limits lock released")
+    finally:
+        proxy.close()
+        claim.join(timeout=10)
+        pool.close()
+
+
+def suppress_errors(function: Callable[..., object], *args: object) -> None:
+    """Call ``function``, ignoring the psycopg error a cut connection ends it with."""
+    with contextlib.suppress(psycopg.Error):
+        function(*args)
+
+
+@pytest.mark.parametrize("prepared", [True, False], ids=["prepared", "written-out"])
+def test_a_claim_that_waited_for_the_limits_lock_takes_a_job_that_fell_due_meanwhile(
+    relay: Relay, db: psycopg.Connection, dsn: str, prepared: bool
+) -> None:
+    """The claim judged which jobs were due by when its transaction began, or its message arrived,
+    both before its wait for the limits lock: a job enqueued during the wait was not due yet, and
+    waited for the next claim."""
+    claimed: list[list[dict]] = []
+    with psycopg.connect(dsn) as other_claim, psycopg.connect(dsn) as waiting:
+        other_claim.execute(sql("claim_limits_lock"))
+        claimer = threading.Thread(
+            target=lambda: claimed.append(claim_under_limits_lock(waiting, claim_params(limit=5), prepared))
+        )
+        claimer.start()
+        wait_for(lambda: [row for row in db.execute(LIMITS_LOCK).fetchall() if not row[1]], what="the claim waiting")
         job_id = relay.enqueue("noop")
-        rows = claimer.execute(sql("job_claim"), claim_params(limit=5)).fetchall()
-        claimer.commit()
-    assert [row[0] for row in rows] == [job_id]
+        other_claim.commit()
+        claimer.join(10)
+    assert [[row["id"] for row in rows] for rows in claimed] == [[job_id]]
 
 
 def test_the_limits_lock_is_taken_even_while_no_limit_is_seen(db: psycopg.Connection, dsn: str) -> None:
@@ -250,12 +314,10 @@ def test_a_rate_limited_start_is_stamped_when_its_claim_ran_not_when_it_began_to
     db.execute("INSERT INTO relay.type_limits (type, rate_limit, rate_period_seconds) VALUES ('rl', 1, 2.0)")
     relay.enqueue("rl")
     params = claim_params(worker_id="w-1")
-    claimed: list[list[tuple]] = []
+    claimed: list[list[dict]] = []
 
     def claim_behind_the_lock(conn: psycopg.Connection) -> None:
-        conn.execute(sql("claim_limits_lock"))
-        claimed.append(conn.execute(sql("job_claim"), params).fetchall())
-        conn.commit()
+        claimed.append(claim_under_limits_lock(conn, params))
 
     with psycopg.connect(dsn) as other_claim, psycopg.connect(dsn) as waiting:
         other_claim.execute(sql("claim_limits_lock"))

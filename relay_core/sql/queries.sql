@@ -121,7 +121,15 @@ SELECT type, max_attempts FROM relay.job_types WHERE type = ANY(%(types)s::text[
 -- five jobs limited to five starts per 2 s started 0.8 s after their claim and
 -- the next five 1.2 s after them: ten starts within 2 s.
 -- transition: queued -> claimed
-WITH room AS (
+WITH clock AS MATERIALIZED (
+    -- The claim's one clock, read when it first runs: under the limits lock it
+    -- travels in one message with the lock, and statement_timestamp() would be
+    -- that message's arrival, before the wait for the lock; now() is the
+    -- transaction's start, earlier still. A job enqueued during the wait would
+    -- not yet be due, and a start stamped that early would leave its rate
+    -- window that much early.
+    SELECT clock_timestamp() AS at
+), room AS (
     -- How many more jobs of each limited type may start now (no row: unlimited).
     SELECT l.type,
            least(
@@ -129,7 +137,7 @@ WITH room AS (
                                          WHERE r.status = 'claimed' AND r.type = l.type), 2147483647),
                coalesce(l.rate_limit - (SELECT count(*) FROM relay.rate_starts AS s
                                         WHERE s.type = l.type
-                                          AND s.started_at > statement_timestamp()
+                                          AND s.started_at > (SELECT at FROM clock)
                                                              - make_interval(secs => l.rate_period_seconds)),
                         2147483647)
            ) AS n
@@ -143,9 +151,7 @@ WITH room AS (
             AND (%(locked)s OR NOT EXISTS (SELECT 1 FROM relay.type_limits))) AS q
     CROSS JOIN LATERAL (
         SELECT id, type, priority, run_at, attempts + 1 >= max_attempts AS last_attempt FROM relay.jobs
-        -- Due by this statement's clock: now() is when the transaction began, before a wait for the
-        -- limits lock, and a job enqueued during the wait would wait for the next claim.
-        WHERE queue = q.name AND status = 'queued' AND run_at <= statement_timestamp()
+        WHERE queue = q.name AND status = 'queued' AND run_at <= (SELECT at FROM clock)
           AND type NOT IN (SELECT type FROM room WHERE n <= 0)
         ORDER BY priority, run_at, id
         LIMIT %(limit)s
@@ -185,11 +191,8 @@ WITH room AS (
               least(greatest(j.run_at, '0001-01-01 00:00:00+00'), '9999-12-31 23:59:59.999999+00') AS run_at,
               least(greatest(j.created_at, '0001-01-01 00:00:00+00'), '9999-12-31 23:59:59.999999+00') AS created_at
 ), rate_logged AS (
-    -- Starts are stamped, and the window above is measured, by this statement's
-    -- clock: now() is when the transaction began, before a wait for the limits
-    -- lock, and a start stamped that early would leave the window that much early.
     INSERT INTO relay.rate_starts (type, started_at)
-    SELECT claimed.type, statement_timestamp() FROM claimed
+    SELECT claimed.type, (SELECT at FROM clock) FROM claimed
     JOIN relay.type_limits AS l ON l.type = claimed.type AND l.rate_limit IS NOT NULL
 )
 -- In claim order, the order slots take them in: the UPDATE returns rows in

@@ -192,27 +192,10 @@ class RelayPool(ReconnectingPool):
         self._checked_out = 0
         self._checked_out_lock = threading.Lock()
         self._checkout = threading.local()  # when this thread's getconn gives up (monotonic)
-        #: Whether the connections go through a pooler in transaction mode (see ``pipeline``).
+        #: Whether the connections go through a pooler in transaction mode: a session's prepared
+        #: statements do not last there (see ``worker.one_message``).
         self.transaction_pooling = transaction_pooling
         super().__init__(*args, **kwargs)
-
-    def pipeline(self, conn: psycopg.Connection) -> contextlib.AbstractContextManager[object]:
-        """``conn.pipeline()``: a block's statements in one round trip; behind a transaction pooler, none.
-
-        psycopg ends a pipeline with a Sync and then, while results are still
-        on their way, a Flush. A pooler in transaction mode frees the server
-        connection at the ReadyForQuery that answers the Sync; a Flush that
-        arrives after that ties the server to this client again, and as a
-        Flush gets no ReadyForQuery, the pooler never frees it. Every other
-        client, the worker's own threads included, then waits until the
-        pooler gives up on it (PgBouncer 1.18: ``query_wait_timeout``, 120 s,
-        for each waiting statement). Whether the Flush comes late is a race: a
-        thread switch between the two sends is enough. Behind a pooler the
-        statements therefore go one round trip each.
-        """
-        if self.transaction_pooling:
-            return contextlib.nullcontext()
-        return conn.pipeline()
 
     @contextmanager
     def connection(self, timeout: float | None = None) -> Iterator[psycopg.Connection]:

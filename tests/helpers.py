@@ -288,3 +288,9 @@ class TcpProxy:
             with contextlib.suppress(OSError):
                 sock.shutdown(socket.SHUT_RDWR)
             sock.close()
+
+
+def suppress_errors(function: Callable[..., object], *args: object) -> None:
+    """Call ``function``, ignoring the psycopg error a cut connection ends it with (a thread's target)."""
+    with contextlib.suppress(psycopg.Error):
+        function(*args)

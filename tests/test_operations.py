@@ -3,14 +3,13 @@ cooperative cancel, progress and results."""
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import logging
 import signal
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -33,6 +32,7 @@ from .helpers import (
     running_worker,
     start_worker_process,
     stop_process,
+    suppress_errors,
     wait_for,
 )
 
@@ -174,12 +174,6 @@ def test_a_worker_frozen_right_after_its_first_send_of_a_limited_claim_holds_no_
         proxy.close()
         claim.join(timeout=10)
         pool.close()
-
-
-def suppress_errors(function: Callable[..., object], *args: object) -> None:
-    """Call ``function``, ignoring the psycopg error a cut connection ends it with."""
-    with contextlib.suppress(psycopg.Error):
-        function(*args)
 
 
 @pytest.mark.parametrize("prepared", [True, False], ids=["prepared", "written-out"])

@@ -13,15 +13,20 @@ from pathlib import Path
 import psycopg
 import pytest
 from psycopg import conninfo
+from psycopg.rows import dict_row
 from psycopg_pool import PoolTimeout
 
 from relay_core import Relay
 from relay_core.connections import fetch_first_value
+from relay_core.job import Job
 from relay_core.migrate import migrate
 from relay_core.pools import IDLE_CHECK_FLOOR_SECONDS, IDLE_CHECK_SECONDS, RelayConnection, make_pool
+from relay_core.queries import sql
 from relay_core.stalls import WATCHDOG, cut_after
+from relay_core.worker.completer import Completer
+from relay_core.worker.outcome import Kind, Outcome
 
-from .helpers import TcpProxy, claim_params, running_worker, wait_for
+from .helpers import TcpProxy, claim_params, running_worker, suppress_errors, wait_for
 
 
 def test_the_pool_hands_out_the_connection_returned_last(dsn: str) -> None:
@@ -265,6 +270,81 @@ def test_a_completion_outdated_by_a_retyped_column_is_sent_again_not_left_to_its
         statuses = db.execute("SELECT status::text AS status, count(*) AS n FROM relay.jobs GROUP BY 1").fetchall()
     assert statuses == [{"status": "succeeded", "n": 7}]
     assert written == {job.id: "succeeded" for job in jobs}
+
+
+def mixed_outcomes(succeeded: Job, failed: Job) -> list[Outcome]:
+    """A completion batch of two outcome kinds: one transaction of two statements."""
+    retry = Outcome(failed, Kind.RETRY, 0.0, delay=60.0, message="boom", error={"type": "RuntimeError"})
+    return [Outcome(succeeded, Kind.SUCCEEDED, 0.0, result='{"ok": true}'), retry]
+
+
+def test_a_mixed_completion_outdated_by_a_retyped_column_is_sent_again(unmigrated_dsn: str) -> None:
+    """A batch of several outcome kinds runs by statements its connection's session prepared: refused
+    once a column changed type under them, it goes once more, whole, on a fresh connection."""
+    dsn = unmigrated_dsn
+    migrate(dsn)
+    app = Relay(dsn)
+    try:
+        app.enqueue_many([{"type": "note"} for _ in range(4)])
+    finally:
+        app.close()
+    with psycopg.connect(dsn, autocommit=True, row_factory=dict_row) as db:
+        jobs = [Job.from_row(row) for row in db.execute(sql("job_claim"), claim_params(limit=4))]
+        pool = make_pool(dsn, name="completer-test", min_size=1, max_size=1)
+        pool.open(wait=True)
+        written: dict[int, str] = {}
+        completer = Completer(pool, lambda batch, done: written.update(done))
+        try:
+            completer._write_until_done(mixed_outcomes(jobs[0], jobs[1]))  # prepares the statements
+            db.execute("ALTER TABLE relay.jobs ALTER COLUMN id TYPE integer")
+            completer._write_until_done(mixed_outcomes(jobs[2], jobs[3]))
+        finally:
+            pool.close()
+        statuses = db.execute("SELECT id, status::text AS status FROM relay.jobs ORDER BY id").fetchall()
+    expected = {job.id: "queued" if i % 2 else "succeeded" for i, job in enumerate(jobs)}
+    assert {row["id"]: row["status"] for row in statuses} == expected
+    assert written == expected
+
+
+def test_a_worker_frozen_right_after_its_first_send_of_a_mixed_completion_batch_leaves_no_rows_locked(
+    relay: Relay, dsn: str
+) -> None:
+    """A batch of several outcome kinds is one transaction. psycopg's ``transaction()`` in a pipeline
+    sends BEGIN first and the COMMIT once the statements' results are back: a worker frozen in between
+    (stopped, its host paused) left its transaction open, its jobs' rows locked, until the server
+    dropped its connection. The whole transaction now travels in one message."""
+
+    relay.enqueue_many([{"type": "note"} for _ in range(4)])
+    with psycopg.connect(dsn, autocommit=True, row_factory=dict_row) as db:
+        jobs = [Job.from_row(row) for row in db.execute(sql("job_claim"), claim_params(limit=4))]
+        params = conninfo.conninfo_to_dict(dsn)
+        proxy = TcpProxy(str(params.get("host", "127.0.0.1")), int(params.get("port", 5432)))
+        pool = make_pool(
+            conninfo.make_conninfo(dsn, host="127.0.0.1", port=str(proxy.port)), name="frozen", min_size=1, max_size=1
+        )
+        pool.open(wait=True)
+        completer = Completer(pool, lambda batch, done: None)
+        # The first checkout checks the connection, the first mixed batch prepares its statements:
+        # the batch below then sends nothing before its own message.
+        assert completer.write(mixed_outcomes(jobs[0], jobs[1])) == {jobs[0].id: "succeeded", jobs[1].id: "queued"}
+        proxy.stall_after_next_write.set()  # the worker freezes once its first write is out
+        batch = mixed_outcomes(jobs[2], jobs[3])
+        writer = threading.Thread(target=lambda: suppress_errors(completer.write, batch), daemon=True)
+        writer.start()
+        try:
+            # The server committed the batch without another byte from the worker.
+            status = "SELECT status::text FROM relay.jobs WHERE id = %s"
+            wait_for(
+                lambda: (
+                    [db.execute(status, (job.id,)).fetchone()["status"] for job in jobs[2:]] == ["succeeded", "queued"]
+                ),
+                timeout=10,
+                what="the frozen worker's batch committed",
+            )
+        finally:
+            proxy.close()
+            writer.join(timeout=10)
+            pool.close()
 
 
 def test_a_completion_stuck_on_a_stalled_connection_at_stop_is_named_in_the_log(

@@ -181,7 +181,7 @@ def test_sigterm_stops_the_worker_in_time_while_a_lock_on_the_jobs_table_holds_u
             "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
             "AND application_name LIKE 'relay-worker%%'"
             # The claim, written out or (under limits) by its prepared name.
-            " AND (query LIKE '%%room AS%%' OR query LIKE '%%relay_locked_claim%%')"
+            " AND (query LIKE '%%room AS%%' OR query LIKE '%%EXECUTE relay_job_claim%%')"
         )
         wait_for(lambda: db.execute(blocked).fetchone()[0], what="a claim waiting for the lock")
         terminate(worker, log, within=15)

@@ -7,10 +7,8 @@ claims cost less per job.
 
 from __future__ import annotations
 
-import re
 import threading
 import time
-import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from typing import Any
@@ -21,6 +19,7 @@ from psycopg.rows import dict_row
 from ..pools import RelayPool, restore_transactions
 from ..queries import sql
 from ..stalls import WATCHDOG, cut_at
+from .one_message import run_as_one_message
 
 #: Jobs that typically finish faster than this are prefetched; longer ones are not.
 PREFETCH_BELOW_SECONDS = 0.05
@@ -56,32 +55,6 @@ HAND_BACK_UNHELD_LIMIT_SECONDS = 3.0
 #: How long after a stop a claim still running has its connection cut (see ``stalls``): past
 #: the wait for the cancel request, so a cancel the server took ends the claim first.
 CUT_AFTER_STOP_SECONDS = 1.5
-
-
-def _positional(text: str) -> tuple[str, list[str]]:
-    """``text`` with its ``%(name)s`` placeholders numbered ``$1``, ``$2``, ... and the names in that order."""
-    names: list[str] = []
-
-    def number(match: re.Match[str]) -> str:
-        if match.group(1) not in names:
-            names.append(match.group(1))
-        return f"${names.index(match.group(1)) + 1}"
-
-    return re.sub(r"%\((\w+)\)s", number, text), names
-
-
-_CLAIM_POSITIONAL, _CLAIM_PARAMETERS = _positional(sql("job_claim"))
-#: The claim as a session's prepared statement, made once on each connection that claims under limits.
-PREPARE_LOCKED_CLAIM = f"PREPARE relay_locked_claim AS {_CLAIM_POSITIONAL}"
-#: The claim under the limits lock: one transaction in one message, the claim by its prepared plan ...
-LOCKED_CLAIM_PREPARED = "BEGIN; {lock}; EXECUTE relay_locked_claim({args}); COMMIT".format(
-    lock=sql("claim_limits_lock"), args=", ".join(f"%({name})s" for name in _CLAIM_PARAMETERS)
-)
-#: ... or written out, planned each time, where a session's prepared statements do not last (behind a
-#: transaction pooler, the next transaction may run on another server connection).
-LOCKED_CLAIM_INLINE = f"BEGIN; {sql('claim_limits_lock')}; {sql('job_claim')}; COMMIT"
-#: The connections whose session holds relay_locked_claim.
-_PREPARED_ON: weakref.WeakSet[psycopg.Connection] = weakref.WeakSet()
 
 
 class ClaimInFlight:
@@ -171,43 +144,17 @@ def claim_rows(pool: RelayPool, params: dict[str, Any], in_flight: ClaimInFlight
 
 
 def claim_under_limits_lock(conn: psycopg.Connection, params: dict[str, Any], prepared: bool = True) -> list[dict]:
-    """BEGIN, the limits lock, the claim and COMMIT, sent as one simple-protocol message.
+    """The limits lock and the claim in one transaction, sent as one message (see ``one_message``).
 
-    The server runs the whole transaction and commits it without waiting for
-    this client again, so a worker frozen at any point (stopped, its host
-    paused, its network cut) never leaves the lock held that every limited
-    claim, on every queue, waits for. A pipeline would not do: psycopg sends
-    each of its statements as it is queued, and a worker frozen between
-    sending the lock and sending the claim held the lock until the server
-    dropped its connection.
-
-    A simple-protocol message carries no prepared plan of psycopg's, and
-    planning the claim afresh took about 0.8 ms of a 2 ms claim, all of it
-    while holding the lock every limited claim waits for. So the claim runs
-    as the session's own prepared statement (``prepared``), made on first
-    use; behind a transaction pooler, where it would not last, it is written
-    out.
+    A worker frozen while its claim waited for the lock, or ran, would
+    otherwise hold the lock every limited claim, on every queue, waits for.
+    ``prepared``: by the session's prepared statements (not behind a
+    transaction pooler).
     """
-    conn.autocommit = True
-    try:
-        if prepared and conn not in _PREPARED_ON:
-            conn.execute(PREPARE_LOCKED_CLAIM)
-            _PREPARED_ON.add(conn)
-        try:
-            with psycopg.ClientCursor(conn, row_factory=dict_row) as cur:
-                cur.execute(LOCKED_CLAIM_PREPARED if prepared else LOCKED_CLAIM_INLINE, params)
-                # The results of BEGIN, the lock, the claim and COMMIT, in order.
-                cur.nextset()
-                cur.nextset()
-                return cur.fetchall()
-        except BaseException as exc:
-            if isinstance(exc, psycopg.errors.InvalidSqlStatementName):
-                _PREPARED_ON.discard(conn)  # the session lost it (DISCARD ALL): made again next time
-            if not conn.broken and conn.info.transaction_status != psycopg.pq.TransactionStatus.IDLE:
-                conn.execute("ROLLBACK")
-            raise
-    finally:
-        restore_transactions(conn)
+    _lock, rows = run_as_one_message(
+        conn, [("claim_limits_lock", {}), ("job_claim", params)], prepared=prepared, row_factory=dict_row
+    )
+    return rows
 
 
 def hand_back_unheld(

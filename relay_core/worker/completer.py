@@ -21,6 +21,7 @@ from ..logs import event
 from ..pools import RelayPool, outdated_plan, restore_transactions
 from ..queries import sql
 from ..stalls import cut_at
+from .one_message import run_as_one_message
 from .outage import OutageLog, PooledCallLog, next_retry_delay
 from .outcome import Kind, Outcome
 
@@ -238,12 +239,10 @@ class Completer:
                 finally:
                     restore_transactions(conn)
                 return written
-            # BEGIN, the statements and COMMIT travel together: one round trip per batch
-            # (behind a transaction pooler, one each: see RelayPool.pipeline).
-            with self._pool.pipeline(conn), conn.transaction():
-                cursors = [conn.execute(sql(name), params, prepare=True) for name, params in statements]
-            for cur in cursors:
-                written.update(cur.fetchall())
+            # BEGIN, the statements and COMMIT as one message: one round trip per batch, and a
+            # worker frozen meanwhile leaves no transaction holding its jobs' rows locked.
+            for rows in run_as_one_message(conn, statements, prepared=not self._pool.transaction_pooling):
+                written.update(rows)
         return written
 
 

@@ -1,0 +1,106 @@
+"""A transaction of named statements sent to the server as one message.
+
+The server runs BEGIN, the statements and COMMIT from a single
+simple-protocol message and commits without waiting for the client again,
+so a worker frozen at any moment (stopped, its host paused, its network cut)
+never leaves a transaction open holding locks. A psycopg pipeline would not
+do: it sends each statement as it is queued, and ``transaction()`` inside
+one sends the COMMIT only once the results are back, so a worker frozen in
+between left its transaction holding its locks until the server dropped the
+connection. Behind a transaction pooler, the message is one query: the
+pooler keeps the server connection to its end and sees no Flush.
+
+Parameters in such a message are bound by the client, so a statement
+written out there is planned afresh each time: the claim took 2.9 ms instead
+of 2.0 ms. Each statement therefore runs by the name of a statement
+prepared on the connection's session, made on first use. Behind a
+transaction pooler, where the next transaction may run on another server
+connection, they are written out.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import weakref
+from typing import Any
+
+import psycopg
+from psycopg.rows import RowFactory, tuple_row
+
+from ..pools import restore_transactions
+from ..queries import sql
+
+#: The statements each connection's session has prepared, by name.
+_PREPARED_ON: weakref.WeakKeyDictionary[psycopg.Connection, set[str]] = weakref.WeakKeyDictionary()
+
+
+def positional(text: str) -> tuple[str, list[str]]:
+    """``text`` with its ``%(name)s`` placeholders numbered ``$1``, ``$2``, ... and the names in that order."""
+    names: list[str] = []
+
+    def number(match: re.Match[str]) -> str:
+        if match.group(1) not in names:
+            names.append(match.group(1))
+        return f"${names.index(match.group(1)) + 1}"
+
+    return re.sub(r"%\((\w+)\)s", number, text), names
+
+
+def prepared_name(name: str) -> str:
+    """The session's name for the statement called ``name`` (apart from psycopg's own ``_pg3_*``)."""
+    return f"relay_{name}"
+
+
+def _in_message(name: str, prepared: bool, prefix: str) -> str:
+    """The statement ``name`` as the message holds it, its placeholders' names prefixed with ``prefix``.
+
+    By its prepared name (``EXECUTE``, its placeholders as arguments) or
+    written out. The prefix keeps apart the parameters of two statements
+    that share a name (every completion statement has ``ids``).
+    """
+    if not prepared:
+        return re.sub(r"%\((\w+)\)s", lambda match: f"%({prefix}{match.group(1)})s", sql(name))
+    _text, names = positional(sql(name))
+    args = ", ".join(f"%({prefix}{arg})s" for arg in names)
+    return f"EXECUTE {prepared_name(name)}({args})" if names else f"EXECUTE {prepared_name(name)}"
+
+
+def run_as_one_message(
+    conn: psycopg.Connection,
+    statements: list[tuple[str, dict[str, Any]]],
+    prepared: bool,
+    row_factory: RowFactory[Any] = tuple_row,
+) -> list[list[Any]]:
+    """Run the named ``statements`` (with their parameters) in one transaction sent as one message; their rows.
+
+    ``prepared``: run each by the name of a statement prepared on ``conn``'s
+    session (made here on first use), else written out in full.
+    """
+    conn.autocommit = True
+    try:
+        if prepared:
+            held = _PREPARED_ON.setdefault(conn, set())
+            for name, _params in statements:
+                if name not in held:
+                    with contextlib.suppress(psycopg.errors.DuplicatePreparedStatement):
+                        conn.execute(f"PREPARE {prepared_name(name)} AS {positional(sql(name))[0]}")
+                    held.add(name)
+        texts = [_in_message(name, prepared, f"s{i}_") for i, (name, _given) in enumerate(statements)]
+        params = {f"s{i}_{key}": value for i, (_name, given) in enumerate(statements) for key, value in given.items()}
+        try:
+            with psycopg.ClientCursor(conn, row_factory=row_factory) as cur:
+                cur.execute("; ".join(["BEGIN", *texts, "COMMIT"]), params)
+                rows = []
+                for _text in texts:  # each statement's result, after BEGIN's
+                    cur.nextset()
+                    rows.append(cur.fetchall() if cur.description is not None else [])
+                return rows
+        except BaseException as exc:
+            if isinstance(exc, psycopg.errors.InvalidSqlStatementName):
+                _PREPARED_ON.pop(conn, None)  # the session lost them (DISCARD ALL): made again next time
+            if not conn.broken and conn.info.transaction_status != psycopg.pq.TransactionStatus.IDLE:
+                conn.execute("ROLLBACK")
+            raise
+    finally:
+        restore_transactions(conn)

@@ -36,6 +36,7 @@ from psycopg_pool import ConnectionPool, PoolClosed
 from psycopg_pool.base import AttemptWithBackoff
 
 from .jsonb import read_any_number
+from .queries import sql
 from .settings import transaction_pooling
 from .stalls import SHORTEST_CUT_SECONDS, cut_after
 
@@ -359,6 +360,14 @@ LIVENESS_DEFAULTS: dict[str, int] = {
 }
 
 
+#: The server's side of the same keepalives, set on each session of Relay's (see ``configure_session``).
+SERVER_KEEPALIVES: dict[str, int] = {
+    "idle": LIVENESS_DEFAULTS["keepalives_idle"],
+    "interval": LIVENESS_DEFAULTS["keepalives_interval"],
+    "count": LIVENESS_DEFAULTS["keepalives_count"],
+}
+
+
 def liveness_options(dsn: str, *, user_timeout: bool = True) -> dict[str, int]:
     """Time limits on a dead network path, for the settings ``dsn`` leaves to libpq's defaults.
 
@@ -555,6 +564,13 @@ def configure_session(conn: psycopg.Connection) -> None:
     ISOLATION LEVEL ...``, but only one that ends within a heartbeat
     interval gets its success written (see ``executor.STRICTER_ISOLATION``).
 
+    The server's TCP keepalives as the client's (``LIVENESS_DEFAULTS``),
+    where the server's configuration does not set them: a worker whose host
+    died, or whose network path went silent, in the middle of a transaction
+    (a transactional handler's, a schedule's tick, a shutdown's hand-back)
+    kept that transaction open on the server, its locks held, until the
+    server's first keepalive probe, two hours later on Linux's defaults.
+
     TimeZone UTC: psycopg reads a timestamptz in the session's time zone, and
     an instant Relay accepts (years 1 to 9999 in UTC) may fall outside what a
     datetime can hold in another zone (9999-12-31 20:00 UTC is year 10000 in
@@ -568,11 +584,16 @@ def configure_session(conn: psycopg.Connection) -> None:
     """
     if transaction_pooling():
         conn.isolation_level = psycopg.IsolationLevel.READ_COMMITTED
-    else:
-        conn.execute("SET jit = off")
-        conn.execute("SET default_transaction_isolation = 'read committed'")
-    conn.execute("SET TimeZone = 'UTC'")
+    conn.execute(own_session_settings(conn))  # type: ignore[arg-type]
     conn.commit()
+
+
+def own_session_settings(conn: psycopg.Connection) -> str:
+    """The statements of Relay's session settings (``configure_session``), one simple-protocol message."""
+    if transaction_pooling():
+        return "SET TimeZone = 'UTC'"
+    keepalives = psycopg.ClientCursor(conn).mogrify(sql("session_server_keepalives"), SERVER_KEEPALIVES)
+    return f"SET jit = off; SET default_transaction_isolation = 'read committed'; {keepalives}; SET TimeZone = 'UTC'"
 
 
 def reset_session(conn: psycopg.Connection) -> None:
@@ -586,10 +607,7 @@ def reset_session(conn: psycopg.Connection) -> None:
     """
     if conn.closed or conn.broken or conn.info.transaction_status != psycopg.pq.TransactionStatus.IDLE:
         return  # the pool discards or rolls back such a connection itself
-    own = "SET TimeZone = 'UTC'"
-    if not transaction_pooling():
-        own = "SET jit = off; SET default_transaction_isolation = 'read committed'; " + own
-    conn.execute("RESET SESSION AUTHORIZATION; RESET ROLE; RESET ALL; " + own)  # type: ignore[arg-type]
+    conn.execute("RESET SESSION AUTHORIZATION; RESET ROLE; RESET ALL; " + own_session_settings(conn))  # type: ignore[arg-type]
     conn.commit()
 
 

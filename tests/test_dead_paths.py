@@ -30,7 +30,7 @@ import pytest
 from psycopg import conninfo
 
 from relay_core import Job, Relay
-from relay_core.pools import LIVENESS_DEFAULTS, connection_options
+from relay_core.pools import LIVENESS_DEFAULTS, SERVER_KEEPALIVES, connection_options, make_pool
 
 from .helpers import job_status, running_worker, wait_for
 
@@ -130,6 +130,45 @@ def test_a_worker_whose_connections_go_silent_reconnects_and_works_within_second
     assert resumed < budget, f"the worker ran a job {resumed:.1f} s after its connections went silent"
     # Not at once, either: had the packets not vanished, it would have heard its sessions end.
     assert resumed > LIVENESS_DEFAULTS["keepalives_idle"] / 2, f"resumed after {resumed:.1f} s: nothing was dropped"
+
+
+@pytest.mark.slow
+def test_a_transaction_whose_client_went_silent_ends_on_the_server_within_seconds(
+    dsn: str, db: psycopg.Connection
+) -> None:
+    """A worker's host died, or its network path went silent, while one of its transactions was
+    open (a transactional handler's, a schedule's tick): nothing told the server, which kept the
+    transaction and its locks until its first keepalive probe, two hours later on Linux's defaults.
+    Relay's sessions now set the server's keepalives too, and the server ends such a session
+    within seconds."""
+    reason = iptables_usable()
+    if reason:
+        pytest.skip(reason)
+    if db.execute("SELECT coalesce(family(inet_server_addr()), 0)").fetchone()[0] != 4:
+        pytest.skip("the test server is reached over IPv4 only where iptables drops the packets")
+    held = "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND objid = 4343 AND granted"
+    pool = make_pool(dsn, name="silent", min_size=1, max_size=1, application_name=APPLICATION_NAME)
+    pool.open(wait=True)
+    conn = pool.getconn()
+    try:
+        conn.execute("SELECT pg_advisory_xact_lock(4343)")  # a transaction holding a lock, then silence
+        (port,) = db.execute(
+            "SELECT client_port FROM pg_stat_activity WHERE application_name = %s", (APPLICATION_NAME,)
+        ).fetchone()
+        # Idle: the answer's acknowledgement is through (unacknowledged data is retransmitted,
+        # for about 15 minutes, rather than probed).
+        time.sleep(0.5)
+        with dropped([port]):
+            gone = time.monotonic()
+            wait_for(lambda: not db.execute(held).fetchone()[0], timeout=90, what="the silent session's lock to go")
+            ended = time.monotonic() - gone
+    finally:
+        pool.putconn(conn)
+        pool.close()
+    budget = SERVER_KEEPALIVES["idle"] + SERVER_KEEPALIVES["interval"] * SERVER_KEEPALIVES["count"]
+    assert ended < budget + 10, f"the server ended the session {ended:.1f} s after its client went silent"
+    # Not at once, either: had the packets not vanished, nothing would have ended it.
+    assert ended > SERVER_KEEPALIVES["idle"] / 2, f"ended after {ended:.1f} s: nothing was dropped"
 
 
 def test_a_connection_attempt_to_a_server_that_never_answers_gives_up_in_seconds() -> None:

@@ -9,6 +9,19 @@
 -- later snapshot, by two claims at once, neither holding the lock.
 SELECT pg_advisory_xact_lock(7265108723);
 
+-- name: session_server_keepalives
+-- The server's keepalives on this session, where the server's configuration
+-- leaves them to the operating system's defaults (source 'default'): a client
+-- whose host died or whose network path went silent while its transaction was
+-- open kept the transaction, and its locks, for the two hours before the
+-- first keepalive probe. Ignored on Unix-socket sessions.
+SELECT count(set_config(s.name, v.setting, false))
+FROM (VALUES ('tcp_keepalives_idle', %(idle)s::text),
+             ('tcp_keepalives_interval', %(interval)s::text),
+             ('tcp_keepalives_count', %(count)s::text)) AS v(name, setting)
+JOIN pg_settings AS s ON s.name = v.name
+WHERE s.source = 'default';
+
 -- name: type_limits_exist
 -- Whether any job type has a limit (workers check each second to pick the claim's path).
 SELECT EXISTS (SELECT 1 FROM relay.type_limits);

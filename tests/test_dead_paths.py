@@ -64,6 +64,15 @@ def remove_leftover_rules() -> None:
             subprocess.run(["iptables", "-D", *shlex.split(line)[1:]], check=False)
 
 
+def skip_unless_packets_can_be_dropped(db: psycopg.Connection) -> None:
+    """Skip the test unless iptables can drop the packets of connections to the test server."""
+    reason = iptables_usable()
+    if reason:
+        pytest.skip(reason)
+    if db.execute("SELECT coalesce(family(inet_server_addr()), 0)").fetchone()[0] != 4:
+        pytest.skip("the test server is not reached over IPv4, where iptables drops the packets")
+
+
 @contextmanager
 def dropped(ports: list[int]) -> Iterator[None]:
     """Drop every packet to or from these local ports (both ends of a loopback connection pass OUTPUT)."""
@@ -94,11 +103,7 @@ def test_a_worker_whose_connections_go_silent_reconnects_and_works_within_second
     minutes on Linux) and the LISTEN connection for the first keepalive (two hours): no job ran
     meanwhile. The connections' tcp_user_timeout and keepalives now break them within seconds,
     and the worker reconnects and runs the jobs enqueued since."""
-    reason = iptables_usable()
-    if reason:
-        pytest.skip(reason)
-    if db.execute("SELECT coalesce(family(inet_server_addr()), 0)").fetchone()[0] != 4:
-        pytest.skip("the test server is not reached over IPv4, where iptables drops the packets")
+    skip_unless_packets_can_be_dropped(db)
     worker_dsn = conninfo.make_conninfo(dsn, application_name=APPLICATION_NAME)
     relay = Relay(worker_dsn)
     producer = Relay(dsn)
@@ -141,11 +146,7 @@ def test_a_transaction_whose_client_went_silent_ends_on_the_server_within_second
     transaction and its locks until its first keepalive probe, two hours later on Linux's defaults.
     Relay's sessions now set the server's keepalives too, and the server ends such a session
     within seconds."""
-    reason = iptables_usable()
-    if reason:
-        pytest.skip(reason)
-    if db.execute("SELECT coalesce(family(inet_server_addr()), 0)").fetchone()[0] != 4:
-        pytest.skip("the test server is reached over IPv4 only where iptables drops the packets")
+    skip_unless_packets_can_be_dropped(db)
     held = "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND objid = 4343 AND granted"
     pool = make_pool(dsn, name="silent", min_size=1, max_size=1, application_name=APPLICATION_NAME)
     pool.open(wait=True)

@@ -3,6 +3,7 @@ cooperative cancel, progress and results."""
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import signal
@@ -174,6 +175,22 @@ def test_a_worker_frozen_right_after_its_first_send_of_a_limited_claim_holds_no_
         proxy.close()
         claim.join(timeout=10)
         pool.close()
+
+
+def test_a_limited_claim_after_psycopg_emptied_its_prepared_statements_still_claims(relay: Relay, dsn: str) -> None:
+    """psycopg sends DEALLOCATE ALL whenever it empties its own cache of prepared statements (here a
+    transaction() block that raised, as a failing transactional handler's does): the session lost the
+    claim prepared on it, and the next limited claim on the connection failed."""
+    with psycopg.connect(dsn) as conn:
+        claim_under_limits_lock(conn, claim_params(limit=5))  # prepares the claim on the session
+        conn.execute("SELECT 1", prepare=True)  # one of psycopg's own
+        with contextlib.suppress(RuntimeError), conn.transaction():
+            raise RuntimeError("a handler failed")
+        mine = "SELECT count(*) FROM pg_prepared_statements WHERE name LIKE 'relay%%'"
+        assert conn.execute(mine).fetchone() == (0,)
+        conn.commit()
+        job_id = relay.enqueue("noop")
+        assert [row["id"] for row in claim_under_limits_lock(conn, claim_params(limit=5))] == [job_id]
 
 
 @pytest.mark.parametrize("prepared", [True, False], ids=["prepared", "written-out"])

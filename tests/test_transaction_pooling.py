@@ -155,7 +155,7 @@ def test_a_worker_behind_a_transaction_pooler_sends_no_flush_the_pooler_could_re
 ) -> None:
     """psycopg ends a pipeline with a Sync, then a Flush while results are on their way: a Flush the
     pooler reads after the Sync's ReadyForQuery freed the server ties that server to the client for
-    good, and every other client waits until query_wait_timeout (see RelayPool.pipeline)."""
+    good, and every other client waits until query_wait_timeout (see worker.one_message)."""
     with pgbouncer(dsn, "verbose = 2\n") as pooler:  # verbose 2 logs every packet
         monkeypatch.setenv("RELAY_TRANSACTION_POOLING", "true")
         relay = Relay(pooler.dsn)

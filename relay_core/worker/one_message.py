@@ -3,7 +3,10 @@
 The server runs BEGIN, the statements and COMMIT from a single
 simple-protocol message and commits without waiting for the client again,
 so a worker frozen at any moment (stopped, its host paused, its network cut)
-never leaves a transaction open holding locks. A psycopg pipeline would not
+leaves no transaction open holding locks, as long as the results fit in the
+connection's socket buffers, which a stopped process's kernel still fills
+(past them, the server waits to send the rest before it runs COMMIT). A
+psycopg pipeline would not
 do: it sends each statement as it is queued, and ``transaction()`` inside
 one sends the COMMIT only once the results are back, so a worker frozen in
 between left its transaction holding its locks until the server dropped the
@@ -75,32 +78,55 @@ def run_as_one_message(
     """Run the named ``statements`` (with their parameters) in one transaction sent as one message; their rows.
 
     ``prepared``: run each by the name of a statement prepared on ``conn``'s
-    session (made here on first use), else written out in full.
+    session (made here on first use), else written out in full. psycopg
+    sends DEALLOCATE ALL whenever it empties its own cache of prepared
+    statements (a rollback, a ``transaction()`` block that raised, a
+    transactional handler's failure), and Relay's go with its: a message
+    that names one the session no longer has ran nothing (its transaction
+    is rolled back whole), so it goes once more, its statements prepared
+    again.
     """
     conn.autocommit = True
     try:
-        if prepared:
-            held = _PREPARED_ON.setdefault(conn, set())
-            for name, _params in statements:
-                if name not in held:
-                    with contextlib.suppress(psycopg.errors.DuplicatePreparedStatement):
-                        conn.execute(f"PREPARE {prepared_name(name)} AS {positional(sql(name))[0]}")
-                    held.add(name)
-        texts = [_in_message(name, prepared, f"s{i}_") for i, (name, _given) in enumerate(statements)]
-        params = {f"s{i}_{key}": value for i, (_name, given) in enumerate(statements) for key, value in given.items()}
         try:
-            with psycopg.ClientCursor(conn, row_factory=row_factory) as cur:
-                cur.execute("; ".join(["BEGIN", *texts, "COMMIT"]), params)
-                rows = []
-                for _text in texts:  # each statement's result, after BEGIN's
-                    cur.nextset()
-                    rows.append(cur.fetchall() if cur.description is not None else [])
-                return rows
-        except BaseException as exc:
-            if isinstance(exc, psycopg.errors.InvalidSqlStatementName):
-                _PREPARED_ON.pop(conn, None)  # the session lost them (DISCARD ALL): made again next time
-            if not conn.broken and conn.info.transaction_status != psycopg.pq.TransactionStatus.IDLE:
-                conn.execute("ROLLBACK")
-            raise
+            return _send(conn, statements, prepared, row_factory)
+        except psycopg.errors.InvalidSqlStatementName:
+            if not prepared:
+                raise
+            _PREPARED_ON.pop(conn, None)
+            return _send(conn, statements, prepared, row_factory)
     finally:
         restore_transactions(conn)
+
+
+def _send(
+    conn: psycopg.Connection,
+    statements: list[tuple[str, dict[str, Any]]],
+    prepared: bool,
+    row_factory: RowFactory[Any],
+) -> list[list[Any]]:
+    """One try of ``run_as_one_message`` on ``conn``, in autocommit."""
+    if prepared:
+        held = _PREPARED_ON.setdefault(conn, set())
+        for name, _params in statements:
+            if name not in held:
+                with contextlib.suppress(psycopg.errors.DuplicatePreparedStatement):
+                    conn.execute(f"PREPARE {prepared_name(name)} AS {positional(sql(name))[0]}")
+                held.add(name)
+    texts = [_in_message(name, prepared, f"s{i}_") for i, (name, _given) in enumerate(statements)]
+    params = {f"s{i}_{key}": value for i, (_name, given) in enumerate(statements) for key, value in given.items()}
+    try:
+        with psycopg.ClientCursor(conn, row_factory=row_factory) as cur:
+            cur.execute("; ".join(["BEGIN", *texts, "COMMIT"]), params)
+            rows = []
+            for _text in texts:  # each statement's result, after BEGIN's
+                cur.nextset()
+                rows.append(cur.fetchall() if cur.description is not None else [])
+            return rows
+    except BaseException:
+        if not conn.broken and conn.info.transaction_status != psycopg.pq.TransactionStatus.IDLE:
+            # The error that ended the message is the one to tell; a connection the
+            # ROLLBACK fails on is broken, and the pool discards it.
+            with contextlib.suppress(psycopg.Error):
+                conn.execute("ROLLBACK")
+        raise

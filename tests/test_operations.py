@@ -199,7 +199,8 @@ def test_a_claim_that_waited_for_the_limits_lock_takes_a_job_that_fell_due_meanw
 ) -> None:
     """The claim judged which jobs were due by when its transaction began, or its message arrived,
     both before its wait for the limits lock: a job enqueued during the wait was not due yet, and
-    waited for the next claim."""
+    waited for the next claim. Its start and lease were counted from the transaction's beginning,
+    before the job's run_at."""
     claimed: list[list[dict]] = []
     with psycopg.connect(dsn) as other_claim, psycopg.connect(dsn) as waiting:
         other_claim.execute(sql("claim_limits_lock"))
@@ -212,6 +213,9 @@ def test_a_claim_that_waited_for_the_limits_lock_takes_a_job_that_fell_due_meanw
         other_claim.commit()
         claimer.join(10)
     assert [[row["id"] for row in rows] for rows in claimed] == [[job_id]]
+    # Its start and lease by the same clock: not by when the claim's transaction began, before the job.
+    started = "SELECT started_at >= run_at, claimed_until >= run_at + interval '30 s' FROM relay.jobs WHERE id = %s"
+    assert db.execute(started, (job_id,)).fetchone() == (True, True)
 
 
 def test_the_limits_lock_is_taken_even_while_no_limit_is_seen(db: psycopg.Connection, dsn: str) -> None:

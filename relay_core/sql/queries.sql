@@ -126,8 +126,9 @@ WITH clock AS MATERIALIZED (
     -- travels in one message with the lock, and statement_timestamp() would be
     -- that message's arrival, before the wait for the lock; now() is the
     -- transaction's start, earlier still. A job enqueued during the wait would
-    -- not yet be due, and a start stamped that early would leave its rate
-    -- window that much early.
+    -- not yet be due, a start stamped that early would leave its rate window
+    -- that much early, and a job that fell due during the wait would show a
+    -- start before its run_at and a lease short by the wait.
     SELECT clock_timestamp() AS at
 ), room AS (
     -- How many more jobs of each limited type may start now (no row: unlimited).
@@ -179,8 +180,8 @@ WITH clock AS MATERIALIZED (
         attempts = j.attempts + 1,
         lease_token = j.lease_token + 1,
         claimed_by = %(worker_id)s,
-        claimed_until = now() + make_interval(secs => %(lease_seconds)s),
-        started_at = now(),
+        claimed_until = (SELECT at FROM clock) + make_interval(secs => %(lease_seconds)s),
+        started_at = (SELECT at FROM clock),
         progress = NULL
     FROM chosen
     WHERE j.id = chosen.id AND j.status = 'queued'

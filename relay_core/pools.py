@@ -360,14 +360,6 @@ LIVENESS_DEFAULTS: dict[str, int] = {
 }
 
 
-#: The server's side of the same keepalives, set on each session of Relay's (see ``configure_session``).
-SERVER_KEEPALIVES: dict[str, int] = {
-    "idle": LIVENESS_DEFAULTS["keepalives_idle"],
-    "interval": LIVENESS_DEFAULTS["keepalives_interval"],
-    "count": LIVENESS_DEFAULTS["keepalives_count"],
-}
-
-
 def liveness_options(dsn: str, *, user_timeout: bool = True) -> dict[str, int]:
     """Time limits on a dead network path, for the settings ``dsn`` leaves to libpq's defaults.
 
@@ -592,7 +584,7 @@ def own_session_settings(conn: psycopg.Connection) -> str:
     """The statements of Relay's session settings (``configure_session``), one simple-protocol message."""
     if transaction_pooling():
         return "SET TimeZone = 'UTC'"
-    keepalives = psycopg.ClientCursor(conn).mogrify(sql("session_server_keepalives"), SERVER_KEEPALIVES)
+    keepalives = psycopg.ClientCursor(conn).mogrify(sql("session_server_keepalives"), LIVENESS_DEFAULTS)
     return f"SET jit = off; SET default_transaction_isolation = 'read committed'; {keepalives}; SET TimeZone = 'UTC'"
 
 

@@ -16,9 +16,9 @@ SELECT pg_advisory_xact_lock(7265108723);
 -- open kept the transaction, and its locks, for the two hours before the
 -- first keepalive probe. Ignored on Unix-socket sessions.
 SELECT count(set_config(s.name, v.setting, false))
-FROM (VALUES ('tcp_keepalives_idle', %(idle)s::text),
-             ('tcp_keepalives_interval', %(interval)s::text),
-             ('tcp_keepalives_count', %(count)s::text)) AS v(name, setting)
+FROM (VALUES ('tcp_keepalives_idle', %(keepalives_idle)s::text),
+             ('tcp_keepalives_interval', %(keepalives_interval)s::text),
+             ('tcp_keepalives_count', %(keepalives_count)s::text)) AS v(name, setting)
 JOIN pg_settings AS s ON s.name = v.name
 WHERE s.source = 'default';
 

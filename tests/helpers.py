@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import psycopg
+from psycopg import conninfo
 
 from relay_core import Relay, Worker, WorkerConfig
 
@@ -217,7 +218,17 @@ class TcpProxy:
         self.sockets: list[socket.socket] = []
         self.server = socket.create_server(("127.0.0.1", listen_port))
         self.port = self.server.getsockname()[1]
+        #: A DSN through this proxy (set by :meth:`in_front_of`).
+        self.dsn = ""
         threading.Thread(target=self._accept, daemon=True).start()
+
+    @classmethod
+    def in_front_of(cls, dsn: str) -> TcpProxy:
+        """A proxy in front of the server ``dsn`` names; :attr:`dsn` is ``dsn`` through it."""
+        params = conninfo.conninfo_to_dict(dsn)
+        proxy = cls(str(params.get("host", "127.0.0.1")), int(params.get("port", 5432)))
+        proxy.dsn = conninfo.make_conninfo(dsn, host="127.0.0.1", port=str(proxy.port))
+        return proxy
 
     def _accept(self) -> None:
         while True:

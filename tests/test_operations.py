@@ -145,11 +145,8 @@ def test_a_worker_frozen_right_after_its_first_send_of_a_limited_claim_holds_no_
     """psycopg sends each statement of a pipeline as it is queued: a worker frozen after sending
     BEGIN and the lock, before the claim and COMMIT, held the lock every limited claim needs until
     the server dropped its connection. The whole transaction now travels in one message."""
-    params = psycopg.conninfo.conninfo_to_dict(dsn)
-    proxy = TcpProxy(str(params.get("host", "127.0.0.1")), int(params.get("port", 5432)))
-    pool = make_pool(
-        psycopg.conninfo.make_conninfo(dsn, host="127.0.0.1", port=str(proxy.port)), name="t", min_size=1, max_size=1
-    )
+    proxy = TcpProxy.in_front_of(dsn)
+    pool = make_pool(proxy.dsn, name="t", min_size=1, max_size=1)
     pool.open(wait=True)
     # The first checkout checks the connection, and the first limited claim prepares the claim on it:
     # the claim below then sends nothing before its own message.

@@ -12,7 +12,6 @@ from pathlib import Path
 
 import psycopg
 import pytest
-from psycopg import conninfo
 from psycopg.rows import dict_row
 from psycopg_pool import PoolTimeout
 
@@ -62,11 +61,8 @@ def test_a_checkout_ends_in_its_timeout_when_the_database_stopped_answering(dsn:
     checkout's timeout said. Now the connection is cut and the checkout
     ends in its timeout; once the database answers, the pool works again.
     """
-    params = conninfo.conninfo_to_dict(dsn)
-    proxy = TcpProxy(str(params.get("host", "127.0.0.1")), int(params.get("port", 5432)))
-    pool = make_pool(
-        conninfo.make_conninfo(dsn, host="127.0.0.1", port=str(proxy.port)), name="t", min_size=1, max_size=1
-    )
+    proxy = TcpProxy.in_front_of(dsn)
+    pool = make_pool(proxy.dsn, name="t", min_size=1, max_size=1)
     pool.open(wait=True)
     try:
         with pool.connection() as conn:
@@ -303,11 +299,8 @@ def test_a_worker_frozen_right_after_its_first_send_of_a_mixed_completion_batch_
     relay.enqueue_many([{"type": "note"} for _ in range(4)])
     with psycopg.connect(dsn, autocommit=True, row_factory=dict_row) as db:
         jobs = [Job.from_row(row) for row in db.execute(sql("job_claim"), claim_params(limit=4))]
-        params = conninfo.conninfo_to_dict(dsn)
-        proxy = TcpProxy(str(params.get("host", "127.0.0.1")), int(params.get("port", 5432)))
-        pool = make_pool(
-            conninfo.make_conninfo(dsn, host="127.0.0.1", port=str(proxy.port)), name="frozen", min_size=1, max_size=1
-        )
+        proxy = TcpProxy.in_front_of(dsn)
+        pool = make_pool(proxy.dsn, name="frozen", min_size=1, max_size=1)
         pool.open(wait=True)
         completer = Completer(pool, lambda batch, done: None)
         # The first checkout checks the connection, the first mixed batch prepares its statements:
@@ -349,10 +342,8 @@ def test_a_completion_stuck_on_a_stalled_connection_at_stop_is_named_in_the_log(
     relay.enqueue_many([{"type": "note"} for _ in range(2)])
     with psycopg.connect(dsn, autocommit=True, row_factory=dict_row) as db:
         first, second = [Job.from_row(row) for row in db.execute(sql("job_claim"), claim_params(limit=2))]
-    params = conninfo.conninfo_to_dict(dsn)
-    proxy = TcpProxy(str(params.get("host", "127.0.0.1")), int(params.get("port", 5432)))
-    proxied = conninfo.make_conninfo(dsn, host="127.0.0.1", port=str(proxy.port))
-    pool = make_pool(proxied, name="stuck-completer", min_size=1, max_size=1)
+    proxy = TcpProxy.in_front_of(dsn)
+    pool = make_pool(proxy.dsn, name="stuck-completer", min_size=1, max_size=1)
     pool.open(wait=True)
     completer = Completer(pool, lambda batch, done: None)
     completer.start()

@@ -14,7 +14,6 @@ from pathlib import Path
 
 import psycopg
 import pytest
-from psycopg import conninfo
 
 from relay_core import Relay
 
@@ -115,10 +114,8 @@ def a_job_running_behind_a_proxy(
     """A worker process started with ``args`` and ``env`` whose database is reached through a proxy
     (clear ``flowing`` to stall it), running a job that sleeps two minutes: (the worker, the proxy,
     the job's id). On the way out the proxy flows again, and the worker is stopped."""
-    params = conninfo.conninfo_to_dict(dsn)
-    proxy = TcpProxy(str(params.get("host", "127.0.0.1")), int(params.get("port", 5432)))
-    through = conninfo.make_conninfo(dsn, host="127.0.0.1", port=str(proxy.port))
-    worker = start_worker_process(python, dict(worker_env, RELAY_DATABASE_URL=through, **env), *args, log=log)
+    proxy = TcpProxy.in_front_of(dsn)
+    worker = start_worker_process(python, dict(worker_env, RELAY_DATABASE_URL=proxy.dsn, **env), *args, log=log)
     try:
         job_id = relay.enqueue("record", {"sleep": 120})
         wait_for(lambda: executions(db, job_id), what="the job to start")

@@ -1467,9 +1467,8 @@ def test_a_handler_hears_its_lease_ran_out_while_the_database_stalls(dsn: str, r
     A handler that then stops early and returns has not done its work: when the database answers
     again, that return is a failed attempt, not a success (no sweeper took the job meanwhile, so a
     success would have been recorded and the work never done)."""
-    params = conninfo.conninfo_to_dict(dsn)
-    proxy = TcpProxy(str(params.get("host", "127.0.0.1")), int(params.get("port", 5432)))
-    through = Relay(conninfo.make_conninfo(dsn, host="127.0.0.1", port=str(proxy.port)))
+    proxy = TcpProxy.in_front_of(dsn)
+    through = Relay(proxy.dsn)
     started, told = threading.Event(), threading.Event()
 
     @through.handler("long", backoff=Backoff(base=0.1, jitter=0))
@@ -1516,9 +1515,8 @@ def test_a_worker_told_to_stop_while_its_database_stalls_exits_within_its_drain_
     in-flight wait now shares ``SHUTDOWN_WRITES_SECONDS``, whatever came before it took.
     (tests/test_processes.py measures a real process's exit after SIGTERM.)"""
     caplog.set_level("INFO", logger="relay")
-    params = conninfo.conninfo_to_dict(dsn)
-    proxy = TcpProxy(str(params.get("host", "127.0.0.1")), int(params.get("port", 5432)))
-    through = Relay(conninfo.make_conninfo(dsn, host="127.0.0.1", port=str(proxy.port)))
+    proxy = TcpProxy.in_front_of(dsn)
+    through = Relay(proxy.dsn)
     quick_started, finish_quick, release_long = threading.Event(), threading.Event(), threading.Event()
 
     @through.handler("quick")
@@ -1568,9 +1566,8 @@ def a_claim_whose_answer_is_held(
 ) -> Iterator[tuple[Worker, TcpProxy, int]]:
     """A worker behind a proxy whose claim of a fresh one-attempt job ("once", noted in ``ran`` when it
     runs) has committed, and whose answer the proxy holds: (the worker, the proxy, the job's id)."""
-    params = conninfo.conninfo_to_dict(dsn)
-    proxy = TcpProxy(str(params.get("host", "127.0.0.1")), int(params.get("port", 5432)))
-    through = Relay(conninfo.make_conninfo(dsn, host="127.0.0.1", port=str(proxy.port)))
+    proxy = TcpProxy.in_front_of(dsn)
+    through = Relay(proxy.dsn)
     through.handler("once", max_attempts=1)(lambda job: ran.append(job.id))
     settings = {"concurrency": 1, "lease_seconds": 60.0, "heartbeat_interval": 20.0, "listen": False}
     try:
@@ -1892,9 +1889,8 @@ def test_a_success_whose_completion_answer_was_lost_is_counted_a_success(
     """The completion commits, its answer is lost on the way, and the retry finds nothing left to
     write: the worker logged the run as lost to a lease taken over, and counted it so. It now reads
     its own success back by the lease token."""
-    params = conninfo.conninfo_to_dict(dsn)
-    proxy = TcpProxy(str(params.get("host", "127.0.0.1")), int(params.get("port", 5432)))
-    through = Relay(conninfo.make_conninfo(dsn, host="127.0.0.1", port=str(proxy.port)))
+    proxy = TcpProxy.in_front_of(dsn)
+    through = Relay(proxy.dsn)
     through.handler("note")(lambda job: None)
     settings = {"concurrency": 1, "lease_seconds": 60.0, "heartbeat_interval": 20.0, "listen": False}
     try:

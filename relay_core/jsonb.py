@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -32,6 +33,8 @@ from psycopg.types.json import set_json_loads
 
 #: The longest integer text Python reads by default (sys.get_int_max_str_digits()).
 INT_MAX_STR_DIGITS = 4300
+#: Decimal digits a float holds unchanged (C's DBL_DIG).
+FLOAT_DIGITS = sys.float_info.dig
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,24 +57,51 @@ def _itself(unreadable: UnreadableJson) -> UnreadableJson:
     return unreadable
 
 
-def _integer(digits: str, too_long: Callable[[str], Any]) -> Any:
-    return int(digits) if len(digits.lstrip("-")) <= INT_MAX_STR_DIGITS else too_long(digits)
+def _integer(digits: str, exact: Callable[[str], Any]) -> Any:
+    return int(digits) if len(digits.lstrip("-")) <= INT_MAX_STR_DIGITS else exact(digits)
+
+
+def _fraction(text: str, exact: Callable[[str], Any]) -> Any:
+    value = float(text)
+    # A float holds every number of 15 digits or fewer within its normal range as it is
+    # (C's DBL_DIG), and such a number fits in 15 characters: no slower check for those.
+    if len(text) <= FLOAT_DIGITS and sys.float_info.min <= abs(value) <= sys.float_info.max:
+        return value
+    return value if math.isfinite(value) and not float_changes(text, value) else exact(text)
+
+
+@functools.cache
+def _decoders(exact: Callable[[str], Any]) -> tuple[json.JSONDecoder, json.JSONDecoder]:
+    """Decoders reading fractions with ``exact`` where a float would change them; the second
+    reads integers too long for ``int`` with it as well (see ``loads``)."""
+    fraction = functools.partial(_fraction, exact=exact)
+    return (
+        json.JSONDecoder(parse_float=fraction),
+        json.JSONDecoder(parse_float=fraction, parse_int=functools.partial(_integer, exact=exact)),
+    )
 
 
 def loads(
     data: str | bytes,
-    too_long: Callable[[str], Any] = Decimal,
+    exact: Callable[[str], Any] = Decimal,
     too_deep: Callable[[UnreadableJson], Any] = _itself,
 ) -> Any:
-    """``json.loads``, reading integers too long for ``int`` with ``too_long`` (as Decimal, by default),
-    and a document nested too deeply as ``too_deep`` of its :class:`UnreadableJson` (that itself, by default)."""
+    """``json.loads``, reading a number that ``int`` refuses or a float would change with ``exact``
+    (as Decimal, by default), and a document nested too deeply as ``too_deep`` of its
+    :class:`UnreadableJson` (that itself, by default).
+
+    Integers are read by ``int`` unless one is too long: only a document
+    that fails so is read again, with the slower check on every integer.
+    """
+    text = data if isinstance(data, str) else bytes(data).decode("utf-8", "surrogatepass")  # as json.loads does
+    plain, long_integers = _decoders(exact)
     try:
         try:
-            return json.loads(data)
+            return plain.decode(text)
         except ValueError as exc:
             if "integer string conversion" not in str(exc):
                 raise
-            return json.loads(data, parse_int=functools.partial(_integer, too_long=too_long))
+            return long_integers.decode(text)
     except RecursionError:
         return too_deep(_too_deep(data))
 
@@ -95,9 +125,9 @@ def float_changes(text: str, value: float) -> bool:
 def read_any_number(conn: psycopg.Connection[Any], *, as_text: bool = False) -> None:
     """Make ``conn`` read json and jsonb with :func:`loads`.
 
-    ``as_text``: such an integer is read as its digits in a string, and a
+    ``as_text``: such a number is read as its digits in a string, and a
     document nested too deeply as a string saying so, for display (the admin
     API's records and the dashboard hold only JSON's own types), instead of
     as a Decimal and an :class:`UnreadableJson`.
     """
-    set_json_loads(functools.partial(loads, too_long=str, too_deep=str) if as_text else loads, conn)
+    set_json_loads(functools.partial(loads, exact=str, too_deep=str) if as_text else loads, conn)

@@ -1631,6 +1631,25 @@ def test_a_job_holding_a_number_too_long_for_int_runs_and_the_worker_carries_on(
     assert seen == [Decimal("1e5000"), 7]
 
 
+def test_a_job_holding_fractions_a_float_would_change_reads_them_exactly(relay: Relay, db: psycopg.Connection) -> None:
+    """jsonb holds fractions exactly; read as floats, one past a float's range became inf, 1e-400
+    became 0.0 and 12345678901234567.5 another number. A handler reads them as Decimals, and the
+    numbers a float holds (0.1, 2.5, 1e-300) as floats still."""
+    seen: list[object] = []
+    relay.handler("odd")(lambda job: seen.append(job.payload))
+    huge = "1" + "0" * 400 + ".5"
+    payload = f'{{"huge": {huge}, "tiny": 1e-400, "long": 12345678901234567.5, "plain": [0.1, 2.5, 1e-300]}}'
+    (job_id,) = db.execute(
+        "INSERT INTO relay.jobs (type, payload) VALUES ('odd', %s) RETURNING id", (payload,)
+    ).fetchone()
+    with running_worker(relay, concurrency=2):
+        wait_for(lambda: job_status(db, job_id) == "succeeded", what="the job with the exact fractions")
+    exact = {"huge": Decimal(huge), "tiny": Decimal("1e-400"), "long": Decimal("12345678901234567.5")}
+    assert seen == [{**exact, "plain": [0.1, 2.5, 1e-300]}]
+    assert [type(number) for number in seen[0]["plain"]] == [float, float, float]
+    assert relay.get_job(job_id).payload == seen[0]
+
+
 def test_a_job_whose_payload_nests_deeper_than_python_reads_dies_alone_and_the_worker_carries_on(
     relay: Relay, db: psycopg.Connection
 ) -> None:

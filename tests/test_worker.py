@@ -1650,6 +1650,55 @@ def test_a_job_holding_fractions_a_float_would_change_reads_them_exactly(relay: 
     assert relay.get_job(job_id).payload == seen[0]
 
 
+@pytest.mark.parametrize(
+    ("history", "kept"), [('{"note": "imported"}', [{"note": "imported"}]), ('"text"', ["text"]), ("null", [])]
+)
+def test_an_error_history_that_is_no_array_takes_failures_and_sweeps(
+    relay: Relay, db: psycopg.Connection, history: str, kept: list[object]
+) -> None:
+    """jsonb_array_length raised on a history another program wrote as no array: the failed attempt's
+    batch was refused, the job stayed claimed until its lease ran out, and then every sweep, on every
+    worker, failed on it, so no expired lease anywhere was recovered again. The history is kept as
+    its first entry, as the job's page reads it."""
+    relay.handler("fails", max_attempts=3)(lambda job: 1 / 0)
+    failing = relay.enqueue("fails")
+    db.execute("UPDATE relay.jobs SET errors = %s::jsonb WHERE id = %s", (history, failing))
+    with running_worker(relay):
+        wait_for(lambda: relay.get_job(failing).attempts == 1 and job_status(db, failing) == "queued")
+    (errors,) = db.execute("SELECT errors FROM relay.jobs WHERE id = %s", (failing,)).fetchone()
+    assert errors[: len(kept)] == kept and [e["type"] for e in errors[len(kept) :]] == ["ZeroDivisionError"]
+    # Two leases expired: the odd history's, and another job's behind it.
+    lost = [relay.enqueue("lost"), relay.enqueue("lost")]
+    expire = (
+        "UPDATE relay.jobs SET status = 'claimed', attempts = 1, lease_token = lease_token + 1, claimed_by = 'gone',"
+        " claimed_until = now() - %s::interval, errors = %s::jsonb WHERE id = %s"
+    )
+    db.execute(expire, ("2 minutes", history, lost[0]))
+    db.execute(expire, ("1 minute", "[]", lost[1]))
+    assert sweep_once(db) == {"queued": 2, "dead": 0, "cancelled": 0}
+    (errors,) = db.execute("SELECT errors FROM relay.jobs WHERE id = %s", (lost[0],)).fetchone()
+    assert errors[: len(kept)] == kept and [e["type"] for e in errors[len(kept) :]] == ["LeaseExpired"]
+
+
+@pytest.mark.parametrize("column", ["attempts", "lease_token"])
+def test_a_job_at_the_integer_limit_is_claimed_and_its_queue_flows(
+    relay: Relay, db: psycopg.Connection, column: str
+) -> None:
+    """The claim added 1 to attempts and to lease_token: a row written with SQL holding 2147483647 in
+    either failed every claim of its queue, so no job of it ran. Attempts stop at the limit (such a
+    job is on its last attempt) and the token turns over to 0, which fences the holder of 2147483647."""
+    ran: list[int] = []
+    relay.handler("limit", max_attempts=3)(lambda job: ran.append(job.id))
+    odd = relay.enqueue("limit")
+    db.execute(f"UPDATE relay.jobs SET {column} = 2147483647 WHERE id = %s", (odd,))
+    others = relay.enqueue_many([{"type": "limit"} for _ in range(3)])
+    with running_worker(relay):
+        wait_for(lambda: all(job_status(db, job_id) == "succeeded" for job_id in [odd, *others]), what="the queue")
+    assert sorted(ran) == sorted([odd, *others])
+    (value,) = db.execute(f"SELECT {column} FROM relay.jobs WHERE id = %s", (odd,)).fetchone()
+    assert value == (2147483647 if column == "attempts" else 0)
+
+
 def test_a_job_whose_payload_nests_deeper_than_python_reads_dies_alone_and_the_worker_carries_on(
     relay: Relay, db: psycopg.Connection
 ) -> None:

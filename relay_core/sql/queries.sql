@@ -151,7 +151,7 @@ WITH clock AS MATERIALIZED (
             -- Without the limits lock, claim nothing once any type has a limit.
             AND (%(locked)s OR NOT EXISTS (SELECT 1 FROM relay.type_limits))) AS q
     CROSS JOIN LATERAL (
-        SELECT id, type, priority, run_at, attempts + 1 >= max_attempts AS last_attempt FROM relay.jobs
+        SELECT id, type, priority, run_at, attempts >= max_attempts - 1 AS last_attempt FROM relay.jobs
         WHERE queue = q.name AND status = 'queued' AND run_at <= (SELECT at FROM clock)
           AND type NOT IN (SELECT type FROM room WHERE n <= 0)
         ORDER BY priority, run_at, id
@@ -177,8 +177,10 @@ WITH clock AS MATERIALIZED (
 ), claimed AS (
     UPDATE relay.jobs AS j
     SET status = 'claimed',
-        attempts = j.attempts + 1,
-        lease_token = j.lease_token + 1,
+        -- Neither may pass the integer's limit: a row written with SQL holding 2147483647 in
+        -- either failed every claim of its queue. The token only has to change (fencing).
+        attempts = least(j.attempts, 2147483646) + 1,
+        lease_token = mod(j.lease_token::bigint + 1, 2147483648)::integer,
         claimed_by = %(worker_id)s,
         claimed_until = (SELECT at FROM clock) + make_interval(secs => %(lease_seconds)s),
         started_at = (SELECT at FROM clock),
@@ -265,7 +267,13 @@ SET status = CASE WHEN j.cancel_requested_at IS NOT NULL THEN 'cancelled'
     claimed_until = NULL,
     last_error = f.message,
     -- The history keeps the newest 100 attempts, so a job with a huge max_attempts stays small.
-    errors = (CASE WHEN jsonb_array_length(j.errors) >= 100 THEN j.errors - 0 ELSE j.errors END)
+    -- A history that is no array (written with SQL by another program) is kept as its first
+    -- entry, as admin.get_job reads it (JSON null: none): jsonb_array_length raised on it, and the
+    -- refused batch left the job claimed until its lease ran out, then failed every sweep.
+    errors = (CASE jsonb_typeof(j.errors)
+                  WHEN 'array' THEN CASE WHEN jsonb_array_length(j.errors) >= 100 THEN j.errors - 0 ELSE j.errors END
+                  WHEN 'null' THEN '[]'::jsonb
+                  ELSE jsonb_build_array(j.errors) END)
              || jsonb_build_array(f.error::jsonb || jsonb_build_object('at', now()))
 FROM unnest(%(ids)s::bigint[], %(tokens)s::integer[], %(next_statuses)s::text[],
             %(delays)s::float8[], %(messages)s::text[], %(errors)s::text[])
@@ -348,7 +356,12 @@ SET status = CASE WHEN j.cancel_requested_at IS NOT NULL THEN 'cancelled'
     finished_at = CASE WHEN j.cancel_requested_at IS NOT NULL OR j.attempts >= j.max_attempts THEN now() END,
     run_at = now(),
     last_error = 'lease expired: worker ' || j.claimed_by || ' stopped heartbeating',
-    errors = (CASE WHEN jsonb_array_length(j.errors) >= 100 THEN j.errors - 0 ELSE j.errors END)
+    -- Kept as job_fail_many keeps it: one history that is no array failed every sweep,
+    -- on every worker, and no expired lease anywhere was recovered again.
+    errors = (CASE jsonb_typeof(j.errors)
+                  WHEN 'array' THEN CASE WHEN jsonb_array_length(j.errors) >= 100 THEN j.errors - 0 ELSE j.errors END
+                  WHEN 'null' THEN '[]'::jsonb
+                  ELSE jsonb_build_array(j.errors) END)
              || jsonb_build_array(jsonb_build_object(
         'attempt', j.attempts, 'at', now(), 'worker', j.claimed_by,
         'type', 'LeaseExpired',

@@ -1260,6 +1260,18 @@ def test_a_retention_no_prune_pass_could_use_is_refused_at_start(
 
 
 @pytest.mark.parametrize(
+    "value", [True, "7", 10**400, float("nan"), -1], ids=["bool", "str", "int-past-float", "nan", "negative"]
+)
+def test_a_retention_given_in_code_that_is_no_number_of_seconds_is_refused_by_name(value: object) -> None:
+    """``Retention(dead=True)`` was taken as 1 second, so dead jobs went a second after they died;
+    a string and an int too large for a float raised TypeError and OverflowError naming nothing."""
+    from relay_core import ConfigurationError
+
+    with pytest.raises(ConfigurationError, match="retention dead must be between 0"):
+        Retention(dead=value)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
     ("cron", "timezone", "night", "expected"),
     [
         # The clocks go back: a fixed time that happens twice runs once ...

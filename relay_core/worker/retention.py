@@ -7,12 +7,12 @@ pruning does not touch.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, fields
 
 import psycopg
 
 from ..errors import ConfigurationError
+from ..finite import finite_real
 from ..queries import sql
 from ..settings import env_float
 
@@ -59,8 +59,9 @@ class Retention:
 
 
 def _check_age(name: str, seconds: float) -> float:
-    """A retention is 0 (keep forever) or a finite number of seconds up to MAX_RETENTION_SECONDS."""
-    if not (math.isfinite(seconds) and 0 <= seconds <= MAX_RETENTION_SECONDS):
+    """A retention is 0 (keep forever) or a finite number of seconds up to MAX_RETENTION_SECONDS
+    (a real number: not a bool, which Python counts as 1 second, nor a string)."""
+    if not (finite_real(seconds) and 0 <= seconds <= MAX_RETENTION_SECONDS):
         raise ConfigurationError(
             f"{name} must be between 0 (keep forever) and {MAX_RETENTION_SECONDS:.0f} seconds, got {seconds!r}"
         )

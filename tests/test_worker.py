@@ -494,6 +494,33 @@ def test_transactional_handler_commits_with_success_or_not_at_all(
         db.execute("DROP TABLE relay_test.orders_sent")
 
 
+@pytest.mark.parametrize("statement", ["COMMIT", "ROLLBACK"])
+def test_a_transactional_handler_that_ends_its_own_transaction_fails_for_good(
+    relay: Relay, db: psycopg.Connection, statement: str
+) -> None:
+    """psycopg passes a COMMIT or ROLLBACK written in SQL to the server, and the fenced success then
+    committed on its own: after a ROLLBACK the job said succeeded with its work gone; after a COMMIT,
+    a job whose lease was taken over ran again and kept both runs' work. It ends dead, saying why."""
+    db.execute("CREATE TABLE relay_test.own_ends (job_id bigint)")
+    try:
+
+        @relay.handler("ends_own", max_attempts=3)
+        def ends_own(job: Job, conn: psycopg.Connection) -> None:
+            conn.execute("INSERT INTO relay_test.own_ends VALUES (%s)", (job.id,))
+            conn.execute(statement)
+
+        job_id = relay.enqueue("ends_own")
+        with running_worker(relay):
+            wait_for(lambda: job_status(db, job_id) == "dead", what="the job to end dead")
+        job = relay.get_job(job_id)
+        assert job.attempts == 1 and job.result is None
+        assert job.last_error.startswith("PermanentFailure") and "ended its own transaction" in job.last_error
+        written = db.execute("SELECT count(*) FROM relay_test.own_ends").fetchone()[0]
+        assert written == (1 if statement == "COMMIT" else 0)
+    finally:
+        db.execute("DROP TABLE relay_test.own_ends")
+
+
 def test_a_transactional_handlers_success_is_stamped_when_it_ends_not_when_it_began(
     relay: Relay, db: psycopg.Connection
 ) -> None:

@@ -18,6 +18,7 @@ import time
 from collections.abc import Mapping
 
 import psycopg
+from psycopg.pq import TransactionStatus
 from psycopg_pool import ConnectionPool
 
 from ..backoff import DEFAULT_BACKOFF, retry_delay, usable_delay
@@ -141,9 +142,23 @@ STRICTER_ISOLATION = (
     "(Relay's default) unless it finishes within one heartbeat interval"
 )
 
+#: Why a transactional handler that ran COMMIT or ROLLBACK itself ends dead. The success, written
+#: after it, committed on its own: after a ROLLBACK the job said succeeded with its work gone, and
+#: after a COMMIT a job whose lease was taken over ran again with its first run's work kept. Run
+#: again, the handler would end its transaction again.
+ENDED_OWN_TRANSACTION = (
+    "the transactional handler of {job_type!r} ended its own transaction (COMMIT or ROLLBACK in its SQL), "
+    "so its work and the job's success could not commit together: what it wrote before that was committed or "
+    "rolled back by it, not by Relay; return to commit and raise to roll back, or register it with "
+    "transactional=False to manage transactions itself"
+)
+
 
 def _run_transactional(job: Job, spec: HandlerSpec, pool: ConnectionPool) -> None:
     """Handler and fenced success in one transaction; LeaseLost rolls both back.
+
+    A handler that ended the transaction itself (SQL COMMIT or ROLLBACK,
+    which psycopg passes on) fails for good: see ``ENDED_OWN_TRANSACTION``.
 
     A handler that returns once ``job.lease_lost`` is true stopped because it
     was told to (its lease was taken over, or it ran past its timeout), so its
@@ -165,6 +180,8 @@ def _run_transactional(job: Job, spec: HandlerSpec, pool: ConnectionPool) -> Non
                         "its connection is a sync one in the completion transaction: make it a plain def, "
                         "or register it with transactional=False"
                     )
+                if conn.info.transaction_status == TransactionStatus.IDLE:
+                    raise PermanentFailure(ENDED_OWN_TRANSACTION.format(job_type=job.type))
                 if job.lease_lost:
                     raise LeaseLost(f"job {job.id} was told to stop; its work was rolled back")
                 try:

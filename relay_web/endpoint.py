@@ -214,6 +214,11 @@ def _sent_a_body() -> bool:
         return True
 
 
+def unknown_query_parameters() -> list[dict[str, Any]]:
+    """The request's query parameters as errors, for a view that takes none."""
+    return [{"field": name, "in": "query", "detail": "is not a known parameter"} for name in request.args]
+
+
 def _parse_inputs(spec: Endpoint, view_args: dict[str, Any]) -> dict[str, Any]:
     parsed: dict[str, Any] = {}
     errors: list[dict[str, Any]] = []
@@ -224,8 +229,8 @@ def _parse_inputs(spec: Endpoint, view_args: dict[str, Any]) -> dict[str, Any]:
         values, repeated = _single_values(request.args, "query")
         errors.extend(repeated)
         sources.append(("query", spec.query, values))
-    elif request.args and not spec.ignores_query:
-        errors.extend({"field": name, "in": "query", "detail": "is not a known parameter"} for name in request.args)
+    elif not spec.ignores_query:
+        errors.extend(unknown_query_parameters())
     if spec.headers:
         names = [f.alias or n for n, f in spec.headers.model_fields.items()]
         sources.append(("header", spec.headers, {n: request.headers[n] for n in names if n in request.headers}))

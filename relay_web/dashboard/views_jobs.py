@@ -102,6 +102,13 @@ def _job_filter(filters: dict[str, str]) -> monitor.JobFilter:
     )
 
 
+def _each_given_once() -> None:
+    """Refuse a filter or cursor given twice: the list showed the first and named neither (the API refuses it too)."""
+    for name in (*FILTERS, "before"):
+        if len(request.args.getlist(name)) > 1:
+            raise RelayError(f"the {name} parameter is given more than once; give it once")
+
+
 def _before() -> int | None:
     raw = request.args.get("before", "")
     if not raw:
@@ -120,6 +127,7 @@ def jobs() -> Response:
     error = None
     listing = monitor.JobPage(jobs=[], next_before=None)
     try:
+        _each_given_once()
         where = _job_filter(filters)
         before = _before()
     except RelayError as exc:

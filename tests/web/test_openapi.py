@@ -70,6 +70,14 @@ def test_every_route_is_described(app: Flask, client) -> None:
             assert (path, method.lower()) in described, f"{method} {rule.rule} is not in the document"
 
 
+def test_the_document_refuses_query_parameters_as_every_api_endpoint_does(client) -> None:
+    """docs/api.md: an unknown query parameter is a 422; the document's own view took any."""
+    for query in ("x=1", "x=1&x=2"):
+        response = client.get(f"/api/openapi.json?{query}")
+        assert response.status_code == 422 and response.mimetype == "application/problem+json", query
+        assert response.get_json()["errors"] == [{"field": "x", "in": "query", "detail": "is not a known parameter"}]
+
+
 def test_errors_are_documented_as_problems(client) -> None:
     doc = _document(client)
     for path, operations in doc["paths"].items():

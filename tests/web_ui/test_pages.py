@@ -185,6 +185,10 @@ def test_a_type_ending_in_a_space_is_its_own_filter_from_the_dead_view(
         ("before=%205", "cursor"),
         ("before=5%20", "cursor"),
         ("before=" + "9" * 5000, "cursor"),
+        # Given twice, the list showed the first value's jobs and named neither.
+        ("state=dead&state=queued", "the state parameter is given more than once"),
+        ("q=a&q=b", "the q parameter is given more than once"),
+        ("before=5&before=6", "the before parameter is given more than once"),
     ],
 )
 def test_bad_filters_say_what_is_wrong(viewer: DashboardClient, query: str, message: str) -> None:

@@ -9,6 +9,13 @@ and every worker that claimed the job after it went the same way. Relay's
 connections read such an integer as a ``decimal.Decimal`` instead: exact,
 and nothing else changes, since only a document that fails is read again.
 
+jsonb holds fractions past a float's range too: read as floats, ``1e400``
+with a fraction became ``inf`` (which the admin API then wrote as the bare
+token ``Infinity``, which no strict JSON parser reads) and ``1e-400`` became
+0.0. Such a number is read as a Decimal too. A fraction within the range is
+read as the nearest float, as JSON parsers do: ``avg()`` in SQL writes 16 or
+more digits, and handlers do float arithmetic with what it gives them.
+
 PostgreSQL also stores documents nested deeper than Python's parser reads (it
 recurses once per level, up to the interpreter's recursion limit): reading
 one raised RecursionError out of the claim, after it had committed, and the
@@ -33,8 +40,6 @@ from psycopg.types.json import set_json_loads
 
 #: The longest integer text Python reads by default (sys.get_int_max_str_digits()).
 INT_MAX_STR_DIGITS = 4300
-#: Decimal digits a float holds unchanged (C's DBL_DIG).
-FLOAT_DIGITS = sys.float_info.dig
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,16 +68,20 @@ def _integer(digits: str, exact: Callable[[str], Any]) -> Any:
 
 def _fraction(text: str, exact: Callable[[str], Any]) -> Any:
     value = float(text)
-    # A float holds every number of 15 digits or fewer within its normal range as it is
-    # (C's DBL_DIG), and such a number fits in 15 characters: no slower check for those.
-    if len(text) <= FLOAT_DIGITS and sys.float_info.min <= abs(value) <= sys.float_info.max:
+    if 0.0 < abs(value) < math.inf:
         return value
-    return value if math.isfinite(value) and not float_changes(text, value) else exact(text)
+    # 0.0 is exact unless a digit other than 0 was read as it (underflow); inf never is.
+    if value == 0.0 and not text.lstrip("-0.")[:1].isdigit():
+        return value
+    try:
+        return exact(text)
+    except InvalidOperation:  # an exponent past Decimal's (only json, not jsonb, holds one)
+        return value
 
 
 @functools.cache
 def _decoders(exact: Callable[[str], Any]) -> tuple[json.JSONDecoder, json.JSONDecoder]:
-    """Decoders reading fractions with ``exact`` where a float would change them; the second
+    """Decoders reading fractions past a float's range with ``exact``; the second
     reads integers too long for ``int`` with it as well (see ``loads``)."""
     fraction = functools.partial(_fraction, exact=exact)
     return (
@@ -86,14 +95,15 @@ def loads(
     exact: Callable[[str], Any] = Decimal,
     too_deep: Callable[[UnreadableJson], Any] = _itself,
 ) -> Any:
-    """``json.loads``, reading a number that ``int`` refuses or a float would change with ``exact``
-    (as Decimal, by default), and a document nested too deeply as ``too_deep`` of its
+    """``json.loads``, reading a number that ``int`` refuses or that is past a float's range with
+    ``exact`` (as Decimal, by default), and a document nested too deeply as ``too_deep`` of its
     :class:`UnreadableJson` (that itself, by default).
 
     Integers are read by ``int`` unless one is too long: only a document
     that fails so is read again, with the slower check on every integer.
     """
-    text = data if isinstance(data, str) else bytes(data).decode("utf-8", "surrogatepass")  # as json.loads does
+    # PostgreSQL sends UTF-8 (json.loads also guesses UTF-16 and UTF-32, which it never sends).
+    text = data if isinstance(data, str) else bytes(data).decode("utf-8", "surrogatepass")
     plain, long_integers = _decoders(exact)
     try:
         try:

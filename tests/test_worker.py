@@ -494,20 +494,37 @@ def test_transactional_handler_commits_with_success_or_not_at_all(
         db.execute("DROP TABLE relay_test.orders_sent")
 
 
-@pytest.mark.parametrize("statement", ["COMMIT", "ROLLBACK"])
+@pytest.mark.parametrize(
+    ("end", "then"),
+    [
+        ("COMMIT", "returns"),
+        ("ROLLBACK", "returns"),
+        ("COMMIT", "inserts"),
+        ("ROLLBACK", "selects"),
+        ("COMMIT", "raises"),
+    ],
+)
 def test_a_transactional_handler_that_ends_its_own_transaction_fails_for_good(
-    relay: Relay, db: psycopg.Connection, statement: str
+    relay: Relay, db: psycopg.Connection, end: str, then: str
 ) -> None:
     """psycopg passes a COMMIT or ROLLBACK written in SQL to the server, and the fenced success then
     committed on its own: after a ROLLBACK the job said succeeded with its work gone; after a COMMIT,
-    a job whose lease was taken over ran again and kept both runs' work. It ends dead, saying why."""
+    a job whose lease was taken over ran again and kept both runs' work, and one that raised after
+    it was retried, committing its work again each time. A statement after the end began a new
+    transaction that hid it. Such a job ends dead at once, saying why."""
     db.execute("CREATE TABLE relay_test.own_ends (job_id bigint)")
     try:
 
         @relay.handler("ends_own", max_attempts=3)
         def ends_own(job: Job, conn: psycopg.Connection) -> None:
             conn.execute("INSERT INTO relay_test.own_ends VALUES (%s)", (job.id,))
-            conn.execute(statement)
+            conn.execute(end)
+            if then == "inserts":
+                conn.execute("INSERT INTO relay_test.own_ends VALUES (-1)")
+            elif then == "selects":
+                conn.execute("SELECT 1")
+            elif then == "raises":
+                raise RuntimeError("after its own end")
 
         job_id = relay.enqueue("ends_own")
         with running_worker(relay):
@@ -515,8 +532,8 @@ def test_a_transactional_handler_that_ends_its_own_transaction_fails_for_good(
         job = relay.get_job(job_id)
         assert job.attempts == 1 and job.result is None
         assert job.last_error.startswith("PermanentFailure") and "ended its own transaction" in job.last_error
-        written = db.execute("SELECT count(*) FROM relay_test.own_ends").fetchone()[0]
-        assert written == (1 if statement == "COMMIT" else 0)
+        written = sorted(row[0] for row in db.execute("SELECT job_id FROM relay_test.own_ends"))
+        assert written == sorted(([job_id] if end == "COMMIT" else []) + ([-1] if then == "inserts" else []))
     finally:
         db.execute("DROP TABLE relay_test.own_ends")
 

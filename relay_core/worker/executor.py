@@ -15,7 +15,7 @@ import contextlib
 import inspect
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 
 import psycopg
 from psycopg.pq import TransactionStatus
@@ -34,7 +34,7 @@ from ..errors import (
 from ..handlers import HandlerSpec
 from ..job import Job
 from ..jsonb import UnreadableJson
-from ..pools import reset_session, without_user_timeout
+from ..pools import reset_session, restore_transactions, without_user_timeout
 from ..queries import sql
 from .aio import SlotLoop
 from .outcome import Kind, Outcome, describe, result_json
@@ -169,10 +169,15 @@ def _run_transactional(job: Job, spec: HandlerSpec, pool: ConnectionPool) -> Non
     set for its transaction, a renewal after its snapshot makes that UPDATE a
     serialization failure, reported as such (SuccessNotRecorded).
     """
-    with pool.connection() as conn, _handlers_own(pool, conn):
+    with pool.connection() as conn, _handlers_own(pool, conn), _autocommit_outside_transactions(conn):
         try:
             with conn.transaction():
-                value = spec.func(job, conn)
+                try:
+                    value = spec.func(job, conn)
+                except BaseException as exc:
+                    if _ended_its_transaction(conn):  # a retry would commit its work again
+                        raise PermanentFailure(ENDED_OWN_TRANSACTION.format(job_type=job.type)) from exc
+                    raise
                 if inspect.isawaitable(value):
                     _discard(value)
                     raise PermanentFailure(
@@ -180,7 +185,7 @@ def _run_transactional(job: Job, spec: HandlerSpec, pool: ConnectionPool) -> Non
                         "its connection is a sync one in the completion transaction: make it a plain def, "
                         "or register it with transactional=False"
                     )
-                if conn.info.transaction_status == TransactionStatus.IDLE:
+                if _ended_its_transaction(conn):
                     raise PermanentFailure(ENDED_OWN_TRANSACTION.format(job_type=job.type))
                 if job.lease_lost:
                     raise LeaseLost(f"job {job.id} was told to stop; its work was rolled back")
@@ -198,6 +203,33 @@ def _run_transactional(job: Job, spec: HandlerSpec, pool: ConnectionPool) -> Non
             # reach the statements Relay runs next on this pooled connection.
             with contextlib.suppress(psycopg.Error):
                 reset_session(conn)
+
+
+def _ended_its_transaction(conn: psycopg.Connection) -> bool:
+    """Whether the transaction Relay began for a handler is over, ended by the handler's own SQL."""
+    return conn.info.transaction_status == TransactionStatus.IDLE
+
+
+@contextlib.contextmanager
+def _autocommit_outside_transactions(conn: psycopg.Connection) -> Iterator[None]:
+    """``conn`` in autocommit while a transactional handler runs on it.
+
+    Inside ``conn.transaction()`` nothing changes. But a handler's statement
+    after its own COMMIT or ROLLBACK would otherwise begin a new transaction
+    (psycopg begins one before any statement outside a transaction), and
+    the success would commit in that one, apart from the work: in autocommit,
+    the connection is still outside a transaction when the handler returns,
+    which is how ``_run_transactional`` tells. A connection that cannot leave
+    autocommit again is closed, so its pool discards it instead of lending it on.
+    """
+    conn.autocommit = True
+    try:
+        yield
+    finally:
+        try:
+            restore_transactions(conn)
+        except psycopg.Error:
+            conn.close()
 
 
 def _discard(awaitable: object) -> None:

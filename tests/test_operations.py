@@ -13,6 +13,8 @@ import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime, timedelta
+from decimal import Decimal
+from fractions import Fraction
 from pathlib import Path
 
 import psycopg
@@ -1260,15 +1262,28 @@ def test_a_retention_no_prune_pass_could_use_is_refused_at_start(
 
 
 @pytest.mark.parametrize(
-    "value", [True, "7", 10**400, float("nan"), -1], ids=["bool", "str", "int-past-float", "nan", "negative"]
+    "value",
+    [True, "7", 10**400, float("nan"), -1, Decimal(86400)],
+    ids=["bool", "str", "int-past-float", "nan", "negative", "decimal"],
 )
 def test_a_retention_given_in_code_that_is_no_number_of_seconds_is_refused_by_name(value: object) -> None:
     """``Retention(dead=True)`` was taken as 1 second, so dead jobs went a second after they died;
     a string and an int too large for a float raised TypeError and OverflowError naming nothing."""
     from relay_core import ConfigurationError
 
-    with pytest.raises(ConfigurationError, match="retention dead must be between 0"):
+    with pytest.raises(ConfigurationError, match="retention dead must be a number of seconds from 0"):
         Retention(dead=value)  # type: ignore[arg-type]
+
+
+def test_a_retention_given_as_any_real_number_prunes(relay: Relay, db: psycopg.Connection) -> None:
+    """A Fraction passed the check and then failed every prune pass: PostgreSQL takes no Fraction."""
+    retention = Retention(succeeded=Fraction(86400), cancelled=60, dead=7 * 86400)
+    assert (retention.succeeded, retention.cancelled) == (86400.0, 60.0)
+    old = relay.enqueue("r")
+    db.execute(
+        "UPDATE relay.jobs SET status = 'succeeded', finished_at = now() - interval '2 days' WHERE id = %s", (old,)
+    )
+    assert prune_once(db, retention)["succeeded"] == 1
 
 
 @pytest.mark.parametrize(

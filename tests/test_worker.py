@@ -1729,7 +1729,8 @@ def test_a_job_at_the_integer_limit_is_claimed_and_its_queue_flows(
 ) -> None:
     """The claim added 1 to attempts and to lease_token: a row written with SQL holding 2147483647 in
     either failed every claim of its queue, so no job of it ran. Attempts stop at the limit (such a
-    job is on its last attempt) and the token turns over to 0, which fences the holder of 2147483647."""
+    job is on its last attempt) and the token turns over to 1 (0 is a job never claimed), which fences
+    the holder of 2147483647."""
     ran: list[int] = []
     relay.handler("limit", max_attempts=3)(lambda job: ran.append(job.id))
     odd = relay.enqueue("limit")
@@ -1739,7 +1740,7 @@ def test_a_job_at_the_integer_limit_is_claimed_and_its_queue_flows(
         wait_for(lambda: all(job_status(db, job_id) == "succeeded" for job_id in [odd, *others]), what="the queue")
     assert sorted(ran) == sorted([odd, *others])
     (value,) = db.execute(f"SELECT {column} FROM relay.jobs WHERE id = %s", (odd,)).fetchone()
-    assert value == (2147483647 if column == "attempts" else 0)
+    assert value == (2147483647 if column == "attempts" else 1)
 
 
 def test_a_job_whose_payload_nests_deeper_than_python_reads_dies_alone_and_the_worker_carries_on(

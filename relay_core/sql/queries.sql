@@ -178,9 +178,10 @@ WITH clock AS MATERIALIZED (
     UPDATE relay.jobs AS j
     SET status = 'claimed',
         -- Neither may pass the integer's limit: a row written with SQL holding 2147483647 in
-        -- either failed every claim of its queue. The token only has to change (fencing).
+        -- either failed every claim of its queue. The token only has to change (fencing); it turns
+        -- over to 1, as 0 is the token of a job never claimed.
         attempts = least(j.attempts, 2147483646) + 1,
-        lease_token = mod(j.lease_token::bigint + 1, 2147483648)::integer,
+        lease_token = mod(j.lease_token::bigint, 2147483647)::integer + 1,
         claimed_by = %(worker_id)s,
         claimed_until = (SELECT at FROM clock) + make_interval(secs => %(lease_seconds)s),
         started_at = (SELECT at FROM clock),

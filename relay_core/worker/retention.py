@@ -42,7 +42,8 @@ class Retention:
 
     def __post_init__(self) -> None:
         for field in fields(self):
-            _check_age(f"retention {field.name}", getattr(self, field.name))
+            # As a float: the prune passes it to PostgreSQL, which takes no Fraction.
+            object.__setattr__(self, field.name, _check_age(f"retention {field.name}", getattr(self, field.name)))
 
     @classmethod
     def from_env(cls) -> Retention:
@@ -59,13 +60,13 @@ class Retention:
 
 
 def _check_age(name: str, seconds: float) -> float:
-    """A retention is 0 (keep forever) or a finite number of seconds up to MAX_RETENTION_SECONDS
-    (a real number: not a bool, which Python counts as 1 second, nor a string)."""
+    """A retention is 0 (keep forever) or a finite number of seconds up to MAX_RETENTION_SECONDS, as a float
+    (a real number: not a bool, which Python counts as 1 second, nor a string or a Decimal)."""
     if not (finite_real(seconds) and 0 <= seconds <= MAX_RETENTION_SECONDS):
         raise ConfigurationError(
-            f"{name} must be between 0 (keep forever) and {MAX_RETENTION_SECONDS:.0f} seconds, got {seconds!r}"
+            f"{name} must be a number of seconds from 0 (keep forever) to {MAX_RETENTION_SECONDS:.0f}, got {seconds!r}"
         )
-    return seconds
+    return float(seconds)
 
 
 def prune_once(conn: psycopg.Connection, retention: Retention) -> dict[str, int]:

@@ -142,7 +142,16 @@ def _apply_next(conn: psycopg.Connection, lock_wait: float, patience: float) -> 
                 if not todo:
                     return None
                 migration = todo[0]
-                conn.execute(migration.sql)
+                try:
+                    conn.execute(migration.sql)
+                except psycopg.errors.LockNotAvailable:
+                    raise  # waited for a table: tried again below
+                except psycopg.Error as exc:
+                    # Which one, and that those before it stay: the operator fixes the cause and runs it again.
+                    raise MigrationError(
+                        f"migration {migration.version:04d}_{migration.name} failed, and was rolled back "
+                        f"(the migrations before it are applied): {exc}"
+                    ) from exc
                 conn.execute(
                     "INSERT INTO relay.schema_migrations (version, name) VALUES (%s, %s)",
                     (migration.version, migration.name),

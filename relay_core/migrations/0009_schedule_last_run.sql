@@ -21,8 +21,9 @@ ALTER TABLE relay.schedules
 -- (a job some other code enqueued with such a key) is left alone, a date that
 -- looks like one but does not exist (2024-02-30) too: the cast would have
 -- failed the migration, and every later one, until the row was found by hand.
--- (A temporary function: it goes with the migrating session.)
-CREATE OR REPLACE FUNCTION pg_temp.relay_tick_or_null(tick text) RETURNS timestamptz LANGUAGE plpgsql AS $$
+-- (A function in Relay's schema, dropped below: a temporary one needs the TEMP
+-- privilege on the database, which a role allowed only its own schema may lack.)
+CREATE OR REPLACE FUNCTION relay.migration_0009_tick_or_null(tick text) RETURNS timestamptz LANGUAGE plpgsql AS $$
 BEGIN
     RETURN tick::timestamptz;
 EXCEPTION WHEN data_exception THEN
@@ -33,14 +34,16 @@ $$;
 UPDATE relay.schedules AS s
 SET last_enqueued_tick = j.tick, last_job_id = j.id
 FROM (
-    SELECT DISTINCT ON (type) type, id, pg_temp.relay_tick_or_null(payload->>'scheduled_for') AS tick
+    SELECT DISTINCT ON (type) type, id, relay.migration_0009_tick_or_null(payload->>'scheduled_for') AS tick
     FROM relay.jobs
     WHERE idempotency_key LIKE 'cron:%'
       AND idempotency_key = 'cron:' || type || ':' || (payload->>'scheduled_for')
       AND payload->>'scheduled_for' ~ '^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(\.\d+)?[+-]\d\d:\d\d(:\d\d)?$'
-      AND pg_temp.relay_tick_or_null(payload->>'scheduled_for') IS NOT NULL
+      AND relay.migration_0009_tick_or_null(payload->>'scheduled_for') IS NOT NULL
     ORDER BY type, id DESC
 ) AS j
 WHERE j.type = s.type;
+
+DROP FUNCTION relay.migration_0009_tick_or_null(text);
 
 UPDATE relay.schedules SET runs_recorded_since = now() WHERE last_enqueued_tick IS NULL;

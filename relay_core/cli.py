@@ -286,13 +286,20 @@ def enqueue(
 @click.option("--workers", type=click.IntRange(1, 64), default=3, show_default=True)
 @click.option("--jobs", type=click.IntRange(1, 10_000_000), default=5000, show_default=True)
 @click.option("--concurrency", type=click.IntRange(1, 256), default=4, show_default=True)
-def prove(workers: int, jobs: int, concurrency: int) -> None:
+@click.option(
+    "--timeout",
+    type=click.FloatRange(1, 86400),
+    default=300,
+    show_default=True,
+    help="Seconds to wait for the jobs; any still unfinished then are reported as such.",
+)
+def prove(workers: int, jobs: int, concurrency: int, timeout: float) -> None:
     """Drain JOBS jobs with WORKERS processes and audit for duplicates and losses."""
     from .prove import run_proof
 
     dsn = _dsn_or_embedded()
     Relay(dsn).migrate()
-    result = run_proof(dsn, workers=workers, jobs=jobs, concurrency=concurrency)
+    result = run_proof(dsn, workers=workers, jobs=jobs, concurrency=concurrency, timeout=timeout)
     click.echo(result.report())
     if not result.ok:
         sys.exit(1)

@@ -22,6 +22,7 @@ from .client import Relay
 from .job import Job
 from .pools import connection_options
 from .queries import sql
+from .worker.config import WorkerConfig
 
 PROOF_QUEUE = "relay_proof"
 PROOF_TYPE = "relay.proof"
@@ -48,7 +49,13 @@ def record_execution(job: Job) -> None:
 
 @dataclass
 class ProofResult:
-    """What the audit found."""
+    """What the audit found.
+
+    A job is lost when its row is gone or it ended other than succeeded. One
+    still queued or claimed when the proof stopped (its time ran out, or its
+    workers exited) is unfinished, not lost: the proof could not tell, and
+    says why it stopped instead.
+    """
 
     workers: int
     jobs: int
@@ -56,6 +63,8 @@ class ProofResult:
     succeeded: int
     lost: int
     seconds: float
+    unfinished: int = 0
+    stopped: str = ""
 
     def report(self) -> str:
         """The lines `relay prove` prints."""
@@ -65,6 +74,10 @@ class ProofResult:
             f"succeeded:        {self.succeeded}",
             f"duplicates found: {len(self.duplicates)}",
             f"jobs lost:        {self.lost}",
+        ]
+        if self.unfinished:
+            lines.append(f"unfinished:       {self.unfinished} still queued or claimed: {self.stopped}")
+        lines += [
             f"seconds:          {self.seconds:.1f}",
             "audit query:      SELECT job_id, count(*) FROM relay_proof.executions GROUP BY job_id HAVING count(*) > 1",
             f"audit rows:       {self.duplicates if self.duplicates else '(none)'}",
@@ -73,14 +86,19 @@ class ProofResult:
 
     @property
     def ok(self) -> bool:
-        """Zero duplicates and nothing lost."""
-        return not self.duplicates and self.lost == 0
+        """Zero duplicates, nothing lost and every job run."""
+        return not self.duplicates and self.lost == 0 and self.unfinished == 0
 
 
 def run_proof(
     dsn: str, *, workers: int = 3, jobs: int = 5000, concurrency: int = 4, timeout: float = 300.0
 ) -> ProofResult:
-    """Enqueue ``jobs`` proof jobs, drain them with ``workers`` processes, audit."""
+    """Enqueue ``jobs`` proof jobs, drain them with ``workers`` processes, audit.
+
+    The workers' RELAY_* settings are checked first: a bad one stopped every
+    worker at its start, after the jobs were enqueued.
+    """
+    WorkerConfig.from_env(concurrency=concurrency, queues=(PROOF_QUEUE,))
     with psycopg.connect(dsn, **connection_options(dsn)) as conn:
         conn.execute(sql("proof_setup"))
     relay = Relay(dsn)
@@ -110,6 +128,7 @@ def run_proof(
     ]
     started = time.monotonic()
     procs = [subprocess.Popen(command, env=env) for _ in range(workers)]
+    stopped = f"the proof stopped after {timeout:.0f} s (--timeout)"
     try:
         with psycopg.connect(dsn, autocommit=True, **connection_options(dsn)) as conn:
             while time.monotonic() - started < timeout:
@@ -117,6 +136,8 @@ def run_proof(
                 if finished >= total:
                     break
                 if all(p.poll() is not None for p in procs):
+                    codes = sorted({p.returncode for p in procs})
+                    stopped = f"every worker exited (exit codes {', '.join(map(str, codes))}; see their output above)"
                     break
                 time.sleep(0.2)
         elapsed = time.monotonic() - started
@@ -131,5 +152,6 @@ def run_proof(
                 proc.kill()
     with psycopg.connect(dsn, autocommit=True, **connection_options(dsn)) as conn:
         duplicates = [(r[0], r[1]) for r in conn.execute(sql("proof_duplicates")).fetchall()]
-        _finished, succeeded, total = conn.execute(sql("proof_progress")).fetchone()
-    return ProofResult(workers, total, duplicates, succeeded, total - succeeded, elapsed)
+        finished, succeeded, total = conn.execute(sql("proof_progress")).fetchone()
+    lost = (jobs - total) + (finished - succeeded)  # rows gone, and jobs that ended dead or cancelled
+    return ProofResult(workers, jobs, duplicates, succeeded, lost, elapsed, total - finished, stopped)

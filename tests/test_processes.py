@@ -478,6 +478,29 @@ def test_relay_prove_finds_no_duplicates_and_loses_nothing(dsn: str, worker_env:
         )
 
 
+def test_relay_prove_checks_the_workers_settings_before_it_enqueues(dsn: str, worker_env: dict, python: str) -> None:
+    """A bad RELAY_* setting stopped every worker at its start, after the jobs were enqueued, and the
+    proof then reported every job as lost."""
+    env = dict(worker_env, RELAY_LEASE_SECONDS="abc")
+    result = run_relay(python, env, "prove", "--workers", "2", "--jobs", "300", timeout=60)
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "RELAY_LEASE_SECONDS must be a number" in result.stderr and "jobs lost" not in result.stdout
+    with psycopg.connect(dsn) as conn:
+        assert conn.execute("SELECT count(*) FROM relay.jobs WHERE queue = 'relay_proof'").fetchone() == (0,)
+
+
+def test_relay_prove_calls_jobs_it_had_no_time_for_unfinished_not_lost(dsn: str, worker_env: dict, python: str) -> None:
+    """A proof that ran out of time counted every job still queued as lost, and exited 1 claiming data loss."""
+    prove = ["prove", "--workers", "1", "--concurrency", "1", "--jobs", "20000", "--timeout", "1"]
+    result = run_relay(python, worker_env, *prove, timeout=120)
+    assert result.returncode == 1, result.stdout + result.stderr
+    lines = dict(line.split(":", 1) for line in result.stdout.splitlines() if ":" in line)
+    succeeded = int(lines["succeeded"])
+    assert lines["jobs lost"].strip() == "0" and lines["duplicates found"].strip() == "0"
+    unfinished = lines["unfinished"].strip()
+    assert unfinished == f"{20000 - succeeded} still queued or claimed: the proof stopped after 1 s (--timeout)"
+
+
 def test_json_logs_stay_json_when_the_database_drops_the_workers_connections(
     relay: Relay, db: psycopg.Connection, python: str, worker_env: dict, tmp_path: Path
 ) -> None:

@@ -468,7 +468,15 @@ WHERE last_seen_at < now() - make_interval(secs => %(keep_seconds)s)
 
 -- name: proof_setup
 -- `relay prove`: a fresh executions log and no proof jobs left from an earlier run.
-CREATE SCHEMA IF NOT EXISTS relay_proof;
+-- CREATE SCHEMA IF NOT EXISTS asks for the right to create schemas even when the
+-- schema exists: a role that owns relay_proof but may not create schemas was refused.
+DO $$
+BEGIN
+    IF NOT EXISTS (SELECT FROM pg_namespace WHERE nspname = 'relay_proof') THEN
+        CREATE SCHEMA relay_proof;
+    END IF;
+END
+$$;
 DROP TABLE IF EXISTS relay_proof.executions;
 CREATE TABLE relay_proof.executions (
     job_id bigint NOT NULL,

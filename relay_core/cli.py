@@ -93,7 +93,10 @@ class RelayCommands(click.Group):
 
     def invoke(self, ctx: click.Context) -> object:
         try:
-            return super().invoke(ctx)
+            # A statement the database refused, wherever a command runs it (a worker registering
+            # under a role that may only read Relay's tables, say), as one line too.
+            with database_errors():
+                return super().invoke(ctx)
         except (ConfigurationError, MigrationError) as exc:
             raise click.ClickException(str(exc)) from None
 
@@ -169,7 +172,7 @@ def worker(
         "lease_seconds": lease_seconds,
         "shutdown_timeout": shutdown_timeout,
     }
-    if queues:
+    if queues is not None:  # --queues '' names no queue: refused as such, not read as "not given"
         settings["queues"] = tuple(q.strip() for q in queues.split(",") if q.strip())
     if no_listen:
         settings["listen"] = False

@@ -141,14 +141,19 @@ def _port_is_free(port: int) -> bool:
         return True
 
 
+#: Connection parameters that hold secrets: the password, and the passphrase of the client's SSL key.
+SECRET_PARAMETERS = ("password", "sslpassword")
+
+
 def _safe_dsn(dsn: str) -> str:
-    """The DSN to print: the password, if it has one, masked."""
+    """The DSN to print: its secrets, where it has any, masked."""
     try:
         params = conninfo.conninfo_to_dict(dsn)
     except psycopg.ProgrammingError:
         return "(as configured)"
-    if params.get("password"):
-        params["password"] = "****"
+    secret = [name for name in SECRET_PARAMETERS if params.get(name)]
+    if secret:
+        params.update(dict.fromkeys(secret, "****"))
         return conninfo.make_conninfo(**params)
     return dsn
 
@@ -223,6 +228,7 @@ class Demo:
     def prepare(self, dsn: str) -> str:
         """Migrate, create the shop's tables, set the demo user's password; return the password."""
         from relay_shop.models import create_schema, make_engine
+        from sqlalchemy.exc import DBAPIError
 
         if database_url_set():
             refuse_foreign_jobs(dsn)
@@ -230,6 +236,9 @@ class Demo:
         engine = make_engine(dsn)
         try:
             create_schema(engine)
+        except DBAPIError as exc:  # a role that may not create the shop's schema, say
+            lines = str(exc.orig or exc).strip().splitlines()
+            raise DemoError(f"the database refused the example shop's tables: {lines[0] if lines else exc}") from None
         finally:
             engine.dispose()
         self.step(2, f"schema: {len(applied)} migration(s) applied, shop tables ready")
@@ -239,7 +248,10 @@ class Demo:
                 users.create_user(conn, DEMO_USER, password, "admin")
                 how = "created"
             except users.UserExists:
+                # The walkthrough requeues a job, which a viewer may not: the demo's own user is made
+                # admin again, as the banner and the README say it is.
                 users.set_password(conn, DEMO_USER, password)
+                users.set_role(conn, DEMO_USER, "admin")
                 how = "exists from an earlier run; new password set"
             # Last month's settlement report once, so the periodic job has a result to show.
             month = conn.execute("SELECT to_char(now() - interval '1 month', 'YYYY-MM')").fetchone()[0]

@@ -138,6 +138,30 @@ def test_a_worker_with_a_bad_setting_exits_with_one_line(
     assert db.execute("SELECT count(*) FROM relay.workers").fetchone() == (0,)
 
 
+def test_a_worker_whose_database_refuses_its_registration_exits_with_one_line(
+    python: str, worker_env: dict[str, str], dsn: str, db: psycopg.Connection
+) -> None:
+    """A role that may only read Relay's tables (here, a read-only DATABASE_URL): the worker's
+    registration was refused with a traceback, where `relay enqueue` says it in one line."""
+    read_only = conninfo.make_conninfo(dsn, options="-c default_transaction_read_only=on")
+    done = run_worker(python, {**worker_env, "RELAY_DATABASE_URL": read_only})
+    assert done.returncode == 1, done.stderr
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("Error: the database refused: cannot execute INSERT"), done.stderr
+    assert "Traceback" not in done.stderr
+    assert db.execute("SELECT count(*) FROM relay.workers").fetchone() == (0,)
+
+
+def test_a_worker_given_an_empty_queues_flag_is_refused_not_served_its_variables_queues(
+    python: str, worker_env: dict[str, str], db: psycopg.Connection
+) -> None:
+    """`--queues ''` was read as "not given": the worker served RELAY_QUEUES, or the default queue."""
+    done = run_worker(python, {**worker_env, "RELAY_QUEUES": "emails"}, "--queues", "")
+    assert done.returncode == 1, done.stderr
+    assert done.stderr.strip().splitlines()[-1] == "Error: a worker needs at least one queue", done.stderr
+    assert db.execute("SELECT count(*) FROM relay.workers").fetchone() == (0,)
+
+
 @pytest.mark.parametrize(
     ("setting", "named"),
     [("sslmode=bogus", "sslmode"), ("connect_timeout=abc", "connect_timeout"), ("port=99999", "port")],

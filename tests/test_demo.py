@@ -331,3 +331,29 @@ def test_the_producer_looks_for_an_order_whose_commit_went_unanswered_before_pla
     assert "did commit before the database went away" in out, out
     assert db.execute("SELECT count(*) FROM shop.orders").fetchone()[0] == before + 3
     assert db.execute("SELECT count(*) FROM relay.jobs WHERE type = 'send_confirmation_email'").fetchone()[0] == 3
+
+
+def test_the_demo_masks_every_secret_of_the_database_url_it_prints() -> None:
+    """The banner printed an SSL key's passphrase (sslpassword) in clear; only the password was masked."""
+    from relay_core.demo import _safe_dsn
+
+    shown = _safe_dsn("postgresql://app:hunter2@127.0.0.1/shop?sslmode=disable&sslpassword=KEYPASSPHRASE")
+    assert "hunter2" not in shown and "KEYPASSPHRASE" not in shown
+    assert "password=****" in shown and "sslpassword=****" in shown and "dbname=shop" in shown
+
+
+def test_the_demo_user_is_made_admin_again_when_it_exists(dsn: str, db: psycopg.Connection) -> None:
+    """A demo user made a viewer since an earlier run kept that role, while the banner said admin and
+    the walkthrough's requeue was refused with 403."""
+    import io
+
+    from relay_core import users
+    from relay_core.demo import DEMO_USER, Demo
+
+    out = io.StringIO()
+    Demo(out=out).prepare(dsn)
+    users.set_role(db, DEMO_USER, "viewer")
+    Demo(out=out).prepare(dsn)
+    assert [user.role for user in users.list_users(db) if user.username == DEMO_USER] == ["admin"]
+    banner = f"[3/6] user: {DEMO_USER}, role admin (exists from an earlier run; new password set)"
+    assert out.getvalue().splitlines()[-1] == banner

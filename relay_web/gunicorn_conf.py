@@ -2,9 +2,11 @@
 
 gunicorn reads ``WEB_CONCURRENCY`` (its worker count) and the port in ``--bind``
 without a bound or a clear word: ``WEB_CONCURRENCY=99999`` forked workers until
-the machine ran out of memory, ``0`` listened and never answered, ``abc`` and
+the machine ran out of memory, ``0`` listened and never answered, and
 ``PORT=99999`` stopped it with a traceback. They are checked here, where
 gunicorn reads its settings, and a bad one stops it with one line that names it.
+(A ``WEB_CONCURRENCY`` that is no number at all, ``abc`` or empty, still ends in
+gunicorn's own traceback: gunicorn reads it as it loads, before this file.)
 
 So are the app's own settings (a missing signing secret, an unreadable
 DATABASE_URL): read first in each worker, a bad one printed a traceback per

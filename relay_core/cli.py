@@ -93,10 +93,7 @@ class RelayCommands(click.Group):
 
     def invoke(self, ctx: click.Context) -> object:
         try:
-            # A statement the database refused, wherever a command runs it (a worker registering
-            # under a role that may only read Relay's tables, say), as one line too.
-            with database_errors():
-                return super().invoke(ctx)
+            return super().invoke(ctx)
         except (ConfigurationError, MigrationError) as exc:
             raise click.ClickException(str(exc)) from None
 
@@ -179,7 +176,10 @@ def worker(
     try:
         running = app.worker(**settings)
         require_handlers(running.handlers)
-        running.run()
+        # A statement the server refused as the worker starts (registering under a role that
+        # may only read Relay's tables, say) as one line; the app's own code above is not wrapped.
+        with database_errors(only_from_server=True):
+            running.run()
     except ConfigurationError as exc:
         raise click.ClickException(str(exc)) from None
     if running.handlers_left_running:
@@ -302,7 +302,8 @@ def prove(workers: int, jobs: int, concurrency: int, timeout: float) -> None:
 
     dsn = _dsn_or_embedded()
     Relay(dsn).migrate()
-    result = run_proof(dsn, workers=workers, jobs=jobs, concurrency=concurrency, timeout=timeout)
+    with database_errors(only_from_server=True):
+        result = run_proof(dsn, workers=workers, jobs=jobs, concurrency=concurrency, timeout=timeout)
     click.echo(result.report())
     if not result.ok:
         sys.exit(1)

@@ -48,19 +48,29 @@ def connect() -> psycopg.Connection:
     return conn
 
 
+#: What a statement of Relay's meets when a later migration's table, function or column is missing.
+MISSING_OBJECT = (psycopg.errors.UndefinedTable, psycopg.errors.UndefinedFunction, psycopg.errors.UndefinedColumn)
+
+
 @contextmanager
-def database_errors() -> Iterator[None]:
+def database_errors(only_from_server: bool = False) -> Iterator[None]:
     """A statement the database refused as one line, not a traceback.
 
     A read-only replica behind DATABASE_URL, a statement timeout or a lost
     connection is the operator's to fix, not a bug of the command.
+    ``only_from_server``: errors psycopg raised itself (a lost connection, a
+    query its caller got wrong) keep their traceback.
     """
     try:
         yield
-    except (psycopg.errors.UndefinedTable, psycopg.errors.UndefinedFunction, psycopg.errors.UndefinedColumn):
-        # A table, function or column a later migration adds: the schema is behind this release.
-        raise click.ClickException(MISSING_TABLES) from None
     except psycopg.Error as exc:
+        if only_from_server and exc.sqlstate is None:
+            raise
+        if isinstance(
+            exc, psycopg.errors.UndefinedTable | psycopg.errors.UndefinedFunction | psycopg.errors.UndefinedColumn
+        ):
+            # A table, function or column a later migration adds: the schema is behind this release.
+            raise click.ClickException(MISSING_TABLES) from None
         lines = str(exc).strip().splitlines()
         detail = lines[0] if lines else type(exc).__name__
         raise click.ClickException(f"the database refused: {detail}") from None

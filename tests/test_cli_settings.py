@@ -152,6 +152,32 @@ def test_a_worker_whose_database_refuses_its_registration_exits_with_one_line(
     assert db.execute("SELECT count(*) FROM relay.workers").fetchone() == (0,)
 
 
+APP_READING_ITS_OWN_TABLE = """\
+import os
+
+import psycopg
+
+from relay_core import Relay
+
+with psycopg.connect(os.environ["RELAY_DATABASE_URL"]) as conn:
+    conn.execute("SELECT name FROM app_feature_flags")
+
+relay = Relay()
+"""
+
+
+def test_an_error_of_the_apps_own_sql_keeps_its_traceback(
+    python: str, worker_env: dict[str, str], tmp_path: Path
+) -> None:
+    """Only what the server refuses as the worker runs is one line: an app whose own table is missing
+    at import was told to run relay migrate, and the table's name was lost."""
+    (tmp_path / "flags_app.py").write_text(APP_READING_ITS_OWN_TABLE)
+    done = run_worker(python, worker_env, app="flags_app:relay", cwd=tmp_path)
+    assert done.returncode == 1, done.stderr
+    assert f'File "{tmp_path / "flags_app.py"}", line 8' in done.stderr
+    assert 'relation "app_feature_flags" does not exist' in done.stderr and "migrate" not in done.stderr
+
+
 def test_a_worker_given_an_empty_queues_flag_is_refused_not_served_its_variables_queues(
     python: str, worker_env: dict[str, str], db: psycopg.Connection
 ) -> None:

@@ -51,10 +51,12 @@ def record_execution(job: Job) -> None:
 class ProofResult:
     """What the audit found.
 
-    A job is lost when its row is gone or it ended other than succeeded. One
-    still queued or claimed when the proof stopped (its time ran out, or its
-    workers exited) is unfinished, not lost: the proof could not tell, and
-    says why it stopped instead.
+    A job is lost when it ended other than succeeded, or its row is gone
+    without its having run (retention prunes finished jobs: one it pruned after
+    its run counts as succeeded, and ``pruned`` says how many). One still
+    queued or claimed when the proof stopped (its time ran out, or its workers
+    exited) is unfinished, not lost: the proof could not tell, and says why it
+    stopped instead.
     """
 
     workers: int
@@ -65,13 +67,15 @@ class ProofResult:
     seconds: float
     unfinished: int = 0
     stopped: str = ""
+    pruned: int = 0
 
     def report(self) -> str:
         """The lines `relay prove` prints."""
         lines = [
             f"workers:          {self.workers} processes",
             f"jobs:             {self.jobs}",
-            f"succeeded:        {self.succeeded}",
+            f"succeeded:        {self.succeeded}"
+            + (f" ({self.pruned} of them pruned by retention after they ran)" if self.pruned else ""),
             f"duplicates found: {len(self.duplicates)}",
             f"jobs lost:        {self.lost}",
         ]
@@ -103,12 +107,13 @@ def run_proof(
         conn.execute(sql("proof_setup"))
     relay = Relay(dsn)
     try:
-        for start in range(0, jobs, 5000):
-            batch = [
-                {"type": PROOF_TYPE, "queue": PROOF_QUEUE, "payload": {"n": n}}
-                for n in range(start, min(jobs, start + 5000))
-            ]
-            relay.enqueue_many(batch)
+        with psycopg.connect(dsn, autocommit=True, **connection_options(dsn)) as conn:
+            for start in range(0, jobs, 5000):
+                batch = [
+                    {"type": PROOF_TYPE, "queue": PROOF_QUEUE, "payload": {"n": n}}
+                    for n in range(start, min(jobs, start + 5000))
+                ]
+                conn.execute(sql("proof_enqueued"), {"ids": relay.enqueue_many(batch)})
     finally:
         relay.close()
     env = dict(os.environ, RELAY_DATABASE_URL=dsn)
@@ -152,6 +157,5 @@ def run_proof(
                 proc.kill()
     with psycopg.connect(dsn, autocommit=True, **connection_options(dsn)) as conn:
         duplicates = [(r[0], r[1]) for r in conn.execute(sql("proof_duplicates")).fetchall()]
-        finished, succeeded, total = conn.execute(sql("proof_progress")).fetchone()
-    lost = (jobs - total) + (finished - succeeded)  # rows gone, and jobs that ended dead or cancelled
-    return ProofResult(workers, jobs, duplicates, succeeded, lost, elapsed, total - finished, stopped)
+        succeeded, pruned, lost, unfinished = conn.execute(sql("proof_outcome")).fetchone()
+    return ProofResult(workers, jobs, duplicates, succeeded, lost, elapsed, unfinished, stopped, pruned)

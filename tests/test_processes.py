@@ -551,3 +551,24 @@ def test_with_json_logs_the_applications_own_log_lines_and_warnings_are_json_too
     assert "imported 41 rows\nrow 12 skipped" in messages
     assert any("the v1 export format is deprecated\nuse v2" in message for message in messages)
     assert any(entry.get("job_id") == job_id and entry["message"] == "job succeeded" for entry in entries)
+
+
+def test_relay_prove_counts_a_job_retention_pruned_after_it_ran_as_succeeded(
+    dsn: str, worker_env: dict, python: str
+) -> None:
+    """Retention deletes finished jobs, the proof's own workers' too: a proof that outlasted it counted
+    every pruned row as lost, though each of those jobs ran once."""
+    prove = [python, "-m", "relay_core", "prove", "--workers", "2", "--jobs", "3000"]
+    proof = subprocess.Popen(prove, env=worker_env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    pruned = 0
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        while proof.poll() is None:  # retention, as fast as it can go
+            prune = "DELETE FROM relay.jobs WHERE queue = 'relay_proof' AND status = 'succeeded'"
+            pruned += conn.execute(prune).rowcount
+            time.sleep(0.02)
+    out, err = proof.communicate()
+    assert proof.returncode == 0, out + err
+    lines = dict(line.split(":", 1) for line in out.splitlines() if ":" in line)
+    assert lines["jobs lost"].strip() == "0" and lines["duplicates found"].strip() == "0"
+    assert pruned > 0 and lines["succeeded"].strip().startswith("3000 (")
+    assert "pruned by retention after they ran" in lines["succeeded"]

@@ -484,7 +484,14 @@ CREATE TABLE relay_proof.executions (
     attempt integer NOT NULL,
     at timestamptz NOT NULL DEFAULT now()
 );
+-- The ids enqueued: a finished job's row may be pruned by retention before the audit.
+DROP TABLE IF EXISTS relay_proof.enqueued;
+CREATE TABLE relay_proof.enqueued (job_id bigint PRIMARY KEY);
 DELETE FROM relay.jobs WHERE queue = 'relay_proof';
+
+-- name: proof_enqueued
+-- `relay prove`: record the ids of a batch of proof jobs just enqueued.
+INSERT INTO relay_proof.enqueued (job_id) SELECT unnest(%(ids)s::bigint[]);
 
 -- name: proof_record_execution
 -- The proof handler's side effect: one row per run, outside the job's completion.
@@ -493,6 +500,18 @@ INSERT INTO relay_proof.executions (job_id, worker, attempt) VALUES (%(job_id)s,
 -- name: proof_duplicates
 -- The audit: jobs that ran more than once.
 SELECT job_id, count(*) FROM relay_proof.executions GROUP BY job_id HAVING count(*) > 1;
+
+-- name: proof_outcome
+-- The audit of every job enqueued: succeeded (its row says so, or retention pruned
+-- it after it ran: its execution is recorded), lost (it ended dead or cancelled, or
+-- its row is gone without its having run), or unfinished (still queued or claimed).
+SELECT count(*) FILTER (WHERE j.status = 'succeeded' OR (j.id IS NULL AND ran.job_id IS NOT NULL)) AS succeeded,
+       count(*) FILTER (WHERE j.id IS NULL AND ran.job_id IS NOT NULL) AS pruned,
+       count(*) FILTER (WHERE j.status IN ('dead', 'cancelled') OR (j.id IS NULL AND ran.job_id IS NULL)) AS lost,
+       count(*) FILTER (WHERE j.status IN ('queued', 'claimed')) AS unfinished
+FROM relay_proof.enqueued AS e
+LEFT JOIN relay.jobs AS j ON j.id = e.job_id
+LEFT JOIN (SELECT DISTINCT job_id FROM relay_proof.executions) AS ran ON ran.job_id = e.job_id;
 
 -- name: proof_progress
 -- How many proof jobs are finished and how many succeeded.

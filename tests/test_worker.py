@@ -538,6 +538,25 @@ def test_a_transactional_handler_that_ends_its_own_transaction_fails_for_good(
         db.execute("DROP TABLE relay_test.own_ends")
 
 
+def test_a_transactional_handler_raising_psycopgs_rollback_fails_its_attempt_at_once(
+    relay: Relay, db: psycopg.Connection
+) -> None:
+    """psycopg.Rollback leaves the transaction block it ends quietly, and the block is Relay's: no
+    outcome was written, and the job sat claimed until its lease ran out, then failed as a worker
+    that "stopped heartbeating", on every attempt."""
+
+    @relay.handler("rolls_back", max_attempts=1)
+    def rolls_back(job: Job, conn: psycopg.Connection) -> None:
+        conn.execute("SELECT 1")
+        raise psycopg.Rollback()
+
+    job_id = relay.enqueue("rolls_back")
+    with running_worker(relay, lease_seconds=30):
+        wait_for(lambda: job_status(db, job_id) == "dead", timeout=10, what="the attempt to fail")
+    job = relay.get_job(job_id)
+    assert job.last_error.startswith("RuntimeError") and "raised psycopg.Rollback" in job.last_error
+
+
 def test_a_transactional_handlers_success_is_stamped_when_it_ends_not_when_it_began(
     relay: Relay, db: psycopg.Connection
 ) -> None:

@@ -153,6 +153,12 @@ ENDED_OWN_TRANSACTION = (
     "transactional=False to manage transactions itself"
 )
 
+#: The failure of a transactional handler that raised psycopg.Rollback.
+ROLLED_BACK = (
+    "the transactional handler of {job_type!r} raised psycopg.Rollback, so its work was rolled back; "
+    "this attempt counts as failed (raise an exception of your own to say why)"
+)
+
 
 def _run_transactional(job: Job, spec: HandlerSpec, pool: ConnectionPool) -> None:
     """Handler and fenced success in one transaction; LeaseLost rolls both back.
@@ -177,6 +183,11 @@ def _run_transactional(job: Job, spec: HandlerSpec, pool: ConnectionPool) -> Non
                 except BaseException as exc:
                     if _ended_its_transaction(conn):  # a retry would commit its work again
                         raise PermanentFailure(ENDED_OWN_TRANSACTION.format(job_type=job.type)) from exc
+                    if isinstance(exc, psycopg.Rollback):
+                        # psycopg.Rollback ends the transaction block it leaves quietly, and this
+                        # block is Relay's: nothing was written, and the job sat claimed until its
+                        # lease ran out, then failed as "stopped heartbeating".
+                        raise RuntimeError(ROLLED_BACK.format(job_type=job.type)) from exc
                     raise
                 if inspect.isawaitable(value):
                     _discard(value)

@@ -66,9 +66,7 @@ def database_errors(only_from_server: bool = False) -> Iterator[None]:
     except psycopg.Error as exc:
         if only_from_server and exc.sqlstate is None:
             raise
-        if isinstance(
-            exc, psycopg.errors.UndefinedTable | psycopg.errors.UndefinedFunction | psycopg.errors.UndefinedColumn
-        ):
+        if isinstance(exc, MISSING_OBJECT):
             # A table, function or column a later migration adds: the schema is behind this release.
             raise click.ClickException(MISSING_TABLES) from None
         lines = str(exc).strip().splitlines()

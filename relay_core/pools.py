@@ -603,11 +603,23 @@ def reset_session(conn: psycopg.Connection) -> None:
     conn.commit()
 
 
-def restore_transactions(conn: psycopg.Connection) -> None:
-    """Leave autocommit after a one-statement shortcut, unless the connection broke.
+@contextmanager
+def in_autocommit(conn: psycopg.Connection) -> Iterator[psycopg.Connection]:
+    """``conn`` in autocommit for the block, then back to transactions.
 
-    On a broken connection setting the attribute would raise and hide the
-    error that broke it; the pool discards broken connections anyway.
+    For a one-statement shortcut, a VACUUM, a message that carries its own
+    BEGIN and COMMIT, or a transactional handler's run (see
+    ``executor._run_transactional``). A closed or broken connection is left
+    as it is: setting the attribute would raise and hide the error that broke
+    it, and the pool discards such connections. One still in a transaction
+    (a ROLLBACK that failed) is closed rather than lent on in autocommit.
     """
-    if not conn.broken:
-        conn.autocommit = False
+    conn.autocommit = True
+    try:
+        yield conn
+    finally:
+        if not conn.closed:
+            try:
+                conn.autocommit = False
+            except psycopg.Error:
+                conn.close()

@@ -24,7 +24,7 @@ from psycopg_pool import ConnectionPool
 
 from relay_core import Relay, monitor
 from relay_core.jsonb import read_any_number
-from relay_core.pools import ReconnectingPool, connection_options
+from relay_core.pools import ReconnectingPool, connection_options, in_autocommit
 from relay_core.timestamps import read_any_timestamp
 
 EXTENSION = "relay.db"
@@ -169,11 +169,6 @@ def counters_read() -> Iterator[psycopg.Connection]:
     relay.jobs and then empties the counters. The reads gain nothing from one
     transaction anyway: at READ COMMITTED each statement has its own snapshot.
     """
-    with connection() as conn:
-        conn.autocommit = True
-        try:
-            monitor.fold_counters(conn, rows=FOLD_ROWS_PER_READ)
-            yield conn
-        finally:
-            if not conn.closed:
-                conn.autocommit = False
+    with connection() as conn, in_autocommit(conn):
+        monitor.fold_counters(conn, rows=FOLD_ROWS_PER_READ)
+        yield conn

@@ -16,7 +16,7 @@ from typing import Any
 import psycopg
 from psycopg.rows import dict_row
 
-from ..pools import RelayPool, restore_transactions
+from ..pools import RelayPool, in_autocommit
 from ..queries import sql
 from ..stalls import WATCHDOG, cut_at
 from .one_message import run_as_one_message
@@ -134,12 +134,8 @@ def claim_rows(pool: RelayPool, params: dict[str, Any], in_flight: ClaimInFlight
         if params["locked"]:
             rows = claim_under_limits_lock(conn, params, prepared=not pool.transaction_pooling)
         else:
-            conn.autocommit = True
-            try:
-                with conn.cursor(row_factory=dict_row) as cur:
-                    rows = cur.execute(sql("job_claim"), params, prepare=True).fetchall()
-            finally:
-                restore_transactions(conn)
+            with in_autocommit(conn), conn.cursor(row_factory=dict_row) as cur:
+                rows = cur.execute(sql("job_claim"), params, prepare=True).fetchall()
     return rows, sent
 
 

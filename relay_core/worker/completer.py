@@ -18,7 +18,7 @@ import psycopg
 from psycopg_pool import PoolTimeout
 
 from ..logs import event
-from ..pools import RelayPool, outdated_plan, restore_transactions
+from ..pools import RelayPool, in_autocommit, outdated_plan
 from ..queries import sql
 from ..stalls import cut_at
 from .one_message import run_as_one_message
@@ -233,11 +233,8 @@ class Completer:
             if len(statements) == 1:
                 # The usual batch (all successes) is one statement: autocommit, one round trip.
                 name, params = statements[0]
-                conn.autocommit = True
-                try:
+                with in_autocommit(conn):
                     written.update(conn.execute(sql(name), params, prepare=True).fetchall())
-                finally:
-                    restore_transactions(conn)
                 return written
             # BEGIN, the statements and COMMIT as one message: one round trip per batch, and a
             # worker frozen meanwhile leaves no transaction holding its jobs' rows locked.

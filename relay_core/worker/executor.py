@@ -15,7 +15,7 @@ import contextlib
 import inspect
 import os
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 
 import psycopg
 from psycopg.pq import TransactionStatus
@@ -34,7 +34,7 @@ from ..errors import (
 from ..handlers import HandlerSpec
 from ..job import Job
 from ..jsonb import UnreadableJson
-from ..pools import reset_session, restore_transactions, without_user_timeout
+from ..pools import in_autocommit, reset_session, without_user_timeout
 from ..queries import sql
 from .aio import SlotLoop
 from .outcome import Kind, Outcome, describe, result_json
@@ -165,6 +165,12 @@ def _run_transactional(job: Job, spec: HandlerSpec, pool: ConnectionPool) -> Non
 
     A handler that ended the transaction itself (SQL COMMIT or ROLLBACK,
     which psycopg passes on) fails for good: see ``ENDED_OWN_TRANSACTION``.
+    The connection is in autocommit meanwhile, which inside
+    ``conn.transaction()`` changes nothing; but outside one psycopg would
+    begin a new transaction before the handler's next statement, and the
+    success would commit in that one, apart from the work. In autocommit the
+    connection is still outside a transaction when the handler returns or
+    raises, which is how the end is told.
 
     A handler that returns once ``job.lease_lost`` is true stopped because it
     was told to (its lease was taken over, or it ran past its timeout), so its
@@ -175,7 +181,7 @@ def _run_transactional(job: Job, spec: HandlerSpec, pool: ConnectionPool) -> Non
     set for its transaction, a renewal after its snapshot makes that UPDATE a
     serialization failure, reported as such (SuccessNotRecorded).
     """
-    with pool.connection() as conn, _handlers_own(pool, conn), _autocommit_outside_transactions(conn):
+    with pool.connection() as conn, _handlers_own(pool, conn), in_autocommit(conn):
         try:
             with conn.transaction():
                 try:
@@ -219,28 +225,6 @@ def _run_transactional(job: Job, spec: HandlerSpec, pool: ConnectionPool) -> Non
 def _ended_its_transaction(conn: psycopg.Connection) -> bool:
     """Whether the transaction Relay began for a handler is over, ended by the handler's own SQL."""
     return conn.info.transaction_status == TransactionStatus.IDLE
-
-
-@contextlib.contextmanager
-def _autocommit_outside_transactions(conn: psycopg.Connection) -> Iterator[None]:
-    """``conn`` in autocommit while a transactional handler runs on it.
-
-    Inside ``conn.transaction()`` nothing changes. But a handler's statement
-    after its own COMMIT or ROLLBACK would otherwise begin a new transaction
-    (psycopg begins one before any statement outside a transaction), and
-    the success would commit in that one, apart from the work: in autocommit,
-    the connection is still outside a transaction when the handler returns,
-    which is how ``_run_transactional`` tells. A connection that cannot leave
-    autocommit again is closed, so its pool discards it instead of lending it on.
-    """
-    conn.autocommit = True
-    try:
-        yield
-    finally:
-        try:
-            restore_transactions(conn)
-        except psycopg.Error:
-            conn.close()
 
 
 def _discard(awaitable: object) -> None:

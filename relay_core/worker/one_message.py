@@ -32,7 +32,7 @@ from typing import Any
 import psycopg
 from psycopg.rows import RowFactory, tuple_row
 
-from ..pools import restore_transactions
+from ..pools import in_autocommit
 from ..queries import sql
 
 #: The statements each connection's session has prepared, by name.
@@ -94,8 +94,7 @@ def run_as_one_message(
     is rolled back whole), so it goes once more, its statements prepared
     again.
     """
-    conn.autocommit = True
-    try:
+    with in_autocommit(conn):
         try:
             return _send(conn, statements, prepared, row_factory)
         except psycopg.errors.InvalidSqlStatementName:
@@ -103,8 +102,6 @@ def run_as_one_message(
                 raise
             _PREPARED_ON.pop(conn, None)
             return _send(conn, statements, prepared, row_factory)
-    finally:
-        restore_transactions(conn)
 
 
 def _send(

@@ -22,7 +22,7 @@ import psycopg
 from psycopg import sql as pgsql
 
 from ..logs import event
-from ..pools import restore_transactions
+from ..pools import in_autocommit
 from ..queries import sql
 
 #: Dead row versions a table may hold before it is vacuumed ...
@@ -58,11 +58,8 @@ def vacuum_if_needed(conn: psycopg.Connection) -> list[str]:
         )
     if not tables:
         return []
-    conn.autocommit = True  # VACUUM cannot run inside a transaction
-    try:
+    with in_autocommit(conn):  # VACUUM cannot run inside a transaction
         for table in tables:
             conn.execute(pgsql.SQL("VACUUM (SKIP_LOCKED, ANALYZE) {}").format(pgsql.Identifier("relay", table)))
-    finally:
-        restore_transactions(conn)
     event(logging.INFO, "vacuumed tables autovacuum does not reach", tables=",".join(tables))
     return tables

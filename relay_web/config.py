@@ -97,6 +97,15 @@ def _pick(name: str, given: Mapping[str, Any], *aliases: str) -> Any:
     return None
 
 
+def signing_secret_given(given: Mapping[str, Any] | None = None) -> bool:
+    """Whether JWT_SECRET_KEY or SECRET_KEY is set, in ``given`` or the environment.
+
+    Without either, a development app signs with a random secret of its own
+    (see ``load``): one per process.
+    """
+    return _pick("JWT_SECRET_KEY", dict(given or {}), "SECRET_KEY") is not None
+
+
 def _secret(given: Mapping[str, Any], production: bool) -> str:
     secret = _pick("JWT_SECRET_KEY", given, "SECRET_KEY")
     if secret is None:

@@ -8,6 +8,11 @@ gunicorn reads its settings, and a bad one stops it with one line that names it.
 (A ``WEB_CONCURRENCY`` that is no number at all, ``abc`` or empty, still ends in
 gunicorn's own traceback: gunicorn reads it as it loads, before this file.)
 
+Outside production, an app without a signing secret makes a random one as it
+starts, and each gunicorn worker starts its own: a token one worker signed was
+refused by the others, so a session failed at random with two workers or more.
+The secret is made here, once, in the process the workers are forked from.
+
 So are the app's own settings (a missing signing secret, an unreadable
 DATABASE_URL): read first in each worker, a bad one printed a traceback per
 worker and "Worker failed to boot". They are read as the factory will read
@@ -21,6 +26,7 @@ from __future__ import annotations
 
 import ast
 import os
+import secrets
 import sys
 from collections.abc import Mapping
 from typing import Any
@@ -28,7 +34,7 @@ from typing import Any
 from gunicorn.config import Config
 
 from relay_core import ConfigurationError
-from relay_web.config import load
+from relay_web.config import load, signing_secret_given
 
 #: More worker processes than this is a typo, not a plan (each holds its own database pool).
 MAX_WEB_CONCURRENCY = 64
@@ -91,3 +97,5 @@ if _app_settings is not None:
         load(_app_settings)
     except ConfigurationError as exc:
         _refuse(str(exc))
+    if not signing_secret_given(_app_settings):  # not production, or load() would have refused
+        os.environ["JWT_SECRET_KEY"] = secrets.token_urlsafe(48)

@@ -14,9 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from relay_core import ConfigurationError, Relay
+from relay_core import ConfigurationError, Relay, users
 from relay_web import create_app
 
+from ..helpers import call, wait_for
 from .conftest import SECRET
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -262,3 +263,40 @@ def test_an_unreadable_database_url_is_a_startup_error_that_never_shows_the_pass
     with pytest.raises(ConfigurationError, match="DATABASE_URL") as raised:
         create_app({"RELAY_DATABASE_URL": url, "JWT_SECRET_KEY": SECRET})
     assert "zzQpw4" not in str(raised.value) and "Xk9" not in str(raised.value)
+
+
+def test_gunicorn_workers_of_a_development_app_share_its_random_secret(dsn: str, db) -> None:
+    """Each worker made its own random signing secret, so a token one worker signed was refused by the other.
+
+    Sync workers serve one connection at a time: a connection that sends
+    nothing keeps a worker busy, which steers the login to one worker and the
+    request with its token to the other.
+    """
+    password = "correct horse battery staple"
+    users.create_user(db, "dev", password, "admin")
+    port = _free_port()
+    env = {k: v for k, v in os.environ.items() if k not in SETTINGS and k != "WEB_CONCURRENCY"}
+    env.update(DATABASE_URL=dsn, RELAY_ENV="development")
+    gunicorn = Path(sys.executable).with_name("gunicorn")
+    proc = subprocess.Popen(
+        [str(gunicorn), "-c", "python:relay_web.gunicorn_conf", "--no-control-socket",
+         "--bind", f"127.0.0.1:{port}", "--workers", "2", "relay_web:create_app()"],
+        cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+    )  # fmt: skip
+    base = f"http://127.0.0.1:{port}"
+    try:
+        wait_for(lambda: call("GET", f"{base}/readyz")[0] == 200, timeout=30, interval=0.2, what="gunicorn")
+        with socket.create_connection(("127.0.0.1", port)):  # holds the first worker
+            time.sleep(0.5)  # one worker takes this connection and waits for its request
+            status, tokens = call("POST", f"{base}/api/auth/login", {"username": "dev", "password": password})
+            assert status == 200, tokens
+            holds_second = socket.create_connection(("127.0.0.1", port))  # the worker that signed the token
+        try:
+            time.sleep(0.5)
+            status, body = call("GET", f"{base}/api/admin/queues", token=tokens["access_token"])
+        finally:
+            holds_second.close()
+        assert status == 200, body
+    finally:
+        proc.terminate()
+        proc.wait(10)

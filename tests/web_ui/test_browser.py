@@ -9,6 +9,7 @@ Each page is saved to test-artifacts/screenshots/.
 
 from __future__ import annotations
 
+import contextlib
 import re
 import threading
 from collections.abc import Iterator
@@ -17,6 +18,7 @@ from typing import Any
 
 import psycopg
 import pytest
+from playwright.sync_api import Error as PlaywrightError
 
 from relay_core import Relay, Worker
 from tests.helpers import running_worker, wait_for
@@ -338,3 +340,38 @@ def test_primary_buttons_are_readable_in_both_colour_schemes(
         assert page.get_by_role("button", name="Requeue").evaluate(CONTRAST) >= 4.5
     finally:
         context.close()
+
+
+def test_an_action_pressed_while_the_card_refreshes_shows_its_own_answer(
+    phone: Any, live_server: LiveServer, shop: Shop
+) -> None:
+    """A refresh that answered while a Cancel was on its way replaced the card, and the Cancel's answer was
+    dropped: the page went on saying "queued" with its Cancel button, though the job was cancelled."""
+    make_user(shop.relay.dsn, "ops", "admin")
+    waiting = shop.relay.enqueue("send_email", {"to": "g@example.com"}, run_at=datetime.now(UTC) + timedelta(days=1))
+    _log_in(phone, live_server)
+    held: dict[str, Any] = {}
+
+    def hold(name: str) -> Any:
+        def handler(route: Any) -> None:
+            if name in held:
+                route.continue_()
+            else:
+                held[name] = route
+
+        return handler
+
+    phone.route(re.compile(r".*[?&]part=status.*"), hold("refresh"))
+    phone.route(re.compile(r".*/cancel$"), hold("cancel"))
+    phone.goto(live_server.at(f"/jobs/{waiting}"))
+    wait_for(lambda: phone.wait_for_timeout(50) or "refresh" in held, 10, what="the card's refresh")
+    phone.get_by_role("button", name="Cancel").click()
+    wait_for(lambda: phone.wait_for_timeout(50) or "cancel" in held, 10, what="the cancel")
+    with contextlib.suppress(PlaywrightError):  # the browser may have given the refresh up
+        held["refresh"].continue_()
+    phone.wait_for_timeout(500)  # a refresh answered now would replace the card the cancel is for
+    held["cancel"].continue_()
+
+    phone.locator(".status-card .flash", has_text="Cancelled: it will not run.").wait_for(timeout=5_000)
+    assert phone.locator(".status-card .badge").inner_text() == "cancelled"
+    assert shop.relay.get_job(waiting).status == "cancelled"

@@ -10,6 +10,7 @@ from .backoff import Backoff
 from .client import Relay
 from .errors import (
     BulkActionStopped,
+    ChangedSince,
     ConfigurationError,
     HandlerNotFound,
     IllegalTransition,
@@ -32,6 +33,7 @@ __all__ = [
     "TRANSITIONS",
     "Backoff",
     "BulkActionStopped",
+    "ChangedSince",
     "ConfigurationError",
     "HandlerNotFound",
     "IllegalTransition",

@@ -13,7 +13,7 @@ from typing import Any
 import psycopg
 from psycopg.rows import dict_row, tuple_row
 
-from .errors import IllegalTransition, JobNotFound, RelayError
+from .errors import ChangedSince, IllegalTransition, JobNotFound, RelayError
 from .queries import sql
 from .timestamps import read_any_timestamp
 from .validation import check_queue
@@ -63,8 +63,8 @@ def get_job(conn: psycopg.Connection, job_id: int) -> JobDetail:
     return JobDetail(**row)
 
 
-def _locked_status(conn: psycopg.Connection, job_id: int) -> tuple[str, bool]:
-    """The job's status and whether a stop was asked of it, its row locked until the transaction ends.
+def _locked_status(conn: psycopg.Connection, job_id: int) -> tuple[str, bool, int]:
+    """The job's status, whether a stop was asked of it and its lease token, its row locked until the transaction ends.
 
     An admin action decides from this: a worker's write that was in flight has
     committed (and is what it reads) or waits for the action, so the refusal of
@@ -74,23 +74,36 @@ def _locked_status(conn: psycopg.Connection, job_id: int) -> tuple[str, bool]:
         row = cur.execute(sql("job_lock_for_action"), {"id": job_id}).fetchone()
     if row is None:
         raise JobNotFound(job_id)
-    return row[0], row[1]
+    return row[0], row[1], row[2]
 
 
 def _act(
-    conn: psycopg.Connection, job_id: int, statement: str, action: str, allowed_from: tuple[str, ...]
+    conn: psycopg.Connection,
+    job_id: int,
+    statement: str,
+    action: str,
+    allowed_from: tuple[str, ...],
+    seen_lease_token: int | None = None,
 ) -> JobDetail:
     with conn.transaction():
-        status, _ = _locked_status(conn, job_id)
+        status, _, lease_token = _locked_status(conn, job_id)
         if status not in allowed_from:
             raise IllegalTransition(job_id, status, action, allowed_from)
+        if seen_lease_token is not None and lease_token != seen_lease_token:
+            raise ChangedSince(job_id, status, action, allowed_from)
         conn.execute(sql(statement), {"id": job_id}).fetchall()
         return get_job(conn, job_id)
 
 
-def requeue(conn: psycopg.Connection, job_id: int) -> JobDetail:
-    """dead or cancelled -> queued, runnable now, attempts reset, history kept."""
-    return _act(conn, job_id, "job_requeue", "requeue", ("dead", "cancelled"))
+def requeue(conn: psycopg.Connection, job_id: int, *, seen_lease_token: int | None = None) -> JobDetail:
+    """dead or cancelled -> queued, runnable now, attempts reset, history kept.
+
+    ``seen_lease_token``, the job's lease token as the person asking was
+    shown it, makes a job claimed since (requeued by someone else meanwhile,
+    run, and ended again) a :class:`ChangedSince`: every claim changes the
+    token, and a second press of Requeue must not run the job once more.
+    """
+    return _act(conn, job_id, "job_requeue", "requeue", ("dead", "cancelled"), seen_lease_token)
 
 
 def cancel(conn: psycopg.Connection, job_id: int, *, seen: str | None = None) -> JobDetail:
@@ -109,7 +122,7 @@ def cancel(conn: psycopg.Connection, job_id: int, *, seen: str | None = None) ->
     if seen not in (None, "queued", "claimed"):
         raise RelayError(f"seen must be queued or claimed, not {seen!r}")
     with conn.transaction():
-        status, cancel_requested = _locked_status(conn, job_id)
+        status, cancel_requested, _ = _locked_status(conn, job_id)
         if seen is not None and status != seen:
             raise IllegalTransition(job_id, status, "cancel", (seen,))
         if status == "queued":

@@ -63,6 +63,19 @@ class IllegalTransition(RelayError):
         return f"only {allowed} jobs can be {done}" if done else f"{self.action} is allowed only for {allowed} jobs"
 
 
+class ChangedSince(IllegalTransition):
+    """The job's state allows the action, but the job has run again since the person asking was shown it.
+
+    Two presses of Requeue on one dead job (two tabs, two people on call): the
+    first runs it again, and once it has ended dead again the second would run
+    it once more, though nobody who pressed saw that run.
+    """
+
+    @property
+    def rule(self) -> str:
+        return f"it has run again since it was shown, so the {self.action} was not done"
+
+
 class BulkActionStopped(RelayError):
     """A bulk action failed part way: the batches before the failure are committed, the rest unchanged.
 

@@ -388,7 +388,8 @@ RETURNING j.id, j.status::text AS status, j.type, j.attempts, j.claimed_by;
 -- that is in flight commits first and is read here, or waits until the action
 -- is done; without the lock, a cancel whose job went claimed -> queued between
 -- two statements matched neither and was refused though the job was cancellable.
-SELECT status::text AS status, cancel_requested_at IS NOT NULL AS cancel_requested
+-- The lease token tells whether the job was claimed since a page showed it.
+SELECT status::text AS status, cancel_requested_at IS NOT NULL AS cancel_requested, lease_token
 FROM relay.jobs WHERE id = %(id)s
 FOR UPDATE;
 

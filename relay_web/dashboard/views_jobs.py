@@ -15,7 +15,7 @@ from typing import Any
 
 from flask import Response, abort, request
 
-from relay_core import IllegalTransition, JobDetail, JobStatus, RelayError, admin, monitor
+from relay_core import ChangedSince, IllegalTransition, JobDetail, JobStatus, RelayError, admin, monitor
 from relay_core.validation import BIGINT_MAX, positive_number
 
 from ..db import connection
@@ -196,19 +196,31 @@ def job(job_id: int) -> Response:
     return response
 
 
+def _shown_lease_token() -> int | None:
+    """The ``seen`` lease token a Requeue button posts; None from a form without one."""
+    shown = request.form.get("seen")
+    if not shown:
+        return None
+    if not (shown.isascii() and shown.isdigit() and len(shown) <= 10):  # compared in Python, never sent
+        raise RelayError(f"seen must be the job's lease token, a whole number, not {shown[:40]!r}")
+    return int(shown)
+
+
 def _act(job_id: int, action: str) -> Response:
     if not 1 <= job_id <= BIGINT_MAX:
         abort(404)
     status = 200
     with connection() as conn:
         try:
-            if action == "requeue":
-                changed = admin.requeue(conn, job_id)
+            if action == "requeue":  # the lease token the button was shown with: the job must not have run since
+                changed = admin.requeue(conn, job_id, seen_lease_token=_shown_lease_token())
             else:  # the state the button was shown for: a stale "Cancel" must not stop a job that started since
                 changed = admin.cancel(conn, job_id, seen=request.form.get("seen") or None)
         except IllegalTransition as exc:
             changed, status = admin.get_job(conn, job_id), 409
             notice = f"Nothing done: the job is {exc.current} now."
+            if isinstance(exc, ChangedSince):
+                notice = f"Nothing done: the job has run again since this page showed it, and is {exc.current} now."
         else:
             notice = {
                 "requeue": "Requeued: it runs again now, with fresh attempts.",

@@ -70,6 +70,41 @@ def test_requeue_answers_the_new_status_card_in_place(admin: DashboardClient, jo
     assert jobs.status(job_id) == "queued"
 
 
+def test_a_second_requeue_of_a_job_that_ran_again_since_changes_nothing(admin: DashboardClient, jobs: Jobs) -> None:
+    """Two tabs on one dead job: the first Requeue ran it and it died again; the second ran it once more."""
+    job_id = jobs.dead(jobs.add())
+    page = _text(admin.get(f"/jobs/{job_id}"))
+    shown = re.search(r'name="seen" value="(\d+)"', page)
+    assert shown is not None, page
+    assert admin.post(f"/jobs/{job_id}/requeue", {"seen": shown[1]}).status_code == 200  # the first tab
+    jobs.dead(job_id)  # it ran again and died again
+    runs = jobs.db.execute("SELECT lease_token FROM relay.jobs WHERE id = %s", (job_id,)).fetchone()[0]
+
+    response = admin.post(
+        f"/jobs/{job_id}/requeue", {"seen": shown[1]}
+    )  # the second tab, still showing the first death
+    assert response.status_code == 409
+    assert "Nothing done: the job has run again since this page showed it, and is dead now." in _text(response)
+    assert jobs.status(job_id) == "dead"
+    assert jobs.db.execute("SELECT lease_token FROM relay.jobs WHERE id = %s", (job_id,)).fetchone()[0] == runs
+    # The card it answers shows the second death: its Requeue button requeues.
+    again = re.search(r'name="seen" value="(\d+)"', _text(response))
+    assert again is not None and int(again[1]) == runs
+    assert admin.post(f"/jobs/{job_id}/requeue", {"seen": again[1]}).status_code == 200
+    assert jobs.status(job_id) == "queued"
+
+
+@pytest.mark.parametrize("seen", ["x", "-1", "1.0", "12345678901", "\u0661"])
+def test_a_requeue_whose_seen_is_no_lease_token_is_refused_and_changes_nothing(
+    admin: DashboardClient, jobs: Jobs, seen: str
+) -> None:
+    job_id = jobs.dead(jobs.add())
+    response = admin.post(f"/jobs/{job_id}/requeue", {"seen": seen})
+    assert response.status_code == 400
+    assert "seen must be the job&#39;s lease token" in _text(response)
+    assert jobs.status(job_id) == "dead"
+
+
 def test_requeue_of_a_job_no_longer_dead_shows_its_state_and_changes_nothing(
     admin: DashboardClient, jobs: Jobs
 ) -> None:

@@ -13,8 +13,11 @@ page to someone already logged in. Lax still withholds it from cross-site
 POSTs, and nothing here changes state over GET.
 
 Tokens are short-lived like the API's access tokens, and slide: a request
-made after half a token's life gets a fresh cookie with the same CSRF value,
-until the refresh-token lifetime since login runs out. Each request also
+made once a token is a minute old (a tenth of its life, if that is shorter)
+gets a fresh cookie with the same CSRF value, until the refresh-token
+lifetime since login runs out. So a session ends about an access token's
+lifetime after its last request; renewed only past half its life, as it
+once was, an idle session could end after half of it. Each request also
 reads the user from the database, so a deleted user, a changed password or
 a changed role takes effect at once.
 """
@@ -158,9 +161,13 @@ def _load() -> Session | None:
     return Session(user=user, csrf=str(claims["csrf"]))
 
 
+#: Seconds after which a request renews a session's token (a tenth of its lifetime, if that is shorter).
+RENEW_AFTER_SECONDS = 60
+
+
 def _slide(session: Session, claims: dict[str, Any]) -> None:
     access, _ = _lifetimes()
-    if time.time() - float(claims.get("iat", 0)) < access / 2:
+    if time.time() - float(claims.get("iat", 0)) < min(RENEW_AFTER_SECONDS, access / 10):
         return
     token = _token(session.user, csrf=session.csrf, auth_time=int(claims["auth_time"]))
 

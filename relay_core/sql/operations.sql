@@ -174,6 +174,16 @@ ORDER BY s.next_tick NULLS LAST, s.type;
 -- The database clock; every decision about time uses it.
 SELECT now();
 
+-- name: tick_begin
+-- The first statement of a schedule's tick: the database clock, and how long
+-- the tick's transaction may sit idle between its statements (milliseconds,
+-- as text) before the server ends its session. The tick locks the schedule's
+-- row, which every other worker skips while it is held, so a worker frozen
+-- mid-tick (SIGSTOP, a paused container, whose kernel still answers
+-- keepalives) stopped the schedule on every worker for as long as it was
+-- frozen, and its ticks were lost.
+SELECT now(), set_config('idle_in_transaction_session_timeout', %(idle_ms)s, true);
+
 -- name: job_prune_finished
 -- Retention: delete up to %(limit)s finished jobs of one status older than the
 -- cutoff, those that finished first first, skipping rows anyone holds. It reads

@@ -24,7 +24,7 @@ from psycopg_pool import ConnectionPool, PoolTimeout
 
 from ..logs import event
 from ..monitor import fold_counters
-from ..pools import configure_session, connection_options, worker_application_name
+from ..pools import configure_session, connection_options, in_autocommit, worker_application_name
 from ..queries import sql
 from .limits import forget_old_starts
 from .outage import OutageLog, PooledCallLog
@@ -248,10 +248,18 @@ class Maintenance:
         On its own connection, never the pool's: transactional handlers hold
         pooled connections for as long as they run (past their timeout too),
         and a heartbeat waiting for one would let the leases expire.
+
+        In autocommit: each statement commits as it runs. The renewal locks
+        every lease the worker holds, and with its COMMIT a round trip later
+        a worker frozen in between (SIGSTOP, a paused container, whose kernel
+        still answers keepalives) kept them locked: the sweepers skip locked
+        rows, so its jobs stayed claimed for as long as it was frozen.
         """
         if self._heartbeat_conn is None or self._heartbeat_conn.closed:
             self._heartbeat_conn = psycopg.connect(
-                self._dsn, **connection_options(self._dsn, application_name=worker_application_name(self._worker_id))
+                self._dsn,
+                autocommit=True,
+                **connection_options(self._dsn, application_name=worker_application_name(self._worker_id)),
             )
             configure_session(self._heartbeat_conn)
         conn = self._heartbeat_conn
@@ -275,8 +283,8 @@ class Maintenance:
             self._on_cancel(cancel)
 
     def sweep(self) -> dict[str, int]:
-        """Run the sweeper once."""
-        with self._pool.connection() as conn:
+        """Run the sweeper once, each batch committed as it runs (autocommit: see ``heartbeat``)."""
+        with self._pool.connection() as conn, in_autocommit(conn):
             counts = sweep_once(
                 conn,
                 restart_grace=min(self._lease_seconds, RESTART_GRACE_MAX_SECONDS),

@@ -22,6 +22,10 @@ from ..logs import event
 from ..queries import sql
 from ..schedule import is_missed, next_tick, previous_tick, ticks_between
 
+#: How long a schedule's tick may sit idle in its transaction before the server ends it (see tick_begin).
+#: A live worker runs the tick's statements back to back; only a frozen one waits this long.
+TICK_IDLE_LIMIT_MS = 5000
+
 
 def _db_now(conn: psycopg.Connection) -> datetime:
     """The database's clock, which decides every tick."""
@@ -183,7 +187,8 @@ def _enqueue_latest_tick(
     now) once it does not.
     """
     with conn.transaction():
-        now = clock or _db_now(conn)
+        db_now = conn.execute(sql("tick_begin"), {"idle_ms": str(TICK_IDLE_LIMIT_MS)}).fetchone()[0]
+        now = clock or db_now
         tick = previous_tick(spec.cron, spec.timezone, now)
         following = next_tick(spec.cron, spec.timezone, now)
         advance = {

@@ -28,7 +28,7 @@ from ..errors import ConfigurationError, JobTimeout
 from ..handlers import HandlerSpec
 from ..job import Job
 from ..logs import event
-from ..pools import all_in_use, make_pool, unusable_setting, worker_application_name
+from ..pools import all_in_use, in_autocommit, make_pool, unusable_setting, worker_application_name
 from ..queries import sql
 from ..signals import ShutdownSignals
 from ..stalls import SHORTEST_CUT_SECONDS, seconds_until
@@ -243,9 +243,14 @@ class Worker:
         )
 
     def _report_progress(self, job: Job, progress: dict) -> bool:  # type: ignore[type-arg]
-        """Write a report; it renews the job's lease as a heartbeat does (see job_set_progress)."""
+        """Write a report; it renews the job's lease as a heartbeat does (see job_set_progress).
+
+        In autocommit, as the heartbeat (``Maintenance.heartbeat``): the report
+        locks the job's row, and a worker frozen before a separate COMMIT kept
+        it from the sweepers.
+        """
         try:
-            with self.pool.connection() as conn:
+            with self.pool.connection() as conn, in_autocommit(conn):
                 sent = time.monotonic()
                 row = conn.execute(
                     sql("job_set_progress"),

@@ -91,7 +91,14 @@ def write_within(pool: RelayPool, timeout: float) -> Iterator[psycopg.Connection
         left = seconds_until(end)
         statement_seconds = max(left - CUT_GRACE_SECONDS, left / 2)
         with cut_at(conn, end), conn.transaction():
-            conn.execute("SELECT set_config('statement_timeout', %s, true)", (f"{int(statement_seconds * 1000)}ms",))
+            # The idle limit ends it on the server too should the process freeze between its statements
+            # (the cut is a thread of this process): it holds the rows of the jobs it hands back.
+            limit = f"{int(statement_seconds * 1000)}ms"
+            conn.execute(
+                "SELECT set_config('statement_timeout', %s, true), "
+                "set_config('idle_in_transaction_session_timeout', %s, true)",
+                (limit, limit),
+            )
             yield conn
 
 

@@ -1,0 +1,126 @@
+"""A worker frozen between two of its statements (SIGSTOP, a paused container) holds no job, nor a schedule for long.
+
+Its kernel still answers TCP keepalives, so the server keeps its session for
+as long as it is frozen, with whatever that session's open transaction has
+locked. The sweepers skip locked rows, and so do the other workers' checks of
+a schedule: a lease renewed in one round trip and committed in the next kept
+the frozen worker's jobs claimed, and a tick's transaction stopped the
+schedule on every worker. Lease writes now commit with their statement, and a
+tick's transaction may sit idle only briefly before the server ends it.
+"""
+
+from __future__ import annotations
+
+import threading
+from datetime import timedelta
+from typing import Any
+
+import psycopg
+import pytest
+from psycopg.pq import TransactionStatus
+
+from relay_core import Job, Relay
+from relay_core.worker import periodic
+from relay_core.worker.periodic import enqueue_due, publish
+
+from .helpers import running_worker, wait_for
+from .test_operations import hourly_rollup_two_hours_ahead
+
+
+def test_lease_writes_commit_with_their_statement(
+    relay: Relay, dsn: str, db: psycopg.Connection, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every COMMIT the worker sends is checked: a job row still locked then is one a freeze there would hold.
+
+    The worker renews the lease of a job it runs (heartbeat), writes that
+    job's progress, and sweeps up the expired lease of a gone worker's job.
+    """
+    release = threading.Event()
+
+    @relay.handler("long_report")
+    def long_report(job: Job) -> None:
+        while not release.wait(0.05):
+            job.progress(percent=50)
+
+    running = relay.enqueue("long_report")
+    orphan = relay.enqueue("long_report", queue="elsewhere")  # a queue this worker does not serve
+    db.execute(
+        "UPDATE relay.jobs SET status = 'claimed', claimed_by = 'gone:1:x', attempts = 1, lease_token = 1,"
+        " claimed_until = now() - interval '1 minute', started_at = now() - interval '2 minutes' WHERE id = %s",
+        (orphan,),
+    )
+    watched = [running, orphan]
+    checker = psycopg.connect(dsn, autocommit=True)
+    one_at_a_time = threading.Lock()
+    held_at_commit: list[set[int]] = []
+    commit = psycopg.Connection.commit
+
+    def checked_commit(conn: psycopg.Connection) -> None:
+        if conn is not checker and conn.info.transaction_status == TransactionStatus.INTRANS:
+            with one_at_a_time:  # in autocommit: the statement's row locks end with it
+                free = checker.execute(
+                    "SELECT id FROM relay.jobs WHERE id = ANY(%s) FOR UPDATE SKIP LOCKED", (watched,)
+                ).fetchall()
+            locked = set(watched) - {row[0] for row in free}
+            if locked:
+                held_at_commit.append(locked)
+        commit(conn)
+
+    monkeypatch.setattr(psycopg.Connection, "commit", checked_commit)
+    try:
+        with running_worker(relay, lease_seconds=1.5, heartbeat_interval=0.3, sweep_interval=0.3):
+            wait_for(
+                lambda: db.execute("SELECT status FROM relay.jobs WHERE id = %s", (running,)).fetchone()[0] == "claimed"
+            )
+            first_lease = db.execute("SELECT claimed_until FROM relay.jobs WHERE id = %s", (running,)).fetchone()[0]
+
+            def renewed_and_swept() -> bool:
+                lease, progress = db.execute(
+                    "SELECT claimed_until, progress FROM relay.jobs WHERE id = %s", (running,)
+                ).fetchone()
+                orphan_status = db.execute("SELECT status FROM relay.jobs WHERE id = %s", (orphan,)).fetchone()[0]
+                return (
+                    lease > first_lease + timedelta(seconds=0.5) and progress is not None and orphan_status == "queued"
+                )
+
+            wait_for(renewed_and_swept, 15, what="a renewal, a progress report and a sweep")
+            release.set()
+    finally:
+        release.set()
+        checker.close()
+    assert held_at_commit == []
+
+
+def test_a_tick_frozen_mid_transaction_frees_its_schedule(
+    relay: Relay, dsn: str, db: psycopg.Connection, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Frozen after it took the schedule's row, a worker's tick is ended by the server; the next check enqueues it."""
+    specs, tick, late = hourly_rollup_two_hours_ahead(relay, db)
+    publish(db, specs)
+    since = tick - timedelta(hours=1)
+    monkeypatch.setattr(periodic, "TICK_IDLE_LIMIT_MS", 300, raising=False)
+    during_freeze: list[Any] = []
+    report_passed_ticks = periodic._report_passed_ticks
+
+    def frozen(*args: Any) -> None:
+        # The worker froze here, between its statements, the schedule's row locked by its tick.
+        threading.Event().wait(1.5)
+        try:
+            with db.transaction():
+                db.execute("SELECT type FROM relay.schedules WHERE type = 'hourly_rollup' FOR UPDATE NOWAIT")
+            during_freeze.append("free")
+        except psycopg.errors.LockNotAvailable:
+            during_freeze.append("held")
+        report_passed_ticks(*args)
+
+    monkeypatch.setattr(periodic, "_report_passed_ticks", frozen)
+    with psycopg.connect(dsn, autocommit=True) as worker_conn:
+        with pytest.raises(psycopg.errors.IdleInTransactionSessionTimeout):
+            enqueue_due(worker_conn, specs, clock=late, running_since=since, queues=["default"])
+        assert worker_conn.broken
+    assert during_freeze == ["free"]
+    monkeypatch.setattr(periodic, "_report_passed_ticks", report_passed_ticks)
+    assert enqueue_due(db, specs, clock=late, running_since=since, queues=["default"]) == [
+        ("hourly_rollup", tick.isoformat())
+    ]
+    assert db.execute("SELECT count(*) FROM relay.jobs WHERE type = 'hourly_rollup'").fetchone()[0] == 1

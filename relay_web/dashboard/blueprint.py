@@ -15,6 +15,8 @@ from flask import Blueprint, Response, request
 from flask.blueprints import BlueprintSetupState
 from werkzeug.routing import BaseConverter
 
+from relay_core import RelayError
+
 from ..bodies import read_body
 from ..records.common import BIGINT_MAX
 
@@ -74,6 +76,16 @@ def _whole_form() -> None:
     # acted on is the one that was sent. (Multipart forms already get a 413.)
     if request.content_length is None and request.mimetype == "application/x-www-form-urlencoded":
         read_body()
+
+
+@bp.before_request
+def _each_field_once() -> None:
+    # Every dashboard form sends each field once; a repeated one (Requeue all with two
+    # types) was acted on by its first value, and the answer named that one alone.
+    if request.method == "POST":
+        for name, values in request.form.lists():
+            if len(values) > 1:
+                raise RelayError(f"the form field {name[:40]!r} is given more than once; give it once")
 
 
 @bp.after_request

@@ -237,6 +237,16 @@ def test_requeue_all_of_a_type_with_one_dead_job_says_job_throughout(admin: Dash
     assert jobs.status(image) == "queued"
 
 
+def test_a_form_field_given_twice_is_refused_and_changes_nothing(admin: DashboardClient, jobs: Jobs) -> None:
+    """Requeue all with two types requeued the first type's jobs and named only it."""
+    mail, image = jobs.dead(jobs.add("send_email")), jobs.dead(jobs.add("resize_image"))
+    response = admin.post("/dead/requeue", {"type": ["send_email", "resize_image"]})  # type: ignore[dict-item]
+    assert response.status_code == 400
+    assert "the form field &#39;type&#39; is given more than once" in _text(response)
+    assert admin.post(f"/jobs/{mail}/requeue", {"seen": ["1", "1"]}).status_code == 400  # type: ignore[dict-item]
+    assert [jobs.status(mail), jobs.status(image)] == ["dead", "dead"]
+
+
 def test_requeue_all_leaves_the_jobs_that_died_after_the_page_was_read(admin: DashboardClient, jobs: Jobs) -> None:
     """The confirmation said "Requeue all 1 dead resize_image job?" and the answer was "Requeued 4": jobs
     that died since the page was read ran again without the admin having seen them."""

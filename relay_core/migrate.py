@@ -95,6 +95,24 @@ def applied_versions(conn: psycopg.Connection) -> set[int]:
     return set(applied(conn))
 
 
+def replaced(recorded: dict[int, str]) -> list[str]:
+    """The recorded migrations whose number this Relay ships under another name, each as a sentence.
+
+    A migration's number is its own once released. A database that records
+    another name under it was migrated by a build that shipped a migration
+    this Relay does not have (one withdrawn before a release, its number
+    reused), so its schema is not the one this Relay's migrations build on;
+    counted by number alone, the shipped one was skipped and the schema
+    reported current.
+    """
+    shipped = {m.version: m.name for m in available()}
+    return [
+        f"the database records migration {version:04d}_{name} where this Relay ships {version:04d}_{shipped[version]}"
+        for version, name in sorted(recorded.items())
+        if version in shipped and shipped[version] != name
+    ]
+
+
 def pending(conn: psycopg.Connection) -> list[Migration]:
     """Migrations not yet applied on this database."""
     done = applied_versions(conn)
@@ -138,6 +156,13 @@ def _apply_next(conn: psycopg.Connection, lock_wait: float, patience: float) -> 
                 locked_at = time.monotonic()
                 conn.execute("SELECT set_config('lock_timeout', %s, true)", (f"{int(lock_wait * 1000)}ms",))
                 _create_table_if_missing(conn)
+                conflicts = replaced(applied(conn))
+                if conflicts:
+                    raise MigrationError(
+                        f"{'; '.join(conflicts)}: a build whose migrations this Relay does not ship migrated "
+                        "this database, so nothing was applied. Restore the database from before that build "
+                        "(or, if its jobs may go, drop the relay schema) and migrate again"
+                    )
                 todo = pending(conn)
                 if not todo:
                     return None
@@ -201,5 +226,6 @@ def unknown_applied(dsn: str) -> list[str]:
 
 
 def is_current(conn: psycopg.Connection) -> bool:
-    """True when every shipped migration is applied (the readiness check)."""
-    return not pending(conn)
+    """True when every shipped migration is applied, under its own name (the readiness check; see ``replaced``)."""
+    recorded = applied(conn)
+    return all(recorded.get(m.version) == m.name for m in available())

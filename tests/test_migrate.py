@@ -13,7 +13,7 @@ import psycopg
 import pytest
 from psycopg import conninfo
 
-from relay_core import Relay
+from relay_core import MigrationError, Relay
 from relay_core import migrate as migrator
 
 from .helpers import claim_params, publish_handlers, wait_for
@@ -357,5 +357,35 @@ def test_a_rate_window_past_31_days_written_by_hand_no_longer_stops_every_claim(
             assert len(conn.execute(sql("job_claim"), claim).fetchall()) == 1
             with pytest.raises(psycopg.errors.CheckViolation, match="type_limits_rate_window_at_most_31_days"):
                 conn.execute("UPDATE relay.type_limits SET rate_period_seconds = 'Infinity' WHERE type = 'hour'")
+    finally:
+        drop_database(dsn)
+
+
+def test_a_migration_recorded_under_another_name_is_refused_and_the_schema_not_current(database_url: str) -> None:
+    """Counted by number alone, a database migrated by a build whose 0019 was later withdrawn (and its
+    number reused) skipped the shipped 0019 and was called current, its one-job enqueue broken."""
+    dsn = fresh_database(database_url)
+    try:
+        migrate_to(dsn, 18)
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            conn.execute("INSERT INTO relay.schema_migrations (version, name) VALUES (19, 'job_checks_as_domains')")
+            before = conn.execute("SELECT version, name FROM relay.schema_migrations ORDER BY version").fetchall()
+            with pytest.raises(MigrationError) as refused:
+                migrator.migrate(dsn)
+            said = str(refused.value)
+            assert "the database records migration 0019_job_checks_as_domains" in said
+            assert "this Relay ships 0019_worker_state_bounded" in said
+            assert (
+                conn.execute("SELECT version, name FROM relay.schema_migrations ORDER BY version").fetchall() == before
+            )
+            assert not migrator.is_current(conn)
+            # Every migration is recorded now, 0019 still under the other name: still not current.
+            for m in migrator.available():
+                if m.version > 19:
+                    conn.execute(
+                        "INSERT INTO relay.schema_migrations (version, name) VALUES (%s, %s)", (m.version, m.name)
+                    )
+            assert migrator.pending(conn) == []
+            assert not migrator.is_current(conn)
     finally:
         drop_database(dsn)

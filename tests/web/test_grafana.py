@@ -29,7 +29,7 @@ def test_every_series_is_read_from_the_chosen_deployment_only() -> None:
     staging and a production Relay scraped into one Prometheus, that was the highest of the two."""
     dashboard = json.loads(DASHBOARD.read_text())
     variables = {v["name"]: v for v in dashboard["templating"]["list"]}
-    assert variables["job"]["query"]["query"] == "label_values(relay_jobs, job)"
+    assert variables["job"]["query"]["query"] == "label_values(relay_workers_alive, job)"
     assert not variables["job"]["includeAll"] and not variables["job"]["multi"]
     assert '{job=~"$job"}' in variables["queue"]["query"]["query"]
     exprs = [target["expr"] for panel in dashboard["panels"] for target in panel["targets"]]
@@ -37,3 +37,15 @@ def test_every_series_is_read_from_the_chosen_deployment_only() -> None:
     assert selectors
     unfiltered = [m.group(0) for m in selectors if 'job=~"$job"' not in (m.group(1) or "")]
     assert not unfiltered, f"series read from every deployment: {unfiltered}"
+
+
+def test_the_deployment_choice_lists_a_database_with_no_jobs(client) -> None:
+    """Read from relay_jobs, which has no sample while no queue holds a job, the choice of deployment was
+    empty on a new or fully pruned database, and every panel, the workers' too, showed no data."""
+    exposed = client.get("/metrics").get_data(as_text=True)
+    assert not re.search(r"^relay_jobs\{", exposed, re.M)  # no job anywhere
+    dashboard = json.loads(DASHBOARD.read_text())
+    variables = {v["name"]: v for v in dashboard["templating"]["list"]}
+    source = re.fullmatch(r"label_values\((relay_\w+), job\)", variables["job"]["query"]["query"])
+    assert source is not None
+    assert re.search(rf"^{source[1]}(\{{| )", exposed, re.M), f"{source[1]} has no sample"

@@ -10,6 +10,7 @@ reads the same declarations, so the spec cannot drift from the code.
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -267,7 +268,8 @@ def endpoint(**declaration: Any) -> Callable[[Callable[..., Any]], Callable[...,
     """
 
     def wrap(view: Callable[..., Any]) -> Callable[..., Response]:
-        doc = (view.__doc__ or "").strip()
+        # cleandoc: a description keeps no docstring indentation, which Markdown reads as a code block.
+        doc = inspect.cleandoc(view.__doc__ or "")
         spec = Endpoint(summary=declaration.pop("summary", doc.split("\n")[0]), description=doc, **declaration)
 
         @functools.wraps(view)

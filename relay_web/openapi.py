@@ -27,7 +27,8 @@ REASONS = {
     401: "No token, or an expired, malformed or foreign one.",
     403: "The token's role may not do this.",
     404: "No such resource.",
-    409: "The job's state does not allow this (the problem names the current state).",
+    409: "A conflict: the job's state does not allow this (the problem names the current state), "
+    "or an Idempotency-Key already used for another job.",
     413: "The body is too large.",
     415: "The body is not application/json.",
     422: "A parameter or body field is invalid; errors[] lists each one.",

@@ -143,8 +143,9 @@ def enqueue(headers: IdempotencyHeaders, body: EnqueueBody, claims: dict[str, An
     """Enqueue a job. 201 when it is new; with an Idempotency-Key already used, 200 and the first job.
 
     Reusing a key for a different job (another type, queue, priority or
-    payload; or a run_at or max_attempts the first job was not given) answers
-    409 and changes nothing.
+    payload, a max_attempts it gives that the first job does not have, or a
+    run_at it gives while the first job has never been claimed) answers 409
+    and changes nothing.
     """
     key = headers.idempotency_key
     with connection() as conn:

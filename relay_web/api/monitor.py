@@ -85,7 +85,10 @@ def limits(claims: dict[str, Any]) -> LimitsRecord:
 @bp.get("/workers")
 @endpoint(tag="monitor", role="viewer", responses={200: WorkersRecord})
 def workers(claims: dict[str, Any]) -> WorkersRecord:
-    """The worker registry: alive workers first, then stopped and gone ones, most recently seen first."""
+    """The worker registry: alive workers first, then stopped and gone ones, most recently seen first.
+
+    At most 200 workers are listed (the registry keeps a week of deploys); ``counts`` counts them all.
+    """
     stale = worker_stale_seconds()
     with connection() as conn:
         found = monitor.list_workers(conn, stale_seconds=stale)

@@ -122,3 +122,16 @@ def test_document_comes_from_the_records(client) -> None:
     assert [p["name"] for p in enqueue["parameters"]] == ["Idempotency-Key"]
     assert doc["components"]["securitySchemes"]["bearerAuth"]["bearerFormat"] == "JWT"
     assert doc["paths"]["/api/auth/login"]["post"]["security"] == []
+
+
+def test_descriptions_are_plain_paragraphs_and_say_what_the_server_does(client) -> None:
+    """Docstrings kept their 4-space indentation, which Markdown renders as code; and the enqueue's
+    description said a run_at the first job was not given answers 409, where the server (and
+    docs/api.md) says so only while the first job has never been claimed."""
+    spec = client.get("/api/openapi.json").get_json()
+    operations = [op for path in spec["paths"].values() for op in path.values()]
+    indented = [op["summary"] for op in operations if re.search(r"^ {4}", op.get("description", ""), re.M)]
+    assert not indented, indented
+    enqueue = spec["paths"]["/api/admin/jobs"]["post"]
+    assert "run_at it gives while the first job has never been claimed" in " ".join(enqueue["description"].split())
+    assert "Idempotency-Key" in enqueue["responses"]["409"]["description"]

@@ -103,7 +103,7 @@ def signing_secret_given(given: Mapping[str, Any] | None = None) -> bool:
     Without either, a development app signs with a random secret of its own
     (see ``load``): one per process.
     """
-    return _pick("JWT_SECRET_KEY", dict(given or {}), "SECRET_KEY") is not None
+    return _pick("JWT_SECRET_KEY", given or {}, "SECRET_KEY") is not None
 
 
 def _secret(given: Mapping[str, Any], production: bool) -> str:

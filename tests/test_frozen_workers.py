@@ -5,13 +5,15 @@ as long as it is frozen, with whatever that session's open transaction has
 locked. The sweepers skip locked rows, and so do the other workers' checks of
 a schedule: a lease renewed in one round trip and committed in the next kept
 the frozen worker's jobs claimed, and a tick's transaction stopped the
-schedule on every worker. Lease writes now commit with their statement, and a
-tick's transaction may sit idle only briefly before the server ends it.
+schedule on every worker. Lease writes and a prune's deletes now commit with
+their statement, and a tick's transaction may sit idle only briefly before the
+server ends it.
 """
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -25,6 +27,30 @@ from relay_core.worker.periodic import enqueue_due, publish
 
 from .helpers import running_worker, wait_for
 from .test_operations import hourly_rollup_two_hours_ahead
+
+
+def check_at_each_commit(
+    monkeypatch: pytest.MonkeyPatch, checker: psycopg.Connection, locked_now: Callable[[], set[Any]]
+) -> list[set[Any]]:
+    """What ``locked_now`` finds locked at each COMMIT another connection sends: rows a freeze there would hold.
+
+    A COMMIT sent in autocommit ends nothing (the statement's locks ended
+    with it) and is not checked.
+    """
+    one_at_a_time = threading.Lock()
+    held_at_commit: list[set[Any]] = []
+    commit = psycopg.Connection.commit
+
+    def checked_commit(conn: psycopg.Connection) -> None:
+        if conn is not checker and conn.info.transaction_status == TransactionStatus.INTRANS:
+            with one_at_a_time:
+                locked = locked_now()
+            if locked:
+                held_at_commit.append(locked)
+        commit(conn)
+
+    monkeypatch.setattr(psycopg.Connection, "commit", checked_commit)
+    return held_at_commit
 
 
 def test_lease_writes_commit_with_their_statement(
@@ -51,22 +77,12 @@ def test_lease_writes_commit_with_their_statement(
     )
     watched = [running, orphan]
     checker = psycopg.connect(dsn, autocommit=True)
-    one_at_a_time = threading.Lock()
-    held_at_commit: list[set[int]] = []
-    commit = psycopg.Connection.commit
 
-    def checked_commit(conn: psycopg.Connection) -> None:
-        if conn is not checker and conn.info.transaction_status == TransactionStatus.INTRANS:
-            with one_at_a_time:  # in autocommit: the statement's row locks end with it
-                free = checker.execute(
-                    "SELECT id FROM relay.jobs WHERE id = ANY(%s) FOR UPDATE SKIP LOCKED", (watched,)
-                ).fetchall()
-            locked = set(watched) - {row[0] for row in free}
-            if locked:
-                held_at_commit.append(locked)
-        commit(conn)
+    def locked_jobs() -> set[Any]:
+        free = checker.execute("SELECT id FROM relay.jobs WHERE id = ANY(%s) FOR UPDATE SKIP LOCKED", (watched,))
+        return set(watched) - {row[0] for row in free}
 
-    monkeypatch.setattr(psycopg.Connection, "commit", checked_commit)
+    held_at_commit = check_at_each_commit(monkeypatch, checker, locked_jobs)
     try:
         with running_worker(relay, lease_seconds=1.5, heartbeat_interval=0.3, sweep_interval=0.3):
             wait_for(
@@ -124,3 +140,43 @@ def test_a_tick_frozen_mid_transaction_frees_its_schedule(
         ("hourly_rollup", tick.isoformat())
     ]
     assert db.execute("SELECT count(*) FROM relay.jobs WHERE type = 'hourly_rollup'").fetchone()[0] == 1
+
+
+def test_pruning_commits_each_delete_with_its_statement(
+    relay: Relay, dsn: str, db: psycopg.Connection, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A worker frozen between a prune's deletes held what they deleted: finished jobs, long-gone workers' rows."""
+    finished = relay.enqueue("nightly_export")
+    db.execute(
+        "UPDATE relay.jobs SET status = 'succeeded', attempts = 1, finished_at = now() - interval '8 days'"
+        " WHERE id = %s",
+        (finished,),
+    )
+    db.execute(
+        "INSERT INTO relay.workers (id, host, pid, queues, concurrency, started_at, last_seen_at)"
+        " VALUES ('gone-8d', 'h', 1, '{default}', 8, now() - interval '9 days', now() - interval '8 days')"
+    )
+    checker = psycopg.connect(dsn, autocommit=True)
+
+    def locked_rows() -> set[Any]:
+        locked = set()
+        for name, query in (
+            ("job", "SELECT id FROM relay.jobs WHERE id = %s FOR UPDATE NOWAIT"),
+            ("worker", "SELECT id FROM relay.workers WHERE id = %s FOR UPDATE NOWAIT"),
+        ):
+            try:
+                checker.execute(query, (finished if name == "job" else "gone-8d",)).fetchall()
+            except psycopg.errors.LockNotAvailable:
+                locked.add(name)
+        return locked
+
+    held_at_commit = check_at_each_commit(monkeypatch, checker, locked_rows)
+    try:
+        with running_worker(relay) as worker:
+            wait_for(lambda: worker.maintenance.registered_at is not None, what="the worker to register")
+            worker.maintenance.prune()
+    finally:
+        checker.close()
+    assert db.execute("SELECT count(*) FROM relay.jobs WHERE id = %s", (finished,)).fetchone()[0] == 0
+    assert db.execute("SELECT count(*) FROM relay.workers WHERE id = 'gone-8d'").fetchone()[0] == 0
+    assert held_at_commit == []

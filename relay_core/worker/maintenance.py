@@ -321,8 +321,12 @@ class Maintenance:
         return started + until_next_second
 
     def prune(self) -> dict[str, int]:
-        """Run retention once (if this worker prunes); forget old rate-limit starts and long-gone workers."""
-        with self._pool.connection() as conn:
+        """Run retention once (if this worker prunes); forget old rate-limit starts and long-gone workers.
+
+        In autocommit, as the heartbeat: each delete is one statement that
+        commits with it, so a worker frozen between two of them holds no row.
+        """
+        with self._pool.connection() as conn, in_autocommit(conn):
             deleted = self._prune(conn) if self._prune is not None else {}
             forget_old_starts(conn)
             forget_old_workers(conn)

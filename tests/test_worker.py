@@ -494,6 +494,37 @@ def test_transactional_handler_commits_with_success_or_not_at_all(
         db.execute("DROP TABLE relay_test.orders_sent")
 
 
+def test_a_transactional_handler_that_narrows_its_role_succeeds(relay: Relay, db: psycopg.Connection) -> None:
+    """SET LOCAL ROLE, as row-level security asks: Relay wrote the success as that role, which may not
+    touch relay.jobs, so every attempt's work was rolled back and the job ended dead."""
+    role = f"relay_narrow_test_{os.getpid()}"
+    db.execute(f"CREATE ROLE {role} NOLOGIN")
+    db.execute("CREATE TABLE relay_test.rows_written (job_id bigint PRIMARY KEY)")
+    db.execute(f"GRANT USAGE ON SCHEMA relay_test TO {role}")
+    db.execute(f"GRANT INSERT ON relay_test.rows_written TO {role}")
+    try:
+
+        @relay.handler("as_tenant", max_attempts=1)
+        def as_tenant(job: Job, conn: psycopg.Connection) -> str:
+            conn.execute(f"SET LOCAL ROLE {role}")
+            conn.execute("INSERT INTO relay_test.rows_written VALUES (%s)", (job.id,))
+            return conn.execute("SELECT current_user").fetchone()[0]
+
+        job_id = relay.enqueue("as_tenant")
+        with running_worker(relay, concurrency=1):
+            wait_for(lambda: job_status(db, job_id) in ("succeeded", "dead"), what="the job to end")
+        status, result, last_error = db.execute(
+            "SELECT status, result, last_error FROM relay.jobs WHERE id = %s", (job_id,)
+        ).fetchone()
+        assert (status, last_error) == ("succeeded", None)
+        assert result == role  # the handler ran as the role it took
+        assert [r[0] for r in db.execute("SELECT job_id FROM relay_test.rows_written")] == [job_id]
+    finally:
+        db.execute("DROP TABLE relay_test.rows_written")
+        db.execute(f"REVOKE USAGE ON SCHEMA relay_test FROM {role}")
+        db.execute(f"DROP ROLE {role}")
+
+
 @pytest.mark.parametrize(
     ("end", "then"),
     [

@@ -159,6 +159,10 @@ ROLLED_BACK = (
     "this attempt counts as failed (raise an exception of your own to say why)"
 )
 
+#: Back to the role the worker's connection logged in as, within the handler's transaction, before
+#: Relay writes its success there (the session's reset, after it, undoes a plain SET of the handler's).
+RESUME_OWN_ROLE = "RESET SESSION AUTHORIZATION; RESET ROLE"
+
 
 def _run_transactional(job: Job, spec: HandlerSpec, pool: ConnectionPool) -> None:
     """Handler and fenced success in one transaction; LeaseLost rolls both back.
@@ -206,6 +210,9 @@ def _run_transactional(job: Job, spec: HandlerSpec, pool: ConnectionPool) -> Non
                     raise PermanentFailure(ENDED_OWN_TRANSACTION.format(job_type=job.type))
                 if job.lease_lost:
                     raise LeaseLost(f"job {job.id} was told to stop; its work was rolled back")
+                # A role the handler took (SET LOCAL ROLE, as row-level security asks) may
+                # not reach relay.jobs: its success is written as the worker's own role.
+                conn.execute(RESUME_OWN_ROLE)
                 try:
                     done = conn.execute(
                         sql("job_succeed_many"),

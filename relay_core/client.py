@@ -22,6 +22,7 @@ from .pools import RelayConnection, RelayPool, connection_options, make_pool, ou
 from .settings import database_url, env_bool, env_float, env_int, transaction_pooling
 from .validation import (
     DEFAULT_MAX_PAYLOAD_BYTES,
+    MAX_PAYLOAD_BYTES_LIMIT,
     NewJob,
     check_idempotency_key,
     check_job_id,
@@ -68,10 +69,15 @@ class Relay:
         if max_payload_bytes is None:
             max_payload_bytes = env_int("RELAY_MAX_PAYLOAD_BYTES", DEFAULT_MAX_PAYLOAD_BYTES)
         self.max_payload_bytes = max_payload_bytes
-        if isinstance(max_payload_bytes, bool) or not isinstance(max_payload_bytes, int) or max_payload_bytes < 1:
-            # Else every enqueue would be refused as if its payload were too big.
+        if (
+            isinstance(max_payload_bytes, bool)
+            or not isinstance(max_payload_bytes, int)
+            or not 1 <= max_payload_bytes <= MAX_PAYLOAD_BYTES_LIMIT
+        ):
+            # Below it every enqueue would be refused as if its payload were too big; past it, see the limit.
             raise ConfigurationError(
-                f"max_payload_bytes (RELAY_MAX_PAYLOAD_BYTES) must be at least 1, got {self.max_payload_bytes}"
+                f"max_payload_bytes (RELAY_MAX_PAYLOAD_BYTES) must be from 1 to {MAX_PAYLOAD_BYTES_LIMIT} "
+                f"(32 MiB), got {self.max_payload_bytes}"
             )
         try:
             self.default_max_attempts = check_max_attempts(default_max_attempts)

@@ -22,6 +22,11 @@ MAX_TYPE_LENGTH = 200
 MAX_IDEMPOTENCY_KEY_LENGTH = 200
 PRIORITY_RANGE = (-32768, 32767)
 DEFAULT_MAX_PAYLOAD_BYTES = 256 * 1024
+#: The largest RELAY_MAX_PAYLOAD_BYTES: jsonb holds at most 256 MiB, and a JSON
+#: text can take six times its size as jsonb (``[0,0,...]``: 2 bytes of text,
+#: 12 of jsonb per element). Past it, a payload under the limit could still be
+#: refused by the database, as an error that aborts the caller's transaction.
+MAX_PAYLOAD_BYTES_LIMIT = 32 * 1024 * 1024
 #: Arrays and objects nested deeper than this are refused. Python reads JSON
 #: recursively, so a payload near the interpreter's recursion limit could be
 #: written but would fail every worker that claims it and every page that shows it.

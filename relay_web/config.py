@@ -18,6 +18,7 @@ from typing import Any
 from flask import current_app
 
 from relay_core import ConfigurationError, Relay, users
+from relay_core.validation import MAX_PAYLOAD_BYTES_LIMIT
 
 log = logging.getLogger("relay.web")
 
@@ -184,7 +185,7 @@ def load(given: Mapping[str, Any] | None = None) -> dict[str, Any]:
     # names the variable in what it says (a blank DATABASE_URL was called "the DSN passed to Relay").
     payload_bytes = given.get("RELAY_MAX_PAYLOAD_BYTES")
     if payload_bytes is not None:
-        payload_bytes = _int("RELAY_MAX_PAYLOAD_BYTES", payload_bytes, 1, INT32_MAX)
+        payload_bytes = _int("RELAY_MAX_PAYLOAD_BYTES", payload_bytes, 1, MAX_PAYLOAD_BYTES_LIMIT)
     relay = Relay(
         given.get("RELAY_DATABASE_URL") or given.get("DATABASE_URL") or None,
         db_wait=wait,

@@ -45,6 +45,7 @@ def job_count(db: psycopg.Connection) -> int:
         (["enqueue", "t", "{}"], {"RELAY_DB_WAIT_SECONDS": "0"}, "RELAY_DB_WAIT_SECONDS"),
         (["enqueue", "t", "{}"], {"RELAY_MAX_PAYLOAD_BYTES": "abc"}, "RELAY_MAX_PAYLOAD_BYTES"),
         (["enqueue", "t", "{}"], {"RELAY_MAX_PAYLOAD_BYTES": "-1"}, "RELAY_MAX_PAYLOAD_BYTES"),
+        (["enqueue", "t", "{}"], {"RELAY_MAX_PAYLOAD_BYTES": "419430400"}, "RELAY_MAX_PAYLOAD_BYTES"),
         (["enqueue", "t", "{}"], {"RELAY_DATABASE_URL": " "}, "RELAY_DATABASE_URL is blank"),
         (["user", "list"], {"RELAY_DATABASE_URL": "  "}, "RELAY_DATABASE_URL is blank"),
     ],

@@ -409,7 +409,17 @@ def test_one_bad_item_refuses_the_whole_batch(relay: Relay, db: psycopg.Connecti
 @pytest.mark.parametrize(
     ("setting", "value", "message"),
     [
-        ("max_payload_bytes", 0, "max_payload_bytes (RELAY_MAX_PAYLOAD_BYTES) must be at least 1, got 0"),
+        (
+            "max_payload_bytes",
+            0,
+            "max_payload_bytes (RELAY_MAX_PAYLOAD_BYTES) must be from 1 to 33554432 (32 MiB), got 0",
+        ),
+        # A limit jsonb cannot hold: the database refused a payload under it, aborting the caller's transaction.
+        (
+            "max_payload_bytes",
+            400 * 1024 * 1024,
+            "max_payload_bytes (RELAY_MAX_PAYLOAD_BYTES) must be from 1 to 33554432 (32 MiB), got 419430400",
+        ),
         ("default_max_attempts", 0, "default_max_attempts must be an integer between 1 and 1000, got 0"),
         ("default_max_attempts", True, "default_max_attempts must be an integer between 1 and 1000, got True"),
         ("pool_size", 0, "pool_size must be a whole number of connections, at least 1, got 0"),

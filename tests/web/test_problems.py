@@ -167,6 +167,8 @@ def test_a_raised_payload_limit_raises_the_request_limit_with_it(make_app, auth)
     )
     with pytest.raises(ConfigurationError, match="RELAY_MAX_PAYLOAD_BYTES must be at least 1"):
         make_app(RELAY_MAX_PAYLOAD_BYTES=0)
+    with pytest.raises(ConfigurationError, match="RELAY_MAX_PAYLOAD_BYTES must be at most 33554432"):
+        make_app(RELAY_MAX_PAYLOAD_BYTES=32 * 1024 * 1024 + 1)
 
 
 def _chunked(app: Flask, headers: dict[str, str], body: bytes) -> tuple[str, dict, bytes]:

@@ -22,6 +22,7 @@ from .pools import RelayConnection, RelayPool, connection_options, make_pool, ou
 from .settings import database_url, env_bool, env_float, env_int, transaction_pooling
 from .validation import (
     DEFAULT_MAX_PAYLOAD_BYTES,
+    MAX_BATCH_PAYLOAD_CHARS,
     MAX_PAYLOAD_BYTES_LIMIT,
     NewJob,
     check_idempotency_key,
@@ -376,6 +377,13 @@ class Relay:
                 raise InvalidJobError(f"jobs[{index}].{exc.field}", exc.message) from None
             validated.append(job)
             unresolved.append(takes)
+        total = sum(len(job.payload_json) for job in validated)
+        if total > MAX_BATCH_PAYLOAD_CHARS:
+            raise InvalidJobError(
+                "jobs",
+                f"payloads total {total} characters of JSON, more than the {MAX_BATCH_PAYLOAD_CHARS} "
+                "one enqueue_many sends; enqueue them in smaller batches",
+            )
         return validated, unresolved
 
     # -- enqueue from asyncio ----------------------------------------------

@@ -18,11 +18,13 @@ from typing import Any, TypeVar
 
 from .errors import RelayError
 from .queries import sql
-from .validation import NewJob
+from .validation import MAX_PAYLOAD_BYTES_LIMIT, NewJob
 
-#: Bulk payloads up to this many characters in all travel as one JSON document
-#: (jsonb tops out at 256 MiB); larger bulk enqueues use the array form.
-ALIKE_MAX_PAYLOAD_CHARS = 64 * 1024 * 1024
+#: Bulk payloads up to this many characters in all travel as one JSON document;
+#: larger bulk enqueues use the array form. jsonb tops out at 256 MiB, and JSON
+#: text can take six times its size as jsonb (see MAX_PAYLOAD_BYTES_LIMIT): at
+#: 64 MiB, 300 payloads of 200 kB ([0,0,...]) were refused by the database.
+ALIKE_MAX_PAYLOAD_CHARS = MAX_PAYLOAD_BYTES_LIMIT
 #: Tries of a keyed insert whose conflicting holder keeps vanishing before it is read.
 KEY_RACE_ATTEMPTS = 3
 

@@ -27,6 +27,11 @@ DEFAULT_MAX_PAYLOAD_BYTES = 256 * 1024
 #: 12 of jsonb per element). Past it, a payload under the limit could still be
 #: refused by the database, as an error that aborts the caller's transaction.
 MAX_PAYLOAD_BYTES_LIMIT = 32 * 1024 * 1024
+#: The most payload one ``enqueue_many`` sends, in characters. Its payloads go
+#: as one array parameter, which PostgreSQL holds in at most 1 GB: this many
+#: characters take at most half of that (4 bytes each in UTF-8, or a quote
+#: escaped as two in the array's text).
+MAX_BATCH_PAYLOAD_CHARS = 128 * 1024 * 1024
 #: Arrays and objects nested deeper than this are refused. Python reads JSON
 #: recursively, so a payload near the interpreter's recursion limit could be
 #: written but would fail every worker that claims it and every page that shows it.

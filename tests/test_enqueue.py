@@ -216,6 +216,36 @@ def test_enqueue_many_inserts_thousands_in_one_statement(relay: Relay, dsn: str,
     assert [payloads[i] for i in ids] == list(range(5000)), "ids come back in input order"
 
 
+def test_a_bulk_enqueue_jsonb_would_overflow_as_one_document_is_written(
+    relay: Relay, dsn: str, db: psycopg.Connection
+) -> None:
+    """240 payloads of 200 kB, each under the limit, went as one 48 MB JSON document, which takes six
+    times that as jsonb: the database refused it, and the caller's transaction was aborted."""
+    numbers = [0] * 100_000  # [0,0,...]: 2 bytes of JSON, 12 of jsonb, per element
+    with psycopg.connect(dsn) as conn:
+        ids = relay.enqueue_many([{"type": "import_rows", "payload": numbers} for _ in range(240)], conn=conn)
+        conn.execute("SELECT 1")  # the caller's transaction goes on
+        conn.commit()
+    assert len(set(ids)) == 240
+    lengths = db.execute("SELECT min(jsonb_array_length(payload)), max(jsonb_array_length(payload)) FROM relay.jobs")
+    assert lengths.fetchone() == (100_000, 100_000)
+
+
+def test_a_bulk_enqueue_past_what_one_statement_carries_is_refused_before_anything_is_sent(
+    relay: Relay, dsn: str, db: psycopg.Connection
+) -> None:
+    """Its payloads go as one array parameter, which PostgreSQL holds in at most 1 GB."""
+    text = "x" * 262_000  # each payload just under the default 256 KiB
+    with psycopg.connect(dsn) as conn:
+        with pytest.raises(InvalidJobError) as caught:
+            relay.enqueue_many([{"type": "import_rows", "payload": text} for _ in range(520)], conn=conn)
+        assert conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE  # nothing was sent
+    assert caught.value.field == "jobs"
+    assert "payloads total 136241040 characters of JSON, more than the 134217728" in caught.value.message
+    assert "smaller batches" in caught.value.message
+    assert job_count(db) == 0
+
+
 def test_idempotency_key_returns_the_existing_job(relay: Relay, db: psycopg.Connection) -> None:
     first = relay.enqueue("charge", {"order": 1}, idempotency_key="order-1-charge")
     second = relay.enqueue("charge", {"order": 1}, idempotency_key="order-1-charge")

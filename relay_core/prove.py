@@ -9,6 +9,7 @@ succeeded.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import subprocess
 import sys
@@ -80,7 +81,10 @@ class ProofResult:
             f"jobs lost:        {self.lost}",
         ]
         if self.unfinished:
-            lines.append(f"unfinished:       {self.unfinished} still queued or claimed: {self.stopped}")
+            lines.append(
+                f"unfinished:       {self.unfinished} still queued or claimed: {self.stopped}"
+                " (deleted, not left queued)"
+            )
         lines += [
             f"seconds:          {self.seconds:.1f}",
             "audit query:      SELECT job_id, count(*) FROM relay_proof.executions GROUP BY job_id HAVING count(*) > 1",
@@ -105,6 +109,29 @@ def run_proof(
     WorkerConfig.from_env(concurrency=concurrency, queues=(PROOF_QUEUE,))
     with psycopg.connect(dsn, **connection_options(dsn)) as conn:
         conn.execute(sql("proof_setup"))
+    try:
+        result = _drain_and_audit(dsn, workers, jobs, concurrency, timeout)
+    except BaseException:  # Ctrl-C included
+        with contextlib.suppress(psycopg.Error):
+            _remove_unfinished(dsn)
+        raise
+    _remove_unfinished(dsn)
+    return result
+
+
+def _remove_unfinished(dsn: str) -> None:
+    """Delete the proof jobs still queued or claimed once its workers are gone.
+
+    Nothing else serves the proof's queue: left there, they would wait
+    until the next proof, and a queue with jobs and no worker is what an
+    operator's alert watches for.
+    """
+    with psycopg.connect(dsn, autocommit=True, **connection_options(dsn)) as conn:
+        conn.execute(sql("proof_remove_unfinished"))
+
+
+def _drain_and_audit(dsn: str, workers: int, jobs: int, concurrency: int, timeout: float) -> ProofResult:
+    """``run_proof``'s enqueue, drain and audit, its workers stopped before it returns or raises."""
     relay = Relay(dsn)
     try:
         with psycopg.connect(dsn, autocommit=True, **connection_options(dsn)) as conn:

@@ -498,7 +498,34 @@ def test_relay_prove_calls_jobs_it_had_no_time_for_unfinished_not_lost(dsn: str,
     succeeded = int(lines["succeeded"])
     assert lines["jobs lost"].strip() == "0" and lines["duplicates found"].strip() == "0"
     unfinished = lines["unfinished"].strip()
-    assert unfinished == f"{20000 - succeeded} still queued or claimed: the proof stopped after 1 s (--timeout)"
+    assert unfinished == (
+        f"{20000 - succeeded} still queued or claimed: the proof stopped after 1 s (--timeout)"
+        " (deleted, not left queued)"
+    )
+    # Nothing else serves the proof's queue: left there, they waited for the next proof.
+    with psycopg.connect(dsn) as conn:
+        left = conn.execute("SELECT status, count(*) FROM relay.jobs WHERE queue = 'relay_proof' GROUP BY 1")
+        assert dict(left.fetchall()) == {"succeeded": succeeded}
+
+
+def test_relay_prove_interrupted_leaves_no_proof_job_queued(dsn: str, worker_env: dict, python: str) -> None:
+    """Ctrl-C stops the proof's workers with it; the jobs they had not run stayed queued, served by nobody."""
+    command = [python, "-m", "relay_core", "prove", "--workers", "1", "--concurrency", "1", "--jobs", "20000"]
+    proof = subprocess.Popen(command, env=worker_env, cwd=ROOT, start_new_session=True)
+    try:
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            started = "SELECT count(*) FROM relay.jobs WHERE queue = 'relay_proof' AND status = 'succeeded'"
+            wait_for(lambda: conn.execute(started).fetchone()[0] > 0, what="the proof's workers to run jobs")
+            os.killpg(proof.pid, signal.SIGINT)  # what Ctrl-C sends: the proof and its workers
+            assert proof.wait(60) == 1
+            left = conn.execute(
+                "SELECT count(*) FROM relay.jobs WHERE queue = 'relay_proof' AND status IN ('queued', 'claimed')"
+            )
+            assert left.fetchone()[0] == 0
+    finally:
+        if proof.poll() is None:
+            os.killpg(proof.pid, signal.SIGKILL)
+            proof.wait()
 
 
 def test_json_logs_stay_json_when_the_database_drops_the_workers_connections(

@@ -514,6 +514,10 @@ FROM relay_proof.enqueued AS e
 LEFT JOIN relay.jobs AS j ON j.id = e.job_id
 LEFT JOIN (SELECT DISTINCT job_id FROM relay_proof.executions) AS ran ON ran.job_id = e.job_id;
 
+-- name: proof_remove_unfinished
+-- `relay prove`, its workers gone: the proof jobs it had no time for, which nothing else would run.
+DELETE FROM relay.jobs WHERE queue = 'relay_proof' AND status IN ('queued', 'claimed');
+
 -- name: proof_progress
 -- How many proof jobs are finished and how many succeeded.
 SELECT count(*) FILTER (WHERE status IN ('succeeded', 'dead', 'cancelled')) AS finished,

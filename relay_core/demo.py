@@ -374,7 +374,8 @@ class Demo:
             return 0
         finally:
             self.stop_all()
-            self.summary(dsn)
+            if self.children:  # a demo that refused to start ran nothing to sum up
+                self.summary(dsn)
 
     def banner(self, dsn: str, password: str, log_dir: Path) -> None:
         """Where to look and how to log in."""

@@ -187,6 +187,7 @@ def test_relay_demo_refuses_a_database_whose_default_queue_holds_jobs_it_cannot_
     done = run_relay(python, demo_env(dsn), "demo", "--port", str(free_port()))
     assert done.returncode == 1, done.stdout + done.stderr
     assert "default queue holds jobs the demo's workers cannot run (import_ledger)" in done.stderr
+    assert "stopped:" not in done.stdout  # it said the jobs it refused would "run at the next start"
     rows = db.execute("SELECT id, status::text, attempts FROM relay.jobs ORDER BY id").fetchall()
     assert rows == [(job_id, "queued", 0), (elsewhere, "queued", 0)]
     assert db.execute("SELECT count(*) FROM relay.users").fetchone()[0] == 0

@@ -95,6 +95,13 @@ def applied_versions(conn: psycopg.Connection) -> set[int]:
     return set(applied(conn))
 
 
+#: What a database recording another build's migrations went through, and what to do about it.
+FOREIGN_BUILD = "a build whose migrations this Relay does not ship migrated this database"
+RESTORE = (
+    "Restore the database from before that build (or, if its jobs may go, drop the relay schema) and migrate again"
+)
+
+
 def replaced(recorded: dict[int, str]) -> list[str]:
     """The recorded migrations whose number this Relay ships under another name, each as a sentence.
 
@@ -158,11 +165,7 @@ def _apply_next(conn: psycopg.Connection, lock_wait: float, patience: float) -> 
                 _create_table_if_missing(conn)
                 conflicts = replaced(applied(conn))
                 if conflicts:
-                    raise MigrationError(
-                        f"{'; '.join(conflicts)}: a build whose migrations this Relay does not ship migrated "
-                        "this database, so nothing was applied. Restore the database from before that build "
-                        "(or, if its jobs may go, drop the relay schema) and migrate again"
-                    )
+                    raise MigrationError(f"{'; '.join(conflicts)}: {FOREIGN_BUILD}, so nothing was applied. {RESTORE}")
                 todo = pending(conn)
                 if not todo:
                     return None
@@ -227,5 +230,20 @@ def unknown_applied(dsn: str) -> list[str]:
 
 def is_current(conn: psycopg.Connection) -> bool:
     """True when every shipped migration is applied, under its own name (the readiness check; see ``replaced``)."""
+    return schema_problem(conn) is None
+
+
+def schema_problem(conn: psycopg.Connection) -> str | None:
+    """Why this Relay cannot run on the database's schema, as what to do about it; None when it can.
+
+    Behind (``relay migrate`` brings it up), or migrated by another build
+    (which ``relay migrate`` refuses: telling the operator to run it sent
+    them to a command that would say no).
+    """
     recorded = applied(conn)
-    return all(recorded.get(m.version) == m.name for m in available())
+    conflicts = replaced(recorded)
+    if conflicts:
+        return f"{'; '.join(conflicts)}: {FOREIGN_BUILD}. {RESTORE}"
+    if any(recorded.get(m.version) != m.name for m in available()):
+        return "the database schema is not up to date: run `relay migrate` first"
+    return None

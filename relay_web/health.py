@@ -47,18 +47,19 @@ def readyz() -> ReadyRecord:
     """Readiness: the database answers and every migration is applied; 503 otherwise."""
     with connection() as conn:
         monitor.ping(conn)
-        current = monitor.schema_is_current(conn)
-    if not current:
-        raise migrations_pending()
+        problem = monitor.schema_problem(conn)
+    if problem is not None:
+        raise migrations_pending(problem[0].upper() + problem[1:] + ".")
     return ReadyRecord()
 
 
-def migrations_pending() -> Problem:
-    """503 while the database's schema is behind this release (a deploy whose migrations have not run)."""
+def migrations_pending(detail: str = "The database schema is behind this release; run `relay migrate`.") -> Problem:
+    """503 while the database's schema is not this release's: behind it (a deploy whose migrations have
+    not run), or migrated by another build (``detail`` says which, and what to do)."""
     return Problem(
         503,
         "Not ready",
-        "The database schema is behind this release; run `relay migrate`.",
+        detail,
         slug="migrations-pending",
         headers={"Retry-After": "10"},
     )

@@ -13,7 +13,7 @@ import psycopg
 import pytest
 from psycopg import conninfo
 
-from relay_core import MigrationError, Relay
+from relay_core import ConfigurationError, MigrationError, Relay
 from relay_core import migrate as migrator
 
 from .helpers import claim_params, publish_handlers, wait_for
@@ -387,5 +387,19 @@ def test_a_migration_recorded_under_another_name_is_refused_and_the_schema_not_c
                     )
             assert migrator.pending(conn) == []
             assert not migrator.is_current(conn)
+            # A worker says what relay migrate would: it told the operator to run it, and relay migrate refused.
+            problem = migrator.schema_problem(conn)
+            assert problem is not None and problem.startswith(
+                "the database records migration 0019_job_checks_as_domains"
+            )
+            assert "Restore the database from before that build" in problem and "run `relay migrate`" not in problem
+        relay = Relay(dsn)
+        relay.handler("send_email")(lambda job: None)
+        try:
+            with pytest.raises(ConfigurationError) as refused_start:
+                relay.worker(concurrency=1).run(install_signals=False)
+        finally:
+            relay.close()
+        assert str(refused_start.value) == problem
     finally:
         drop_database(dsn)

@@ -444,8 +444,9 @@ class Worker:
     def _register(self) -> None:
         # A short wait per try, so a stop during an outage is not held up by it.
         with self.pool.connection(timeout=REGISTER_WAIT_SECONDS) as conn:
-            if not migrator.is_current(conn):
-                raise ConfigurationError("the database schema is not up to date: run `relay migrate` first")
+            problem = migrator.schema_problem(conn)
+            if problem is not None:
+                raise ConfigurationError(problem)
             self.maintenance.registered_at = register(
                 conn,
                 self.id,

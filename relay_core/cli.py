@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
 import json
 import math
 import sys
@@ -98,7 +99,26 @@ class RelayCommands(click.Group):
             raise click.ClickException(str(exc)) from None
 
 
+def _show_version(ctx: click.Context, _param: click.Parameter, value: bool) -> None:
+    """``relay --version``: the release, and the newest migration it ships (what a database migrated by it records)."""
+    if not value or ctx.resilient_parsing:
+        return
+    newest = migrator.available()[-1]
+    click.echo(
+        f"relay {importlib.metadata.version('relay-queue')} (migrations up to {newest.version:04d}_{newest.name})"
+    )
+    ctx.exit()
+
+
 @click.group(cls=RelayCommands)
+@click.option(
+    "--version",
+    is_flag=True,
+    expose_value=False,
+    is_eager=True,
+    callback=_show_version,
+    help="Show the release and the newest migration it ships, then exit.",
+)
 @click.option(
     "--log-level",
     default="info",

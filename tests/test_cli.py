@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import logging
 import re
@@ -281,3 +282,11 @@ def test_a_database_behind_this_release_is_told_to_migrate_not_shown_the_missing
         "Error: Relay's tables are missing or older than this release: run `relay migrate` first"
     ]
     assert job_count(db) == 0
+
+
+def test_relay_version_names_the_release_and_the_newest_migration_it_ships() -> None:
+    """What an operator compares with a database's relay.schema_migrations before a rollback."""
+    result = CliRunner().invoke(main, ["--version"], env={"RELAY_DATABASE_URL": None, "DATABASE_URL": None})
+    newest = sorted((ROOT / "relay_core" / "migrations").glob("*.sql"))[-1].stem
+    assert result.exit_code == 0, result.output
+    assert result.output == f"relay {importlib.metadata.version('relay-queue')} (migrations up to {newest})\n"

@@ -309,6 +309,17 @@ BAD_INPUTS = [
 ]
 
 
+def test_a_nul_in_an_idempotency_key_is_named_as_such(relay: Relay, db: psycopg.Connection) -> None:
+    """A 9-character key was refused as if it were empty or over 200 characters."""
+    with pytest.raises(InvalidJobError) as caught:
+        relay.enqueue("charge", idempotency_key="order-42\x00")
+    assert (caught.value.field, caught.value.message) == (
+        "idempotency_key",
+        "must not contain a NUL character ('\\x00')",
+    )
+    assert job_count(db) == 0
+
+
 def test_a_backslash_before_u0000_is_text_not_a_nul(relay: Relay, db: psycopg.Connection) -> None:
     """JSON writes the text ``C:\\u0000dir`` as ``"C:\\\\u0000dir"``; jsonb stores it. The NUL check
     looked for ``\\u0000`` anywhere in the JSON, and refused it as a NUL character."""

@@ -651,12 +651,52 @@ def test_a_schedule_another_transaction_holds_is_skipped_then_moves_on_from_its_
     with psycopg.connect(dsn) as a, psycopg.connect(dsn) as b:
         b.execute("SET lock_timeout = '5s'")
         assert a.execute(advance, {**schedule, "tick": t1, "next_tick": t2}).fetchone()[:3] == (True, t0, True)
-        assert b.execute(advance, {**schedule, "tick": t2, "next_tick": t2}).fetchone() is None
+        assert b.execute(advance, {**schedule, "tick": t2, "next_tick": t2}).fetchone()[:3] == (False, None, True)
         b.rollback()
         a.commit()
         assert b.execute(advance, {**schedule, "tick": t2, "next_tick": t2}).fetchone()[:3] == (True, t1, True)
         b.commit()
     assert db.execute("SELECT last_tick FROM relay.schedules").fetchone() == (t2,)
+
+
+def test_a_worker_whose_schedule_is_not_the_published_one_leaves_the_row_unlocked(
+    dsn: str, db: psycopg.Connection
+) -> None:
+    """In a rolling deploy that changed an every-second schedule, the old release's workers read the row
+    FOR UPDATE at the same moment of each second as the new ones, which skipped it: about a third of the
+    new schedule's ticks were lost for as long as the deploy overlapped."""
+    t0, t1, t2 = (datetime(2030, 1, 1, 0, 0, s, tzinfo=UTC) for s in (0, 1, 2))
+    db.execute("INSERT INTO relay.schedules (type, cron, last_tick) VALUES ('each_second', '* * * * * *', %s)", (t0,))
+    advance = sql("schedule_advance")
+    new = {"type": "each_second", "cron": "* * * * * *", "timezone": "UTC", "queue": "default"}
+    old = {**new, "cron": "*/2 * * * * *"}
+    with psycopg.connect(dsn) as old_worker, psycopg.connect(dsn) as new_worker:
+        won, _previous, current, *_ = old_worker.execute(advance, {**old, "tick": t1, "next_tick": t2}).fetchone()
+        assert (won, current) == (False, False)  # its transaction is still open
+        assert new_worker.execute(advance, {**new, "tick": t1, "next_tick": t2}).fetchone()[:3] == (True, t0, True)
+        new_worker.commit()
+        old_worker.rollback()
+    assert db.execute("SELECT last_tick FROM relay.schedules").fetchone() == (t1,)
+
+
+def test_a_schedule_deleted_while_a_worker_has_it_is_published_again(
+    relay: Relay, db: psycopg.Connection, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Deleted by hand, it stopped on every live worker without a word, until one restarted."""
+    relay.handler("every_minute", cron="* * * * *")(lambda job: None)
+    specs = list(relay.handlers.values())
+    publish(db, specs)
+    now = db.execute("SELECT now()").fetchone()[0].astimezone(UTC)
+    tick = now.replace(second=0, microsecond=0) + timedelta(minutes=10)
+    db.execute("DELETE FROM relay.schedules")
+    with caplog.at_level("WARNING", logger="relay"):
+        assert enqueue_due(db, specs, clock=tick + timedelta(seconds=5)) == []
+    said = [r for r in caplog.records if r.getMessage().startswith("published again a periodic schedule")]
+    assert [r.type for r in said] == ["every_minute"]
+    schedule = db.execute("SELECT cron, last_tick, next_tick FROM relay.schedules").fetchall()
+    assert schedule == [("* * * * *", tick, tick + timedelta(minutes=1))]  # from the check's moment on
+    following = tick + timedelta(minutes=1)
+    assert enqueue_due(db, specs, clock=following + timedelta(seconds=5)) == [("every_minute", following.isoformat())]
 
 
 REFUSE_JOBS_OF_B_BROKEN = """

@@ -100,17 +100,22 @@ RETURNING type, cron, timezone, queue, last_tick, next_tick;
 -- from, so the ticks passed in between can be told: read FOR UPDATE, so the
 -- latest committed tick, not the snapshot's. SKIP LOCKED: a row another
 -- transaction holds (a worker enqueuing this tick, an operator's open
--- transaction) is skipped until the next check (no row), rather than waited
--- for with every other maintenance duty of the worker (the sweeper among them)
--- behind it. Only a worker whose schedule is the one published (cron, time
--- zone, queue) may advance it: in a rolling deploy that changes a schedule,
--- the old workers still running would otherwise enqueue the old expression's
--- ticks beside the new one's. Returns what was published, and whether the
--- worker that published it still checks it (alive by relay.worker_state, with
+-- transaction) is skipped until the next check (won is false), rather than
+-- waited for with every other maintenance duty of the worker (the sweeper
+-- among them) behind it. Only a worker whose schedule is the one published
+-- (cron, time zone, queue) may advance it: in a rolling deploy that changes a
+-- schedule, the old workers still running would otherwise enqueue the old
+-- expression's ticks beside the new one's. Nor do they lock the row: every
+-- worker checks at the same moment of each second, and the new workers
+-- skipped a row the old ones held just to read it, so an every-second
+-- schedule lost about a third of its ticks for as long as the deploy
+-- overlapped. Returns what was published, and whether the worker that
+-- published it still checks it (alive by relay.worker_state, with
 -- RELAY_WORKER_STALE_SECONDS' default, and not shutting down), for the others:
--- a schedule its publisher no longer checks is theirs to take over.
-WITH before AS (
-    SELECT s.type, s.last_tick, s.cron, s.timezone, s.queue,
+-- a schedule its publisher no longer checks is theirs to take over. No row:
+-- the schedule is not in relay.schedules (deleted by hand).
+WITH published AS (
+    SELECT s.type, s.cron, s.timezone, s.queue,
            (s.cron, s.timezone, s.queue) = (%(cron)s, %(timezone)s, %(queue)s) AS current,
            EXISTS (
                SELECT FROM relay.workers w
@@ -118,17 +123,22 @@ WITH before AS (
                  AND relay.worker_state(w.stopped_at, w.last_seen_at, w.heartbeat_seconds, 60) = 'alive'
                  AND (w.schedules_stopped_at IS NULL OR w.schedules_stopped_at < w.started_at)
            ) AS publisher_checks
-    FROM relay.schedules s WHERE s.type = %(type)s FOR UPDATE OF s SKIP LOCKED
+    FROM relay.schedules s WHERE s.type = %(type)s
+), held AS (
+    SELECT s.type, s.last_tick
+    FROM relay.schedules s
+    WHERE s.type = %(type)s AND (s.cron, s.timezone, s.queue) = (%(cron)s, %(timezone)s, %(queue)s)
+    FOR UPDATE OF s SKIP LOCKED
 ), advanced AS (
     UPDATE relay.schedules AS s
     SET last_tick = %(tick)s, next_tick = %(next_tick)s, updated_at = now()
-    FROM before
-    WHERE s.type = before.type AND before.current AND (s.last_tick IS NULL OR s.last_tick < %(tick)s)
-    RETURNING before.last_tick AS previous_tick
+    FROM held
+    WHERE s.type = held.type AND (s.last_tick IS NULL OR s.last_tick < %(tick)s)
+    RETURNING held.last_tick AS previous_tick
 )
 SELECT EXISTS (SELECT FROM advanced) AS won, (SELECT previous_tick FROM advanced) AS previous_tick,
-       before.current, before.publisher_checks, before.cron, before.timezone, before.queue
-FROM before;
+       published.current, published.publisher_checks, published.cron, published.timezone, published.queue
+FROM published;
 
 -- name: schedule_record_run
 -- The tick just enqueued is the schedule's last run, written in the transaction

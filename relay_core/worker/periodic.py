@@ -201,7 +201,17 @@ def _enqueue_latest_tick(
         }
         row = conn.execute(sql("schedule_advance"), advance).fetchone()
         if row is None:
-            return None  # held by another transaction, or deleted: the next check looks again
+            # Deleted by hand while this worker still has the schedule: it stopped on every worker,
+            # silently, until one restarted and published it again.
+            _publish_one(conn, spec, now, worker_id)
+            event(
+                logging.WARNING,
+                "published again a periodic schedule missing from relay.schedules, starting from now; "
+                "to remove a schedule, remove it from the handler, deploy, then delete its row",
+                type=spec.type,
+                schedule=f"{spec.cron} ({spec.timezone}, queue {spec.queue})",
+            )
+            return None
         won, previous, current, publisher_checks, *published = row
         if not current:
             if publisher_checks:

@@ -29,6 +29,7 @@ from ..records.jobs import (
     JobRecord,
     JobSummaryRecord,
     RequeueFilter,
+    RequeueQuery,
 )
 
 bp = Blueprint("jobs", __name__, url_prefix="/admin")
@@ -106,14 +107,15 @@ def get_job(path: JobPath, claims: dict[str, Any]) -> JobRecord:
 
 
 @bp.post("/jobs/<job_id:job_id>/requeue")
-@endpoint(tag="jobs", role="admin", path=JobPath, responses={200: JobRecord}, problems=(404, 409))
-def requeue_job(path: JobPath, claims: dict[str, Any]) -> JobRecord:
+@endpoint(tag="jobs", role="admin", path=JobPath, query=RequeueQuery, responses={200: JobRecord}, problems=(404, 409))
+def requeue_job(path: JobPath, query: RequeueQuery, claims: dict[str, Any]) -> JobRecord:
     """Run a dead or cancelled job again now, with fresh attempts; its error history is kept.
 
-    Any other state answers 409 with the job's current state.
+    Any other state answers 409 with the job's current state, and so does a
+    job claimed since the ``seen_lease_token`` given.
     """
     with connection() as conn:
-        return JobRecord.of(admin.requeue(conn, path.job_id))
+        return JobRecord.of(admin.requeue(conn, path.job_id, seen_lease_token=query.seen_lease_token))
 
 
 @bp.post("/jobs/<job_id:job_id>/cancel")

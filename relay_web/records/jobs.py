@@ -76,6 +76,19 @@ class JobPath(QueryRecord):
     job_id: JobIdParameter
 
 
+class RequeueQuery(QueryRecord):
+    """``POST /api/admin/jobs/{job_id}/requeue`` parameters."""
+
+    seen_lease_token: parameter_integer(0, 2**31 - 1) | None = Field(  # type: ignore[valid-type]
+        default=None,
+        description=(
+            "The job's lease_token as the caller read it. Every claim changes it: a job claimed since "
+            "(requeued by someone else meanwhile, run, and ended again) is left as it is, with 409, "
+            "so a requeue sent twice does not run the job twice."
+        ),
+    )
+
+
 class JobSummaryRecord(Record):
     """One job in a listing; ``last_error`` is cut to its first 500 characters."""
 

@@ -181,6 +181,28 @@ def test_requeue_dead_job_resets_attempts_and_keeps_history(client, admin, relay
     assert job["started_at"] is None and job["finished_at"] is None and job["claimed_by"] is None
 
 
+def test_a_requeue_given_the_lease_token_it_read_is_refused_once_the_job_has_run_again(
+    client, admin, relay: Relay, db
+) -> None:
+    """Two people requeue one dead job: the second requeue, arriving after the job ran and died again,
+    ran it once more, though neither of them saw that run."""
+    job_id = relay.enqueue("send_email", {})
+    make_dead(db, job_id, "boom")
+    seen = client.get(f"/api/admin/jobs/{job_id}", headers=admin).get_json()["lease_token"]
+    # Someone else requeued it meanwhile; it ran (every claim changes the token) and died again.
+    db.execute("UPDATE relay.jobs SET lease_token = lease_token + 1 WHERE id = %s", (job_id,))
+    stale = client.post(f"/api/admin/jobs/{job_id}/requeue?seen_lease_token={seen}", headers=admin)
+    body = assert_problem(stale, 409, "illegal-transition")
+    assert body["detail"] == f"Job {job_id} is dead; it has run again since it was shown, so the requeue was not done."
+    assert relay.get_job(job_id).status == "dead"
+    current = client.post(f"/api/admin/jobs/{job_id}/requeue?seen_lease_token={seen + 1}", headers=admin)
+    assert current.status_code == 200 and current.get_json()["status"] == "queued"
+    for spelling in ("-1", "x", "2147483648", "01"):
+        refused = client.post(f"/api/admin/jobs/{job_id}/requeue?seen_lease_token={spelling}", headers=admin)
+        assert_problem(refused, 422, "validation")
+    assert relay.get_job(job_id).status == "queued"
+
+
 def test_illegal_transitions_are_409_naming_the_current_state(client, admin, relay: Relay, db) -> None:
     queued = relay.enqueue("t", {})
     done = relay.enqueue("t", {})

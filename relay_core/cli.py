@@ -99,6 +99,16 @@ class RelayCommands(click.Group):
             raise click.ClickException(str(exc)) from None
 
 
+class RefusedInput(click.ClickException):
+    """Input Relay's checks refused, nothing written: exit 2, as for a value click itself cannot read.
+
+    A script then tells its own bad input (2) from a database that failed or
+    refused (1), and does not retry what will never pass.
+    """
+
+    exit_code = 2
+
+
 def _show_version(ctx: click.Context, _param: click.Parameter, value: bool) -> None:
     """``relay --version``: the release, and the newest migration it ships (what a database migrated by it records)."""
     if not value or ctx.resilient_parsing:
@@ -301,7 +311,7 @@ def enqueue(
                 idempotency_key=idempotency_key,
             )
         except InvalidJobError as exc:
-            raise click.ClickException(f"refused: {exc}") from None
+            raise RefusedInput(f"refused: {exc}") from None
     click.echo(job_id)
 
 

@@ -86,7 +86,7 @@ def test_a_payload_python_cannot_read_is_a_usage_error(enqueue, db, payload: str
 @pytest.mark.parametrize("run_at", ["0001-01-01T00:00:00+14:00", "9999-12-31T23:59:59-14:00"])
 def test_a_run_at_outside_the_utc_calendar_is_refused(enqueue, db, run_at: str) -> None:
     result = enqueue("t", "{}", "--run-at", run_at)
-    assert result.exit_code == 1, result.output
+    assert result.exit_code == 2, result.output
     assert "refused: run_at:" in result.output and "9999" in result.output
     assert job_count(db) == 0
 

@@ -94,7 +94,7 @@ def test_a_connection_setting_libpq_cannot_use_is_a_clear_error(dsn: str) -> Non
 def test_a_lone_surrogate_in_a_type_or_key_is_refused(dsn: str, db: psycopg.Connection, args: list[str]) -> None:
     # What a shell hands Python for the byte 0xff in an argument.
     result = run(dsn, args)
-    assert result.exit_code == 1 and "lone surrogate" in result.output, result.output
+    assert result.exit_code == 2 and "lone surrogate" in result.output, result.output
     assert job_count(db) == 0
 
 

@@ -599,8 +599,20 @@ def reset_session(conn: psycopg.Connection) -> None:
     """
     if conn.closed or conn.broken or conn.info.transaction_status != psycopg.pq.TransactionStatus.IDLE:
         return  # the pool discards or rolls back such a connection itself
-    conn.execute("RESET SESSION AUTHORIZATION; RESET ROLE; RESET ALL; " + own_session_settings(conn))  # type: ignore[arg-type]
+    conn.execute(session_reset(conn))  # type: ignore[arg-type]
     conn.commit()
+
+
+def session_reset(conn: psycopg.Connection) -> str:
+    """The statements that put a session back as Relay sets it up, one simple-protocol message.
+
+    Also run inside a transactional handler's transaction, before its
+    success is written: behind a transaction pooler the server connection
+    goes to other clients at COMMIT, so a reset sent after it would reach
+    whichever connection is free, and the handler's ``SET`` would stay on
+    its own for the next client.
+    """
+    return "RESET SESSION AUTHORIZATION; RESET ROLE; RESET ALL; " + own_session_settings(conn)
 
 
 @contextmanager

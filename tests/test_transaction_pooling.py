@@ -150,6 +150,40 @@ def test_a_worker_behind_a_transaction_pooler_runs_every_job_and_leaves_no_sessi
     assert session_state(pooled_dsn) == before
 
 
+def test_a_transactional_handlers_set_does_not_reach_the_next_client_of_the_pooler(
+    pooled_dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The handler's plain SET committed with its success; the session's reset came after the COMMIT, by
+    when the pooler had lent the server connection on: an application's enqueues failed read-only."""
+    from relay_core.worker import executor
+
+    seen_between: list[tuple] = []
+    reset_session = executor.reset_session
+
+    def next_client_first(conn: psycopg.Connection) -> None:
+        # Another client's transaction, given the server connection as the handler's COMMIT released it.
+        seen_between.append(session_state(pooled_dsn))
+        reset_session(conn)
+
+    monkeypatch.setattr(executor, "reset_session", next_client_first)
+    before = session_state(pooled_dsn)
+    relay = Relay(pooled_dsn)
+
+    @relay.handler("sets_its_session")
+    def sets_its_session(job: Job, conn: psycopg.Connection) -> None:
+        conn.execute("SET statement_timeout = '4321ms'")
+        conn.execute("SET ROLE NONE")  # a statement after the SET, as a handler's own work would be
+
+    job_id = relay.enqueue("sets_its_session")
+    with running_worker(relay, concurrency=1, listen=False):
+        wait_for(lambda: seen_between, timeout=30, what="the job to succeed")
+    relay.close()
+    assert seen_between == [before]
+    with psycopg.connect(pooled_dsn, autocommit=True, prepare_threshold=None) as conn:
+        status = conn.execute("SELECT status::text FROM relay.jobs WHERE id = %s", (job_id,)).fetchone()
+    assert status == ("succeeded",)
+
+
 def test_a_worker_behind_a_transaction_pooler_sends_no_flush_the_pooler_could_read_too_late(
     dsn: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:

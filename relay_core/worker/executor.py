@@ -34,7 +34,7 @@ from ..errors import (
 from ..handlers import HandlerSpec
 from ..job import Job
 from ..jsonb import UnreadableJson
-from ..pools import in_autocommit, reset_session, without_user_timeout
+from ..pools import in_autocommit, reset_session, session_reset, without_user_timeout
 from ..queries import sql
 from .aio import SlotLoop
 from .outcome import Kind, Outcome, describe, result_json
@@ -159,10 +159,6 @@ ROLLED_BACK = (
     "this attempt counts as failed (raise an exception of your own to say why)"
 )
 
-#: Back to the role the worker's connection logged in as, within the handler's transaction, before
-#: Relay writes its success there (the session's reset, after it, undoes a plain SET of the handler's).
-RESUME_OWN_ROLE = "RESET SESSION AUTHORIZATION; RESET ROLE"
-
 
 def _run_transactional(job: Job, spec: HandlerSpec, pool: ConnectionPool) -> None:
     """Handler and fenced success in one transaction; LeaseLost rolls both back.
@@ -210,9 +206,11 @@ def _run_transactional(job: Job, spec: HandlerSpec, pool: ConnectionPool) -> Non
                     raise PermanentFailure(ENDED_OWN_TRANSACTION.format(job_type=job.type))
                 if job.lease_lost:
                     raise LeaseLost(f"job {job.id} was told to stop; its work was rolled back")
-                # A role the handler took (SET LOCAL ROLE, as row-level security asks) may
-                # not reach relay.jobs: its success is written as the worker's own role.
-                conn.execute(RESUME_OWN_ROLE)
+                # The session back as Relay set it up, in the handler's transaction: a role the
+                # handler took (SET LOCAL ROLE, as row-level security asks) may not reach
+                # relay.jobs, and behind a transaction pooler a plain SET committed with the
+                # success stayed on the server connection for whichever client came next.
+                conn.execute(session_reset(conn))  # type: ignore[arg-type]
                 try:
                     done = conn.execute(
                         sql("job_succeed_many"),

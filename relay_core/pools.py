@@ -599,20 +599,26 @@ def reset_session(conn: psycopg.Connection) -> None:
     """
     if conn.closed or conn.broken or conn.info.transaction_status != psycopg.pq.TransactionStatus.IDLE:
         return  # the pool discards or rolls back such a connection itself
-    conn.execute(session_reset(conn))  # type: ignore[arg-type]
+    conn.execute("RESET SESSION AUTHORIZATION; RESET ROLE; RESET ALL; " + own_session_settings(conn))  # type: ignore[arg-type]
     conn.commit()
 
 
-def session_reset(conn: psycopg.Connection) -> str:
-    """The statements that put a session back as Relay sets it up, one simple-protocol message.
+def handler_settings_end_with_transaction() -> str:
+    """What runs in a transactional handler's transaction before Relay writes its success there.
 
-    Also run inside a transactional handler's transaction, before its
-    success is written: behind a transaction pooler the server connection
-    goes to other clients at COMMIT, so a reset sent after it would reach
-    whichever connection is free, and the handler's ``SET`` would stay on
-    its own for the next client.
+    The role back to the one the worker logged in as: a role the handler
+    took (``SET LOCAL ROLE``, as row-level security asks) may not reach
+    relay.jobs. Behind a transaction pooler, also every setting the handler
+    made turned into one that ends with the transaction (its value kept
+    until then, ``SET LOCAL`` or not: ``synchronous_commit``, a deferred
+    trigger's ``search_path``): the pooler lends the server connection to
+    another client at COMMIT, so ``reset_session`` after it would reach
+    whichever connection is free, and a plain ``SET`` would stay for the next
+    client. Without a pooler ``reset_session`` undoes it on this connection.
     """
-    return "RESET SESSION AUTHORIZATION; RESET ROLE; RESET ALL; " + own_session_settings(conn)
+    if transaction_pooling():
+        return sql("handler_settings_end_with_transaction")
+    return "RESET SESSION AUTHORIZATION; RESET ROLE"
 
 
 @contextmanager

@@ -305,3 +305,18 @@ def suppress_errors(function: Callable[..., object], *args: object) -> None:
     """Call ``function``, ignoring the psycopg error a cut connection ends it with (a thread's target)."""
     with contextlib.suppress(psycopg.Error):
         function(*args)
+
+
+#: A deferred trigger: what the settings are as the handler's transaction commits.
+AT_COMMIT_SETTINGS = """
+CREATE TABLE relay_test.handler_rows (job_id bigint);
+CREATE TABLE relay_test.commit_settings (search_path text, synchronous_commit text);
+CREATE FUNCTION relay_test.record_commit_settings() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    INSERT INTO relay_test.commit_settings
+    VALUES (current_setting('search_path'), current_setting('synchronous_commit'));
+    RETURN NULL;
+END $$;
+CREATE CONSTRAINT TRIGGER at_commit AFTER INSERT ON relay_test.handler_rows DEFERRABLE INITIALLY DEFERRED
+    FOR EACH ROW EXECUTE FUNCTION relay_test.record_commit_settings();
+"""

@@ -29,7 +29,7 @@ from relay_core.errors import ConfigurationError
 from relay_core.worker.config import WorkerConfig
 from relay_web import create_app
 
-from .helpers import free_port, running_worker, start_worker_process, stop_process, wait_for
+from .helpers import AT_COMMIT_SETTINGS, free_port, running_worker, start_worker_process, stop_process, wait_for
 from .web.conftest import FAST_HASH, PASSWORD, SECRET
 
 PGBOUNCER = shutil.which("pgbouncer") or next(
@@ -151,10 +151,11 @@ def test_a_worker_behind_a_transaction_pooler_runs_every_job_and_leaves_no_sessi
 
 
 def test_a_transactional_handlers_set_does_not_reach_the_next_client_of_the_pooler(
-    pooled_dsn: str, monkeypatch: pytest.MonkeyPatch
+    pooled_dsn: str, dsn: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The handler's plain SET committed with its success; the session's reset came after the COMMIT, by
-    when the pooler had lent the server connection on: an application's enqueues failed read-only."""
+    when the pooler had lent the server connection on: an application's enqueues failed read-only. Its
+    settings still hold until its COMMIT, SET LOCAL or not (a deferred trigger sees them)."""
     from relay_core.worker import executor
 
     seen_between: list[tuple] = []
@@ -166,22 +167,34 @@ def test_a_transactional_handlers_set_does_not_reach_the_next_client_of_the_pool
         reset_session(conn)
 
     monkeypatch.setattr(executor, "reset_session", next_client_first)
-    before = session_state(pooled_dsn)
-    relay = Relay(pooled_dsn)
+    with psycopg.connect(dsn, autocommit=True) as db:
+        db.execute(AT_COMMIT_SETTINGS)
+    try:
+        before = session_state(pooled_dsn)
+        relay = Relay(pooled_dsn)
 
-    @relay.handler("sets_its_session")
-    def sets_its_session(job: Job, conn: psycopg.Connection) -> None:
-        conn.execute("SET statement_timeout = '4321ms'")
-        conn.execute("SET ROLE NONE")  # a statement after the SET, as a handler's own work would be
+        @relay.handler("sets_its_session")
+        def sets_its_session(job: Job, conn: psycopg.Connection) -> None:
+            conn.execute("SET statement_timeout = '4321ms'")
+            conn.execute("SET LOCAL synchronous_commit = off")
+            conn.execute("SET LOCAL search_path = relay_test, public")
+            conn.execute("INSERT INTO handler_rows VALUES (%s)", (job.id,))  # found by its search_path
 
-    job_id = relay.enqueue("sets_its_session")
-    with running_worker(relay, concurrency=1, listen=False):
-        wait_for(lambda: seen_between, timeout=30, what="the job to succeed")
-    relay.close()
-    assert seen_between == [before]
-    with psycopg.connect(pooled_dsn, autocommit=True, prepare_threshold=None) as conn:
-        status = conn.execute("SELECT status::text FROM relay.jobs WHERE id = %s", (job_id,)).fetchone()
-    assert status == ("succeeded",)
+        job_id = relay.enqueue("sets_its_session")
+        with running_worker(relay, concurrency=1, listen=False):
+            wait_for(lambda: seen_between, timeout=30, what="the job to succeed")
+        relay.close()
+        assert seen_between == [before]
+        with psycopg.connect(dsn, autocommit=True) as db:
+            assert db.execute("SELECT status::text FROM relay.jobs WHERE id = %s", (job_id,)).fetchone() == (
+                "succeeded",
+            )
+            at_commit = db.execute("SELECT search_path, synchronous_commit FROM relay_test.commit_settings")
+            assert at_commit.fetchall() == [("relay_test, public", "off")]
+    finally:
+        with psycopg.connect(dsn, autocommit=True) as db:
+            db.execute("DROP TABLE relay_test.handler_rows, relay_test.commit_settings")
+            db.execute("DROP FUNCTION relay_test.record_commit_settings()")
 
 
 def test_a_worker_behind_a_transaction_pooler_sends_no_flush_the_pooler_could_read_too_late(

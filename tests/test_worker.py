@@ -42,7 +42,7 @@ from relay_core.worker.outage import OutageLog
 from relay_core.worker.retention import Retention
 from relay_core.worker.shutdown import HAND_BACK_GRACE_SECONDS
 
-from .helpers import TcpProxy, free_port, job_status, running_worker, status_counts, wait_for
+from .helpers import AT_COMMIT_SETTINGS, TcpProxy, free_port, job_status, running_worker, status_counts, wait_for
 
 FAST = Backoff(base=0.05, factor=2, cap=1, jitter=0)
 
@@ -492,6 +492,28 @@ def test_transactional_handler_commits_with_success_or_not_at_all(
         assert sent == [ok_id]
     finally:
         db.execute("DROP TABLE relay_test.orders_sent")
+
+
+def test_a_transactional_handlers_settings_hold_until_its_commit(relay: Relay, db: psycopg.Connection) -> None:
+    """What a handler sets for its transaction (SET LOCAL) is still set as it commits: a deferred trigger
+    sees its search_path, and its synchronous_commit decides how the commit waits."""
+    db.execute(AT_COMMIT_SETTINGS)
+    try:
+
+        @relay.handler("sets_for_its_commit")
+        def sets_for_its_commit(job: Job, conn: psycopg.Connection) -> None:
+            conn.execute("SET LOCAL synchronous_commit = off")
+            conn.execute("SET LOCAL search_path = relay_test, public")
+            conn.execute("INSERT INTO handler_rows VALUES (%s)", (job.id,))
+
+        job_id = relay.enqueue("sets_for_its_commit")
+        with running_worker(relay, concurrency=1):
+            wait_for(lambda: job_status(db, job_id) == "succeeded", what="the job to succeed")
+        at_commit = db.execute("SELECT search_path, synchronous_commit FROM relay_test.commit_settings")
+        assert at_commit.fetchall() == [("relay_test, public", "off")]
+    finally:
+        db.execute("DROP TABLE relay_test.handler_rows, relay_test.commit_settings")
+        db.execute("DROP FUNCTION relay_test.record_commit_settings()")
 
 
 def test_a_transactional_handler_that_narrows_its_role_succeeds(relay: Relay, db: psycopg.Connection) -> None:

@@ -467,6 +467,39 @@ WHERE last_seen_at < now() - make_interval(secs => %(keep_seconds)s)
   AND coalesce(stopped_at, last_seen_at) < now() - make_interval(secs => %(keep_seconds)s)
   AND relay.worker_state(stopped_at, last_seen_at, heartbeat_seconds, %(keep_seconds)s) <> 'alive';
 
+-- name: handler_settings_end_with_transaction
+-- Behind a transaction pooler, in a transactional handler's transaction before
+-- its success is written: every setting the handler made (SET or SET LOCAL)
+-- keeps its value until COMMIT and ends with it, and the role is the worker's
+-- again (see pools.handler_settings_end_with_transaction). RESET ALL returns
+-- each setting to its session default, then each is set again for this
+-- transaction only. The transaction's own characteristics (isolation, read
+-- only) cannot change once it has run a query, and stay as they are; a
+-- setting only the handler's role may make is left at its default.
+DO $relay$
+DECLARE
+    names text[];
+    settings text[];
+BEGIN
+    SELECT coalesce(array_agg(name), '{}'), coalesce(array_agg(current_setting(name)), '{}')
+    INTO names, settings
+    FROM pg_settings
+    WHERE source = 'session'
+      AND name NOT IN ('role', 'session_authorization', 'transaction_isolation', 'transaction_read_only',
+                       'transaction_deferrable');
+    RESET SESSION AUTHORIZATION;
+    RESET ROLE;
+    RESET ALL;
+    FOR i IN 1 .. cardinality(names) LOOP
+        BEGIN
+            PERFORM set_config(names[i], settings[i], true);
+        EXCEPTION WHEN insufficient_privilege OR cant_change_runtime_param THEN
+            NULL;
+        END;
+    END LOOP;
+END
+$relay$;
+
 -- name: proof_setup
 -- `relay prove`: a fresh executions log and no proof jobs left from an earlier run.
 -- CREATE SCHEMA IF NOT EXISTS asks for the right to create schemas even when the

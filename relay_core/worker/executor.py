@@ -34,7 +34,7 @@ from ..errors import (
 from ..handlers import HandlerSpec
 from ..job import Job
 from ..jsonb import UnreadableJson
-from ..pools import in_autocommit, reset_session, session_reset, without_user_timeout
+from ..pools import handler_settings_end_with_transaction, in_autocommit, reset_session, without_user_timeout
 from ..queries import sql
 from .aio import SlotLoop
 from .outcome import Kind, Outcome, describe, result_json
@@ -206,11 +206,7 @@ def _run_transactional(job: Job, spec: HandlerSpec, pool: ConnectionPool) -> Non
                     raise PermanentFailure(ENDED_OWN_TRANSACTION.format(job_type=job.type))
                 if job.lease_lost:
                     raise LeaseLost(f"job {job.id} was told to stop; its work was rolled back")
-                # The session back as Relay set it up, in the handler's transaction: a role the
-                # handler took (SET LOCAL ROLE, as row-level security asks) may not reach
-                # relay.jobs, and behind a transaction pooler a plain SET committed with the
-                # success stayed on the server connection for whichever client came next.
-                conn.execute(session_reset(conn))  # type: ignore[arg-type]
+                conn.execute(handler_settings_end_with_transaction())  # type: ignore[arg-type]
                 try:
                     done = conn.execute(
                         sql("job_succeed_many"),
@@ -221,8 +217,8 @@ def _run_transactional(job: Job, spec: HandlerSpec, pool: ConnectionPool) -> Non
                 if not done:
                     raise LeaseLost(f"job {job.id} is no longer this worker's; its work was rolled back")
         finally:
-            # The handler's session settings (a plain SET commits with the success) must not
-            # reach the statements Relay runs next on this pooled connection.
+            # The handler's session settings (a plain SET commits with the success, or with a
+            # COMMIT of its own) must not reach the statements Relay runs next on this connection.
             with contextlib.suppress(psycopg.Error):
                 reset_session(conn)
 

@@ -679,6 +679,29 @@ def test_a_worker_whose_schedule_is_not_the_published_one_leaves_the_row_unlocke
     assert db.execute("SELECT last_tick FROM relay.schedules").fetchone() == (t1,)
 
 
+def test_a_take_over_skips_a_schedule_another_transaction_holds(
+    relay: Relay, dsn: str, db: psycopg.Connection, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Its publisher gone, a schedule is taken over by the next worker to check it: that worker waited
+    for a row an operator's open transaction held, and its maintenance (the sweeper too) waited with it."""
+    relay.handler("report", cron="* * * * *")(lambda job: None)
+    specs = list(relay.handlers.values())
+    db.execute(
+        "INSERT INTO relay.schedules (type, cron, timezone, queue, last_tick, published_by)"
+        " VALUES ('report', '*/5 * * * *', 'UTC', 'default', now() - interval '1 hour', 'gone-worker')"
+    )
+    with psycopg.connect(dsn) as operator, psycopg.connect(dsn, autocommit=True) as worker_conn:
+        operator.execute("SELECT * FROM relay.schedules FOR UPDATE")
+        worker_conn.execute("SET lock_timeout = '3s'")  # the wait, were it to wait, ends as an error
+        with caplog.at_level(logging.ERROR, logger="relay"):
+            assert enqueue_due(worker_conn, specs, worker_id="w1") == []
+        assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []
+        operator.rollback()
+        assert db.execute("SELECT cron FROM relay.schedules").fetchone() == ("*/5 * * * *",)
+        assert enqueue_due(worker_conn, specs, worker_id="w1") == []  # taken over, starting from now
+    assert db.execute("SELECT cron, published_by FROM relay.schedules").fetchone() == ("* * * * *", "w1")
+
+
 def test_a_schedule_deleted_while_a_worker_has_it_is_published_again(
     relay: Relay, db: psycopg.Connection, caplog: pytest.LogCaptureFixture
 ) -> None:

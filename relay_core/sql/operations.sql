@@ -140,6 +140,13 @@ SELECT EXISTS (SELECT FROM advanced) AS won, (SELECT previous_tick FROM advanced
        published.current, published.publisher_checks, published.cron, published.timezone, published.queue
 FROM published;
 
+-- name: schedule_take_over_lock
+-- The row of a schedule its publisher no longer checks, for the worker about to
+-- publish its own: skipped when another transaction holds it (a worker taking it
+-- over too, an operator's open transaction), as schedule_advance skips it, so
+-- no maintenance duty waits behind it; the next check tries again.
+SELECT type FROM relay.schedules WHERE type = %(type)s FOR UPDATE SKIP LOCKED;
+
 -- name: schedule_record_run
 -- The tick just enqueued is the schedule's last run, written in the transaction
 -- that inserted its job (last_tick also moves for ticks that enqueue nothing).

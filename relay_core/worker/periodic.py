@@ -217,6 +217,8 @@ def _enqueue_latest_tick(
             if publisher_checks:
                 _report_outdated(spec, published)
                 return None
+            if conn.execute(sql("schedule_take_over_lock"), {"type": spec.type}).fetchone() is None:
+                return None  # held by another transaction: the next check tries again
             _publish_one(conn, spec, now, worker_id)
             event(
                 logging.WARNING,

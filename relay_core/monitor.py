@@ -419,11 +419,6 @@ def ping(conn: psycopg.Connection) -> bool:
     return _rows(conn, "database_ping", {})[0]["ok"] == 1
 
 
-def schema_is_current(conn: psycopg.Connection) -> bool:
-    """Whether every migration Relay ships is applied (the readiness check)."""
-    return migrate.is_current(conn)
-
-
 def schema_problem(conn: psycopg.Connection) -> str | None:
     """Why the schema is not current, as what to do about it; None when it is (see ``migrate.schema_problem``)."""
     return migrate.schema_problem(conn)

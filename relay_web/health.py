@@ -49,17 +49,17 @@ def readyz() -> ReadyRecord:
         monitor.ping(conn)
         problem = monitor.schema_problem(conn)
     if problem is not None:
-        raise migrations_pending(problem[0].upper() + problem[1:] + ".")
+        raise migrations_pending(problem)
     return ReadyRecord()
 
 
-def migrations_pending(detail: str = "The database schema is behind this release; run `relay migrate`.") -> Problem:
+def migrations_pending(problem: str) -> Problem:
     """503 while the database's schema is not this release's: behind it (a deploy whose migrations have
-    not run), or migrated by another build (``detail`` says which, and what to do)."""
+    not run), or migrated by another build; ``problem`` (``monitor.schema_problem``) says which, and what to do."""
     return Problem(
         503,
         "Not ready",
-        detail,
+        problem[0].upper() + problem[1:] + ".",
         slug="migrations-pending",
         headers={"Retry-After": "10"},
     )
@@ -74,10 +74,10 @@ def missing_schema_problem(exc: Exception) -> Problem | None:
     """
     try:
         with connection() as conn:
-            behind = not monitor.schema_is_current(conn)
+            problem = monitor.schema_problem(conn)
     except (psycopg.Error, PoolTimeout):
         return None
-    if not behind:
+    if problem is None:
         return None
-    log.warning("the database schema is behind this release (run relay migrate): %s", exc)
-    return migrations_pending()
+    log.warning("%s: %s", problem, exc)
+    return migrations_pending(problem)

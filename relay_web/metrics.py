@@ -35,8 +35,9 @@ class RelayCollector:
     def collect(self) -> Iterator[Metric]:
         """The series of one scrape (503 while the schema is behind this release, as /readyz says)."""
         with counters_read() as conn:
-            if not monitor.schema_is_current(conn):
-                raise migrations_pending()
+            problem = monitor.schema_problem(conn)
+            if problem is not None:
+                raise migrations_pending(problem)
             depths = monitor.queue_depths(conn, stale_seconds=self.stale_seconds)
             totals = monitor.outcome_totals(conn)
             recent = monitor.stats(conn)

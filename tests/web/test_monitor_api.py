@@ -11,6 +11,7 @@ import psycopg
 import pytest
 
 from relay_core import Backoff, PermanentFailure, Relay, monitor
+from relay_core import migrate as migrator
 from relay_core.queries import sql
 
 from ..helpers import read_while_truncating, running_worker, start_worker_process, stop_process, wait_for
@@ -285,6 +286,22 @@ def test_health_and_readiness(client, db) -> None:
         assert_problem(client.get("/metrics"), 503, "migrations-pending")
     finally:
         db.execute("INSERT INTO relay.schema_migrations (version, name) VALUES (%s, %s)", (version, name))
+
+
+def test_a_database_another_build_migrated_is_named_as_such_wherever_the_schema_is_checked(client, db) -> None:
+    """/readyz named it, but /metrics said to run `relay migrate`, which refuses such a database."""
+    (version,) = db.execute(
+        "UPDATE relay.schema_migrations SET name = 'withdrawn_before_release'"
+        " WHERE version = (SELECT max(version) FROM relay.schema_migrations) RETURNING version"
+    ).fetchone()
+    shipped = next(m.name for m in migrator.available() if m.version == version)
+    try:
+        for path in ("/readyz", "/metrics"):
+            detail = assert_problem(client.get(path), 503, "migrations-pending")["detail"]
+            assert detail.startswith(f"The database records migration {version:04d}_withdrawn_before_release"), path
+            assert f"this Relay ships {version:04d}_{shipped}" in detail and "Restore the database" in detail, path
+    finally:
+        db.execute("UPDATE relay.schema_migrations SET name = %s WHERE version = %s", (shipped, version))
 
 
 def test_a_database_never_migrated_answers_migrations_pending_not_internal_error(

@@ -21,8 +21,9 @@ from .handlers import DEFAULT_MAX_ATTEMPTS, HandlerSpec, make_spec
 from .pools import RelayConnection, RelayPool, connection_options, make_pool, outdated_plan
 from .settings import database_url, env_bool, env_float, env_int, transaction_pooling
 from .validation import (
+    BATCH_JOB_OVERHEAD_CHARS,
     DEFAULT_MAX_PAYLOAD_BYTES,
-    MAX_BATCH_PAYLOAD_CHARS,
+    MAX_BATCH_CHARS,
     MAX_PAYLOAD_BYTES_LIMIT,
     NewJob,
     check_idempotency_key,
@@ -377,12 +378,15 @@ class Relay:
                 raise InvalidJobError(f"jobs[{index}].{exc.field}", exc.message) from None
             validated.append(job)
             unresolved.append(takes)
-        total = sum(len(job.payload_json) for job in validated)
-        if total > MAX_BATCH_PAYLOAD_CHARS:
+        sent = sum(
+            len(job.payload_json) + len(job.type) + len(job.queue) + len(job.idempotency_key or "") for job in validated
+        )
+        sent += BATCH_JOB_OVERHEAD_CHARS * len(validated)
+        if sent > MAX_BATCH_CHARS:
             raise InvalidJobError(
                 "jobs",
-                f"payloads total {total} characters of JSON, more than the {MAX_BATCH_PAYLOAD_CHARS} "
-                "one enqueue_many sends; enqueue them in smaller batches",
+                f"the batch would send {sent} characters (payloads, types, queues, keys), more than the "
+                f"{MAX_BATCH_CHARS} one enqueue_many sends; enqueue them in smaller batches",
             )
         return validated, unresolved
 

@@ -20,10 +20,11 @@ from .errors import RelayError
 from .queries import sql
 from .validation import MAX_PAYLOAD_BYTES_LIMIT, NewJob
 
-#: Bulk payloads up to this many characters in all travel as one JSON document;
-#: larger bulk enqueues use the array form. jsonb tops out at 256 MiB, and JSON
-#: text can take six times its size as jsonb (see MAX_PAYLOAD_BYTES_LIMIT): at
-#: 64 MiB, 300 payloads of 200 kB ([0,0,...]) were refused by the database.
+#: Bulk payloads whose JSON array, commas included, is up to this many characters
+#: travel as that one document; larger bulk enqueues use the array form. jsonb
+#: tops out at 256 MiB, and JSON text can take six times its size as jsonb (see
+#: MAX_PAYLOAD_BYTES_LIMIT): at 64 MiB, 300 payloads of 200 kB ([0,0,...]) were
+#: refused by the database.
 ALIKE_MAX_PAYLOAD_CHARS = MAX_PAYLOAD_BYTES_LIMIT
 #: Tries of a keyed insert whose conflicting holder keeps vanishing before it is read.
 KEY_RACE_ATTEMPTS = 3
@@ -105,8 +106,8 @@ def insert_one(job: NewJob, notify: bool, published: bool = False) -> Steps[int]
 def insert_many(jobs: list[NewJob], notify: bool) -> Steps[list[int]]:
     """Insert many jobs in one statement; their ids (or their keys' holders') in input order."""
     first = jobs[0]
-    payload_chars = sum(len(j.payload_json) for j in jobs)
-    if payload_chars < ALIKE_MAX_PAYLOAD_CHARS and all(
+    document_chars = sum(len(j.payload_json) for j in jobs) + len(jobs) + 1  # with its commas and brackets
+    if document_chars < ALIKE_MAX_PAYLOAD_CHARS and all(
         j.type == first.type
         and j.queue == first.queue
         and j.priority == first.priority

@@ -27,11 +27,15 @@ DEFAULT_MAX_PAYLOAD_BYTES = 256 * 1024
 #: 12 of jsonb per element). Past it, a payload under the limit could still be
 #: refused by the database, as an error that aborts the caller's transaction.
 MAX_PAYLOAD_BYTES_LIMIT = 32 * 1024 * 1024
-#: The most payload one ``enqueue_many`` sends, in characters. Its payloads go
-#: as one array parameter, which PostgreSQL holds in at most 1 GB: this many
-#: characters take at most half of that (4 bytes each in UTF-8, or a quote
-#: escaped as two in the array's text).
-MAX_BATCH_PAYLOAD_CHARS = 128 * 1024 * 1024
+#: The most one ``enqueue_many`` sends, in characters: its payloads, types,
+#: queues and keys, and ``BATCH_JOB_OVERHEAD_CHARS`` per job for the rest. They
+#: go as array parameters of one message, which PostgreSQL holds in at most
+#: 1 GB: this many characters take at most half of that (4 bytes each in
+#: UTF-8, or a quote escaped as two in an array's text).
+MAX_BATCH_CHARS = 128 * 1024 * 1024
+#: Per job of a batch: its run_at, priority and max_attempts as text, and the
+#: arrays' separators and quotes, with room to spare.
+BATCH_JOB_OVERHEAD_CHARS = 64
 #: Arrays and objects nested deeper than this are refused. Python reads JSON
 #: recursively, so a payload near the interpreter's recursion limit could be
 #: written but would fail every worker that claims it and every page that shows it.

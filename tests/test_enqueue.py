@@ -234,15 +234,18 @@ def test_a_bulk_enqueue_jsonb_would_overflow_as_one_document_is_written(
 def test_a_bulk_enqueue_past_what_one_statement_carries_is_refused_before_anything_is_sent(
     relay: Relay, dsn: str, db: psycopg.Connection
 ) -> None:
-    """Its payloads go as one array parameter, which PostgreSQL holds in at most 1 GB."""
+    """Its payloads go as an array parameter of one message, which PostgreSQL holds in at most 1 GB."""
     text = "x" * 262_000  # each payload just under the default 256 KiB
     with psycopg.connect(dsn) as conn:
         with pytest.raises(InvalidJobError) as caught:
             relay.enqueue_many([{"type": "import_rows", "payload": text} for _ in range(520)], conn=conn)
         assert conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE  # nothing was sent
     assert caught.value.field == "jobs"
-    assert "payloads total 136241040 characters of JSON, more than the 134217728" in caught.value.message
-    assert "smaller batches" in caught.value.message
+    sent = 520 * (len('"' + text + '"') + len("import_rows") + len("default") + 64)
+    assert caught.value.message == (
+        f"the batch would send {sent} characters (payloads, types, queues, keys), more than the 134217728 "
+        "one enqueue_many sends; enqueue them in smaller batches"
+    )
     assert job_count(db) == 0
 
 

@@ -114,9 +114,11 @@ def _show_version(ctx: click.Context, _param: click.Parameter, value: bool) -> N
     if not value or ctx.resilient_parsing:
         return
     newest = migrator.available()[-1]
-    click.echo(
-        f"relay {importlib.metadata.version('relay-queue')} (migrations up to {newest.version:04d}_{newest.name})"
-    )
+    try:
+        release = importlib.metadata.version("relay-queue")
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree never installed
+        release = "(not installed)"
+    click.echo(f"relay {release} (migrations up to {newest.version:04d}_{newest.name})")
     ctx.exit()
 
 

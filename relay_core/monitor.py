@@ -29,6 +29,8 @@ from .validation import BIGINT_MAX, QUEUE_NAME, check_queue
 MAX_PAGE = 200
 #: Characters of ``last_error`` a listing row carries (the job itself has all of it).
 LIST_ERROR_CHARS = 500
+#: The most recently dead jobs one read returns (the dead view counts its types over them).
+RECENTLY_DEAD_MAX = 1000
 #: Rows a bulk action changes per transaction.
 BULK_BATCH = 1000
 #: A worker that has not heartbeated for this long is gone.
@@ -234,6 +236,14 @@ def list_jobs(
     more = len(rows) > limit
     jobs = [JobSummary(**row) for row in rows[:limit]]
     return JobPage(jobs=jobs, next_before=jobs[-1].id if more else None)
+
+
+def recently_dead(conn: psycopg.Connection, limit: int) -> tuple[list[JobSummary], bool]:
+    """The ``limit`` jobs that died last, latest first, and whether more are dead than that."""
+    if not 1 <= limit <= RECENTLY_DEAD_MAX:
+        raise RelayError(f"limit must be between 1 and {RECENTLY_DEAD_MAX}")
+    rows = _rows(conn, "job_list_recently_dead", {"limit": limit + 1, "error_chars": LIST_ERROR_CHARS})
+    return [JobSummary(**row) for row in rows[:limit]], len(rows) > limit
 
 
 # -- bulk actions --------------------------------------------------------------

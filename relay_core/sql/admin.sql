@@ -22,6 +22,20 @@ WHERE (%(status)s::relay.job_status IS NULL OR status = %(status)s::relay.job_st
 ORDER BY id DESC
 LIMIT %(limit)s;
 
+-- name: job_list_recently_dead
+-- The jobs that died last, latest first: the dashboard's newest dead jobs and
+-- its count by type. Ordered by when they died, not by id: a job enqueued
+-- long ago that died a moment ago is the one on call needs to see, and by id
+-- it sat behind every dead job enqueued after it. Read from jobs_finished_idx
+-- backwards. A dead job without finished_at (written by hand) is not listed.
+SELECT id, type, queue, priority, status::text AS status, attempts, max_attempts,
+       run_at, created_at, started_at, finished_at, claimed_by,
+       left(last_error, %(error_chars)s) AS last_error
+FROM relay.jobs
+WHERE status = 'dead' AND finished_at IS NOT NULL
+ORDER BY finished_at DESC, id DESC
+LIMIT %(limit)s;
+
 -- name: job_max_id
 -- The newest job id and the database's time: bulk actions touch only jobs that
 -- existed when they began, and a requeue only jobs that had ended by then.

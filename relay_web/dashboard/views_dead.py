@@ -1,9 +1,10 @@
 """The dead-letter view: dead jobs grouped by type, each type requeued in one action.
 
-Per-type counts come from walking the dead jobs through the status index
-(``monitor.list_jobs``), at most :data:`SCAN_LIMIT` of them: dead jobs are
-few when things are healthy, and past the limit the page says "at least"
-rather than counting a million rows on a phone's request. The requeue itself
+Per-type counts come from the jobs that died last (``monitor.recently_dead``,
+latest death first), at most :data:`SCAN_LIMIT` of them: dead jobs are few
+when things are healthy, and past the limit the page says "at least" rather
+than counting a million rows on a phone's request; the types failing now are
+the ones counted. The requeue itself
 is ``monitor.requeue_matching``, which changes every matching job however
 many there are and reports the real number: every job of the type that was
 dead when the page was read, and none that died after, which it did not count.
@@ -58,24 +59,16 @@ class DeadSummary:
 
 
 def summarize(conn: psycopg.Connection, limit: int | None = None) -> DeadSummary:
-    """Count dead jobs by type, newest first, reading at most ``limit`` (:data:`SCAN_LIMIT`) of them."""
+    """Count dead jobs by type, latest death first, reading at most ``limit`` (:data:`SCAN_LIMIT`) of them."""
     limit = limit or SCAN_LIMIT
     read_at = monitor.database_now(conn)
-    seen: list[monitor.JobSummary] = []
-    before = None
-    where = monitor.JobFilter(status="dead")
-    while len(seen) < limit:
-        batch = monitor.list_jobs(conn, where, limit=min(monitor.MAX_PAGE, limit - len(seen)), before=before)
-        seen.extend(batch.jobs)
-        before = batch.next_before
-        if before is None:
-            break
+    seen, more = monitor.recently_dead(conn, limit)
     counts = Counter(job.type for job in seen)
     newest = {}
     for job in seen:
         newest.setdefault(job.type, job)
     groups = [DeadType(t, n, newest[t].id, newest[t].last_error) for t, n in counts.most_common()]
-    return DeadSummary(groups=groups, total=len(seen), complete=before is None, newest=seen[:LISTED], read_at=read_at)
+    return DeadSummary(groups=groups, total=len(seen), complete=not more, newest=seen[:LISTED], read_at=read_at)
 
 
 def _render(notice: str | None = None, status: int = 200) -> Response:

@@ -48,7 +48,7 @@ def overview() -> Response:
         depths = monitor.queue_depths(conn, stale_seconds=stale)
         minutes = monitor.outcomes_per_minute(conn)
         workers = monitor.worker_counts(conn, stale_seconds=stale)
-        latest_dead = monitor.list_jobs(conn, monitor.JobFilter(status="dead"), limit=LATEST_DEAD).jobs
+        latest_dead, _more = monitor.recently_dead(conn, LATEST_DEAD)
     stats = monitor.Stats(counts=state_totals(depths), minutes=minutes)
     return page(
         "overview",

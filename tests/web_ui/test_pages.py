@@ -501,6 +501,27 @@ def test_dead_view_groups_by_type_with_counts(viewer: DashboardClient, jobs: Job
     assert 'href="/jobs?state=dead&amp;type=send_email"' in html
 
 
+def test_the_dead_view_and_overview_show_the_jobs_that_died_last(
+    viewer: DashboardClient, jobs: Jobs, db: psycopg.Connection, monkeypatch
+) -> None:
+    """Read newest id first, a job enqueued long ago that died a moment ago sat behind every dead job
+    enqueued after it: with more dead jobs than the view counts, its type was in no group, no list and
+    no Requeue all, though it was the one failing now."""
+    from relay_web.dashboard import views_dead
+
+    monkeypatch.setattr(views_dead, "SCAN_LIMIT", 3)
+    charge = jobs.add("charge_card")
+    emails = [jobs.add("send_email") for _ in range(6)]
+    for job_id in emails:
+        jobs.dead(job_id, "ConnectionError: refused")
+    jobs.dead(charge, "CardDeclined: do not honour")
+    db.execute("UPDATE relay.jobs SET finished_at = finished_at + interval '1 minute' WHERE id = %s", (charge,))
+    dead_page = _text(viewer.get("/dead"))
+    assert '<span class="type">charge_card</span><span class="count">1+ dead</span>' in dead_page
+    assert _rows(dead_page) == [charge, emails[-1], emails[-2]]
+    assert _rows(_text(viewer.get("/")))[0] == charge
+
+
 def test_dead_view_says_at_least_when_there_are_too_many_to_count(
     viewer: DashboardClient, jobs: Jobs, monkeypatch
 ) -> None:

@@ -144,7 +144,10 @@ class WorkerInfo:
     pid: int
     queues: list[str]
     concurrency: int
+    #: Jobs it held at its last heartbeat, running or waiting for a slot.
     in_flight: int
+    #: Jobs claimed by it now (a gone worker's until the sweeper returns them).
+    claimed: int
     started_at: datetime
     last_seen_at: datetime
     stopped_at: datetime | None

@@ -237,11 +237,18 @@ ORDER BY queue, type;
 -- heartbeating, stopped after a graceful shutdown, and gone when it went quiet
 -- without one (killed, or its machine vanished): relay.worker_state decides
 -- (migration 0015).
-SELECT id, host, pid, queues, concurrency, in_flight, started_at, last_seen_at, stopped_at, state, now() AS now
+-- claimed: the jobs claimed by it now, from relay.jobs (one pass over the
+-- claimed jobs, which are few: the workers' slots and what they hold for
+-- them); in_flight is what it reported at its last heartbeat.
+SELECT id, host, pid, queues, concurrency, in_flight, coalesce(c.claimed, 0) AS claimed,
+       started_at, last_seen_at, stopped_at, state, now() AS now
 FROM (
     SELECT w.*, relay.worker_state(stopped_at, last_seen_at, heartbeat_seconds, %(stale_seconds)s::float8) AS state
     FROM relay.workers AS w
 ) AS w
+LEFT JOIN (
+    SELECT claimed_by, count(*) AS claimed FROM relay.jobs WHERE status = 'claimed' GROUP BY claimed_by
+) AS c ON c.claimed_by = w.id
 ORDER BY state = 'alive' DESC, last_seen_at DESC, id
 LIMIT %(limit)s;
 

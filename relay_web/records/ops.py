@@ -158,7 +158,10 @@ class WorkerRecord(Record):
     pid: int
     queues: list[str]
     concurrency: int
-    in_flight: int
+    in_flight: int = Field(
+        description="Jobs it held at its last heartbeat: running, or claimed ahead and waiting for a slot."
+    )
+    claimed: int = Field(description="Jobs claimed by it now; a gone worker's until their leases run out.")
     state: WorkerState
     started_at: datetime
     last_seen_at: datetime

@@ -141,6 +141,7 @@ def test_workers_alive_stopped_and_gone(client, admin, relay: Relay, db) -> None
         assert body["workers"][0]["id"] == "alive-1"
         assert body["counts"] == {"alive": 1, "stopped": 0, "gone": 1}
         assert body["stale_after_seconds"] == 60
+        assert {w["id"]: w["claimed"] for w in body["workers"]} == {"alive-1": 0, "gone-1": 0}
     body = client.get("/api/admin/workers", headers=admin).get_json()
     assert {w["id"]: w["state"] for w in body["workers"]} == {"alive-1": "stopped", "gone-1": "gone"}
 

@@ -573,7 +573,26 @@ def test_workers_page_lists_the_registry(viewer: DashboardClient, relay: Relay) 
         html = _text(viewer.get("/workers"))
     assert "1 alive" in html
     assert '<span class="badge s-alive">alive</span>' in html
-    assert "mail, media" in html and "of 3 slots" in html
+    assert "mail, media" in html and "<dt>Slots</dt><dd>3</dd>" in html
+
+
+def test_a_workers_claimed_jobs_are_read_from_the_jobs_it_holds_now(
+    viewer: DashboardClient, jobs: Jobs, db: psycopg.Connection
+) -> None:
+    """The page showed the count the worker reported at its last heartbeat, prefetched jobs included:
+    "Running 7 of 4 slots" while it held one job, and a killed worker kept its last count for good."""
+    db.execute(
+        "INSERT INTO relay.workers (id, host, pid, queues, concurrency, in_flight, last_seen_at) VALUES"
+        " ('alive-1', 'h', 1, '{default}', 4, 7, now()),"
+        " ('gone-1', 'h', 2, '{default}', 2, 4, now() - interval '1 hour')"
+    )
+    jobs.claimed(jobs.add(), worker="alive-1")
+    for _ in range(2):
+        jobs.claimed(jobs.add(), worker="gone-1")
+    html = _text(viewer.get("/workers"))
+    alive, gone = html.split('<span class="mono type">alive-1</span>')[1].split('<span class="mono type">gone-1</span>')
+    assert "<dt>Slots</dt><dd>4</dd>" in alive and "<dt>Jobs claimed</dt><dd>1</dd>" in alive
+    assert "<dt>Jobs claimed</dt><dd>2 (back to the queue as their leases run out)</dd>" in gone
 
 
 @pytest.mark.parametrize("heartbeat", ["NaN", "1e300", "Infinity"])

@@ -647,7 +647,7 @@ def test_a_schedule_another_transaction_holds_is_skipped_then_moves_on_from_its_
     t0, t1, t2 = (datetime(2030, 1, 1, 0, 0, s, tzinfo=UTC) for s in (0, 1, 2))
     db.execute("INSERT INTO relay.schedules (type, cron, last_tick) VALUES ('each_second', '* * * * * *', %s)", (t0,))
     advance = sql("schedule_advance")
-    schedule = {"type": "each_second", "cron": "* * * * * *", "timezone": "UTC", "queue": "default"}
+    schedule = {"type": "each_second", "cron": "* * * * * *", "timezone": "UTC", "queue": "default", "worker_id": None}
     with psycopg.connect(dsn) as a, psycopg.connect(dsn) as b:
         b.execute("SET lock_timeout = '5s'")
         assert a.execute(advance, {**schedule, "tick": t1, "next_tick": t2}).fetchone()[:3] == (True, t0, True)
@@ -659,6 +659,32 @@ def test_a_schedule_another_transaction_holds_is_skipped_then_moves_on_from_its_
     assert db.execute("SELECT last_tick FROM relay.schedules").fetchone() == (t2,)
 
 
+def test_a_worker_named_publisher_of_a_schedule_not_its_own_takes_it_over(
+    relay: Relay, db: psycopg.Connection, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A Relay older than migration 0021, restarted mid-deploy, wrote its schedule back and left
+    published_by naming the new release's worker, which then left the ticks to itself: once the old
+    workers stopped, the schedule never fired again until that worker restarted."""
+    relay.handler("report", cron="0 4 * * *")(lambda job: None)
+    new = list(relay.handlers.values())
+    db.execute(
+        "INSERT INTO relay.workers (id, host, pid, queues, concurrency, heartbeat_seconds, schedules)"
+        " VALUES ('new-1', 'h', 1, '{default}', 8, 10, '{report}')"
+    )
+    publish(db, new, published_by="new-1")
+    db.execute("UPDATE relay.schedules SET cron = '0 3 * * *'")  # the old release's upsert, published_by kept
+    today = db.execute("SELECT now()").fetchone()[0].astimezone(UTC).replace(hour=0, minute=0, second=0, microsecond=0)
+    four = today + timedelta(days=1, hours=4)
+    with caplog.at_level(logging.WARNING, logger="relay"):
+        assert enqueue_due(db, new, clock=four + timedelta(seconds=1), worker_id="new-1") == []
+    assert "took over a periodic schedule whose publisher no longer checks it" in caplog.text
+    assert db.execute("SELECT cron, published_by FROM relay.schedules").fetchone() == ("0 4 * * *", "new-1")
+    next_day = four + timedelta(days=1)
+    assert enqueue_due(db, new, clock=next_day + timedelta(seconds=1), worker_id="new-1") == [
+        ("report", next_day.isoformat())
+    ]
+
+
 def test_a_worker_whose_schedule_is_not_the_published_one_leaves_the_row_unlocked(
     dsn: str, db: psycopg.Connection
 ) -> None:
@@ -668,7 +694,7 @@ def test_a_worker_whose_schedule_is_not_the_published_one_leaves_the_row_unlocke
     t0, t1, t2 = (datetime(2030, 1, 1, 0, 0, s, tzinfo=UTC) for s in (0, 1, 2))
     db.execute("INSERT INTO relay.schedules (type, cron, last_tick) VALUES ('each_second', '* * * * * *', %s)", (t0,))
     advance = sql("schedule_advance")
-    new = {"type": "each_second", "cron": "* * * * * *", "timezone": "UTC", "queue": "default"}
+    new = {"type": "each_second", "cron": "* * * * * *", "timezone": "UTC", "queue": "default", "worker_id": None}
     old = {**new, "cron": "*/2 * * * * *"}
     with psycopg.connect(dsn) as old_worker, psycopg.connect(dsn) as new_worker:
         won, _previous, current, *_ = old_worker.execute(advance, {**old, "tick": t1, "next_tick": t2}).fetchone()

@@ -112,14 +112,19 @@ RETURNING type, cron, timezone, queue, last_tick, next_tick;
 -- overlapped. Returns what was published, and whether the worker that
 -- published it still checks it (alive by relay.worker_state, with
 -- RELAY_WORKER_STALE_SECONDS' default, and not shutting down), for the others:
--- a schedule its publisher no longer checks is theirs to take over. No row:
--- the schedule is not in relay.schedules (deleted by hand).
+-- a schedule its publisher no longer checks is theirs to take over. A worker
+-- named as the publisher of a schedule not its own did not publish it: a
+-- Relay older than migration 0021, restarted mid-deploy, wrote its schedule
+-- back and left published_by as it was, and that worker left the ticks to
+-- itself for as long as it ran. No row: the schedule is not in
+-- relay.schedules (deleted by hand).
 WITH published AS (
     SELECT s.type, s.cron, s.timezone, s.queue,
            (s.cron, s.timezone, s.queue) = (%(cron)s, %(timezone)s, %(queue)s) AS current,
            EXISTS (
                SELECT FROM relay.workers w
                WHERE w.id = s.published_by
+                 AND w.id IS DISTINCT FROM %(worker_id)s
                  AND relay.worker_state(w.stopped_at, w.last_seen_at, w.heartbeat_seconds, 60) = 'alive'
                  AND (w.schedules_stopped_at IS NULL OR w.schedules_stopped_at < w.started_at)
            ) AS publisher_checks

@@ -198,6 +198,7 @@ def _enqueue_latest_tick(
             "queue": spec.queue,
             "tick": tick,
             "next_tick": following,
+            "worker_id": worker_id,
         }
         row = conn.execute(sql("schedule_advance"), advance).fetchone()
         if row is None:

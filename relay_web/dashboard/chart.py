@@ -111,8 +111,9 @@ def throughput(minutes: Sequence[Minute]) -> Chart:
         bars=bars,
         peak=peak,
         peak_y=float(TOP),
+        # Drawn where its whole-number label is: with an axis top of 5 the line halfway up is 2.5.
         mid=peak // 2,
-        mid_y=round(TOP + plot_height / 2, 2),
+        mid_y=round(bottom - (peak // 2) * scale, 2),
         first_label=f"{minutes[0].minute:%H:%M}" if minutes else "",
         last_label=f"{minutes[-1].minute:%H:%M} UTC" if minutes else "",
     )

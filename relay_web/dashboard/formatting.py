@@ -39,6 +39,21 @@ def span(seconds: float | None) -> str:
     return f"{days}d {hours}h" if hours else f"{days}d"
 
 
+def window(seconds: float) -> str:
+    """A rate limit's window, exactly: ``1.5s``, ``1h 1s``, ``30d`` (``span`` rounds, and a limit's window is exact)."""
+    if seconds < 1:
+        return f"{seconds * 1000:g}ms"
+    parts = []
+    rest = float(seconds)
+    for size, unit in ((86400, "d"), (3600, "h"), (60, "m")):
+        whole, rest = divmod(rest, size)
+        if whole:
+            parts.append(f"{int(whole)}{unit}")
+    if rest:
+        parts.append(f"{round(rest, 3):g}s")
+    return " ".join(parts)
+
+
 def ago(moment: datetime | None, at: datetime | None = None) -> str:
     """``3m ago``, or ``in 3m`` for a moment still to come."""
     if moment is None:
@@ -123,6 +138,7 @@ def progress_percent(value: int | float) -> float:
 
 FILTERS = {
     "span": span,
+    "window": window,
     "ago": ago,
     "between": between,
     "stamp": stamp,

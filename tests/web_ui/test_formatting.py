@@ -87,6 +87,25 @@ def test_chart_stacks_failures_under_successes_scaled_to_the_busiest_minute() ->
     assert (drawn.first_label, drawn.last_label) == ("12:00", "12:02 UTC")
 
 
+def test_the_middle_gridline_sits_at_the_height_of_its_label() -> None:
+    """With an axis top of 5 the line was drawn halfway up, at 2.5, and labelled 2: a bar of 2 ended below it."""
+    drawn = chart.throughput([MinuteOutcomes(NOW, succeeded=2, failed=1, dead=0)])
+    assert (drawn.peak, drawn.mid) == (5, 2)
+    plot = chart.HEIGHT - chart.TOP - chart.BOTTOM
+    assert drawn.mid_y == pytest.approx(drawn.bottom_y - plot * 2 / 5, abs=0.01)
+    (bar,) = drawn.bars
+    assert bar.succeeded_y == pytest.approx(drawn.bottom_y - plot * 3 / 5, abs=0.02)  # a bar of 3, above the 2
+
+
+@pytest.mark.parametrize(
+    ("seconds", "said"),
+    [(0.001, "1ms"), (1.5, "1.5s"), (60, "1m"), (90.5, "1m 30.5s"), (3601, "1h 1s"), (2592000, "30d")],
+)
+def test_a_rate_window_is_said_exactly(seconds: float, said: str) -> None:
+    """'%g' wrote a 30-day window as 2.592e+06 s."""
+    assert formatting.window(seconds) == said
+
+
 def test_an_idle_hour_draws_no_bars() -> None:
     drawn = chart.throughput([MinuteOutcomes(NOW, 0, 0, 0)])
     assert drawn.empty and drawn.peak == 0

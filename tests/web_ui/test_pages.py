@@ -680,7 +680,7 @@ def test_schedules_page_shows_type_limits(viewer: DashboardClient, relay: Relay,
     limits.publish(db, relay.handlers.values())
     html = _text(viewer.get("/schedules"))
     assert 'href="/jobs?type=send_email">send_email</a>' in html
-    assert "at most 3" in html and "at most 100 per 60 s" in html and "0 running" in html
+    assert "at most 3" in html and "at most 100 per 1m" in html and "0 running" in html
 
 
 def test_static_files_are_vendored(viewer: DashboardClient) -> None:

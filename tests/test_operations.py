@@ -499,6 +499,21 @@ def test_a_worker_with_a_long_lease_counts_as_running_until_two_heartbeats_are_m
     assert db.execute("SELECT count(*) FROM relay.jobs").fetchone()[0] == 0
 
 
+def register_report_checkers(db: psycopg.Connection, *worker_ids: str) -> None:
+    """Live workers (just heard from) that serve the default queue and check the schedule of ``report``."""
+    for pid, worker_id in enumerate(worker_ids, start=1):
+        db.execute(
+            "INSERT INTO relay.workers (id, host, pid, queues, concurrency, heartbeat_seconds, schedules)"
+            " VALUES (%s, 'h', %s, '{default}', 8, 10, '{report}')",
+            (worker_id, pid),
+        )
+
+
+def database_midnight(db: psycopg.Connection) -> datetime:
+    """The start of today, UTC, by the database's clock."""
+    return db.execute("SELECT now()").fetchone()[0].astimezone(UTC).replace(hour=0, minute=0, second=0, microsecond=0)
+
+
 def test_workers_of_an_old_release_leave_a_changed_schedule_to_the_ones_that_published_it(
     relay: Relay, db: psycopg.Connection, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -511,13 +526,10 @@ def test_workers_of_an_old_release_leave_a_changed_schedule_to_the_ones_that_pub
     new_release = Relay(relay.dsn)
     new_release.handler("report", cron="0 4 * * *")(lambda job: None)
     new = list(new_release.handlers.values())
-    db.execute(
-        "INSERT INTO relay.workers (id, host, pid, queues, concurrency, heartbeat_seconds, schedules)"
-        " VALUES ('new-1', 'h', 1, '{default}', 8, 10, '{report}'), ('old-2', 'h', 2, '{default}', 8, 10, '{report}')"
-    )
+    register_report_checkers(db, "new-1", "old-2")
     publish(db, old, published_by="old-1")
     publish(db, new, published_by="new-1")
-    today = db.execute("SELECT now()").fetchone()[0].astimezone(UTC).replace(hour=0, minute=0, second=0, microsecond=0)
+    today = database_midnight(db)
     three, four = today + timedelta(days=1, hours=3), today + timedelta(days=1, hours=4)
     with caplog.at_level(logging.WARNING, logger="relay"):
         for _ in range(2):
@@ -667,13 +679,10 @@ def test_a_worker_named_publisher_of_a_schedule_not_its_own_takes_it_over(
     workers stopped, the schedule never fired again until that worker restarted."""
     relay.handler("report", cron="0 4 * * *")(lambda job: None)
     new = list(relay.handlers.values())
-    db.execute(
-        "INSERT INTO relay.workers (id, host, pid, queues, concurrency, heartbeat_seconds, schedules)"
-        " VALUES ('new-1', 'h', 1, '{default}', 8, 10, '{report}')"
-    )
+    register_report_checkers(db, "new-1")
     publish(db, new, published_by="new-1")
     db.execute("UPDATE relay.schedules SET cron = '0 3 * * *'")  # the old release's upsert, published_by kept
-    today = db.execute("SELECT now()").fetchone()[0].astimezone(UTC).replace(hour=0, minute=0, second=0, microsecond=0)
+    today = database_midnight(db)
     four = today + timedelta(days=1, hours=4)
     with caplog.at_level(logging.WARNING, logger="relay"):
         assert enqueue_due(db, new, clock=four + timedelta(seconds=1), worker_id="new-1") == []

@@ -163,7 +163,9 @@ def test_a_transactional_handlers_set_does_not_reach_the_next_client_of_the_pool
 
     def next_client_first(conn: psycopg.Connection) -> None:
         # Another client's transaction, given the server connection as the handler's COMMIT released it.
-        seen_between.append(session_state(pooled_dsn))
+        with psycopg.connect(pooled_dsn, autocommit=True, prepare_threshold=None) as other:
+            tenant = other.execute("SELECT current_setting('myapp.tenant', true)").fetchone()[0]
+        seen_between.append((*session_state(pooled_dsn), tenant or None))
         reset_session(conn)
 
     monkeypatch.setattr(executor, "reset_session", next_client_first)
@@ -176,6 +178,7 @@ def test_a_transactional_handlers_set_does_not_reach_the_next_client_of_the_pool
         @relay.handler("sets_its_session")
         def sets_its_session(job: Job, conn: psycopg.Connection) -> None:
             conn.execute("SET statement_timeout = '4321ms'")
+            conn.execute("SET myapp.tenant = 'acme'")  # a custom setting, as row-level security uses
             conn.execute("SET LOCAL synchronous_commit = off")
             conn.execute("SET LOCAL search_path = relay_test, public")
             conn.execute("INSERT INTO handler_rows VALUES (%s)", (job.id,))  # found by its search_path
@@ -184,7 +187,7 @@ def test_a_transactional_handlers_set_does_not_reach_the_next_client_of_the_pool
         with running_worker(relay, concurrency=1, listen=False):
             wait_for(lambda: seen_between, timeout=30, what="the job to succeed")
         relay.close()
-        assert seen_between == [before]
+        assert seen_between == [(*before, None)]
         with psycopg.connect(dsn, autocommit=True) as db:
             assert db.execute("SELECT status::text FROM relay.jobs WHERE id = %s", (job_id,)).fetchone() == (
                 "succeeded",

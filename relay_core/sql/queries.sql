@@ -475,7 +475,9 @@ WHERE last_seen_at < now() - make_interval(secs => %(keep_seconds)s)
 -- each setting to its session default, then each is set again for this
 -- transaction only. The transaction's own characteristics (isolation, read
 -- only) cannot change once it has run a query, and stay as they are; a
--- setting only the handler's role may make is left at its default.
+-- setting only the handler's role may make is left at its default. A custom
+-- setting (myapp.tenant) is cleared: pg_settings does not list them, and left
+-- as a plain SET made it, it would reach the pooler's next client.
 DO $relay$
 DECLARE
     names text[];

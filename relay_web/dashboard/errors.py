@@ -136,7 +136,7 @@ def _unavailable(exc: Exception) -> Response:
 
 
 def _missing_schema(exc: psycopg.Error) -> Response:
-    """A table this release needs is missing: say to run ``relay migrate``, and retry as an outage does."""
+    """A table this release needs is missing: say what to do (``missing_schema_problem``); retry as an outage does."""
     pending = missing_schema_problem(exc)
     if pending is None:
         return _internal(exc)

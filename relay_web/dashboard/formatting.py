@@ -41,16 +41,16 @@ def span(seconds: float | None) -> str:
 
 def window(seconds: float) -> str:
     """A rate limit's window, exactly: ``1.5s``, ``1h 1s``, ``30d`` (``span`` rounds, and a limit's window is exact)."""
-    if seconds < 1:
-        return f"{seconds * 1000:g}ms"
+    rest = round(float(seconds) * 1000)  # to the millisecond, a window's finest grain
+    if rest < 1000:
+        return f"{rest}ms"
     parts = []
-    rest = float(seconds)
-    for size, unit in ((86400, "d"), (3600, "h"), (60, "m")):
+    for size, unit in ((86_400_000, "d"), (3_600_000, "h"), (60_000, "m")):
         whole, rest = divmod(rest, size)
         if whole:
-            parts.append(f"{int(whole)}{unit}")
+            parts.append(f"{whole}{unit}")
     if rest:
-        parts.append(f"{round(rest, 3):g}s")
+        parts.append(f"{rest / 1000:g}s")
     return " ".join(parts)
 
 

@@ -99,7 +99,17 @@ def test_the_middle_gridline_sits_at_the_height_of_its_label() -> None:
 
 @pytest.mark.parametrize(
     ("seconds", "said"),
-    [(0.001, "1ms"), (1.5, "1.5s"), (60, "1m"), (90.5, "1m 30.5s"), (3601, "1h 1s"), (2592000, "30d")],
+    [
+        (0.001, "1ms"),
+        (1.5, "1.5s"),
+        (60, "1m"),
+        (90.5, "1m 30.5s"),
+        (3601, "1h 1s"),
+        (2592000, "30d"),
+        (59.9999, "1m"),
+        (86399.9999, "1d"),
+        (3600.0002, "1h"),
+    ],
 )
 def test_a_rate_window_is_said_exactly(seconds: float, said: str) -> None:
     """'%g' wrote a 30-day window as 2.592e+06 s."""

@@ -21,7 +21,7 @@ from .client import Relay
 from .errors import ConfigurationError, InvalidJobError, MigrationError, RelayError
 from .jsonb import float_changes
 from .settings import database_url, database_url_set
-from .validation import positive_number
+from .validation import new_job, positive_number
 from .worker import require_handlers
 from .worker.config import MAX_CONCURRENCY
 from .worker.shutdown import exit_now
@@ -298,11 +298,26 @@ def enqueue(
             when = datetime.fromisoformat(run_at)
         except ValueError:
             raise click.BadParameter(f"{run_at!r} is not an ISO 8601 time", param_hint="--run-at") from None
+    relay = Relay(_dsn())
+    try:
+        # Checked before connecting: refused input exits 2 whether or not the database answers.
+        new_job(
+            job_type,
+            data,
+            queue=queue,
+            priority=priority,
+            run_at=when,
+            max_attempts=relay.default_max_attempts if max_attempts is None else max_attempts,
+            idempotency_key=idempotency_key,
+            max_payload_bytes=relay.max_payload_bytes,
+        )
+    except InvalidJobError as exc:
+        raise RefusedInput(f"refused: {exc}") from None
     # One plain connection, not the Relay's pool: a database that cannot be
     # reached is a one-line error at once, not a traceback after the pool's wait.
     with connect() as conn, database_errors():
         try:
-            job_id = Relay(_dsn()).enqueue(
+            job_id = relay.enqueue(
                 job_type,
                 data,
                 conn=conn,

@@ -87,6 +87,15 @@ def test_a_connection_setting_libpq_cannot_use_is_a_clear_error(dsn: str) -> Non
     assert "cannot connect to the database" in result.output and "connect_timeout" in result.output
 
 
+def test_input_relay_enqueue_refuses_exits_2_while_the_database_is_unreachable_too() -> None:
+    """It connected before it checked: with the database down, a bad priority exited 1, as an outage does."""
+    result = run(
+        "postgresql://postgres@127.0.0.1:1/nowhere?connect_timeout=2", ["enqueue", "t", "{}", "--priority", "40000"]
+    )
+    assert result.exit_code == 2, result.output
+    assert "refused: priority" in result.output and "connect" not in result.output
+
+
 @pytest.mark.parametrize(
     "args",
     [["enqueue", "t\udcff", "{}"], ["enqueue", "t", "{}", "--idempotency-key", "k\udcff"]],

@@ -228,13 +228,9 @@ def unknown_applied(dsn: str) -> list[str]:
     return [f"{version:04d}_{name}" for version, name in sorted(recorded.items()) if version not in shipped]
 
 
-def is_current(conn: psycopg.Connection) -> bool:
-    """True when every shipped migration is applied, under its own name (the readiness check; see ``replaced``)."""
-    return schema_problem(conn) is None
-
-
 def schema_problem(conn: psycopg.Connection) -> str | None:
-    """Why this Relay cannot run on the database's schema, as what to do about it; None when it can.
+    """Why this Relay cannot run on the database's schema, as what to do about it; None when every
+    shipped migration is applied under its own name (the readiness check; see ``replaced``).
 
     Behind (``relay migrate`` brings it up), or migrated by another build
     (which ``relay migrate`` refuses: telling the operator to run it sent

@@ -76,10 +76,14 @@ class JobPath(QueryRecord):
     job_id: JobIdParameter
 
 
+#: relay.jobs.lease_token is a PostgreSQL integer.
+LEASE_TOKEN_MAX = 2**31 - 1
+
+
 class RequeueQuery(QueryRecord):
     """``POST /api/admin/jobs/{job_id}/requeue`` parameters."""
 
-    seen_lease_token: parameter_integer(0, 2**31 - 1) | None = Field(  # type: ignore[valid-type]
+    seen_lease_token: parameter_integer(0, LEASE_TOKEN_MAX) | None = Field(  # type: ignore[valid-type]
         default=None,
         description=(
             "The job's lease_token as the caller read it. Every claim changes it: a job claimed since "

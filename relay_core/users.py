@@ -9,6 +9,7 @@ one web process's memory is dodged by the next process behind the balancer.
 
 from __future__ import annotations
 
+import ipaddress
 import math
 import re
 import secrets
@@ -18,7 +19,7 @@ from functools import lru_cache
 from typing import Any
 
 import psycopg
-from argon2 import PasswordHasher, Type
+from argon2 import PasswordHasher, Type, extract_parameters
 from argon2.exceptions import InvalidHashError, VerificationError
 from psycopg.rows import dict_row
 
@@ -114,10 +115,34 @@ def make_hasher(
 
 
 @lru_cache(maxsize=8)
-def _decoy_hash(hasher: PasswordHasher) -> str:
+def _decoy_hash(time_cost: int, memory_cost: int, parallelism: int, hash_len: int, salt_len: int) -> str:
     # Verified against when the username is unknown, so a wrong name costs as
     # long as a wrong password and response times do not reveal who exists.
+    hasher = PasswordHasher(time_cost, memory_cost, parallelism, hash_len, salt_len, type=Type.ID)
     return hasher.hash(secrets.token_urlsafe(32))
+
+
+def _decoy_like(typical_hash: str | None, hasher: PasswordHasher) -> str:
+    """A hash of no one's password that costs what verifying ``typical_hash`` costs.
+
+    Verifying runs with the parameters written in the stored hash, not with
+    ``hasher``'s: once an operator changed ``RELAY_ARGON2_*``, or created users
+    from a shell without the web service's settings, a decoy made with
+    ``hasher`` took 878 ms where a real user's wrong password took 250 ms. So
+    the decoy is made like the hash most users have (``typical_hash``), and
+    like ``hasher``'s only when there are no users, or that hash is no
+    Argon2id within ``ARGON2_BOUNDS``.
+    """
+    chosen = hasher
+    try:
+        typical = extract_parameters(typical_hash) if typical_hash else None
+    except InvalidHashError:
+        typical = None
+    if typical is not None and typical.type is Type.ID:
+        within = all(low <= getattr(typical, name) <= high for name, (_, low, high) in ARGON2_BOUNDS.items())
+        if within:
+            chosen = PasswordHasher.from_parameters(typical)
+    return _decoy_hash(chosen.time_cost, chosen.memory_cost, chosen.parallelism, chosen.hash_len, chosen.salt_len)
 
 
 # -- validation ----------------------------------------------------------------
@@ -172,7 +197,7 @@ def _rows(conn: psycopg.Connection, name: str, params: dict[str, Any]) -> list[d
 
 
 def _user(row: dict[str, Any]) -> User:
-    return User(**{k: v for k, v in row.items() if k != "password_hash"})
+    return User(**{k: v for k, v in row.items() if k not in ("password_hash", "typical_hash")})
 
 
 def create_user(
@@ -201,8 +226,9 @@ def authenticate(
         name = normalize_username(username)
     except InvalidUserError:
         name = None
-    row = _rows(conn, "user_get_by_username", {"username": name})[0:1] if name else []
-    stored = row[0]["password_hash"] if row else _decoy_hash(hasher)
+    (found,) = _rows(conn, "user_get_for_login", {"username": name})
+    row = [found] if found["id"] is not None else []
+    stored = found["password_hash"] if row else _decoy_like(found["typical_hash"], hasher)
     if not isinstance(password, str) or len(password) > MAX_PASSWORD_LENGTH:
         password = ""
     try:
@@ -287,7 +313,26 @@ class ThrottlePolicy:
 
 def _throttle_keys(username: str, address: str | None) -> tuple[str, str | None]:
     user_key = "user:" + username.lower()[:_MAX_KEY_NAME]
-    return user_key, ("addr:" + address) if address else None
+    return user_key, ("addr:" + client_network(address)) if address else None
+
+
+def client_network(address: str) -> str:
+    """What the per-address limit counts ``address`` as: an IPv6 address's /64, anything else as it is.
+
+    One IPv6 client is given a /64 (RFC 6177, and what providers hand out),
+    so it has more addresses than there could ever be attempts: counted one
+    by one, each of its guesses would start with a fresh limit. An
+    IPv4-mapped IPv6 address is the IPv4 address it maps.
+    """
+    try:
+        parsed = ipaddress.ip_address(address)
+    except ValueError:
+        return address[:_MAX_KEY_NAME]
+    if isinstance(parsed, ipaddress.IPv6Address):
+        if parsed.ipv4_mapped is not None:
+            return str(parsed.ipv4_mapped)
+        return str(ipaddress.IPv6Network((parsed, 64), strict=False))
+    return str(parsed)
 
 
 def throttle_hit(conn: psycopg.Connection, policy: ThrottlePolicy, username: str, address: str | None) -> int | None:

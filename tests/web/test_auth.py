@@ -11,6 +11,7 @@ from datetime import timedelta
 import jwt
 import psycopg
 import pytest
+from argon2 import PasswordHasher, extract_parameters
 from flask import Flask
 from flask_jwt_extended import create_access_token, create_refresh_token
 
@@ -224,6 +225,31 @@ def test_hash_is_upgraded_when_parameters_change(make_app, auth: AuthActions, db
     assert stronger.post("/api/auth/login", json={"username": "heidi", "password": PASSWORD}).status_code == 200
 
 
+def test_an_unknown_name_is_verified_like_the_stored_hashes_not_like_the_settings(
+    make_app, auth: AuthActions, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Verifying runs with the parameters written in the stored hash. After RELAY_ARGON2_* changed, a
+    decoy made with the new settings took 3.5x as long as a known name's wrong password, which told
+    the names apart; the decoy is made like the hash most users have, and like the settings only
+    when there are no users."""
+    verified: list[tuple[int, int]] = []
+    verify = PasswordHasher.verify
+
+    def recording_verify(self: PasswordHasher, stored: str, password: str) -> bool:
+        parameters = extract_parameters(stored)
+        verified.append((parameters.time_cost, parameters.memory_cost))
+        return verify(self, stored, password)
+
+    monkeypatch.setattr(PasswordHasher, "verify", recording_verify)
+    stronger = make_app(RELAY_ARGON2_TIME_COST=2, RELAY_ARGON2_MEMORY_COST=2048).test_client()
+    wrong = {"password": "not the password"}
+    assert stronger.post("/api/auth/login", json={"username": "nobody", **wrong}).status_code == 401
+    auth.create_user("olga", "admin")  # m=1024, t=1, as the fixture's users are made
+    for name in ("olga", "nobody", "Not A Name!"):
+        assert stronger.post("/api/auth/login", json={"username": name, **wrong}).status_code == 401
+    assert verified == [(2, 2048), (1, 1024), (1, 1024), (1, 1024)]
+
+
 def test_failed_logins_are_throttled_across_app_instances(make_app, auth: AuthActions) -> None:
     auth.create_user("ivan", "admin")
     settings = {"RELAY_LOGIN_MAX_FAILURES": 3, "RELAY_LOGIN_WINDOW_SECONDS": 600}
@@ -290,6 +316,18 @@ def test_two_proxy_hops_take_the_second_entry_from_the_right(make_app, db: psyco
     _attempts_from(client, "6.6.6.6, 192.0.2.44, 172.16.0.3", 1)
     keys = {row[0] for row in db.execute("SELECT key FROM relay.login_throttle WHERE key LIKE 'addr:%'")}
     assert keys == {"addr:192.0.2.44"}
+
+
+def test_an_ipv6_client_is_counted_by_its_64(make_app, db: psycopg.Connection) -> None:
+    """One IPv6 client holds a whole /64: counted address by address, each guess from it got a fresh limit."""
+    client = make_app(RELAY_PROXY_HOPS=1, RELAY_LOGIN_MAX_FAILURES_PER_ADDRESS=2).test_client()
+    statuses = [_attempts_from(client, f"2001:db8:1:2::{i}", 1)[0] for i in range(1, 4)]
+    assert statuses == [401, 401, 429]
+    _attempts_from(client, "2001:db8:1:3:ffff::1", 1)
+    _attempts_from(client, "::ffff:192.0.2.80", 1)
+    _attempts_from(client, "2001:DB8:1:2::abc", 1)  # the same /64 written another way: no new key
+    keys = {row[0] for row in db.execute("SELECT key FROM relay.login_throttle WHERE key LIKE 'addr:%'")}
+    assert keys == {"addr:2001:db8:1:2::/64", "addr:2001:db8:1:3::/64", "addr:192.0.2.80"}
 
 
 def test_throttle_window_ends(make_app, auth: AuthActions) -> None:

@@ -86,6 +86,14 @@ def _relay_app_settings() -> Mapping[str, Any] | None:
     return given if isinstance(given, Mapping) else None  # the factory itself refuses it
 
 
+# RELAY_PROXY_HOPS alone decides whose X-Forwarded-Proto the app believes (its
+# ProxyFix). gunicorn believes the header from 127.0.0.1 too unless told
+# otherwise, so with hops 0, which ignores it, a proxy on the same host that
+# passed a client's header through made plain HTTP look like HTTPS. An
+# operator's own FORWARDED_ALLOW_IPS still wins.
+if "FORWARDED_ALLOW_IPS" not in os.environ:
+    forwarded_allow_ips = ""
+
 web_concurrency = _whole("WEB_CONCURRENCY", 1, MAX_WEB_CONCURRENCY)
 if web_concurrency is not None:
     workers = web_concurrency

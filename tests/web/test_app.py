@@ -10,6 +10,8 @@ import sys
 import time
 import urllib.request
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -209,22 +211,10 @@ def test_gunicorn_with_relays_settings_refuses_a_missing_secret_in_one_line(dsn:
     assert len(done.stderr.splitlines()) == 1, done.stderr
 
 
-@pytest.mark.parametrize(
-    ("options", "app_uri", "secret_in_env"),
-    [
-        ([], "relay_web:create_app()", True),
-        # Given to the factory only: gunicorn_conf reads them as the factory will.
-        (["-c", "python:relay_web.gunicorn_conf"], f"relay_web:create_app({{'JWT_SECRET_KEY': '{SECRET}'}})", False),
-        # The application's own factory hands them over: only it knows them.
-        (["-c", "python:relay_web.gunicorn_conf"], "tests.apps.web_factory:create()", False),
-    ],
-)
-def test_gunicorn_serves_the_factory(dsn: str, options: list[str], app_uri: str, secret_in_env: bool) -> None:
+@contextmanager
+def gunicorn_serving(env: dict[str, str], options: list[str], app_uri: str) -> Iterator[int]:
+    """gunicorn with two workers serving ``app_uri`` on a free port, ready at ``/readyz``; its port."""
     port = _free_port()
-    env = {k: v for k, v in os.environ.items() if k not in SETTINGS and k != "WEB_CONCURRENCY"}
-    env.update(DATABASE_URL=dsn, PYTHONPATH=str(ROOT), APP_SIGNING_SECRET=SECRET)
-    if secret_in_env:
-        env["JWT_SECRET_KEY"] = SECRET
     gunicorn = Path(sys.executable).with_name("gunicorn")
     proc = subprocess.Popen(
         [str(gunicorn), *options, "--bind", f"127.0.0.1:{port}", "--workers", "2", app_uri],
@@ -244,11 +234,48 @@ def test_gunicorn_serves_the_factory(dsn: str, options: list[str], app_uri: str,
                 assert proc.poll() is None, proc.stderr.read().decode() if proc.stderr else ""
                 assert time.monotonic() < deadline, "gunicorn did not answer"
                 time.sleep(0.2)
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/api/openapi.json", timeout=5) as response:
-            assert response.headers["Content-Type"] == "application/json"
+        yield port
     finally:
         proc.terminate()
         proc.wait(10)
+
+
+@pytest.mark.parametrize(
+    ("options", "app_uri", "secret_in_env"),
+    [
+        ([], "relay_web:create_app()", True),
+        # Given to the factory only: gunicorn_conf reads them as the factory will.
+        (["-c", "python:relay_web.gunicorn_conf"], f"relay_web:create_app({{'JWT_SECRET_KEY': '{SECRET}'}})", False),
+        # The application's own factory hands them over: only it knows them.
+        (["-c", "python:relay_web.gunicorn_conf"], "tests.apps.web_factory:create()", False),
+    ],
+)
+def test_gunicorn_serves_the_factory(dsn: str, options: list[str], app_uri: str, secret_in_env: bool) -> None:
+    env = {k: v for k, v in os.environ.items() if k not in SETTINGS and k != "WEB_CONCURRENCY"}
+    env.update(DATABASE_URL=dsn, PYTHONPATH=str(ROOT), APP_SIGNING_SECRET=SECRET)
+    if secret_in_env:
+        env["JWT_SECRET_KEY"] = SECRET
+    with (
+        gunicorn_serving(env, options, app_uri) as port,
+        urllib.request.urlopen(f"http://127.0.0.1:{port}/api/openapi.json", timeout=5) as response,
+    ):
+        assert response.headers["Content-Type"] == "application/json"
+
+
+@pytest.mark.parametrize(("hops", "believed"), [("0", False), ("1", True)])
+def test_under_relays_gunicorn_settings_proxy_hops_alone_decide_whose_https_is_believed(
+    dsn: str, hops: str, believed: bool
+) -> None:
+    """gunicorn believes X-Forwarded-Proto from 127.0.0.1 by default: with RELAY_PROXY_HOPS=0, which
+    docs/api.md says ignores the header, a proxy on the same host passing a client's header through
+    made plain HTTP look like HTTPS to the app (it sent HSTS)."""
+    left_out = {*SETTINGS, "WEB_CONCURRENCY", "FORWARDED_ALLOW_IPS"}
+    env = {k: v for k, v in os.environ.items() if k not in left_out}
+    env.update(DATABASE_URL=dsn, JWT_SECRET_KEY=SECRET, RELAY_PROXY_HOPS=hops)
+    with gunicorn_serving(env, ["-c", "python:relay_web.gunicorn_conf"], "relay_web:create_app()") as port:
+        request = urllib.request.Request(f"http://127.0.0.1:{port}/healthz", headers={"X-Forwarded-Proto": "https"})
+        with urllib.request.urlopen(request, timeout=5) as response:
+            assert ("Strict-Transport-Security" in response.headers) is believed
 
 
 @pytest.mark.parametrize(

@@ -1963,13 +1963,12 @@ def test_worker_run_returns_to_its_caller_with_a_handler_left_running(relay: Rel
     """Run on the main thread with its signal handlers (an application's own script, a test), the
     worker ended the process when a handler outlived the shutdown: only ``relay worker`` and
     ``Relay.run_worker``, which own their process, do that. The caller is told how many run on."""
-    release = threading.Event()
-    relay.handler("stuck")(lambda job: release.wait(30))
+    started, release = threading.Event(), threading.Event()
+    relay.handler("stuck")(lambda job: (started.set(), release.wait(30)))
     job_id = relay.enqueue("stuck")
     worker = Worker(relay.dsn, relay.handlers, WorkerConfig(poll_interval=0.1, shutdown_timeout=0.2))
-    stopper = threading.Thread(
-        target=lambda: (wait_for(lambda: job_status(db, job_id) == "claimed", what="the job to start"), worker.stop())
-    )
+    # Its handler started, not only claimed: a job claimed and not yet started is handed back unrun.
+    stopper = threading.Thread(target=lambda: (wait_for(started.is_set, what="the handler to start"), worker.stop()))
     stopper.start()
     try:
         worker.run()  # the main thread: it installs its signal handlers

@@ -282,7 +282,8 @@ def test_requeue_all_that_finds_nothing_left_says_so(admin: DashboardClient, job
 
 def test_a_requeue_all_cut_off_part_way_says_how_many_it_requeued(make_app, dsn: str, relay: Relay) -> None:
     """The first 1,000 dead jobs are requeued; the next batch waits on a held row until the statement timeout."""
-    admin = _logged_in(make_app(RELAY_STATEMENT_TIMEOUT_MS=300), dsn, "admin")
+    # Long enough for a batch of 1,000 on a busy machine: only the batch that meets the held row times out.
+    admin = _logged_in(make_app(RELAY_STATEMENT_TIMEOUT_MS=2000), dsn, "admin")
     ids = relay.enqueue_many([{"type": "resize_image"} for _ in range(1200)])
     with psycopg.connect(dsn, autocommit=True) as db:
         db.execute(

@@ -169,6 +169,27 @@ def test_a_lease_or_interval_a_worker_cannot_use_is_refused_at_start(
             relay.worker()
 
 
+@pytest.mark.parametrize(
+    ("variable", "value", "override"),
+    [
+        ("RELAY_CONCURRENCY", "abc", {"concurrency": 2}),
+        ("RELAY_LEASE_SECONDS", "soon", {"lease_seconds": 12.0}),
+        ("RELAY_LISTEN", "maybe", {"listen": False}),
+        ("RELAY_PRUNE", "often", {"retention": None}),
+    ],
+)
+def test_a_setting_given_explicitly_wins_over_its_unreadable_variable(
+    monkeypatch: pytest.MonkeyPatch, variable: str, value: str, override: dict[str, object]
+) -> None:
+    """Every variable was read before the overrides were applied: `relay worker --concurrency 2` refused
+    to start over RELAY_CONCURRENCY=abc, though a flag wins over its variable."""
+    monkeypatch.setenv(variable, value)
+    with pytest.raises(ConfigurationError, match=variable):
+        WorkerConfig.from_env()
+    config = WorkerConfig.from_env(**override)
+    assert {name: getattr(config, name) for name in override} == override
+
+
 def test_the_heartbeat_follows_the_lease_it_is_given(monkeypatch: pytest.MonkeyPatch) -> None:
     """A third of the lease given, not of the environment's (or the default) lease: relay.worker(lease_seconds=15)
     was refused with a heartbeat of 10 s, over half of it."""

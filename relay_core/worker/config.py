@@ -5,7 +5,8 @@ from __future__ import annotations
 import os
 import socket
 import uuid
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields
 
 from ..backoff import MAX_DELAY_SECONDS
 from ..errors import ConfigurationError
@@ -104,7 +105,8 @@ class WorkerConfig:
                 self.heartbeat_interval = self.lease_seconds / 3
             # NaN passes every comparison below, text or a bool is no number of seconds, and a thread
             # cannot wait an infinite time (nor longer than threading.TIMEOUT_MAX, about 292 years:
-            # an OverflowError mid-run).
+            # an OverflowError mid-run). A claimed job's claimed_until, now() + the lease, must
+            # stay a timestamp PostgreSQL can store and Python can read.
             value = getattr(self, name)
             if not (finite_real(value) and 0 < value <= MAX_DELAY_SECONDS):
                 raise ConfigurationError(
@@ -129,35 +131,39 @@ class WorkerConfig:
                 f"heartbeat_interval must be at most half of lease_seconds ({self.lease_seconds / 2:g} s), "
                 f"got {self.heartbeat_interval:g}"
             )
-        if self.lease_seconds > MAX_DELAY_SECONDS:
-            # PostgreSQL would store now() + lease, but a claimed job's claimed_until must stay readable.
-            raise ConfigurationError(f"lease_seconds must be at most {MAX_DELAY_SECONDS:.0f}")
         # NaN would skip the wait for in-flight jobs; an infinite wait outlasts every drain window.
         if not (finite_real(self.shutdown_timeout) and 0 <= self.shutdown_timeout <= MAX_DELAY_SECONDS):
             raise ConfigurationError(f"shutdown_timeout must be a number of seconds from 0 to {MAX_DELAY_SECONDS:.0f}")
 
     @classmethod
     def from_env(cls, **overrides: object) -> WorkerConfig:
-        """Defaults, then RELAY_* environment settings, then explicit overrides."""
-        named = ENV_SETTINGS
-        values: dict[str, object] = {
-            "concurrency": env_int(named["concurrency"], 8),
-            "lease_seconds": env_float(named["lease_seconds"], 30.0),
-            # None: a third of the lease, the one given here or in the environment.
-            "heartbeat_interval": env_float(named["heartbeat_interval"], None),
-            "poll_interval": env_float(named["poll_interval"], 0.5),
-            "sweep_interval": env_float(named["sweep_interval"], 5.0),
-            "shutdown_timeout": env_float(named["shutdown_timeout"], 25.0),
-            # A transaction pooler delivers no notifications: poll unless told otherwise.
-            "listen": env_bool("RELAY_LISTEN", not transaction_pooling()),
-            "retention": Retention.from_env() if env_bool("RELAY_PRUNE", True) else None,
-            "self_vacuum": env_bool("RELAY_SELF_VACUUM", True),
-        }
-        queues = os.environ.get("RELAY_QUEUES")
-        if queues:
-            values["queues"] = tuple(q.strip() for q in queues.split(",") if q.strip())
+        """Defaults, then RELAY_* environment settings, then explicit overrides.
+
+        A setting given explicitly is not read from the environment at all, so
+        a flag of ``relay worker`` wins over its variable even when the
+        variable holds something that is no setting.
+        """
         # None stands for "not given" (the CLI's unset options), except retention=None, which turns pruning off.
         given = {k: v for k, v in overrides.items() if v is not None or k == "retention"}
+        default = {f.name: f.default for f in fields(cls)}
+        named = ENV_SETTINGS
+        readers: dict[str, Callable[[], object]] = {
+            "concurrency": lambda: env_int(named["concurrency"], default["concurrency"]),
+            "lease_seconds": lambda: env_float(named["lease_seconds"], default["lease_seconds"]),
+            # None: a third of the lease, the one given here or in the environment.
+            "heartbeat_interval": lambda: env_float(named["heartbeat_interval"], None),
+            "poll_interval": lambda: env_float(named["poll_interval"], default["poll_interval"]),
+            "sweep_interval": lambda: env_float(named["sweep_interval"], default["sweep_interval"]),
+            "shutdown_timeout": lambda: env_float(named["shutdown_timeout"], default["shutdown_timeout"]),
+            # A transaction pooler delivers no notifications: poll unless told otherwise.
+            "listen": lambda: env_bool("RELAY_LISTEN", not transaction_pooling()),
+            "retention": lambda: Retention.from_env() if env_bool("RELAY_PRUNE", True) else None,
+            "self_vacuum": lambda: env_bool("RELAY_SELF_VACUUM", True),
+        }
+        values = {name: read() for name, read in readers.items() if name not in given}
+        queues = os.environ.get("RELAY_QUEUES")
+        if queues and "queues" not in given:
+            values["queues"] = tuple(q.strip() for q in queues.split(",") if q.strip())
         values.update(given)
         try:
             return cls(**values)  # type: ignore[arg-type]

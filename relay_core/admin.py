@@ -1,7 +1,9 @@
-"""Reads and admin actions on single jobs, guarded by the state machine.
+"""Reads and admin actions on single jobs, guarded by the state machine; paused queues, schedules and limits.
 
-Requeue and cancel are each one guarded UPDATE; when it changes no row the
-job's current state is read to say why (missing, or in the wrong state).
+Requeue and cancel lock the job's row, decide from the state they read
+(refusing with the state the job was really in: missing, or in the wrong
+state), then write, all in one transaction: a worker's write in flight has
+either committed before the lock or waits for the action.
 """
 
 from __future__ import annotations

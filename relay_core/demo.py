@@ -44,6 +44,7 @@ from .client import Relay
 from .embedded import INSTALL_DEMO, default_data_dir, load_pgserver
 from .errors import ConfigurationError, RelayError
 from .pools import connection_options
+from .queries import sql
 from .settings import database_url, database_url_set
 from .signals import ShutdownSignals
 
@@ -109,11 +110,7 @@ def refuse_foreign_jobs(dsn: str) -> None:
                 return
             foreign = [
                 row[0]
-                for row in conn.execute(
-                    "SELECT DISTINCT type FROM relay.jobs WHERE queue = 'default' AND status IN ('queued', 'claimed')"
-                    " AND type <> ALL(%s) ORDER BY type LIMIT 5",
-                    (sorted(shop.handlers),),
-                )
+                for row in conn.execute(sql("job_types_unhandled_in_default_queue"), {"handled": sorted(shop.handlers)})
             ]
     except psycopg.Error as exc:
         raise DemoError(f"could not read DATABASE_URL's jobs: {exc}") from None

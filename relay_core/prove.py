@@ -87,7 +87,7 @@ class ProofResult:
             )
         lines += [
             f"seconds:          {self.seconds:.1f}",
-            "audit query:      SELECT job_id, count(*) FROM relay_proof.executions GROUP BY job_id HAVING count(*) > 1",
+            f"audit query:      {sql('proof_duplicates').rstrip(';')}",
             f"audit rows:       {self.duplicates if self.duplicates else '(none)'}",
         ]
         return "\n".join(lines)

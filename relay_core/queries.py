@@ -1,8 +1,12 @@
 """Loads the ``sql/*.sql`` files once into named statements.
 
-All of Relay's SQL lives in those files: ``queries.sql`` holds the queue's hot
-path (the claim query among it) so a reader finds it in one step; the admin
-surface's reads live beside it. This module only parses them.
+Relay's statements on its tables live in those files: ``queries.sql`` holds
+the queue's hot path (the claim query among it) so a reader finds it in one
+step; the admin surface's reads live beside it. Outside them: the migrations
+(``migrations/*.sql``, and the migrator's own bootstrap before its table
+exists), session and transaction control (``SET``, ``BEGIN``/``COMMIT``,
+``LISTEN``) and catalog checks such as ``to_regclass``. This module only
+parses the files.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The job state machine of DESIGN section 3, written down once.
+"""The job state machine (README, "The state machine"), written down once.
 
 Every SQL statement that writes ``status`` names its transition beside it
 in ``sql/*.sql``; the tests check each one against :data:`TRANSITIONS`.
@@ -35,15 +35,7 @@ TRANSITIONS: dict[tuple[str, str], str] = {
     ("cancelled", "queued"): "requeue (admin)",
 }
 
-#: States a job never leaves on its own.
-FINISHED = frozenset({JobStatus.SUCCEEDED.value, JobStatus.DEAD.value, JobStatus.CANCELLED.value})
-
 
 def is_legal(from_status: str, to_status: str) -> bool:
     """Whether the state machine allows moving from one status to another."""
     return (from_status, to_status) in TRANSITIONS
-
-
-def targets(from_status: str) -> list[str]:
-    """The states a job in ``from_status`` may move to."""
-    return sorted(to for (frm, to) in TRANSITIONS if frm == from_status)

@@ -9,8 +9,6 @@ the ``relay_web.dashboard`` package exists, is registered from it (it exposes
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import logging
 from collections.abc import Mapping
 from typing import Any
@@ -18,7 +16,7 @@ from typing import Any
 from flask import Flask, Response, request
 from werkzeug.middleware.proxy_fix import ProxyFix
 
-from . import api, auth, config, db, errors, health, metrics
+from . import api, auth, config, dashboard, db, errors, health, metrics
 
 log = logging.getLogger("relay.web")
 
@@ -56,13 +54,6 @@ def _no_sniffing_no_caching(response: Response) -> Response:
     return response
 
 
-def _register_dashboard(app: Flask) -> None:
-    if importlib.util.find_spec(f"{__package__}.dashboard") is None:
-        return
-    dashboard = importlib.import_module(f"{__package__}.dashboard")
-    app.register_blueprint(dashboard.bp)
-
-
 def create_app(config_overrides: Mapping[str, Any] | None = None) -> Flask:
     """Build the Relay admin app; raises ConfigurationError when a required setting is missing."""
     app = Flask(__package__)
@@ -80,7 +71,7 @@ def create_app(config_overrides: Mapping[str, Any] | None = None) -> Flask:
     app.register_blueprint(api.blueprint())
     app.register_blueprint(health.bp)
     app.register_blueprint(metrics.bp)
-    _register_dashboard(app)
+    app.register_blueprint(dashboard.bp)
     app.after_request(_no_sniffing_no_caching)
     _trust_proxies(app)
     app.wsgi_app = auth.AnyCaseBearer(app.wsgi_app)  # type: ignore[method-assign]

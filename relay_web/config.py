@@ -224,7 +224,6 @@ def load(given: Mapping[str, Any] | None = None) -> dict[str, Any]:
         SESSION_COOKIE_SAMESITE="Strict",
         SESSION_COOKIE_HTTPONLY=True,
         MAX_CONTENT_LENGTH=max_request_bytes(relay.max_payload_bytes),
-        JSON_SORT_KEYS=False,
     )
     # Anything else given (TESTING, a dashboard's settings, JWT_* overrides) wins.
     for key, value in given.items():

@@ -1,4 +1,5 @@
--- Every statement Relay runs against its tables, by name.
+-- The statements Relay runs against its tables, by name (what runs elsewhere:
+-- relay_core/queries.py).
 -- A block starts with "-- name: <entity>_<verb>" and a one-line description.
 -- Blocks that write "status" also carry "-- transition: <from> -> <to>[, <to>]"
 -- lines; tests/test_state_machine.py checks each against relay_core.states.
@@ -421,10 +422,6 @@ SELECT id, type, queue, priority, payload, status::text AS status, attempts, max
        errors, created_at, started_at, finished_at, cancel_requested_at, progress, result
 FROM relay.jobs WHERE id = %(id)s;
 
--- name: job_status_by_ids
--- The status of some jobs (tests and the proof use it).
-SELECT id, status::text AS status FROM relay.jobs WHERE id = ANY(%(ids)s::bigint[]);
-
 -- name: worker_register
 -- A worker process records itself when it starts. A worker id used again (one
 -- given to Relay.worker(worker_id=...)) is a new start: its row says so, and the
@@ -532,6 +529,13 @@ INSERT INTO relay_proof.enqueued (job_id) SELECT unnest(%(ids)s::bigint[]);
 -- name: proof_record_execution
 -- The proof handler's side effect: one row per run, outside the job's completion.
 INSERT INTO relay_proof.executions (job_id, worker, attempt) VALUES (%(job_id)s, %(worker)s, %(attempt)s);
+
+-- name: job_types_unhandled_in_default_queue
+-- Up to five types of the default queue's waiting or running jobs that no
+-- handler in %(handled)s runs: `relay demo` refuses a database holding them.
+SELECT DISTINCT type FROM relay.jobs
+WHERE queue = 'default' AND status IN ('queued', 'claimed') AND type <> ALL(%(handled)s::text[])
+ORDER BY type LIMIT 5;
 
 -- name: proof_duplicates
 -- The audit: jobs that ran more than once.

@@ -103,11 +103,6 @@ class OutageLog:
         self._reported = 0.0
         self._ended = float("-inf")
 
-    @property
-    def ongoing(self) -> bool:
-        """Whether calls have failed since the last one that got through."""
-        return self._since is not None
-
     def failed(self, during: str, error: BaseException | str, began: float | None = None) -> None:
         """A call (``during``: the claim, a completion write, the heartbeat ...) could not reach the database.
 

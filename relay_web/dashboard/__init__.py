@@ -4,7 +4,7 @@ Made for an engineer on call with a phone: the landing page lists the newest
 dead jobs, a job's page shows its error and a requeue button, and every page
 fits 390 px without sideways scrolling. Reads and actions go through the same
 relay_core functions as the JSON API; no job SQL lives here. ``create_app``
-registers :data:`bp` when this package exists.
+registers :data:`bp`.
 """
 
 from __future__ import annotations

@@ -42,7 +42,6 @@ class DeadType:
 
     type: str
     count: int
-    newest_id: int
     newest_error: str | None
 
 
@@ -58,16 +57,15 @@ class DeadSummary:
     read_at: datetime
 
 
-def summarize(conn: psycopg.Connection, limit: int | None = None) -> DeadSummary:
-    """Count dead jobs by type, latest death first, reading at most ``limit`` (:data:`SCAN_LIMIT`) of them."""
-    limit = limit or SCAN_LIMIT
+def summarize(conn: psycopg.Connection) -> DeadSummary:
+    """Count dead jobs by type, latest death first, reading at most :data:`SCAN_LIMIT` of them."""
     read_at = monitor.database_now(conn)
-    seen, more = monitor.recently_dead(conn, limit)
+    seen, more = monitor.recently_dead(conn, SCAN_LIMIT)
     counts = Counter(job.type for job in seen)
     newest = {}
     for job in seen:
         newest.setdefault(job.type, job)
-    groups = [DeadType(t, n, newest[t].id, newest[t].last_error) for t, n in counts.most_common()]
+    groups = [DeadType(t, n, newest[t].last_error) for t, n in counts.most_common()]
     return DeadSummary(groups=groups, total=len(seen), complete=not more, newest=seen[:LISTED], read_at=read_at)
 
 

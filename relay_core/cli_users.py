@@ -18,6 +18,7 @@ import psycopg
 from . import users
 from .errors import ConfigurationError, RelayError
 from .jsonb import read_any_number
+from .migrate import MISSING_SCHEMA_ERRORS
 from .pools import connection_options
 from .settings import database_url, env_int
 
@@ -48,10 +49,6 @@ def connect() -> psycopg.Connection:
     return conn
 
 
-#: What a statement of Relay's meets when a later migration's table, function or column is missing.
-MISSING_OBJECT = (psycopg.errors.UndefinedTable, psycopg.errors.UndefinedFunction, psycopg.errors.UndefinedColumn)
-
-
 @contextmanager
 def database_errors(only_from_server: bool = False) -> Iterator[None]:
     """A statement the database refused as one line, not a traceback.
@@ -66,8 +63,8 @@ def database_errors(only_from_server: bool = False) -> Iterator[None]:
     except psycopg.Error as exc:
         if only_from_server and exc.sqlstate is None:
             raise
-        if isinstance(exc, MISSING_OBJECT):
-            # A table, function or column a later migration adds: the schema is behind this release.
+        if isinstance(exc, MISSING_SCHEMA_ERRORS):
+            # What a later migration adds is missing: the schema is behind this release.
             raise click.ClickException(MISSING_TABLES) from None
         lines = str(exc).strip().splitlines()
         detail = lines[0] if lines else type(exc).__name__

@@ -96,6 +96,17 @@ def applied_versions(conn: psycopg.Connection) -> set[int]:
 
 
 #: What a database recording another build's migrations went through, and what to do about it.
+#: What a statement of Relay's fails with on a database whose schema is behind
+#: this release (never migrated, or a deploy whose migrations have not run yet):
+#: a missing schema, table, column, function or type.
+MISSING_SCHEMA_ERRORS: tuple[type[psycopg.Error], ...] = (
+    psycopg.errors.InvalidSchemaName,
+    psycopg.errors.UndefinedTable,
+    psycopg.errors.UndefinedColumn,
+    psycopg.errors.UndefinedFunction,
+    psycopg.errors.UndefinedObject,
+)
+
 FOREIGN_BUILD = "a build whose migrations this Relay does not ship migrated this database"
 RESTORE = (
     "Restore the database from before that build (or, if its jobs may go, drop the relay schema) and migrate again"

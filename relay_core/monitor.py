@@ -432,6 +432,10 @@ def ping(conn: psycopg.Connection) -> bool:
     return _rows(conn, "database_ping", {})[0]["ok"] == 1
 
 
+#: What a statement fails with while the schema is behind this release (see ``migrate``).
+MISSING_SCHEMA_ERRORS = migrate.MISSING_SCHEMA_ERRORS
+
+
 def schema_problem(conn: psycopg.Connection) -> str | None:
     """Why the schema is not current, as what to do about it; None when it is (see ``migrate.schema_problem``)."""
     return migrate.schema_problem(conn)

@@ -23,15 +23,8 @@ from .records.ops import HealthRecord, ReadyRecord
 bp = Blueprint("health", __name__)
 log = logging.getLogger("relay.web")
 
-#: What a query fails with on a database whose schema is behind this release
-#: (never migrated, or a deploy whose migrations have not run yet).
-MISSING_SCHEMA_ERRORS = (
-    psycopg.errors.InvalidSchemaName,
-    psycopg.errors.UndefinedTable,
-    psycopg.errors.UndefinedColumn,
-    psycopg.errors.UndefinedFunction,
-    psycopg.errors.UndefinedObject,
-)
+#: What a query fails with on a database whose schema is behind this release.
+MISSING_SCHEMA_ERRORS = monitor.MISSING_SCHEMA_ERRORS
 
 
 @bp.get("/healthz")

@@ -29,6 +29,10 @@ from .logs import event
 from .pools import connection_options
 
 #: Advisory-lock key shared by every migrator ("relay" as digits, arbitrary but fixed).
+#: Relay's advisory-lock keys, all listed here so that none is taken twice:
+#: 7265108721 this one; 7265108722 the counter fold (monitor.FOLD_LOCK_KEY);
+#: 7265108723 the claims of limited types (claim_limits_lock in operations.sql).
+#: A new one takes the next number.
 MIGRATION_LOCK_KEY = 7_265_108_721
 
 _FILENAME = re.compile(r"^(\d{4})_([a-z0-9_]+)\.sql$")

@@ -37,7 +37,7 @@ BULK_BATCH = 1000
 DEFAULT_STALE_SECONDS = 60.0
 #: Minutes of per-minute outcomes kept before they fold into all-time totals.
 OUTCOME_MINUTES_KEPT = 60
-#: Advisory-lock key of the counter fold ("relay" + "fold" as digits, arbitrary but fixed).
+#: Advisory-lock key of the counter fold (every key Relay takes: migrate.MIGRATION_LOCK_KEY).
 FOLD_LOCK_KEY = 7_265_108_722
 
 

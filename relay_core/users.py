@@ -128,10 +128,11 @@ def _decoy_like(typical_hash: str | None, hasher: PasswordHasher) -> str:
     Verifying runs with the parameters written in the stored hash, not with
     ``hasher``'s: once an operator changed ``RELAY_ARGON2_*``, or created users
     from a shell without the web service's settings, a decoy made with
-    ``hasher`` took 878 ms where a real user's wrong password took 250 ms. So
-    the decoy is made like the hash most users have (``typical_hash``), and
-    like ``hasher``'s only when there are no users, or that hash is no
-    Argon2id within ``ARGON2_BOUNDS``.
+    ``hasher`` would take longer or shorter than a real user's wrong password,
+    and the time of a login would tell who exists. So the decoy is made like
+    the hash most users have (``typical_hash``), and like ``hasher``'s only
+    when there are no users, or that hash is no Argon2id within
+    ``ARGON2_BOUNDS``.
     """
     chosen = hasher
     try:

@@ -6,7 +6,8 @@
 -- claim's transaction before the claim statement, so that statement's snapshot
 -- sees every earlier claim. Taken whether or not this statement's snapshot sees
 -- a limit: one that committed just after it would be enforced by the claim's
--- later snapshot, by two claims at once, neither holding the lock.
+-- later snapshot, by two claims at once, neither holding the lock. (Every
+-- advisory-lock key Relay takes is listed at relay_core.migrate.MIGRATION_LOCK_KEY.)
 SELECT pg_advisory_xact_lock(7265108723);
 
 -- name: session_server_keepalives

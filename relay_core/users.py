@@ -57,6 +57,14 @@ class UserNotFound(UserError, LookupError):
     """No user has this name."""
 
 
+class LoginThrottled(UserError):
+    """Too many login attempts for this username or from this address; ``wait`` seconds until the next."""
+
+    def __init__(self, wait: int) -> None:
+        super().__init__(f"too many login attempts; try again in {wait} seconds")
+        self.wait = wait
+
+
 @dataclass(frozen=True)
 class User:
     """A user as the rest of Relay sees it: never with the password hash."""
@@ -353,6 +361,31 @@ def throttle_hit(conn: psycopg.Connection, policy: ThrottlePolicy, username: str
     if not waits:
         return None
     return max(1, math.ceil(max(waits)))
+
+
+def log_in(
+    conn: psycopg.Connection,
+    policy: ThrottlePolicy,
+    username: str,
+    password: str,
+    address: str | None,
+    *,
+    hasher: PasswordHasher | None = None,
+) -> User | None:
+    """The user whose name and password these are, or None; raises :class:`LoginThrottled` over a limit.
+
+    Every login, the API's and the dashboard's, keeps this order: the attempt
+    is counted (and committed) before the password is checked, so parallel
+    guesses cannot slip past the limit, and only a login that succeeded
+    forgives its username's earlier failures.
+    """
+    wait = throttle_hit(conn, policy, username, address)
+    if wait is not None:
+        raise LoginThrottled(wait)
+    user = authenticate(conn, username, password, hasher=hasher)
+    if user is not None:
+        throttle_forgive(conn, username, address)
+    return user
 
 
 def throttle_forgive(conn: psycopg.Connection, username: str, address: str | None) -> None:

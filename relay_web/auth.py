@@ -16,7 +16,7 @@ import time
 from typing import Any
 
 import psycopg
-from flask import Flask, Response, current_app
+from flask import Flask, Response, current_app, request
 from flask_jwt_extended import (
     JWTManager,
     create_access_token,
@@ -252,3 +252,8 @@ def password_hasher() -> Any:
         config["RELAY_ARGON2_MEMORY_COST"] or None,
         config["RELAY_ARGON2_PARALLELISM"] or None,
     )
+
+
+def log_in(conn: psycopg.Connection, username: str, password: str) -> User | None:
+    """``users.log_in`` with this app's throttle and hasher, for the client ``request.remote_addr`` names."""
+    return users.log_in(conn, login_policy(), username, password, request.remote_addr, hasher=password_hasher())

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from flask import Blueprint, request
+from flask import Blueprint
 
 from relay_core import users
 
@@ -33,22 +33,21 @@ bp = Blueprint("auth", __name__, url_prefix="/auth")
 )
 def login(body: LoginBody) -> TokenRecord:
     """Trade a username and password for an access token and a refresh token."""
-    address = request.remote_addr
-    with connection() as conn:
-        wait = users.throttle_hit(conn, auth.login_policy(), body.username, address)
-        if wait is not None:
-            raise Problem(
-                429,
-                "Too many login attempts",
-                f"Too many attempts for this username or from this address; try again in {wait} seconds.",
-                slug="login-throttled",
-                headers={"Retry-After": str(wait)},
-                retry_after=wait,
-            )
-        user = users.authenticate(conn, body.username, body.password, hasher=auth.password_hasher())
-        if user is None:
-            raise unauthorized("Wrong username or password.", slug="login-failed")
-        users.throttle_forgive(conn, body.username, address)
+    try:
+        with connection() as conn:
+            user = auth.log_in(conn, body.username, body.password)
+    except users.LoginThrottled as throttled:
+        wait = throttled.wait
+        raise Problem(
+            429,
+            "Too many login attempts",
+            f"Too many attempts for this username or from this address; try again in {wait} seconds.",
+            slug="login-throttled",
+            headers={"Retry-After": str(wait)},
+            retry_after=wait,
+        ) from None
+    if user is None:
+        raise unauthorized("Wrong username or password.", slug="login-failed")
     access, expires_in = auth.access_token(user)
     refresh, refresh_expires_in = auth.refresh_token(user)
     return TokenRecord(

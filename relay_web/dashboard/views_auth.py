@@ -37,16 +37,15 @@ def login_submit() -> Response:
         # key) cannot hold NUL, and no password can contain one.
         error = "Username and password must not contain NUL characters."
         return _form(error, 422, username.replace("\x00", ""))
-    with connection() as conn:
-        wait = users.throttle_hit(conn, auth.login_policy(), username, request.remote_addr)
-        if wait is not None:
-            response = _form(f"Too many attempts; try again in {wait} seconds.", 429, username)
-            response.headers["Retry-After"] = str(wait)
-            return response
-        user = users.authenticate(conn, username, password, hasher=auth.password_hasher())
-        if user is None:
-            return _form("Wrong username or password.", 401, username)
-        users.throttle_forgive(conn, username, request.remote_addr)
+    try:
+        with connection() as conn:
+            user = auth.log_in(conn, username, password)
+    except users.LoginThrottled as throttled:
+        response = _form(f"Too many attempts; try again in {throttled.wait} seconds.", 429, username)
+        response.headers["Retry-After"] = str(throttled.wait)
+        return response
+    if user is None:
+        return _form("Wrong username or password.", 401, username)
     response = redirect(session.safe_next(request.form.get("next")) or url_for("dashboard.overview"), code=303)
     session.start(response, user)
     return response

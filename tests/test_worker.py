@@ -1191,6 +1191,45 @@ def test_a_handler_hung_past_its_timeout_at_shutdown_spends_its_attempt(
     assert relay.get_job(job_id).last_error.startswith("JobTimeout")
 
 
+@pytest.mark.parametrize("ends", ["dead", "cancelled"])
+@pytest.mark.parametrize("requeue", ["one", "matching"])
+def test_a_job_that_ended_at_shutdown_beside_its_running_thread_is_requeued_to_run_after_that_thread(
+    relay: Relay, db: psycopg.Connection, ends: str, requeue: str
+) -> None:
+    """At shutdown, a hung handler's timeout is written (dead on its last attempt) and a job an admin
+    asked to stop is handed back cancelled while their threads still run until the process exits.
+    A requeue at once made the job due: another worker started it beside the old thread (7 runs of 8)."""
+    release = threading.Event()
+
+    @relay.handler("hangs", timeout=0.3 if ends == "dead" else None, max_attempts=1)
+    def hangs(job: Job) -> None:
+        release.wait(30)
+
+    job_id = relay.enqueue("hangs")
+    try:
+        with running_worker(relay, concurrency=1, shutdown_timeout=0.5) as worker:
+            if ends == "dead":
+                wait_for(lambda: job_id in worker.ledger.overdue, timeout=15, what="the timeout to pass")
+            else:
+                wait_for(lambda: job_status(db, job_id) == "claimed", what="the job to start")
+                relay.cancel(job_id)
+        assert job_status(db, job_id) == ends
+        if requeue == "one":
+            relay.requeue(job_id)
+        else:
+            with psycopg.connect(relay.dsn, autocommit=True) as conn:
+                assert monitor.requeue_matching(conn, monitor.JobFilter(status=ends)) == 1
+        status, wait, lease = db.execute(
+            "SELECT status::text, extract(epoch FROM run_at - now()), claimed_until FROM relay.jobs WHERE id = %s",
+            (job_id,),
+        ).fetchone()
+    finally:
+        release.set()
+    # Due only once the grace in which the old thread may still run is over, like a retry's.
+    assert (status, lease) == ("queued", None)
+    assert wait > HAND_BACK_GRACE_SECONDS / 2, wait
+
+
 def test_transactional_handler_stopping_after_its_timeout_commits_nothing(relay: Relay, db: psycopg.Connection) -> None:
     db.execute("CREATE TABLE relay_test.report_rows (job_id bigint, n integer)")
     try:

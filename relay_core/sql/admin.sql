@@ -73,8 +73,10 @@ WITH picked AS (
     FOR UPDATE
 ), requeued AS (
     UPDATE relay.jobs AS j
-    SET status = 'queued', attempts = 0, run_at = now(), started_at = NULL, finished_at = NULL,
-        claimed_by = NULL, claimed_until = NULL, cancel_requested_at = NULL, progress = NULL, result = NULL
+    -- Not before a shutdown's still-running thread has stopped (see job_requeue).
+    SET status = 'queued', attempts = 0, run_at = greatest(now(), j.claimed_until), started_at = NULL,
+        finished_at = NULL, claimed_by = NULL, claimed_until = NULL, cancel_requested_at = NULL, progress = NULL,
+        result = NULL
     FROM picked
     WHERE j.id = picked.id AND j.status IN ('dead', 'cancelled')
     RETURNING j.id, j.queue

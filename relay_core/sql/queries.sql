@@ -266,7 +266,10 @@ SET status = CASE WHEN j.cancel_requested_at IS NOT NULL THEN 'cancelled'
     run_at = CASE WHEN f.next_status = 'queued' AND j.cancel_requested_at IS NULL
                   THEN now() + make_interval(secs => f.delay_seconds) ELSE j.run_at END,
     finished_at = CASE WHEN f.next_status = 'dead' OR j.cancel_requested_at IS NOT NULL THEN now() END,
-    claimed_until = NULL,
+    -- A job that ends while its handler's thread goes on (a shutdown's overdue handler,
+    -- %(runs_on)s seconds more) keeps when that thread stops at the latest: job_requeue waits for it.
+    claimed_until = CASE WHEN (f.next_status = 'dead' OR j.cancel_requested_at IS NOT NULL) AND f.runs_on > 0
+                         THEN now() + make_interval(secs => f.runs_on) END,
     last_error = f.message,
     -- The history keeps the newest 100 attempts, so a job with a huge max_attempts stays small.
     -- A history that is no array (written with SQL by another program) is kept as its first
@@ -278,8 +281,8 @@ SET status = CASE WHEN j.cancel_requested_at IS NOT NULL THEN 'cancelled'
                   ELSE jsonb_build_array(j.errors) END)
              || jsonb_build_array(f.error::jsonb || jsonb_build_object('at', now()))
 FROM unnest(%(ids)s::bigint[], %(tokens)s::integer[], %(next_statuses)s::text[],
-            %(delays)s::float8[], %(messages)s::text[], %(errors)s::text[])
-     AS f(id, token, next_status, delay_seconds, message, error)
+            %(delays)s::float8[], %(runs_on)s::float8[], %(messages)s::text[], %(errors)s::text[])
+     AS f(id, token, next_status, delay_seconds, runs_on, message, error)
 WHERE j.id = f.id AND j.lease_token = f.token AND j.status = 'claimed'
   AND f.next_status IN ('queued', 'dead')
 RETURNING j.id, j.status::text AS status;
@@ -308,7 +311,10 @@ RETURNING j.id, j.status::text AS status;
 UPDATE relay.jobs AS j
 SET status = CASE WHEN j.cancel_requested_at IS NOT NULL THEN 'cancelled' ELSE 'queued' END::relay.job_status,
     finished_at = CASE WHEN j.cancel_requested_at IS NOT NULL THEN now() END,
-    attempts = greatest(j.attempts - 1, 0), claimed_until = NULL,
+    attempts = greatest(j.attempts - 1, 0),
+    -- A job that ends cancelled while its thread goes on keeps the grace, as in job_fail_many.
+    claimed_until = CASE WHEN j.cancel_requested_at IS NOT NULL AND h.delay_seconds > 0
+                         THEN now() + make_interval(secs => h.delay_seconds) END,
     run_at = now() + make_interval(secs => h.delay_seconds)
 FROM unnest(%(ids)s::bigint[], %(tokens)s::integer[], %(delays)s::float8[]) AS h(id, token, delay_seconds)
 WHERE j.id = h.id AND j.lease_token = h.token AND j.status = 'claimed'
@@ -396,12 +402,14 @@ FOR UPDATE;
 
 -- name: job_requeue
 -- Admin: a dead or cancelled job runs again now with fresh attempts; its error
--- history is kept.
+-- history is kept. One that ended while its handler's thread went on (a
+-- shutdown's, which keeps when that thread stops at the latest in
+-- claimed_until) runs once that time has passed, never beside the thread.
 -- transition: dead -> queued
 -- transition: cancelled -> queued
 WITH requeued AS (
     UPDATE relay.jobs
-    SET status = 'queued', attempts = 0, run_at = now(), started_at = NULL, finished_at = NULL,
+    SET status = 'queued', attempts = 0, run_at = greatest(now(), claimed_until), started_at = NULL, finished_at = NULL,
         claimed_by = NULL, claimed_until = NULL, cancel_requested_at = NULL, progress = NULL, result = NULL
     WHERE id = %(id)s AND status IN ('dead', 'cancelled')
     RETURNING id, queue

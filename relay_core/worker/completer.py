@@ -262,6 +262,7 @@ def _statements(batch: list[Outcome]) -> list[tuple[str, dict[str, list[object]]
                 failed,
                 next_statuses=["dead" if o.kind is Kind.DEAD else "queued" for o in failed],
                 delays=[o.delay for o in failed],
+                runs_on=[o.runs_on for o in failed],
                 messages=[o.message for o in failed],
                 errors=[o.error_json() for o in failed],
             ),

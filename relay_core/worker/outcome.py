@@ -40,6 +40,10 @@ class Outcome:
     result: str | None = None  # the handler's return value as JSON text
     #: False for a job that ended before its handler was called: its attempt never ran.
     handler_started: bool = True
+    #: Seconds the handler's thread may go on after the outcome is written (a shutdown's
+    #: grace, see ``shutdown.record_overdue``): a job that ends dead keeps them as its
+    #: ``claimed_until``, so a requeue does not start it beside that thread.
+    runs_on: float = 0.0
 
     def error_json(self) -> str:
         """The error-history entry as JSON text for ``job_fail_many``."""

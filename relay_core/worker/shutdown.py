@@ -145,10 +145,13 @@ def record_overdue(
     Handing them back would give the attempt back, and a handler that
     hangs every time would then never reach dead. Their threads still run,
     so their retry waits as a handed-back job's does, until the grace after
-    the shutdown's writes, which end within ``writes_left`` seconds.
+    the shutdown's writes, which end within ``writes_left`` seconds; a job
+    that ends dead (or cancelled) keeps that grace as its ``claimed_until``,
+    which a requeue waits out.
     """
     for outcome in decided:
-        outcome.delay = max(outcome.delay, still_running_delay(writes_left))
+        outcome.runs_on = still_running_delay(writes_left)
+        outcome.delay = max(outcome.delay, outcome.runs_on)
     try:
         written = completer.write(decided, timeout=timeout, bounded=True)
     except (psycopg.Error, PoolTimeout) as exc:

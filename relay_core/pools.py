@@ -603,6 +603,15 @@ def reset_session(conn: psycopg.Connection) -> None:
     conn.commit()
 
 
+#: How long a transactional handler's transaction may sit idle once Relay writes its success
+#: there: only that UPDATE and the COMMIT are left, sent a moment apart, so a longer pause is
+#: a process frozen between them (stopped, a stalled VM), holding the job's row where the
+#: sweeper (it skips locked rows) and an admin's cancel (it waits) cannot reach it. The
+#: server then ends the session: the handler's work rolls back with the success, and the
+#: job runs again.
+SUCCESS_IDLE_LIMIT_MS = 5000
+
+
 def handler_settings_end_with_transaction() -> str:
     """What runs in a transactional handler's transaction before Relay writes its success there.
 
@@ -615,10 +624,13 @@ def handler_settings_end_with_transaction() -> str:
     another client at COMMIT, so ``reset_session`` after it would reach
     whichever connection is free, and a plain ``SET`` would stay for the next
     client. Without a pooler ``reset_session`` undoes it on this connection.
+    Then the transaction's idle limit (``SUCCESS_IDLE_LIMIT_MS``), as a setting
+    that ends with it.
     """
+    idle_limit = f"SET LOCAL idle_in_transaction_session_timeout = {int(SUCCESS_IDLE_LIMIT_MS)}"
     if transaction_pooling():
-        return sql("handler_settings_end_with_transaction")
-    return "RESET SESSION AUTHORIZATION; RESET ROLE"
+        return f"{sql('handler_settings_end_with_transaction').rstrip().rstrip(';')}; {idle_limit}"
+    return f"RESET SESSION AUTHORIZATION; RESET ROLE; {idle_limit}"
 
 
 @contextmanager

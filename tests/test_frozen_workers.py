@@ -22,10 +22,11 @@ import pytest
 from psycopg.pq import TransactionStatus
 
 from relay_core import Job, Relay
+from relay_core.pools import SUCCESS_IDLE_LIMIT_MS
 from relay_core.worker import periodic
 from relay_core.worker.periodic import enqueue_due, publish
 
-from .helpers import running_worker, wait_for
+from .helpers import job_status, running_worker, wait_for
 from .test_operations import hourly_rollup_two_hours_ahead
 
 
@@ -105,6 +106,39 @@ def test_lease_writes_commit_with_their_statement(
         release.set()
         checker.close()
     assert held_at_commit == []
+
+
+def test_a_transactional_success_may_sit_idle_only_briefly_before_its_commit(
+    relay: Relay, db: psycopg.Connection
+) -> None:
+    """The success UPDATE and the COMMIT of a transactional handler were two round trips with no idle
+    limit: a worker frozen between them held the job's row for as long as it was frozen, out of the
+    sweeper's reach, and an admin's cancel of the job waited as long. The limit is read at COMMIT by a
+    deferred trigger, as the server applies it to that last gap."""
+    db.execute(
+        """
+        CREATE TABLE relay_test.handler_rows (job_id bigint);
+        CREATE TABLE relay_test.commit_idle_limit (setting text);
+        CREATE FUNCTION relay_test.record_idle_limit() RETURNS trigger LANGUAGE plpgsql AS $$
+        BEGIN
+            INSERT INTO relay_test.commit_idle_limit VALUES (current_setting('idle_in_transaction_session_timeout'));
+            RETURN NULL;
+        END $$;
+        CREATE CONSTRAINT TRIGGER at_commit AFTER INSERT ON relay_test.handler_rows DEFERRABLE INITIALLY DEFERRED
+            FOR EACH ROW EXECUTE FUNCTION relay_test.record_idle_limit();
+        """
+    )
+
+    @relay.handler("write_row")
+    def write_row(job: Job, conn: psycopg.Connection) -> None:
+        conn.execute("INSERT INTO relay_test.handler_rows VALUES (%s)", (job.id,))
+
+    job_id = relay.enqueue("write_row")
+    with running_worker(relay):
+        wait_for(lambda: job_status(db, job_id) == "succeeded")
+    assert db.execute("SELECT setting FROM relay_test.commit_idle_limit").fetchall() == [
+        (f"{SUCCESS_IDLE_LIMIT_MS // 1000}s",)
+    ]
 
 
 def test_a_tick_frozen_mid_transaction_frees_its_schedule(

@@ -79,6 +79,9 @@ class Job:
     created_at: datetime
     _lease_lost: Flag = field(default_factory=Flag, repr=False, compare=False)
     _cancel_requested: Flag = field(default_factory=Flag, repr=False, compare=False)
+    #: Set as a transactional run starts writing its own success: from then on the job's row
+    #: may be succeeded before the ledger hears of it, which a heartbeat must not read as a takeover.
+    _success_writing: bool = field(default=False, repr=False, compare=False)
     _report: Callable[[Job, dict[str, Any]], bool] | None = field(default=None, repr=False, compare=False)
 
     @property

@@ -23,7 +23,7 @@ from psycopg.pq import TransactionStatus
 
 from relay_core import Job, Relay
 from relay_core.pools import SUCCESS_IDLE_LIMIT_MS
-from relay_core.worker import periodic
+from relay_core.worker import executor, periodic
 from relay_core.worker.periodic import enqueue_due, publish
 
 from .helpers import job_status, running_worker, wait_for
@@ -139,6 +139,36 @@ def test_a_transactional_success_may_sit_idle_only_briefly_before_its_commit(
     assert db.execute("SELECT setting FROM relay_test.commit_idle_limit").fetchall() == [
         (f"{SUCCESS_IDLE_LIMIT_MS // 1000}s",)
     ]
+
+
+def test_a_heartbeat_meeting_a_transactional_success_being_written_does_not_call_it_a_takeover(
+    relay: Relay, db: psycopg.Connection, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A transactional run commits its own success before the ledger hears it ended: a heartbeat in
+    that gap found the row no longer claimed and logged "leases taken over by another worker" for a
+    job nobody took over (16 of 4,000 with a 0.1 s heartbeat). The heartbeat's report is made here,
+    deterministically, as the success is about to be written."""
+    found_taken: list[list[int]] = []
+    running: dict[str, Any] = {}
+    settings_before_success = executor.handler_settings_end_with_transaction
+
+    def heartbeat_reports_it_lost() -> str:
+        worker = running["worker"]
+        (job_id,) = list(worker.ledger.running)
+        found_taken.append(worker.ledger.lost({job_id: worker.ledger.running[job_id].job.lease_token}))
+        return settings_before_success()
+
+    monkeypatch.setattr(executor, "handler_settings_end_with_transaction", heartbeat_reports_it_lost)
+
+    @relay.handler("write_nothing")
+    def write_nothing(job: Job, conn: psycopg.Connection) -> None:
+        conn.execute("SELECT 1")
+
+    job_id = relay.enqueue("write_nothing")
+    with running_worker(relay, concurrency=1) as worker:
+        running["worker"] = worker
+        wait_for(lambda: job_status(db, job_id) == "succeeded")
+    assert found_taken == [[]]
 
 
 def test_a_tick_frozen_mid_transaction_frees_its_schedule(

@@ -206,6 +206,7 @@ def _run_transactional(job: Job, spec: HandlerSpec, pool: ConnectionPool) -> Non
                     raise PermanentFailure(ENDED_OWN_TRANSACTION.format(job_type=job.type))
                 if job.lease_lost:
                     raise LeaseLost(f"job {job.id} was told to stop; its work was rolled back")
+                job._success_writing = True
                 conn.execute(handler_settings_end_with_transaction())  # type: ignore[arg-type]
                 try:
                     done = conn.execute(

@@ -285,13 +285,17 @@ class Ledger:
         Nor is any job awaiting its write: the completer may have committed it
         between the heartbeat's snapshot and its renewal, and not yet said so
         (``written``). Its fenced write knows whether the lease was taken over,
-        and reports it then.
+        and reports it then. So does a transactional run writing its own
+        success (its job's ``_success_writing``): committed, its row is no
+        longer claimed before the run has ended in the ledger.
         """
         taken: list[int] = []
         with self.lock:
             for jid, token in lost.items():
                 running = self.running.get(jid)
                 overdue = self.overdue.get(jid)
+                if running is not None and running.job._success_writing:
+                    continue
                 if running is not None and running.job.lease_token == token:
                     running.job._lease_lost.set()
                     if running.slot is None:

@@ -29,7 +29,7 @@ from .logs import event
 from .pools import connection_options
 
 #: Advisory-lock key shared by every migrator ("relay" as digits, arbitrary but fixed).
-#: Relay's advisory-lock keys, all listed here so that none is taken twice:
+#: Every advisory-lock key Relay takes is listed here, so that none is taken twice:
 #: 7265108721 this one; 7265108722 the counter fold (monitor.FOLD_LOCK_KEY);
 #: 7265108723 the claims of limited types (claim_limits_lock in operations.sql).
 #: A new one takes the next number.
@@ -99,7 +99,6 @@ def applied_versions(conn: psycopg.Connection) -> set[int]:
     return set(applied(conn))
 
 
-#: What a database recording another build's migrations went through, and what to do about it.
 #: What a statement of Relay's fails with on a database whose schema is behind
 #: this release (never migrated, or a deploy whose migrations have not run yet):
 #: a missing schema, table, column, function or type.
@@ -111,6 +110,7 @@ MISSING_SCHEMA_ERRORS: tuple[type[psycopg.Error], ...] = (
     psycopg.errors.UndefinedObject,
 )
 
+#: What a database recording another build's migrations went through, and what to do about it.
 FOREIGN_BUILD = "a build whose migrations this Relay does not ship migrated this database"
 RESTORE = (
     "Restore the database from before that build (or, if its jobs may go, drop the relay schema) and migrate again"

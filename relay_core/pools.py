@@ -603,16 +603,7 @@ def reset_session(conn: psycopg.Connection) -> None:
     conn.commit()
 
 
-#: How long a transactional handler's transaction may sit idle once Relay writes its success
-#: there: only that UPDATE and the COMMIT are left, sent a moment apart, so a longer pause is
-#: a process frozen between them (stopped, a stalled VM), holding the job's row where the
-#: sweeper (it skips locked rows) and an admin's cancel (it waits) cannot reach it. The
-#: server then ends the session: the handler's work rolls back with the success, and the
-#: job runs again.
-SUCCESS_IDLE_LIMIT_MS = 5000
-
-
-def handler_settings_end_with_transaction() -> str:
+def handler_settings_end_with_transaction(idle_limit_seconds: float) -> str:
     """What runs in a transactional handler's transaction before Relay writes its success there.
 
     The role back to the one the worker logged in as: a role the handler
@@ -624,10 +615,15 @@ def handler_settings_end_with_transaction() -> str:
     another client at COMMIT, so ``reset_session`` after it would reach
     whichever connection is free, and a plain ``SET`` would stay for the next
     client. Without a pooler ``reset_session`` undoes it on this connection.
-    Then the transaction's idle limit (``SUCCESS_IDLE_LIMIT_MS``), as a setting
-    that ends with it.
+    Then the transaction's idle limit, as a setting that ends with it: only
+    the success UPDATE and the COMMIT are left, sent a moment apart, so a
+    pause longer than ``idle_limit_seconds`` (the lease) is a process frozen
+    between them (stopped, a stalled VM), holding the job's row where the
+    sweeper (it skips locked rows) and an admin's cancel (it waits) cannot
+    reach it. The server then ends the session: the handler's work rolls back
+    with the success, and the job runs again.
     """
-    idle_limit = f"SET LOCAL idle_in_transaction_session_timeout = {int(SUCCESS_IDLE_LIMIT_MS)}"
+    idle_limit = f"SET LOCAL idle_in_transaction_session_timeout = {max(int(idle_limit_seconds * 1000), 1)}"
     if transaction_pooling():
         return f"{sql('handler_settings_end_with_transaction').rstrip().rstrip(';')}; {idle_limit}"
     return f"RESET SESSION AUTHORIZATION; RESET ROLE; {idle_limit}"

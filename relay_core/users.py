@@ -20,7 +20,7 @@ from typing import Any
 
 import psycopg
 from argon2 import PasswordHasher, Type, extract_parameters
-from argon2.exceptions import InvalidHashError, VerificationError
+from argon2.exceptions import HashingError, InvalidHashError, VerificationError
 from psycopg.rows import dict_row
 
 from .errors import ConfigurationError, RelayError
@@ -142,7 +142,6 @@ def _decoy_like(typical_hash: str | None, hasher: PasswordHasher) -> str:
     when there are no users, or that hash is no Argon2id within
     ``ARGON2_BOUNDS``.
     """
-    chosen = hasher
     try:
         typical = extract_parameters(typical_hash) if typical_hash else None
     except InvalidHashError:
@@ -150,8 +149,14 @@ def _decoy_like(typical_hash: str | None, hasher: PasswordHasher) -> str:
     if typical is not None and typical.type is Type.ID:
         within = all(low <= getattr(typical, name) <= high for name, (_, low, high) in ARGON2_BOUNDS.items())
         if within:
-            chosen = PasswordHasher.from_parameters(typical)
-    return _decoy_hash(chosen.time_cost, chosen.memory_cost, chosen.parallelism, chosen.hash_len, chosen.salt_len)
+            try:
+                # Salt and hash lengths barely change the time; those of a hash edited by hand may be unusable.
+                return _decoy_hash(
+                    typical.time_cost, typical.memory_cost, typical.parallelism, hasher.hash_len, hasher.salt_len
+                )
+            except HashingError:
+                pass  # parameters no hash can be made with (a hash edited by hand: too little memory for its lanes)
+    return _decoy_hash(hasher.time_cost, hasher.memory_cost, hasher.parallelism, hasher.hash_len, hasher.salt_len)
 
 
 # -- validation ----------------------------------------------------------------
@@ -331,10 +336,17 @@ def client_network(address: str) -> str:
     One IPv6 client is given a /64 (RFC 6177, and what providers hand out),
     so it has more addresses than there could ever be attempts: counted one
     by one, each of its guesses would start with a fresh limit. An
-    IPv4-mapped IPv6 address is the IPv4 address it maps.
+    IPv4-mapped IPv6 address is the IPv4 address it maps. A port some proxies
+    append (``[2001:db8::1]:443``, ``192.0.2.1:443``) is left out.
     """
+    host = address
+    if address.startswith("["):
+        inside, closed, _ = address[1:].partition("]")
+        host = inside if closed else address
+    elif address.count(":") == 1:
+        host = address.partition(":")[0]
     try:
-        parsed = ipaddress.ip_address(address)
+        parsed = ipaddress.ip_address(host)
     except ValueError:
         return address[:_MAX_KEY_NAME]
     if isinstance(parsed, ipaddress.IPv6Address):

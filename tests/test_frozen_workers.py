@@ -13,6 +13,7 @@ server ends it.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -21,8 +22,7 @@ import psycopg
 import pytest
 from psycopg.pq import TransactionStatus
 
-from relay_core import Job, Relay
-from relay_core.pools import SUCCESS_IDLE_LIMIT_MS
+from relay_core import Backoff, Job, Relay
 from relay_core.worker import executor, periodic
 from relay_core.worker.periodic import enqueue_due, publish
 
@@ -117,28 +117,65 @@ def test_a_transactional_success_may_sit_idle_only_briefly_before_its_commit(
     deferred trigger, as the server applies it to that last gap."""
     db.execute(
         """
-        CREATE TABLE relay_test.handler_rows (job_id bigint);
+        CREATE TABLE relay_test.idle_limit_rows (job_id bigint);
         CREATE TABLE relay_test.commit_idle_limit (setting text);
         CREATE FUNCTION relay_test.record_idle_limit() RETURNS trigger LANGUAGE plpgsql AS $$
         BEGIN
             INSERT INTO relay_test.commit_idle_limit VALUES (current_setting('idle_in_transaction_session_timeout'));
             RETURN NULL;
         END $$;
-        CREATE CONSTRAINT TRIGGER at_commit AFTER INSERT ON relay_test.handler_rows DEFERRABLE INITIALLY DEFERRED
+        CREATE CONSTRAINT TRIGGER at_commit AFTER INSERT ON relay_test.idle_limit_rows DEFERRABLE INITIALLY DEFERRED
             FOR EACH ROW EXECUTE FUNCTION relay_test.record_idle_limit();
         """
     )
 
     @relay.handler("write_row")
     def write_row(job: Job, conn: psycopg.Connection) -> None:
-        conn.execute("INSERT INTO relay_test.handler_rows VALUES (%s)", (job.id,))
+        conn.execute("INSERT INTO relay_test.idle_limit_rows VALUES (%s)", (job.id,))
 
     job_id = relay.enqueue("write_row")
-    with running_worker(relay):
-        wait_for(lambda: job_status(db, job_id) == "succeeded")
-    assert db.execute("SELECT setting FROM relay_test.commit_idle_limit").fetchall() == [
-        (f"{SUCCESS_IDLE_LIMIT_MS // 1000}s",)
-    ]
+    try:
+        with running_worker(relay, lease_seconds=12.0):
+            wait_for(lambda: job_status(db, job_id) == "succeeded")
+        # A lease: a worker paused longer than that is taken for gone anyway.
+        assert db.execute("SELECT setting FROM relay_test.commit_idle_limit").fetchall() == [("12s",)]
+    finally:
+        db.execute("DROP TABLE relay_test.idle_limit_rows, relay_test.commit_idle_limit")
+        db.execute("DROP FUNCTION relay_test.record_idle_limit()")
+
+
+def test_a_worker_paused_past_its_lease_before_a_transactional_commit_says_its_work_was_rolled_back(
+    relay: Relay, db: psycopg.Connection, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Once the server ends the idle transaction, the COMMIT fails: the attempt is a failure that says
+    why (the pause, and the lease it passed), not the server's bare "idle-in-transaction timeout"."""
+    db.execute("CREATE TABLE relay_test.paused_rows (job_id bigint, attempt integer)")
+    commit = psycopg.Transaction.__exit__
+    paused: list[bool] = []
+
+    def commit_after_a_pause(self: psycopg.Transaction, *args: Any) -> Any:
+        if self.connection is not db and not paused and args[0] is None:
+            paused.append(True)
+            time.sleep(1.6)  # this thread only: the worker's heartbeats go on
+        return commit(self, *args)
+
+    monkeypatch.setattr(psycopg.Transaction, "__exit__", commit_after_a_pause)
+
+    @relay.handler("write_row", max_attempts=2, backoff=Backoff(base=0.01, cap=0.01, jitter=0))
+    def write_row(job: Job, conn: psycopg.Connection) -> None:
+        conn.execute("INSERT INTO relay_test.paused_rows VALUES (%s, %s)", (job.id, job.attempt))
+
+    job_id = relay.enqueue("write_row")
+    try:
+        with running_worker(relay, lease_seconds=1.0, heartbeat_interval=0.3):
+            wait_for(lambda: job_status(db, job_id) == "succeeded")
+        job = relay.get_job(job_id)
+        assert [e["type"] for e in job.errors] == ["SuccessNotRecorded"]
+        assert "paused for over 1 s (its lease) before the COMMIT" in job.errors[0]["message"]
+        assert "its work was rolled back" in job.errors[0]["message"]
+        assert db.execute("SELECT attempt FROM relay_test.paused_rows").fetchall() == [(2,)]
+    finally:
+        db.execute("DROP TABLE relay_test.paused_rows")
 
 
 def test_a_heartbeat_meeting_a_transactional_success_being_written_does_not_call_it_a_takeover(
@@ -152,11 +189,11 @@ def test_a_heartbeat_meeting_a_transactional_success_being_written_does_not_call
     running: dict[str, Any] = {}
     settings_before_success = executor.handler_settings_end_with_transaction
 
-    def heartbeat_reports_it_lost() -> str:
+    def heartbeat_reports_it_lost(idle_limit_seconds: float) -> str:
         worker = running["worker"]
         (job_id,) = list(worker.ledger.running)
         found_taken.append(worker.ledger.lost({job_id: worker.ledger.running[job_id].job.lease_token}))
-        return settings_before_success()
+        return settings_before_success(idle_limit_seconds)
 
     monkeypatch.setattr(executor, "handler_settings_end_with_transaction", heartbeat_reports_it_lost)
 

@@ -40,7 +40,14 @@ from .aio import SlotLoop
 from .outcome import Kind, Outcome, describe, result_json
 
 
-def run(job: Job, handlers: Mapping[str, HandlerSpec], pool: ConnectionPool, worker_id: str, loop: SlotLoop) -> Outcome:
+def run(
+    job: Job,
+    handlers: Mapping[str, HandlerSpec],
+    pool: ConnectionPool,
+    worker_id: str,
+    loop: SlotLoop,
+    lease_seconds: float,
+) -> Outcome:
     """Run ``job``'s handler (awaiting it on ``loop`` if it is async) and classify how it ended; never raises."""
     started = time.monotonic()
     worker_pid = os.getpid()
@@ -62,7 +69,7 @@ def run(job: Job, handlers: Mapping[str, HandlerSpec], pool: ConnectionPool, wor
                 f"no handler for job type {job.type!r} on worker {worker_id} (registered: {registered})"
             )
         if spec.transactional:
-            _run_transactional(job, spec, pool)
+            _run_transactional(job, spec, pool, lease_seconds)
             return Outcome(job, Kind.COMMITTED, time.monotonic() - started)
         value = spec.func(job)
         if inspect.isawaitable(value):
@@ -142,6 +149,13 @@ STRICTER_ISOLATION = (
     "(Relay's default) unless it finishes within one heartbeat interval"
 )
 
+#: Why a transactional handler's work was rolled back after its success was written.
+PAUSED_BEFORE_COMMIT = (
+    "the success of job {job_id} was written in its handler's transaction, but the worker paused for over "
+    "{seconds:g} s (its lease) before the COMMIT, so the server ended the transaction and its work was rolled "
+    "back: a frozen process (stopped, a stalled VM) or a thread holding Python's GIL that long"
+)
+
 #: Why a transactional handler that ran COMMIT or ROLLBACK itself ends dead. The success, written
 #: after it, committed on its own: after a ROLLBACK the job said succeeded with its work gone, and
 #: after a COMMIT a job whose lease was taken over ran again with its first run's work kept. Run
@@ -160,7 +174,7 @@ ROLLED_BACK = (
 )
 
 
-def _run_transactional(job: Job, spec: HandlerSpec, pool: ConnectionPool) -> None:
+def _run_transactional(job: Job, spec: HandlerSpec, pool: ConnectionPool, lease_seconds: float) -> None:
     """Handler and fenced success in one transaction; LeaseLost rolls both back.
 
     A handler that ended the transaction itself (SQL COMMIT or ROLLBACK,
@@ -180,7 +194,12 @@ def _run_transactional(job: Job, spec: HandlerSpec, pool: ConnectionPool) -> Non
     renews every ``lease / 3``: under a stricter isolation level the handler
     set for its transaction, a renewal after its snapshot makes that UPDATE a
     serialization failure, reported as such (SuccessNotRecorded).
+
+    Once the success is written, the transaction may sit idle for a lease at
+    most (see ``handler_settings_end_with_transaction``); a worker paused
+    longer before its COMMIT finds its work rolled back (SuccessNotRecorded).
     """
+    success_written = False
     with pool.connection() as conn, _handlers_own(pool, conn), in_autocommit(conn):
         try:
             with conn.transaction():
@@ -206,17 +225,22 @@ def _run_transactional(job: Job, spec: HandlerSpec, pool: ConnectionPool) -> Non
                     raise PermanentFailure(ENDED_OWN_TRANSACTION.format(job_type=job.type))
                 if job.lease_lost:
                     raise LeaseLost(f"job {job.id} was told to stop; its work was rolled back")
+                result = result_json(value)  # before the idle limit: a large result takes a while
                 job._success_writing = True
-                conn.execute(handler_settings_end_with_transaction())  # type: ignore[arg-type]
+                conn.execute(handler_settings_end_with_transaction(lease_seconds))  # type: ignore[arg-type]
                 try:
                     done = conn.execute(
-                        sql("job_succeed_many"),
-                        {"ids": [job.id], "tokens": [job.lease_token], "results": [result_json(value)]},
+                        sql("job_succeed_many"), {"ids": [job.id], "tokens": [job.lease_token], "results": [result]}
                     ).fetchall()
                 except psycopg.errors.SerializationFailure as exc:
                     raise SuccessNotRecorded(STRICTER_ISOLATION.format(job_id=job.id)) from exc
                 if not done:
                     raise LeaseLost(f"job {job.id} is no longer this worker's; its work was rolled back")
+                success_written = True
+        except psycopg.errors.IdleInTransactionSessionTimeout as exc:
+            if not success_written:
+                raise
+            raise SuccessNotRecorded(PAUSED_BEFORE_COMMIT.format(job_id=job.id, seconds=lease_seconds)) from exc
         finally:
             # The handler's session settings (a plain SET commits with the success, or with a
             # COMMIT of its own) must not reach the statements Relay runs next on this connection.

@@ -325,7 +325,7 @@ class Worker:
                     return
                 if not self._bind(slot, job):
                     continue  # handed back while it waited for a slot
-                outcome = executor.run(job, self.handlers, self.pool, self.id, loop)
+                outcome = executor.run(job, self.handlers, self.pool, self.id, loop, self.config.lease_seconds)
                 self._finish(slot, job, outcome)
         finally:
             loop.close()

@@ -164,7 +164,8 @@ class JobRecord(Record):
     claimed_by: str | None = Field(description="The worker holding the lease, or that held it last.")
     claimed_until: datetime | None = Field(
         description="When the current lease runs out. On a dead or cancelled job: when the thread of a handler "
-        "still running as its worker shut down stops at the latest (a requeue makes the job due no earlier)."
+        "still running as its worker shut down stops at the latest, with the worker's process (a requeue makes "
+        "the job due no earlier)."
     )
     idempotency_key: str | None
     last_error: str | None

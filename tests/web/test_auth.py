@@ -250,6 +250,25 @@ def test_an_unknown_name_is_verified_like_the_stored_hashes_not_like_the_setting
     assert verified == [(2, 2048), (1, 1024), (1, 1024), (1, 1024)]
 
 
+@pytest.mark.parametrize(
+    "edited_hash",
+    [
+        "$argon2id$v=19$m=1024,t=1,p=1$locked$locked",  # "locked" by hand: a salt too short to hash with
+        "$argon2id$v=19$m=16,t=1,p=4$c2FsdHNhbHQ$aGFzaGhhc2hoYXNo",  # too little memory for its lanes
+    ],
+)
+def test_a_hash_edited_by_hand_never_makes_an_unknown_name_fail_differently(
+    auth: AuthActions, db: psycopg.Connection, edited_hash: str
+) -> None:
+    """The decoy is made like the most common stored hash: one edited by hand to lock an account (the
+    first user's, which wins ties) made an unknown name's login a 500, while a known one got a 401."""
+    for name in ("root", "pat"):
+        auth.create_user(name, "admin")
+    db.execute("UPDATE relay.users SET password_hash = %s WHERE username = 'root'", (edited_hash,))
+    for name in ("root", "pat", "nobody"):
+        assert_problem(auth.login(name, "not the password"), 401, "login-failed")
+
+
 def test_failed_logins_are_throttled_across_app_instances(make_app, auth: AuthActions) -> None:
     auth.create_user("ivan", "admin")
     settings = {"RELAY_LOGIN_MAX_FAILURES": 3, "RELAY_LOGIN_WINDOW_SECONDS": 600}
@@ -325,7 +344,9 @@ def test_an_ipv6_client_is_counted_by_its_64(make_app, db: psycopg.Connection) -
     assert statuses == [401, 401, 429]
     _attempts_from(client, "2001:db8:1:3:ffff::1", 1)
     _attempts_from(client, "::ffff:192.0.2.80", 1)
-    _attempts_from(client, "2001:DB8:1:2::abc", 1)  # the same /64 written another way: no new key
+    # The same /64 and address written other ways (with a port a proxy appended): no new key.
+    for same in ("2001:DB8:1:2::abc", "[2001:db8:1:2::9]:443", "192.0.2.80:8443"):
+        _attempts_from(client, same, 1)
     keys = {row[0] for row in db.execute("SELECT key FROM relay.login_throttle WHERE key LIKE 'addr:%'")}
     assert keys == {"addr:2001:db8:1:2::/64", "addr:2001:db8:1:3::/64", "addr:192.0.2.80"}
 

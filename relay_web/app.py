@@ -2,9 +2,8 @@
 
 ``gunicorn 'relay_web:create_app()'`` serves it with settings from the
 environment; tests and the demo pass a dict. The JSON API lives under
-``/api``; health and metrics at the root; a server-rendered dashboard, when
-the ``relay_web.dashboard`` package exists, is registered from it (it exposes
-``bp``, a Flask blueprint) without this file changing.
+``/api``; health and metrics at the root; the server-rendered dashboard
+(``relay_web.dashboard.bp``) at the root too.
 """
 
 from __future__ import annotations

@@ -15,9 +15,9 @@ from flask import Flask, Response, request
 from psycopg_pool import PoolTimeout
 from werkzeug.exceptions import HTTPException, MethodNotAllowed
 
-from relay_core import BulkActionStopped, IllegalTransition, InvalidJobError, JobNotFound, RelayError
+from relay_core import BulkActionStopped, IllegalTransition, InvalidJobError, JobNotFound, RelayError, monitor
 
-from .health import MISSING_SCHEMA_ERRORS, missing_schema_problem
+from .health import missing_schema_problem
 from .problems import Problem
 
 log = logging.getLogger("relay.web")
@@ -160,7 +160,7 @@ def register(app: Flask) -> None:
     app.register_error_handler(BulkActionStopped, _bulk_stopped)
     app.register_error_handler(RelayError, _relay_error)
     app.register_error_handler(psycopg.errors.QueryCanceled, _too_slow)
-    for missing in MISSING_SCHEMA_ERRORS:
+    for missing in monitor.MISSING_SCHEMA_ERRORS:
         app.register_error_handler(missing, _missing_schema)
     app.register_error_handler(psycopg.OperationalError, _unavailable)
     app.register_error_handler(psycopg.InterfaceError, _unavailable)

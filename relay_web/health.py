@@ -23,9 +23,6 @@ from .records.ops import HealthRecord, ReadyRecord
 bp = Blueprint("health", __name__)
 log = logging.getLogger("relay.web")
 
-#: What a query fails with on a database whose schema is behind this release.
-MISSING_SCHEMA_ERRORS = monitor.MISSING_SCHEMA_ERRORS
-
 
 @bp.get("/healthz")
 @endpoint(tag="health", responses={200: HealthRecord}, ignores_query=True)

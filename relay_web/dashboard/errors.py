@@ -15,10 +15,10 @@ from flask import Response, request
 from psycopg_pool import PoolTimeout
 from werkzeug.exceptions import HTTPException, MethodNotAllowed, NotFound
 
-from relay_core import IllegalTransition, JobNotFound, RelayError
+from relay_core import IllegalTransition, JobNotFound, RelayError, monitor
 
 from ..errors import http_problem, timed_out_detail, transition_detail
-from ..health import MISSING_SCHEMA_ERRORS, missing_schema_problem
+from ..health import missing_schema_problem
 from ..problems import Problem
 from .blueprint import bp, page_headers
 from .render import is_htmx, page
@@ -143,7 +143,7 @@ def _missing_schema(exc: psycopg.Error) -> Response:
     return error_page(pending.status, pending.title, pending.detail, pending.headers, retry=True)
 
 
-for _missing in MISSING_SCHEMA_ERRORS:
+for _missing in monitor.MISSING_SCHEMA_ERRORS:
     bp.register_error_handler(_missing, _missing_schema)
 
 

@@ -16,10 +16,10 @@ import click
 import psycopg
 
 from . import users
+from .connect_options import connection_options
 from .errors import ConfigurationError, RelayError
 from .jsonb import read_any_number
 from .migrate import MISSING_SCHEMA_ERRORS
-from .pools import connection_options
 from .settings import database_url, env_int
 
 #: What a command says when the database has no Relay schema yet.

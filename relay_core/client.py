@@ -15,10 +15,11 @@ from psycopg_pool import ConnectionPool
 from . import admin, inserts
 from . import migrate as migrator
 from .backoff import Backoff
+from .connect_options import connection_options
 from .connections import run, run_async
 from .errors import ConfigurationError, InvalidJobError, RelayError
 from .handlers import DEFAULT_MAX_ATTEMPTS, HandlerSpec, make_spec
-from .pools import RelayConnection, RelayPool, connection_options, make_pool, outdated_plan
+from .pools import RelayConnection, RelayPool, make_pool, outdated_plan
 from .settings import database_url, env_bool, env_float, env_int, transaction_pooling
 from .validation import (
     BATCH_JOB_OVERHEAD_CHARS,
@@ -504,7 +505,7 @@ class Relay:
 
         Behind a transaction pooler (``transaction_pooling``), what keeps them
         safe there; everywhere, a bound on waits on a dead network path
-        (``pools.liveness_options``), but not ``tcp_user_timeout``, which
+        (``connect_options.liveness_options``), but not ``tcp_user_timeout``, which
         would also break a bulk load queued behind a statement waiting on a lock.
         """
         return connection_options(self.dsn, self.transaction_pooling, user_timeout=False, application_name=None)

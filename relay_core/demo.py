@@ -41,9 +41,9 @@ from psycopg import conninfo
 
 from . import monitor, users
 from .client import Relay
+from .connect_options import connection_options
 from .embedded import INSTALL_DEMO, default_data_dir, load_pgserver
 from .errors import ConfigurationError, RelayError
-from .pools import connection_options
 from .queries import sql
 from .settings import database_url, database_url_set
 from .signals import ShutdownSignals

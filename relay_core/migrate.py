@@ -24,9 +24,9 @@ from importlib import resources
 
 import psycopg
 
+from .connect_options import connection_options
 from .errors import MigrationError
 from .logs import event
-from .pools import connection_options
 
 #: Advisory-lock key shared by every migrator ("relay" as digits, arbitrary but fixed).
 #: Every advisory-lock key Relay takes is listed here, so that none is taken twice:

@@ -1,4 +1,4 @@
-"""Relay's connection pools: JIT off, and a connection checked only when it may be stale.
+"""Relay's connection pools: a connection checked only when it may be stale, reconnection at a capped pace.
 
 Checking every checkout costs a round trip, doubling the cost of a one-statement
 enqueue; never checking hands out connections that died while idle (a database
@@ -11,32 +11,32 @@ The check is bounded: a database that stopped answering while TCP still
 acknowledges (see ``stalls``) would hold it, and the checkout, forever. A
 connection that cannot answer an empty query within IDLE_CHECK_LIMIT_SECONDS,
 or within what is left of the checkout's own timeout, is cut and replaced.
+
+How each connection is opened is ``connect_options``'s; the settings its
+session starts with, ``sessions``'.
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
-import functools
 import logging
 import os
-import socket
 import threading
 import time
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any
 
 import psycopg
-from psycopg.conninfo import conninfo_to_dict
 from psycopg.rows import tuple_row
 from psycopg_pool import ConnectionPool, PoolClosed
 from psycopg_pool.base import AttemptWithBackoff
 
+from .connect_options import connection_options
 from .jsonb import read_any_number
-from .queries import sql
+from .sessions import configure_session
 from .settings import transaction_pooling
 from .stalls import SHORTEST_CUT_SECONDS, cut_after
 
@@ -264,23 +264,6 @@ class RelayPool(ReconnectingPool):
             self._checked_out -= 1
 
 
-def unusable_setting(exc: psycopg.Error) -> bool:
-    """Whether a failed connection attempt was refused for a setting libpq cannot use, before any network.
-
-    psycopg raises ProgrammingError for a connect_timeout that is no number,
-    and "connection is bad" when libpq refuses the options outright (an
-    unknown sslmode, a port out of range, a keepalives that is no integer),
-    each saying what is "invalid". A server that cannot be reached over TCP
-    fails later, as "connection failed"; over a Unix socket libpq may call
-    that connection bad at once too ("No such file or directory" while the
-    server is down), which is an outage to wait out, not a setting.
-    """
-    if isinstance(exc, psycopg.ProgrammingError):
-        return True
-    text = str(exc)
-    return isinstance(exc, psycopg.OperationalError) and text.startswith("connection is bad:") and "invalid " in text
-
-
 def outdated_plan(exc: BaseException) -> bool:
     """Whether ``exc`` is the server refusing a prepared statement whose result's types changed since it was prepared.
 
@@ -345,307 +328,3 @@ def make_pool(
         transaction_pooling=pooling,
     )
     return pool
-
-
-#: libpq settings that bound how long a connection can hang on a network path
-#: that went silent, where the DSN (or PGCONNECT_TIMEOUT) does not set them.
-#: Seconds, but tcp_user_timeout, in milliseconds. See ``liveness_options``.
-LIVENESS_DEFAULTS: dict[str, int] = {
-    "connect_timeout": 10,
-    "keepalives": 1,
-    "keepalives_idle": 10,
-    "keepalives_interval": 5,
-    "keepalives_count": 3,
-    "tcp_user_timeout": 15_000,
-}
-
-
-def liveness_options(dsn: str, *, user_timeout: bool = True) -> dict[str, int]:
-    """Time limits on a dead network path, for the settings ``dsn`` leaves to libpq's defaults.
-
-    A database that fails over to another address, or a proxy or NAT that
-    forgets a connection, leaves the old path silent: nothing refuses,
-    packets just vanish. libpq's defaults then wait on it for a very long
-    time: a connection attempt 130 s (psycopg's default), a statement sent on
-    an established connection until the kernel gives up retransmitting (about
-    15 minutes on Linux), an idle LISTEN connection until the first keepalive
-    (two hours). A worker meanwhile claims nothing. With these, a connection
-    attempt gives up after 10 s, data unacknowledged for 15 s breaks the
-    connection, and an idle connection is probed after 10 s; the worker's
-    retry loops then reconnect on a path that works.
-
-    ``tcp_user_timeout`` also breaks a connection whose server stops reading
-    while the client still has data to send (a pipelined bulk insert queued
-    behind a statement waiting on a lock), so it is left out with
-    ``user_timeout=False``: for connections that carry other code's work.
-    Relay's own statements are short and read as soon as they arrive.
-
-    Settings the DSN names win, as do ``PGCONNECT_TIMEOUT`` and the service
-    file section a ``service`` names; when that section cannot be found here,
-    nothing is added. Unix-socket connections ignore the TCP settings.
-    """
-    given: dict[str, Any] = conninfo_to_dict(dsn)
-    if os.environ.get("PGCONNECT_TIMEOUT"):
-        given["connect_timeout"] = os.environ["PGCONNECT_TIMEOUT"]
-    service = given.get("service") or os.environ.get("PGSERVICE")
-    if service:
-        section = service_settings(str(service))
-        if section is None:
-            _warn_service_unread(str(service))
-            return {}
-        given = {**section, **given}
-    return {
-        name: value
-        for name, value in LIVENESS_DEFAULTS.items()
-        if name not in given and (user_timeout or name != "tcp_user_timeout")
-    }
-
-
-#: Where libpq builds commonly look for the system-wide service file when
-#: PGSYSCONFDIR is unset (Debian's packages and psycopg's bundled libpq use
-#: the first); a section found in one that libpq does not read would only make
-#: Relay add fewer defaults.
-SYSCONF_DIRS = ("/etc/postgresql-common", "/etc/postgresql", "/usr/local/pgsql/etc")
-
-
-def service_settings(service: str) -> dict[str, str] | None:
-    """The settings of ``service`` in the connection service files, or None if no file has it.
-
-    Read as libpq reads them: PGSERVICEFILE (else ~/.pg_service.conf), then
-    the system-wide pg_service.conf; the first file with a ``[service]``
-    section wins; lines are stripped, ``#`` lines and blank ones skipped,
-    the section ends at the next ``[``, and each line in it is
-    ``key=value``.
-    """
-    user_file = os.environ.get("PGSERVICEFILE")
-    files = [Path(user_file) if user_file is not None else Path.home() / ".pg_service.conf"]
-    sysconf = os.environ.get("PGSYSCONFDIR")
-    files += [Path(folder) / "pg_service.conf" for folder in ([sysconf] if sysconf else SYSCONF_DIRS)]
-    for path in files:
-        try:
-            text = path.read_bytes().decode("utf-8", errors="replace")
-        except OSError:
-            continue
-        section = _service_section(text, service)
-        if section is not None:
-            return section
-    return None
-
-
-def _service_section(text: str, service: str) -> dict[str, str] | None:
-    """The ``key=value`` lines of section ``[service]`` in a service file's text, or None."""
-    settings: dict[str, str] | None = None
-    for raw in text.splitlines():
-        line = raw.strip()
-        if not line or line.startswith("#"):
-            continue
-        if line.startswith("["):
-            if settings is not None:
-                break  # the next section: ours is over
-            if line == f"[{service}]":
-                settings = {}
-        elif settings is not None:
-            key, sep, value = line.partition("=")
-            if sep:
-                settings[key.strip()] = value.strip()
-    return settings
-
-
-@functools.cache
-def _warn_service_unread(service: str) -> None:
-    """Say once per process that a service's settings could not be read, so Relay added none of its own."""
-    logging.getLogger("relay").warning(
-        "connection service %r not found in the service files Relay reads; "
-        "its connections get no connect_timeout, keepalives or tcp_user_timeout of Relay's",
-        service,
-    )
-
-
-def connection_options(
-    dsn: str, pooling: bool | None = None, *, user_timeout: bool = True, application_name: str | None = "relay"
-) -> dict[str, Any]:
-    """psycopg options for every connection Relay opens to ``dsn``.
-
-    Time limits on a dead network path (``liveness_options``; without
-    ``tcp_user_timeout`` unless ``user_timeout``). Behind a transaction pooler
-    (``pooling``; RELAY_TRANSACTION_POOLING when None) nothing is prepared:
-    ``prepare_threshold=None`` also overrides the ``prepare=True`` of Relay's
-    hot statements. Elsewhere psycopg's defaults hold (those statements are
-    prepared on first use).
-
-    ``application_name`` names the connection in ``pg_stat_activity`` and a
-    pooler's client list, so a session holding a lock or a server connection
-    can be traced to its process. It is libpq's fallback: an
-    ``application_name`` the DSN, ``PGAPPNAME`` or a service file gives wins.
-    """
-    pooling = transaction_pooling() if pooling is None else pooling
-    options: dict[str, Any] = dict(liveness_options(dsn, user_timeout=user_timeout))
-    if pooling:
-        options["prepare_threshold"] = None
-    if application_name:
-        options["fallback_application_name"] = application_name[:APPLICATION_NAME_MAX]
-    return options
-
-
-#: The longest application_name PostgreSQL keeps (NAMEDATALEN - 1 bytes; Relay's names are ASCII).
-APPLICATION_NAME_MAX = 63
-
-
-def worker_application_name(worker_id: str) -> str:
-    """What a worker's connections are called: its registry id, as ``relay.workers`` and its log show it.
-
-    An id too long for the name keeps its start (the host) and its end (the
-    process id and the random suffix that tell workers on one host apart).
-    Behind a transaction pooler every worker shares one name: the pooler sets
-    a client's ``application_name`` on the server connection it lends
-    whenever it differs from the previous client's, a round trip each time.
-    """
-    prefix = "relay-worker"
-    if transaction_pooling():
-        return prefix
-    room = APPLICATION_NAME_MAX - len(prefix) - 1
-    if len(worker_id) > room:
-        worker_id = f"{worker_id[: room - 21]}~{worker_id[-20:]}"
-    return f"{prefix} {worker_id}"
-
-
-@contextmanager
-def without_user_timeout(conn: psycopg.Connection) -> Iterator[None]:
-    """Lift the ``tcp_user_timeout`` Relay set on ``conn``'s socket while other code's work runs on it.
-
-    A transactional handler gets a connection of the worker's pool, whose
-    Relay statements want the limit (see ``liveness_options``); the
-    handler's own work may queue more data than the socket holds behind a
-    statement that waits on a lock. Restored afterwards; nothing to do on a
-    Unix socket or where the platform has no such option.
-    """
-    option = getattr(socket, "TCP_USER_TIMEOUT", None)
-    sock: socket.socket | None = None
-    before = 0
-    if option is not None:
-        try:
-            sock = socket.fromfd(conn.fileno(), socket.AF_INET, socket.SOCK_STREAM)
-            before = sock.getsockopt(socket.IPPROTO_TCP, option)
-            sock.setsockopt(socket.IPPROTO_TCP, option, 0)
-        except (OSError, psycopg.Error):  # a Unix socket, or a connection already closed
-            if sock is not None:
-                sock.close()
-            sock = None
-    try:
-        yield
-    finally:
-        if sock is not None:
-            with contextlib.suppress(OSError):
-                sock.setsockopt(socket.IPPROTO_TCP, option, before)
-            sock.close()
-
-
-def configure_session(conn: psycopg.Connection) -> None:
-    """Session settings for Relay's own connections.
-
-    JIT off: the claim's plan can look expensive to the planner (a small
-    settings table never analyzed is assumed to hold hundreds of rows), and
-    compiling it costs ~25 ms for a statement that runs in ~1 ms. Queue
-    statements are short OLTP work that JIT never speeds up.
-
-    READ COMMITTED whatever the database's default: the claim's ``FOR UPDATE
-    SKIP LOCKED`` and the fenced updates fail with serialization errors under
-    REPEATABLE READ whenever another worker got to a row first, and the
-    limits lock must be followed by a fresh snapshot, not one taken before
-    the wait. A transactional handler can begin with ``SET TRANSACTION
-    ISOLATION LEVEL ...``, but only one that ends within a heartbeat
-    interval gets its success written (see ``executor.STRICTER_ISOLATION``).
-
-    The server's TCP keepalives as the client's (``LIVENESS_DEFAULTS``),
-    where the server's configuration does not set them: a worker whose host
-    died, or whose network path went silent, in the middle of a transaction
-    (a transactional handler's, a schedule's tick, a shutdown's hand-back)
-    kept that transaction open on the server, its locks held, until the
-    server's first keepalive probe, two hours later on Linux's defaults.
-
-    TimeZone UTC: psycopg reads a timestamptz in the session's time zone, and
-    an instant Relay accepts (years 1 to 9999 in UTC) may fall outside what a
-    datetime can hold in another zone (9999-12-31 20:00 UTC is year 10000 in
-    Tokyo), which would break every listing that shows the job.
-
-    Behind a transaction pooler (``RELAY_TRANSACTION_POOLING``) a session
-    setting would stay on a server connection other clients use next, so only
-    TimeZone is set (PgBouncer tracks it per client and restores each client's
-    own); READ COMMITTED is asked for in every transaction Relay begins
-    instead, and the database's defaults (README) cover the rest.
-    """
-    if transaction_pooling():
-        conn.isolation_level = psycopg.IsolationLevel.READ_COMMITTED
-    conn.execute(own_session_settings(conn))  # type: ignore[arg-type]
-    conn.commit()
-
-
-def own_session_settings(conn: psycopg.Connection) -> str:
-    """The statements of Relay's session settings (``configure_session``), one simple-protocol message."""
-    if transaction_pooling():
-        return "SET TimeZone = 'UTC'"
-    keepalives = psycopg.ClientCursor(conn).mogrify(sql("session_server_keepalives"), LIVENESS_DEFAULTS)
-    return f"SET jit = off; SET default_transaction_isolation = 'read committed'; {keepalives}; SET TimeZone = 'UTC'"
-
-
-def reset_session(conn: psycopg.Connection) -> None:
-    """Undo whatever session settings a transactional handler left on one of Relay's connections.
-
-    A plain ``SET`` in the handler's transaction commits with its success and
-    stays on the pooled connection: ``SET default_transaction_read_only = on``
-    made every later claim on it fail. RESET ALL leaves the role alone, so it
-    is reset too; then Relay's own settings (``configure_session``) are made
-    again, in the same round trip.
-    """
-    if conn.closed or conn.broken or conn.info.transaction_status != psycopg.pq.TransactionStatus.IDLE:
-        return  # the pool discards or rolls back such a connection itself
-    conn.execute("RESET SESSION AUTHORIZATION; RESET ROLE; RESET ALL; " + own_session_settings(conn))  # type: ignore[arg-type]
-    conn.commit()
-
-
-def handler_settings_end_with_transaction(idle_limit_seconds: float) -> str:
-    """What runs in a transactional handler's transaction before Relay writes its success there.
-
-    The role back to the one the worker logged in as: a role the handler
-    took (``SET LOCAL ROLE``, as row-level security asks) may not reach
-    relay.jobs. Behind a transaction pooler, also every setting the handler
-    made turned into one that ends with the transaction (its value kept
-    until then, ``SET LOCAL`` or not: ``synchronous_commit``, a deferred
-    trigger's ``search_path``): the pooler lends the server connection to
-    another client at COMMIT, so ``reset_session`` after it would reach
-    whichever connection is free, and a plain ``SET`` would stay for the next
-    client. Without a pooler ``reset_session`` undoes it on this connection.
-    Then the transaction's idle limit, as a setting that ends with it: only
-    the success UPDATE and the COMMIT are left, sent a moment apart, so a
-    pause longer than ``idle_limit_seconds`` (the lease) is a process frozen
-    between them (stopped, a stalled VM), holding the job's row where the
-    sweeper (it skips locked rows) and an admin's cancel (it waits) cannot
-    reach it. The server then ends the session: the handler's work rolls back
-    with the success, and the job runs again.
-    """
-    idle_limit = f"SET LOCAL idle_in_transaction_session_timeout = {max(int(idle_limit_seconds * 1000), 1)}"
-    if transaction_pooling():
-        return f"{sql('handler_settings_end_with_transaction').rstrip().rstrip(';')}; {idle_limit}"
-    return f"RESET SESSION AUTHORIZATION; RESET ROLE; {idle_limit}"
-
-
-@contextmanager
-def in_autocommit(conn: psycopg.Connection) -> Iterator[psycopg.Connection]:
-    """``conn`` in autocommit for the block, then back to transactions.
-
-    For a one-statement shortcut, a VACUUM, a message that carries its own
-    BEGIN and COMMIT, or a transactional handler's run (see
-    ``executor._run_transactional``). A closed or broken connection is left
-    as it is: setting the attribute would raise and hide the error that broke
-    it, and the pool discards such connections. One still in a transaction
-    (a ROLLBACK that failed) is closed rather than lent on in autocommit.
-    """
-    conn.autocommit = True
-    try:
-        yield conn
-    finally:
-        if not conn.closed:
-            try:
-                conn.autocommit = False
-            except psycopg.Error:
-                conn.close()

@@ -20,8 +20,8 @@ import psycopg
 from psycopg_pool import ConnectionPool
 
 from .client import Relay
+from .connect_options import connection_options
 from .job import Job
-from .pools import connection_options
 from .queries import sql
 from .worker.config import WorkerConfig
 

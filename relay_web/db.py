@@ -23,8 +23,10 @@ from psycopg.abc import RV, PQGen
 from psycopg_pool import ConnectionPool
 
 from relay_core import Relay, monitor
+from relay_core.connect_options import connection_options
 from relay_core.jsonb import read_any_number
-from relay_core.pools import ReconnectingPool, connection_options, in_autocommit
+from relay_core.pools import ReconnectingPool
+from relay_core.sessions import in_autocommit
 from relay_core.timestamps import read_any_timestamp
 
 EXTENSION = "relay.db"
@@ -87,7 +89,7 @@ class Database:
         # the answer timeout above still bounds every wait there.
         if not self.relay.transaction_pooling:
             conn.execute("SELECT set_config('statement_timeout', %s, false)", (str(self._statement_timeout_ms),))
-        # Times come back in UTC whatever the server's zone: see relay_core.pools.configure_session.
+        # Times come back in UTC whatever the server's zone: see relay_core.sessions.configure_session.
         conn.execute("SELECT set_config('TimeZone', 'UTC', false)")
         # READ COMMITTED whatever the database's default, as every Relay connection: under a
         # stricter level a cancel or bulk action that waited for a worker's row lock (a

@@ -30,7 +30,8 @@ import pytest
 from psycopg import conninfo
 
 from relay_core import Job, Relay
-from relay_core.pools import LIVENESS_DEFAULTS, connection_options, make_pool
+from relay_core.connect_options import LIVENESS_DEFAULTS, connection_options
+from relay_core.pools import make_pool
 
 from .helpers import job_status, running_worker, wait_for
 

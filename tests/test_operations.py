@@ -21,7 +21,8 @@ import psycopg
 import pytest
 
 from relay_core import Backoff, IllegalTransition, Job, Relay, RelayError, Snooze, admin, monitor
-from relay_core.pools import make_pool, worker_application_name
+from relay_core.connect_options import worker_application_name
+from relay_core.pools import make_pool
 from relay_core.queries import sql
 from relay_core.worker.claim import ClaimInFlight, claim_rows, claim_under_limits_lock
 from relay_core.worker.maintenance import sweep_once

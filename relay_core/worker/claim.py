@@ -16,8 +16,9 @@ from typing import Any
 import psycopg
 from psycopg.rows import dict_row
 
-from ..pools import RelayPool, in_autocommit
+from ..pools import RelayPool
 from ..queries import sql
+from ..sessions import in_autocommit
 from ..stalls import WATCHDOG, cut_at
 from .one_message import run_as_one_message
 

@@ -18,8 +18,9 @@ import psycopg
 from psycopg_pool import PoolTimeout
 
 from ..logs import event
-from ..pools import RelayPool, in_autocommit, outdated_plan
+from ..pools import RelayPool, outdated_plan
 from ..queries import sql
+from ..sessions import in_autocommit
 from ..stalls import cut_at
 from .one_message import run_as_one_message
 from .outage import OutageLog, PooledCallLog, next_retry_delay

@@ -22,6 +22,7 @@ from psycopg.pq import TransactionStatus
 from psycopg_pool import ConnectionPool
 
 from ..backoff import DEFAULT_BACKOFF, retry_delay, usable_delay
+from ..connect_options import without_user_timeout
 from ..errors import (
     HandlerNotFound,
     JobCancelled,
@@ -34,8 +35,8 @@ from ..errors import (
 from ..handlers import HandlerSpec
 from ..job import Job
 from ..jsonb import UnreadableJson
-from ..pools import handler_settings_end_with_transaction, in_autocommit, reset_session, without_user_timeout
 from ..queries import sql
+from ..sessions import handler_settings_end_with_transaction, in_autocommit, reset_session
 from .aio import SlotLoop
 from .outcome import Kind, Outcome, describe, result_json
 

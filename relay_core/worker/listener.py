@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import psycopg
 
-from ..pools import connection_options
+from ..connect_options import connection_options
 from .outage import OutageLog, next_retry_delay
 
 CHANNEL = "relay_jobs"

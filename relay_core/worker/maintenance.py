@@ -22,10 +22,11 @@ from datetime import datetime
 import psycopg
 from psycopg_pool import ConnectionPool, PoolTimeout
 
+from ..connect_options import connection_options, worker_application_name
 from ..logs import event
 from ..monitor import fold_counters
-from ..pools import configure_session, connection_options, in_autocommit, worker_application_name
 from ..queries import sql
+from ..sessions import configure_session, in_autocommit
 from .limits import forget_old_starts
 from .outage import OutageLog, PooledCallLog
 from .retention import hit_cap

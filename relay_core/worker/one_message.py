@@ -32,8 +32,8 @@ from typing import Any
 import psycopg
 from psycopg.rows import RowFactory, tuple_row
 
-from ..pools import in_autocommit
 from ..queries import sql
+from ..sessions import in_autocommit
 
 #: The statements each connection's session has prepared, by name.
 _PREPARED_ON: weakref.WeakKeyDictionary[psycopg.Connection, set[str]] = weakref.WeakKeyDictionary()

@@ -24,12 +24,14 @@ from psycopg_pool import PoolTimeout
 
 from .. import migrate as migrator
 from ..backoff import retry_delay
+from ..connect_options import unusable_setting, worker_application_name
 from ..errors import ConfigurationError, JobTimeout
 from ..handlers import HandlerSpec
 from ..job import Job
 from ..logs import event
-from ..pools import all_in_use, in_autocommit, make_pool, unusable_setting, worker_application_name
+from ..pools import all_in_use, make_pool
 from ..queries import sql
+from ..sessions import in_autocommit
 from ..signals import ShutdownSignals
 from ..stalls import SHORTEST_CUT_SECONDS, seconds_until
 from . import executor, limits, periodic

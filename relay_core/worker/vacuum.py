@@ -22,8 +22,8 @@ import psycopg
 from psycopg import sql as pgsql
 
 from ..logs import event
-from ..pools import in_autocommit
 from ..queries import sql
+from ..sessions import in_autocommit
 
 #: Dead row versions a table may hold before it is vacuumed ...
 VACUUM_THRESHOLD = 1000

@@ -7,14 +7,18 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 #: What relay_web may import from relay_core (validation: the input rules both share, such as what a job id is;
-#: pools: the connection pool that reconnects at a capped pace after an outage; jsonb: how a connection
-#: reads numbers too long for int; timestamps: how it reads times no datetime holds).
+#: pools: the connection pool that reconnects at a capped pace after an outage; connect_options: the time
+#: limits on a silent network path every connection gets; sessions: the session settings, and autocommit for
+#: a block; jsonb: how a connection reads numbers too long for int; timestamps: how it reads times no
+#: datetime holds).
 ALLOWED = {
     "relay_core",
     "relay_core.admin",
+    "relay_core.connect_options",
     "relay_core.jsonb",
     "relay_core.monitor",
     "relay_core.pools",
+    "relay_core.sessions",
     "relay_core.timestamps",
     "relay_core.users",
     "relay_core.validation",

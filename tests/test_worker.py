@@ -1597,6 +1597,37 @@ def test_a_worker_started_while_the_database_is_down_waits_for_it_then_works(
     assert not failures, failures
 
 
+def test_a_worker_whose_database_refuses_it_says_refused_not_unreachable(
+    dsn: str, db: psycopg.Connection, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A server that answers and refuses (here: no such database) is no network outage: the worker said
+    "database unreachable" while the server told it exactly what was wrong."""
+    missing = f"relay_refused_{os.getpid()}"
+    worker_app = Relay(conninfo.make_conninfo(dsn, dbname=missing))
+    worker_app.handler("echo")(lambda job: None)
+    worker = worker_app.worker(concurrency=1, listen=False, poll_interval=0.1)
+    caplog.set_level("WARNING", logger="relay")
+    thread = threading.Thread(target=worker.run, kwargs={"install_signals": False}, daemon=True)
+    thread.start()
+    try:
+        wait_for(
+            lambda: any("database refused the connection; retrying" in r.getMessage() for r in caplog.records),
+            timeout=20,
+            what="the worker to say the database refused it",
+        )
+        assert thread.is_alive()
+    finally:
+        worker.stop()
+        thread.join(30)
+        worker_app.close()
+    assert not thread.is_alive()
+    refusals = [r for r in caplog.records if "database refused the connection" in r.getMessage()]
+    assert all(f'database "{missing}" does not exist' in str(r.__dict__.get("error")) for r in refusals), [
+        r.__dict__ for r in refusals
+    ]
+    assert not any("database unreachable" in r.getMessage() for r in caplog.records)
+
+
 def test_a_worker_stopped_before_the_database_ever_answered_exits_at_once(dsn: str) -> None:
     worker_app = Relay(conninfo.make_conninfo(dsn, port=str(free_port())))
     worker = worker_app.worker(concurrency=1, listen=False)

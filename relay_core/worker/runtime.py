@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import queue
 import signal
 import threading
@@ -19,12 +18,10 @@ import time
 from collections.abc import Mapping
 
 import psycopg
-from psycopg.conninfo import conninfo_to_dict
 from psycopg_pool import PoolTimeout
 
-from .. import migrate as migrator
 from ..backoff import retry_delay
-from ..connect_options import unusable_setting, worker_application_name
+from ..connect_options import worker_application_name
 from ..errors import ConfigurationError, JobTimeout
 from ..handlers import HandlerSpec
 from ..job import Job
@@ -34,7 +31,7 @@ from ..queries import sql
 from ..sessions import in_autocommit
 from ..signals import ShutdownSignals
 from ..stalls import SHORTEST_CUT_SECONDS, seconds_until
-from . import executor, limits, periodic
+from . import executor, periodic
 from .aio import SlotLoop
 from .claim import (
     HAND_BACK_UNHELD_LIMIT_SECONDS,
@@ -49,18 +46,17 @@ from .completer import Completer
 from .config import WorkerConfig
 from .ledger import Ledger, Running, Slot
 from .listener import Listener
-from .maintenance import Maintenance, register
+from .maintenance import Maintenance
 from .outage import POOL_EXHAUSTED, OutageLog, PooledCallLog, next_retry_delay
 from .outcome import Kind, Outcome, describe
 from .retention import prune_once
 from .shutdown import SHUTDOWN_WRITES_SECONDS, WriteTime, hand_back, record_overdue, write_within
+from .startup import register_worker, retry_until_stopped
 from .tally import Counters
 from .vacuum import vacuum_if_needed
 
 #: How long the producer lets freed slots gather before claiming for them.
 CLAIM_COALESCE_SECONDS = 0.002
-#: How long one try at registering waits for a connection before it logs and tries again.
-REGISTER_WAIT_SECONDS = 2.0
 #: How often the lease watch compares unrenewed leases with the local clock.
 LEASE_WATCH_SECONDS = 0.2
 #: At shutdown, the pause between tries to return the jobs of a claim whose answer was lost.
@@ -416,7 +412,7 @@ class Worker:
         # retries instead, until the database answers or the worker is told to stop.
         self.pool.open()
         try:
-            self._with_retry(lambda: self._register())
+            retry_until_stopped(self._register, self.stopping, self.dsn)
         except ConfigurationError:
             self.pool.close()
             raise
@@ -444,54 +440,9 @@ class Worker:
             self._shutdown()
 
     def _register(self) -> None:
-        # A short wait per try, so a stop during an outage is not held up by it.
-        with self.pool.connection(timeout=REGISTER_WAIT_SECONDS) as conn:
-            problem = migrator.schema_problem(conn)
-            if problem is not None:
-                raise ConfigurationError(problem)
-            self.maintenance.registered_at = register(
-                conn,
-                self.id,
-                self.config.queues,
-                self.config.concurrency,
-                self.config.heartbeat_interval,
-                periodic.checked_schedules(self.handlers.values()),
-            )
-            limits.publish_max_attempts(conn, self.handlers.values())
-            limits.publish(conn, self.handlers.values())
-            self.limits_exist = bool(conn.execute(sql("type_limits_exist")).fetchone()[0])
-            periodic.publish(conn, self.handlers.values(), published_by=self.id)
-
-    def _with_retry(self, action) -> None:  # type: ignore[no-untyped-def]
-        delay = 0.1
-        while not self.stopping.is_set():
-            try:
-                action()
-                return
-            except (psycopg.OperationalError, psycopg.InterfaceError, PoolTimeout) as exc:
-                error = self._connect_error() if isinstance(exc, PoolTimeout) else str(exc)
-                event(logging.WARNING, "database unreachable; retrying", error=error, retry_in=delay)
-                self.stopping.wait(delay)
-                delay = next_retry_delay(delay)
-
-    def _connect_error(self) -> str:
-        """Why a connection cannot be made now, in the server's or libpq's words.
-
-        The pool only says it waited in vain; the cause (a refused connection, a
-        database that does not exist, a wrong password) is what an operator needs.
-        A setting libpq cannot use (``sslmode=bogus``, ``connect_timeout=abc``)
-        is no outage to wait out: it raises ConfigurationError.
-        """
-        # The DSN's (or PGCONNECT_TIMEOUT's) own connect_timeout, if there is one: overriding it would hide a bad one.
-        given = "connect_timeout" in conninfo_to_dict(self.dsn) or os.environ.get("PGCONNECT_TIMEOUT")
-        wait = {} if given else {"connect_timeout": REGISTER_WAIT_SECONDS}
-        try:
-            psycopg.connect(self.dsn, **wait).close()
-        except psycopg.Error as exc:
-            if unusable_setting(exc):
-                raise ConfigurationError(f"the database URL has a setting libpq cannot use: {exc}") from None
-            return str(exc)
-        return "no pooled connection became free in time"
+        self.maintenance.registered_at, self.limits_exist = register_worker(
+            self.pool, self.id, self.config, self.handlers.values()
+        )
 
     def prefetch(self) -> int:
         """How many jobs to hold beyond the slots: the next few, while jobs are short (``prefetch_per_slot``).

@@ -1,0 +1,113 @@
+"""A worker's start: check the schema, register, publish what its handlers declare; retry while the database is away.
+
+A worker started during a failover, or before its database is up, waits for
+it rather than exit, and says why each try failed in the server's or libpq's
+own words. A database that answers and refuses (a wrong password, a database
+that does not exist, too many clients) is told apart from one that cannot be
+reached. A setting libpq cannot use is no outage to wait out: it ends the
+start with ConfigurationError, as a schema this release cannot run on does.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Callable, Iterable
+from datetime import datetime
+
+import psycopg
+from psycopg.conninfo import conninfo_to_dict
+from psycopg_pool import PoolTimeout
+
+from .. import migrate as migrator
+from ..connect_options import unusable_setting
+from ..errors import ConfigurationError
+from ..handlers import HandlerSpec
+from ..logs import event
+from ..pools import RelayPool
+from ..queries import sql
+from . import limits, periodic
+from .config import WorkerConfig
+from .maintenance import register
+from .outage import next_retry_delay
+
+#: How long one try at registering waits for a connection before it logs and tries again.
+REGISTER_WAIT_SECONDS = 2.0
+#: What libpq's message holds when the server answered and refused the connection (its severity, in English).
+SERVER_REFUSAL_MARK = "FATAL:"
+
+
+def register_worker(
+    pool: RelayPool, worker_id: str, config: WorkerConfig, handlers: Iterable[HandlerSpec]
+) -> tuple[datetime, bool]:
+    """Register the worker and publish its handlers' limits, max_attempts and schedules, in one transaction.
+
+    Returns when the registry recorded its start and whether any job type
+    has a limit (which decides how the claim runs). A short wait for a
+    connection per try, so a stop during an outage is not held up by it.
+    """
+    specs = list(handlers)
+    with pool.connection(timeout=REGISTER_WAIT_SECONDS) as conn:
+        problem = migrator.schema_problem(conn)
+        if problem is not None:
+            raise ConfigurationError(problem)
+        registered_at = register(
+            conn,
+            worker_id,
+            config.queues,
+            config.concurrency,
+            config.heartbeat_interval,
+            periodic.checked_schedules(specs),
+        )
+        limits.publish_max_attempts(conn, specs)
+        limits.publish(conn, specs)
+        limits_exist = bool(conn.execute(sql("type_limits_exist")).fetchone()[0])
+        periodic.publish(conn, specs, published_by=worker_id)
+    return registered_at, limits_exist
+
+
+def retry_until_stopped(action: Callable[[], None], stopping: threading.Event, dsn: str) -> None:
+    """Run ``action`` until it gets through to the database or ``stopping`` is set, waits doubling to 1 s."""
+    delay = 0.1
+    while not stopping.is_set():
+        try:
+            action()
+            return
+        except (psycopg.OperationalError, psycopg.InterfaceError, PoolTimeout) as exc:
+            error = connect_error(dsn) if isinstance(exc, PoolTimeout) else str(exc)
+            event(logging.WARNING, retry_message(error), error=error, retry_in=delay)
+            stopping.wait(delay)
+            delay = next_retry_delay(delay)
+
+
+def retry_message(error: str) -> str:
+    """What the worker says while it waits: refused by a database that answered, or unreachable.
+
+    Told by the severity libpq puts before the server's message; where the
+    server's messages are in another language, every failure reads as
+    unreachable, and ``error`` still gives the server's words.
+    """
+    if SERVER_REFUSAL_MARK in error:
+        return "database refused the connection; retrying"
+    return "database unreachable; retrying"
+
+
+def connect_error(dsn: str) -> str:
+    """Why a connection cannot be made now, in the server's or libpq's words.
+
+    The pool only says it waited in vain; the cause (a refused connection, a
+    database that does not exist, a wrong password) is what an operator needs.
+    A setting libpq cannot use (``sslmode=bogus``, ``connect_timeout=abc``)
+    is no outage to wait out: it raises ConfigurationError.
+    """
+    # The DSN's (or PGCONNECT_TIMEOUT's) own connect_timeout, if there is one: overriding it would hide a bad one.
+    given = "connect_timeout" in conninfo_to_dict(dsn) or os.environ.get("PGCONNECT_TIMEOUT")
+    wait = {} if given else {"connect_timeout": REGISTER_WAIT_SECONDS}
+    try:
+        psycopg.connect(dsn, **wait).close()
+    except psycopg.Error as exc:
+        if unusable_setting(exc):
+            raise ConfigurationError(f"the database URL has a setting libpq cannot use: {exc}") from None
+        return str(exc)
+    return "no pooled connection became free in time"

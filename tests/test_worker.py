@@ -1371,7 +1371,7 @@ def test_a_prefetched_job_whose_lease_ran_out_unrenewed_goes_back_with_its_attem
         worker._dispatch([job])
         with worker.ledger.lock:
             worker.ledger.running[job_id].lease_expires = 0.0  # no renewal got through
-        worker._flag_unrenewed(time.monotonic())
+        worker.lease_watch.flag_unrenewed(time.monotonic())
         assert job.lease_lost
         wait_for(lambda: job_status(db, job_id) == "queued", timeout=10, what="the job back in the queue")
         assert db.execute("SELECT attempts FROM relay.jobs WHERE id = %s", (job_id,)).fetchone()[0] == 0

@@ -2,9 +2,11 @@
 
 Threads: the producer (the caller's thread) claims as many jobs as there are
 free slots in one statement; ``concurrency`` slot threads run handlers; the
-completer writes outcomes in batches; the heartbeat thread renews leases and
-enforces timeouts; the maintenance thread sweeps, prunes and runs cron; the
-listener turns NOTIFY into wake-ups.
+completer writes outcomes in batches; the heartbeat thread renews leases; the
+lease watch (``lease_watch``) enforces timeouts and stops runs whose leases
+ran out by the local clock; the maintenance thread sweeps, prunes and runs
+cron; the listener turns NOTIFY into wake-ups. How a worker starts is
+``startup``'s; how its last writes are bounded, ``shutdown``'s.
 """
 
 from __future__ import annotations
@@ -20,9 +22,8 @@ from collections.abc import Mapping
 import psycopg
 from psycopg_pool import PoolTimeout
 
-from ..backoff import retry_delay
 from ..connect_options import worker_application_name
-from ..errors import ConfigurationError, JobTimeout
+from ..errors import ConfigurationError
 from ..handlers import HandlerSpec
 from ..job import Job
 from ..logs import event
@@ -36,7 +37,6 @@ from .aio import SlotLoop
 from .claim import (
     HAND_BACK_UNHELD_LIMIT_SECONDS,
     PREFETCH_BELOW_SECONDS,
-    PREFETCH_HOLD_SECONDS,
     ClaimInFlight,
     claim_rows,
     hand_back_unheld,
@@ -44,11 +44,12 @@ from .claim import (
 )
 from .completer import Completer
 from .config import WorkerConfig
-from .ledger import Ledger, Running, Slot
+from .lease_watch import LeaseWatch
+from .ledger import Ledger, Slot
 from .listener import Listener
 from .maintenance import Maintenance
 from .outage import POOL_EXHAUSTED, OutageLog, PooledCallLog, next_retry_delay
-from .outcome import Kind, Outcome, describe
+from .outcome import Outcome
 from .retention import prune_once
 from .shutdown import SHUTDOWN_WRITES_SECONDS, WriteTime, hand_back, record_overdue, write_within
 from .startup import register_worker, retry_until_stopped
@@ -57,8 +58,6 @@ from .vacuum import vacuum_if_needed
 
 #: How long the producer lets freed slots gather before claiming for them.
 CLAIM_COALESCE_SECONDS = 0.002
-#: How often the lease watch compares unrenewed leases with the local clock.
-LEASE_WATCH_SECONDS = 0.2
 #: At shutdown, the pause between tries to return the jobs of a claim whose answer was lost.
 RETURN_UNHELD_RETRY_SECONDS = 0.1
 #: At the end of a shutdown, how long the heartbeat and listener threads get to stop (together),
@@ -137,6 +136,7 @@ class Worker:
         self.pooled_calls = PooledCallLog(self.outage, OutageLog(wording=POOL_EXHAUSTED), self._exhaustion_cause)
         self.completer = Completer(self.pool, self._on_written, self.pooled_calls)
         self.ledger = Ledger(self.completer)
+        self.lease_watch = LeaseWatch(self.ledger, self.handlers, self.id, self._start_slot, self.stopped)
         self.maintenance = Maintenance(
             self.pool,
             dsn=dsn,
@@ -176,47 +176,6 @@ class Worker:
     def _on_renewed(self, renewed: Mapping[int, int], sent: float) -> None:
         """A heartbeat sent at ``sent`` (monotonic) extended these leases (id -> token)."""
         self.ledger.renewed(renewed, sent + self.config.lease_seconds)
-
-    def _watch_leases(self) -> None:
-        """Tell handlers whose leases ran out unrenewed, or whose timeouts passed, to stop.
-
-        A heartbeat that hangs (a database that stalls, a network path that
-        drops packets) learns nothing until its socket gives up, minutes later,
-        while another worker's sweeper returns the job and runs it again. This
-        thread waits on nothing but a lock, so a handler hears ``lease_lost``
-        once its lease has surely ended, by this process's own clock, even when
-        every connection hangs; and a timed-out handler's slot is replaced on
-        time, which a check on the heartbeat's thread could not promise.
-        """
-        while not self.stopped.wait(LEASE_WATCH_SECONDS):
-            try:
-                self._check_timeouts()
-                self._flag_unrenewed(time.monotonic())
-                self._hand_back_held(time.monotonic())
-            except Exception as exc:  # this thread stops handlers that must stop: it must outlive any bug
-                event(logging.ERROR, "lease watch failed", error=repr(exc))
-
-    def _flag_unrenewed(self, now: float) -> None:
-        """Set ``lease_lost`` on every run whose lease surely ended before ``now``; hand back unstarted ones."""
-        expired, unstarted = self.ledger.take_unrenewed(now)
-        for job in expired:
-            event(logging.WARNING, "lease ran out without a renewal; told the handler to stop", job_id=job.id)
-        if unstarted:
-            event(
-                logging.WARNING,
-                "lease ran out without a renewal before a slot was free; handing the jobs back",
-                job_ids=sorted(j.id for j in unstarted),
-            )
-
-    def _hand_back_held(self, now: float) -> None:
-        """Give back prefetched jobs held behind long runs, for other workers to run (see ``take_held_back``)."""
-        held = self.ledger.take_held_back(now, PREFETCH_HOLD_SECONDS)
-        if held:
-            event(
-                logging.INFO,
-                "every slot is busy with a longer job; handing back the jobs waiting for one",
-                job_ids=sorted(j.id for j in held),
-            )
 
     def _on_lost(self, lost: Mapping[int, int]) -> None:
         """Flag the runs whose leases (id -> token) a heartbeat found taken over."""
@@ -272,40 +231,6 @@ class Worker:
         if self.ledger.finished(slot, job, outcome):
             self._typical_run = 0.9 * self._typical_run + 0.1 * outcome.duration
             self._wake.set()
-
-    def _check_timeouts(self) -> None:
-        """Give jobs past their timeout up, but keep their leases until their threads return.
-
-        Python cannot stop a thread. Recording the timeout at once would let
-        the retry start while the first run goes on, so the outcome is decided
-        now and written when the handler returns; meanwhile the lease is
-        heartbeated like any running job's and a fresh slot takes the stuck
-        one's place. A handler that never returns holds its job until the
-        worker stops.
-        """
-        for running in self.ledger.take_timed_out(time.monotonic(), self._timed_out):
-            job = running.job
-            self._start_slot()  # the stuck thread keeps its slot object; the worker gets a fresh one
-            event(
-                logging.WARNING,
-                "job timed out; its lease is kept until the handler returns",
-                job_id=job.id,
-                type=job.type,
-                attempt=job.attempt,
-            )
-
-    def _timed_out(self, running: Running, now: float) -> Outcome:
-        """The outcome of a run past its handler's timeout at ``now``: a failed attempt (JobTimeout)."""
-        job = running.job
-        spec = self.handlers.get(job.type)
-        exc = JobTimeout(f"handler ran past its timeout of {spec.timeout if spec else '?'}s")
-        message, entry = describe(exc, job, self.id)
-        entry["traceback"] = None
-        kind = Kind.DEAD if job.attempt >= job.max_attempts else Kind.RETRY
-        delay, problem = retry_delay(spec.backoff, job.attempt) if spec else (0.0, None)
-        if problem:
-            message = entry["message"] = f"{message} ({problem})"
-        return Outcome(job, kind, now - running.started, delay=delay, message=message, error=entry)
 
     # -- slots -------------------------------------------------------------
 
@@ -424,7 +349,7 @@ class Worker:
             self._start_slot()
         self.completer.start()
         self.maintenance.start()
-        threading.Thread(target=self._watch_leases, name="relay-lease-watch", daemon=True).start()
+        threading.Thread(target=self.lease_watch.run, name="relay-lease-watch", daemon=True).start()
         if self.listener:
             self.listener.start()
         event(
@@ -637,7 +562,7 @@ class Worker:
             self._return_unheld_while_stopping(before_deadline())
         while self.in_flight() and time.monotonic() < deadline and self._hurried_at is None:
             time.sleep(0.02)
-        self._check_timeouts()  # a job past its deadline has its timeout recorded, not its attempt refunded
+        self.lease_watch.check_timeouts()  # a job past its deadline has its timeout recorded, not its attempt refunded
         unfinished, overdue = self.ledger.close()
         for _ in self._slots:
             self._inbox.put(None)

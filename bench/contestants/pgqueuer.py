@@ -1,12 +1,16 @@
 """PGQueuer as its README shows it: asyncpg, ``PgQueuer`` with one entrypoint,
 ``Queries.enqueue``.
 
-``run(max_concurrent_tasks=concurrency)`` caps the worker's in-flight jobs
-(PGQueuer requires a batch size of at most half of that cap, so batches are
-``concurrency // 2``). A per-entrypoint ``concurrency_limit`` was tried and is
-not used: it stalls on picked jobs whose completion is still buffered. PGQueuer deletes finished jobs
-from its queue table (their history goes to ``pgqueuer_log``), so W5 gives it
-only the runnable half of the backlog.
+The worker fetches PGQueuer's default batch of 10 jobs (its performance guide
+says to raise it, not lower it, for jobs under a second; the batch also sets
+how many finished jobs it buffers before writing them), with
+``max_concurrent_tasks`` at 20, the least PGQueuer accepts for that batch (at
+least twice the batch). That cap counts jobs fetched and not yet finished, as
+Relay's slots and prefetch do; for no-op jobs it is what concurrency 8 means
+for the others. A per-entrypoint ``concurrency_limit`` was tried and is not
+used: it stalls on picked jobs whose completion is still buffered. PGQueuer
+deletes finished jobs from its queue table (their history goes to
+``pgqueuer_log``), so in W5 every row it is given is runnable.
 """
 
 from __future__ import annotations
@@ -22,6 +26,9 @@ asyncpg = import_library("asyncpg")
 from pgqueuer.db import AsyncpgDriver  # noqa: E402
 from pgqueuer.models import Job  # noqa: E402
 from pgqueuer.queries import Queries  # noqa: E402
+
+#: PGQueuer's default batch size (``PgQueuer.run``).
+BATCH_SIZE = 10
 
 
 class PgQueuerContestant(Contestant):
@@ -41,6 +48,7 @@ class PgQueuerContestant(Contestant):
         self._queries: Queries | None = None
         self._pgq = None
         self._worker = None
+        self._worker_conn = None
 
     async def _queries_async(self) -> Queries:
         if self._queries is None:
@@ -84,7 +92,8 @@ class PgQueuerContestant(Contestant):
                 on_start(int(job.payload or b"0"))
 
             self._pgq = pgq
-            run = pgq.run(batch_size=max(1, self.concurrency // 2), max_concurrent_tasks=self.concurrency)
+            self._worker_conn = connection
+            run = pgq.run(batch_size=BATCH_SIZE, max_concurrent_tasks=max(2 * BATCH_SIZE, self.concurrency))
             return asyncio.create_task(run)
 
         self._worker = self.loop.run(start())
@@ -94,6 +103,10 @@ class PgQueuerContestant(Contestant):
             assert self._pgq is not None and self._worker is not None
             self._pgq.shutdown.set()
             await self._worker
+            if self._worker_conn is not None:
+                # run() leaves its connection open (and LISTENing): W5 starts a worker three times per size.
+                await self._worker_conn.close()
+                self._worker_conn = None
 
         self.loop.run(stop(), timeout=60)
 

@@ -2,7 +2,10 @@
 
 The worker runs with ``concurrency`` and otherwise default options (LISTEN/NOTIFY
 on, finished jobs kept); the task is an ``async def`` because the worker is
-asyncio-native (sync tasks would be sent to threads).
+asyncio-native (sync tasks would be sent to threads). Its connector's pool
+holds ``concurrency + 1`` connections, as Procrastinate's docs ask for short
+jobs ("Mind the size of your PostgreSQL pool"): every fetch and every finish
+borrows one, and the pool's default of 4 would make the worker wait for them.
 """
 
 from __future__ import annotations
@@ -28,7 +31,8 @@ class Procrastinate(Contestant):
     def __init__(self, dsn: str, concurrency: int) -> None:
         super().__init__(dsn, concurrency)
         self.loop = LoopThread()
-        self.app = procrastinate.App(connector=procrastinate.PsycopgConnector(conninfo=dsn))
+        connector = procrastinate.PsycopgConnector(conninfo=dsn, min_size=concurrency + 1, max_size=concurrency + 1)
+        self.app = procrastinate.App(connector=connector)
         self._on_start: Callable[[int], None] = lambda seq: None
         self._worker = None
 

@@ -97,7 +97,16 @@ if "FORWARDED_ALLOW_IPS" not in os.environ:
 web_concurrency = _whole("WEB_CONCURRENCY", 1, MAX_WEB_CONCURRENCY)
 if web_concurrency is not None:
     workers = web_concurrency
-_whole("PORT", 1, 65535)
+_port = _whole("PORT", 1, 65535)
+
+# Without --bind, gunicorn listens on every interface once PORT is set (as
+# platforms set it), and RELAY_WEB_HOST, which the Procfile's --bind reads,
+# did not keep it local. Here it names the interface for gunicorn's own choice
+# of port too; a --bind on the command line still wins over this file.
+_web_host = os.environ.get("RELAY_WEB_HOST", "").strip()
+if _web_host:
+    _interface = f"[{_web_host}]" if ":" in _web_host and not _web_host.startswith("[") else _web_host
+    bind = [f"{_interface}:{_port if _port is not None else 8000}"]
 
 _app_settings = _relay_app_settings()
 if _app_settings is not None:

@@ -240,6 +240,37 @@ def gunicorn_serving(env: dict[str, str], options: list[str], app_uri: str) -> I
         proc.wait(10)
 
 
+def test_gunicorn_without_bind_listens_where_relay_web_host_says(dsn: str) -> None:
+    """With PORT set and no --bind, gunicorn listened on 0.0.0.0 though RELAY_WEB_HOST said 127.0.0.1."""
+    port = _free_port()
+    env = {k: v for k, v in os.environ.items() if k not in SETTINGS and k != "WEB_CONCURRENCY"}
+    env.update(
+        DATABASE_URL=dsn, PYTHONPATH=str(ROOT), JWT_SECRET_KEY=SECRET, PORT=str(port), RELAY_WEB_HOST="127.0.0.1"
+    )
+    gunicorn = Path(sys.executable).with_name("gunicorn")
+    proc = subprocess.Popen(
+        [str(gunicorn), "-c", "python:relay_web.gunicorn_conf", "--workers", "1", "relay_web:create_app()"],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stderr is not None
+        lines = []
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            line = proc.stderr.readline()
+            lines.append(line)
+            if "Listening at:" in line or not line:
+                break
+        assert f"Listening at: http://127.0.0.1:{port} " in lines[-1], lines
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
 @pytest.mark.parametrize(
     ("options", "app_uri", "secret_in_env"),
     [

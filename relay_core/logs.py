@@ -126,6 +126,18 @@ def configure(level: str | int = "INFO", fmt: str | None = None) -> None:
         root.addHandler(handler)
         root.setLevel(logger.level)
         logging.captureWarnings(True)
+    throttle_pool_connect_warnings()
+
+
+def throttle_pool_connect_warnings() -> None:
+    """Let the connection pool's warning for a failed try at connecting through once per REPEAT_SECONDS.
+
+    Done by every Relay pool as it opens, not only by Relay's own processes:
+    an application's enqueue during an outage, or with a misspelt database,
+    printed one such line per try (seven in a five-second wait), and the
+    admin web app one a second for as long as the outage lasted. The reason
+    also reaches the caller in the checkout's PoolTimeout (``pools``).
+    """
     pool = logging.getLogger("psycopg.pool")
     if not any(isinstance(f, RepeatsFilter) for f in pool.filters):
         pool.addFilter(RepeatsFilter(POOL_CONNECT_WARNING))

@@ -31,11 +31,12 @@ from typing import Any
 
 import psycopg
 from psycopg.rows import tuple_row
-from psycopg_pool import ConnectionPool, PoolClosed
+from psycopg_pool import ConnectionPool, PoolClosed, PoolTimeout
 from psycopg_pool.base import AttemptWithBackoff
 
 from .connect_options import connection_options
 from .jsonb import read_any_number
+from .logs import throttle_pool_connect_warnings
 from .sessions import configure_session
 from .settings import transaction_pooling
 from .stalls import SHORTEST_CUT_SECONDS, cut_after
@@ -110,10 +111,14 @@ class ReconnectingPool(ConnectionPool):
         #: (psycopg leaves the parent's connections alone when the child drops them).
         #: A pool made but not yet opened before a fork is the child's once it opens it.
         self.pid = os.getpid()
+        #: Why the pool's last attempt to connect failed, in the server's or libpq's words;
+        #: None once one succeeds. A checkout that times out says it (see ``getconn``).
+        self.last_connect_error: str | None = None
         super().__init__(*args, **kwargs)
 
     def _open(self, *args: Any, **kwargs: Any) -> None:
         # The pool's own hook for opening (open(), or open=True when it is made).
+        throttle_pool_connect_warnings()
         self.pid = os.getpid()
         super()._open(*args, **kwargs)
         OPEN_POOLS.add(self)
@@ -124,10 +129,32 @@ class ReconnectingPool(ConnectionPool):
         return self.pid != os.getpid()
 
     def getconn(self, timeout: float | None = None) -> psycopg.Connection:
-        """A connection; refused in a process forked from the pool's, which would hang or corrupt both."""
+        """A connection; refused in a process forked from the pool's, which would hang or corrupt both.
+
+        A checkout that times out while the pool cannot connect says why: the
+        pool's own PoolTimeout said only that it waited ("couldn't get a
+        connection after 5.00 sec"), and the cause (a database that does not
+        exist, a wrong password, a server that is down) went to a log line.
+        """
         if self.inherited:
             raise PoolClosed(f"the pool {self.name!r} was opened by process {self.pid}; a forked process opens its own")
-        return super().getconn(timeout)
+        try:
+            return super().getconn(timeout)
+        except PoolTimeout as exc:
+            cause = self.last_connect_error
+            if cause is None:
+                raise
+            raise PoolTimeout(f"{exc}; the pool's last attempt to connect failed: {cause}") from exc
+
+    def _connect(self, timeout: float | None = None) -> psycopg.Connection:
+        # The pool's own hook for making a connection: remember why it failed, or that it worked.
+        try:
+            conn = super()._connect(timeout)
+        except Exception as exc:
+            self.last_connect_error = str(exc)
+            raise
+        self.last_connect_error = None
+        return conn
 
     def _add_connection(self, attempt: AttemptWithBackoff | None, growing: bool = False) -> None:
         # The pool's own hook for (re)connecting; its first try starts a capped attempt.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import select
 import subprocess
 import time
@@ -12,6 +13,8 @@ from typing import Any, ClassVar
 import psycopg
 import pytest
 import sqlalchemy
+from psycopg import conninfo
+from psycopg_pool import PoolTimeout
 from sqlalchemy.orm import Session
 
 from relay_core import ConfigurationError, IllegalTransition, InvalidJobError, Relay
@@ -959,3 +962,19 @@ def test_a_bulk_enqueue_retried_after_a_schema_change_inserts_each_job_once(dsn:
         relay.close()
     rows = db.execute("SELECT id FROM relay.jobs WHERE payload->>'n' = 'once'").fetchall()
     assert [row[0] for row in rows] == [ids[0]]
+
+
+def test_an_enqueue_that_cannot_connect_says_why(dsn: str, caplog: pytest.LogCaptureFixture) -> None:
+    """A misspelt database name: the enqueue waited, then raised "couldn't get a connection after
+    1.00 sec" with no cause, while the pool printed the cause once per try."""
+    missing = f"relay_missing_{os.getpid()}"
+    relay = Relay(conninfo.make_conninfo(dsn, dbname=missing), db_wait=1.0)
+    caplog.set_level("WARNING", logger="psycopg.pool")
+    try:
+        with pytest.raises(PoolTimeout) as raised:
+            relay.enqueue("echo", {})
+    finally:
+        relay.close()
+    assert f'database "{missing}" does not exist' in str(raised.value)
+    tries = [r for r in caplog.records if r.getMessage().startswith("error connecting in 'relay-client'")]
+    assert len(tries) <= 1, [r.getMessage() for r in tries]

@@ -19,11 +19,10 @@ from . import users
 from .connect_options import connection_options
 from .errors import ConfigurationError, RelayError
 from .jsonb import read_any_number
-from .migrate import MISSING_SCHEMA_ERRORS
+from .migrate import MISSING_SCHEMA_ERRORS, MISSING_TABLES
 from .settings import database_url, env_int
 
 #: What a command says when the database has no Relay schema yet.
-MISSING_TABLES = "Relay's tables are missing or older than this release: run `relay migrate` first"
 
 
 def connect() -> psycopg.Connection:

@@ -18,6 +18,7 @@ import psycopg
 from psycopg.rows import dict_row, tuple_row
 
 from .inserts import Statement, Steps
+from .migrate import schema_missing
 from .pools import RelayConnection
 
 T = TypeVar("T")
@@ -143,7 +144,11 @@ def fetch_first_value(conn: Any, sql: str, params: dict[str, Any]) -> Any:
 
 
 def run(conn: Any, steps: Steps[T]) -> T:
-    """Send each statement ``steps`` asks for on ``conn``; return what the steps return."""
+    """Send each statement ``steps`` asks for on ``conn``; return what the steps return.
+
+    A statement refused because Relay's schema is missing or behind this
+    release raises ConfigurationError saying to migrate (``migrate.schema_missing``).
+    """
     try:
         statement = next(steps)
         while True:
@@ -151,6 +156,11 @@ def run(conn: Any, steps: Steps[T]) -> T:
             statement = steps.send(fetch(conn, statement.sql, statement.params))
     except StopIteration as done:
         return done.value
+    except Exception as exc:
+        missing = schema_missing(exc)
+        if missing is None:
+            raise
+        raise missing from exc
 
 
 async def run_async(conn: Any, steps: Steps[T]) -> T:
@@ -174,6 +184,11 @@ async def run_async(conn: Any, steps: Steps[T]) -> T:
             statement = steps.send(answer)
     except StopIteration as done:
         return done.value
+    except Exception as exc:
+        missing = schema_missing(exc)
+        if missing is None:
+            raise
+        raise missing from exc
 
 
 async def _fetch_all_async(conn: Any, statement: Statement) -> list[dict[str, Any]]:

@@ -19,13 +19,15 @@ from __future__ import annotations
 import logging
 import re
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from importlib import resources
 
 import psycopg
 
 from .connect_options import connection_options
-from .errors import MigrationError
+from .errors import ConfigurationError, MigrationError
 from .logs import event
 
 #: Advisory-lock key shared by every migrator ("relay" as digits, arbitrary but fixed).
@@ -109,6 +111,40 @@ MISSING_SCHEMA_ERRORS: tuple[type[psycopg.Error], ...] = (
     psycopg.errors.UndefinedFunction,
     psycopg.errors.UndefinedObject,
 )
+
+
+#: What Relay says when one of its statements fails that way (the server's words stay in the cause).
+MISSING_TABLES = "Relay's tables are missing or older than this release: run `relay migrate` first"
+
+
+def schema_missing(exc: BaseException) -> ConfigurationError | None:
+    """What to raise instead of ``exc`` when it says Relay's schema is missing or behind this release; else None.
+
+    For an application's calls (an enqueue, an admin action): they raised the
+    server's ``relation "relay.jobs" does not exist`` as it came, where the
+    CLI, the worker and the web app say to run ``relay migrate``. A
+    ConfigurationError, like the worker's refusal to start on such a
+    database, to be raised from ``exc``, which keeps the server's words. Told
+    by the server's error, whether psycopg raised it or SQLAlchemy wrapped it
+    (``orig``).
+    """
+    cause = exc if isinstance(exc, MISSING_SCHEMA_ERRORS) else getattr(exc, "orig", None)
+    if not isinstance(cause, MISSING_SCHEMA_ERRORS):
+        return None
+    return ConfigurationError(MISSING_TABLES)
+
+
+@contextmanager
+def schema_needed() -> Iterator[None]:
+    """Raise ``schema_missing``'s error instead of one that says Relay's schema is missing or behind."""
+    try:
+        yield
+    except Exception as exc:
+        missing = schema_missing(exc)
+        if missing is None:
+            raise
+        raise missing from exc
+
 
 #: What a database recording another build's migrations went through, and what to do about it.
 FOREIGN_BUILD = "a build whose migrations this Relay does not ship migrated this database"

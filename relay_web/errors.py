@@ -139,6 +139,9 @@ def _missing_schema(exc: psycopg.Error) -> Response:
 
 
 def _relay_error(exc: RelayError) -> Response:
+    if isinstance(exc.__cause__, monitor.MISSING_SCHEMA_ERRORS):
+        # Relay's own calls (an enqueue) say a missing schema as ConfigurationError, from the server's error.
+        return _missing_schema(exc.__cause__)
     log.error("unexpected Relay error", exc_info=exc)
     return _internal(exc)
 

@@ -978,3 +978,34 @@ def test_an_enqueue_that_cannot_connect_says_why(dsn: str, caplog: pytest.LogCap
     assert f'database "{missing}" does not exist' in str(raised.value)
     tries = [r for r in caplog.records if r.getMessage().startswith("error connecting in 'relay-client'")]
     assert len(tries) <= 1, [r.getMessage() for r in tries]
+
+
+def test_calls_on_a_database_never_migrated_say_to_migrate(unmigrated_dsn: str) -> None:
+    """The CLI, the worker and the web app said to run `relay migrate`; an application's own calls
+    raised the server's `relation "relay.jobs" does not exist` as it came."""
+    relay = Relay(unmigrated_dsn)
+    calls = {
+        "enqueue": lambda: relay.enqueue("echo", {}),
+        "enqueue_many": lambda: relay.enqueue_many([{"type": "echo"}]),
+        "cancel": lambda: relay.cancel(1),
+        "schedules": relay.schedules,
+        "pause_queue": lambda: relay.pause_queue("emails"),
+    }
+    try:
+        for name, call in calls.items():
+            with pytest.raises(ConfigurationError, match=r"run `relay migrate`") as raised:
+                call()
+            assert isinstance(raised.value.__cause__, psycopg.errors.UndefinedTable), name
+        with psycopg.connect(unmigrated_dsn) as conn:
+            with pytest.raises(ConfigurationError, match=r"run `relay migrate`") as raised:
+                relay.enqueue("echo", {}, conn=conn)
+            assert 'relation "relay.jobs" does not exist' in str(raised.value.__cause__)
+            conn.rollback()
+        engine = sa_engine(unmigrated_dsn)
+        try:
+            with engine.begin() as conn, pytest.raises(ConfigurationError, match=r"run `relay migrate`"):
+                relay.enqueue("echo", {}, conn=conn)
+        finally:
+            engine.dispose()
+    finally:
+        relay.close()

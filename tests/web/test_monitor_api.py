@@ -290,6 +290,22 @@ def test_health_and_readiness(client, db) -> None:
         db.execute("INSERT INTO relay.schema_migrations (version, name) VALUES (%s, %s)", (version, name))
 
 
+def test_an_enqueue_meeting_a_schema_behind_this_release_answers_migrations_pending(client, db, admin) -> None:
+    """Relay's enqueue says a missing schema as ConfigurationError (from the server's error); the API
+    must still answer 503 migrations-pending for it, not a 500."""
+    version, name = db.execute(
+        "DELETE FROM relay.schema_migrations WHERE version = (SELECT max(version) FROM relay.schema_migrations) "
+        "RETURNING version, name"
+    ).fetchone()
+    db.execute("ALTER FUNCTION relay.published_max_attempts(text, integer) RENAME TO published_max_attempts_away")
+    try:
+        created = client.post("/api/admin/jobs", headers=admin, json={"type": "send_email"})
+        assert "relay migrate" in assert_problem(created, 503, "migrations-pending")["detail"]
+    finally:
+        db.execute("ALTER FUNCTION relay.published_max_attempts_away(text, integer) RENAME TO published_max_attempts")
+        db.execute("INSERT INTO relay.schema_migrations (version, name) VALUES (%s, %s)", (version, name))
+
+
 def test_a_database_another_build_migrated_is_named_as_such_wherever_the_schema_is_checked(client, db) -> None:
     """/readyz named it, but /metrics said to run `relay migrate`, which refuses such a database."""
     (version,) = db.execute(
@@ -316,6 +332,8 @@ def test_a_database_never_migrated_answers_migrations_pending_not_internal_error
     assert "relay migrate" in assert_problem(login, 503, "migrations-pending")["detail"]
     assert login.headers["Retry-After"] == "10"
     assert_problem(client.get("/api/admin/jobs?status=dead", headers=admin), 503, "migrations-pending")
+    created = client.post("/api/admin/jobs", headers=admin, json={"type": "send_email"})
+    assert "relay migrate" in assert_problem(created, 503, "migrations-pending")["detail"]
     page = client.post("/login", data={"username": "ops", "password": "correct horse battery"})
     assert page.status_code == 503
     assert page.mimetype == "text/html"

@@ -137,6 +137,9 @@ def test_migrate_says_when_a_newer_relay_migrated_the_database(dsn: str, db: psy
         # An idle worker ran empty claims back to back.
         ({"RELAY_POLL_INTERVAL": "0.000001"}, "RELAY_POLL_INTERVAL: poll_interval must be at least 0.01 s"),
         ({"RELAY_SWEEP_INTERVAL": "0.001"}, "RELAY_SWEEP_INTERVAL: sweep_interval must be at least 0.1 s"),
+        # Said "queue: 'Bad' is not a valid queue name", naming no setting.
+        ({"RELAY_QUEUES": "emails,Bad"}, "RELAY_QUEUES: queues must be queue names: 'Bad' is not a valid queue name"),
+        ({"RELAY_QUEUES": " , "}, "RELAY_QUEUES: queues must name at least one queue"),
     ],
 )
 def test_a_worker_with_a_bad_setting_exits_with_one_line(
@@ -194,7 +197,9 @@ def test_a_worker_given_an_empty_queues_flag_is_refused_not_served_its_variables
     """`--queues ''` was read as "not given": the worker served RELAY_QUEUES, or the default queue."""
     done = run_worker(python, {**worker_env, "RELAY_QUEUES": "emails"}, "--queues", "")
     assert done.returncode == 1, done.stderr
-    assert done.stderr.strip().splitlines()[-1] == "Error: a worker needs at least one queue", done.stderr
+    assert done.stderr.strip().splitlines()[-1] == "Error: queues must name at least one queue: a worker needs one", (
+        done.stderr
+    )
     assert db.execute("SELECT count(*) FROM relay.workers").fetchone() == (0,)
 
 

@@ -39,6 +39,7 @@ ENV_SETTINGS = {
     "poll_interval": "RELAY_POLL_INTERVAL",
     "sweep_interval": "RELAY_SWEEP_INTERVAL",
     "shutdown_timeout": "RELAY_SHUTDOWN_TIMEOUT",
+    "queues": "RELAY_QUEUES",
 }
 
 
@@ -81,12 +82,12 @@ class WorkerConfig:
             raise ConfigurationError(f"queues must be a list of queue names, not one string: queues=[{self.queues!r}]")
         self.queues = tuple(dict.fromkeys(self.queues))  # each once, in the order given
         if not self.queues:
-            raise ConfigurationError("a worker needs at least one queue")
+            raise ConfigurationError("queues must name at least one queue: a worker needs one")
         for queue in self.queues:
             try:
                 check_queue(queue)
             except InvalidJobError as exc:
-                raise ConfigurationError(str(exc)) from None
+                raise ConfigurationError(f"queues must be queue names: {exc.message}") from None
         for name in ("listen", "self_vacuum"):
             # "false" is a true value: a string here would turn on what it means to turn off.
             if not isinstance(getattr(self, name), bool):

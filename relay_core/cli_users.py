@@ -86,7 +86,18 @@ def _read_password(from_stdin: bool) -> str:
     if from_stdin:
         # One line; the newline a pipe or heredoc adds is not part of the password.
         return sys.stdin.readline().rstrip("\r\n")
-    return click.prompt("Password", hide_input=True, confirmation_prompt="Repeat the password")
+    # Checked as typed, before the repeat: a short one was refused only after both prompts.
+    return click.prompt(
+        "Password", hide_input=True, confirmation_prompt="Repeat the password", value_proc=_acceptable_password
+    )
+
+
+def _acceptable_password(password: str) -> str:
+    """``password`` if Relay would store it; else the prompt says why and asks again."""
+    try:
+        return users.check_password(password)
+    except users.InvalidUserError as exc:
+        raise click.BadParameter(exc.message, param_hint="password") from None
 
 
 def _run(action: str, func: object, *args: object) -> None:

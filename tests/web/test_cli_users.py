@@ -58,6 +58,15 @@ def test_mismatched_prompts_are_asked_again(run, db) -> None:
     assert _hash(db, "w2") is not None
 
 
+def test_a_short_password_is_refused_at_the_first_prompt_and_asked_again(run, db) -> None:
+    """It was asked for twice, then refused, and the command ended."""
+    result = run("user", "create", "w3", "--role", "viewer", stdin="short\nlong-enough-now\nlong-enough-now\n")
+    assert result.exit_code == 0, result.output
+    assert "at least 8 characters" in result.output
+    assert result.output.index("at least 8 characters") < result.output.index("Repeat the password")
+    assert _hash(db, "w3") is not None
+
+
 @pytest.mark.parametrize(
     ("args", "stdin", "message"),
     [

@@ -3,6 +3,7 @@
 -- queries.sql; relay_core/monitor.py runs them. Filters pass NULL for "any":
 -- monitor.py sends these statements unprepared, so PostgreSQL plans each call
 -- with its real values and drops the NULL branches.
+-- Jobs found by id compare status as text: see the note in queries.sql.
 
 -- name: job_list
 -- One page of jobs, newest first, by keyset on id (stable under inserts, no
@@ -78,7 +79,7 @@ WITH picked AS (
         finished_at = NULL, claimed_by = NULL, claimed_until = NULL, cancel_requested_at = NULL, progress = NULL,
         result = NULL
     FROM picked
-    WHERE j.id = picked.id AND j.status IN ('dead', 'cancelled')
+    WHERE j.id = picked.id AND j.status::text IN ('dead', 'cancelled')
     RETURNING j.id, j.queue
 ), notified AS (
     SELECT count(pg_notify('relay_jobs', queue)) AS n FROM (SELECT DISTINCT queue FROM requeued) AS woken
@@ -113,7 +114,7 @@ WITH picked AS (
 ), cancelled AS (
     UPDATE relay.jobs AS j SET status = 'cancelled', finished_at = now()
     FROM picked
-    WHERE j.id = picked.id AND j.status = 'queued'
+    WHERE j.id = picked.id AND j.status::text = 'queued'
     RETURNING j.id
 )
 SELECT (SELECT count(*) FROM cancelled) AS changed,

@@ -1,5 +1,6 @@
 -- Statements for operating Relay: paused queues, type limits, schedules,
 -- retention, cancellation of running jobs, progress. Same format as queries.sql.
+-- Jobs found by id compare status as text: see the note in queries.sql.
 
 -- name: claim_limits_lock
 -- Claims that may hit a type limit serialise on one advisory lock, taken in the
@@ -226,7 +227,7 @@ RETURNING id;
 -- name: job_request_cancel
 -- Admin: ask a running job to stop; its worker sees it at the next heartbeat.
 UPDATE relay.jobs SET cancel_requested_at = now()
-WHERE id = %(id)s AND status = 'claimed' AND cancel_requested_at IS NULL
+WHERE id = %(id)s AND status::text = 'claimed' AND cancel_requested_at IS NULL
 RETURNING id;
 
 -- name: job_cancel_running_many
@@ -238,7 +239,7 @@ UPDATE relay.jobs AS j
 SET status = 'cancelled', finished_at = now(), claimed_until = NULL,
     attempts = CASE WHEN c.unstarted THEN greatest(j.attempts - 1, 0) ELSE j.attempts END
 FROM unnest(%(ids)s::bigint[], %(tokens)s::integer[], %(unstarted)s::boolean[]) AS c(id, token, unstarted)
-WHERE j.id = c.id AND j.lease_token = c.token AND j.status = 'claimed'
+WHERE j.id = c.id AND j.lease_token = c.token AND j.status::text = 'claimed'
 RETURNING j.id, j.status::text AS status;
 
 -- name: job_set_progress
@@ -250,7 +251,7 @@ RETURNING j.id, j.status::text AS status;
 UPDATE relay.jobs
 SET progress = %(progress)s::jsonb,
     claimed_until = greatest(claimed_until, now() + make_interval(secs => %(lease_seconds)s))
-WHERE id = %(id)s AND lease_token = %(token)s AND status = 'claimed'
+WHERE id = %(id)s AND lease_token = %(token)s AND status::text = 'claimed'
 RETURNING id, cancel_requested_at IS NOT NULL AS cancel_requested;
 
 -- name: tables_needing_vacuum

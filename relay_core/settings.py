@@ -24,6 +24,10 @@ def database_url(explicit: str | None = None) -> str:
     # An explicit "" is the caller's blank DSN, not a request for the environment's.
     dsn = explicit if explicit is not None else os.environ.get("RELAY_DATABASE_URL") or os.environ.get("DATABASE_URL")
     if dsn is None or (explicit is None and not dsn):
+        empty = [name for name in ("RELAY_DATABASE_URL", "DATABASE_URL") if os.environ.get(name) == ""]
+        if explicit is None and empty:
+            # Set to nothing (``DATABASE_URL=`` in an env file): say so, not that none is configured.
+            raise ConfigurationError(f"{empty[0]} is empty: set it to a database URL (or unset it)")
         raise ConfigurationError(
             "no database configured: pass a DSN to Relay(...) or set DATABASE_URL (or RELAY_DATABASE_URL)"
         )

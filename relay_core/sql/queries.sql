@@ -396,7 +396,8 @@ WHERE j.id IN (
     LIMIT %(limit)s
     FOR UPDATE SKIP LOCKED
 )
-  AND j.status = 'claimed' AND j.claimed_until < now()
+  -- The rows the subquery locked, by id: the lease index is its way in, not this one's.
+  AND j.status::text = 'claimed' AND j.claimed_until < now()
 RETURNING j.id, j.status::text AS status, j.type, j.attempts, j.claimed_by;
 
 -- name: job_lock_for_action
@@ -486,7 +487,7 @@ WHERE last_seen_at < now() - make_interval(secs => %(keep_seconds)s)
 -- Behind a transaction pooler, in a transactional handler's transaction before
 -- its success is written: every setting the handler made (SET or SET LOCAL)
 -- keeps its value until COMMIT and ends with it, and the role is the worker's
--- again (see pools.handler_settings_end_with_transaction). RESET ALL returns
+-- again (see sessions.handler_settings_end_with_transaction). RESET ALL returns
 -- each setting to its session default, then each is set again for this
 -- transaction only. The transaction's own characteristics (isolation, read
 -- only) cannot change once it has run a query, and stay as they are; a

@@ -365,9 +365,7 @@ class Worker:
             self._shutdown()
 
     def _register(self) -> None:
-        self.maintenance.registered_at, self.limits_exist = register_worker(
-            self.pool, self.id, self.config, self.handlers.values()
-        )
+        self.limits_exist = register_worker(self.pool, self.maintenance, self.id, self.config, self.handlers.values())
 
     def prefetch(self) -> int:
         """How many jobs to hold beyond the slots: the next few, while jobs are short (``prefetch_per_slot``).
@@ -375,7 +373,7 @@ class Worker:
         None for a slot busy with a job that has run longer than short jobs
         take: the typical run time learns of a long job only when it ends,
         and until then the jobs held for that slot would wait behind it
-        (and the ones ``_hand_back_held`` gave back would be claimed again).
+        (and the ones ``LeaseWatch.hand_back_held`` gave back would be claimed again).
         """
         per_slot = prefetch_per_slot(self._typical_run)
         if not per_slot:

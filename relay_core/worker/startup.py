@@ -14,7 +14,6 @@ import logging
 import os
 import threading
 from collections.abc import Callable, Iterable
-from datetime import datetime
 
 import psycopg
 from psycopg.conninfo import conninfo_to_dict
@@ -29,22 +28,27 @@ from ..pools import RelayPool
 from ..queries import sql
 from . import limits, periodic
 from .config import WorkerConfig
-from .maintenance import register
+from .maintenance import Maintenance, register
 from .outage import next_retry_delay
 
 #: How long one try at registering waits for a connection before it logs and tries again.
 REGISTER_WAIT_SECONDS = 2.0
 #: What libpq's message holds when the server answered and refused the connection (its severity, in English).
 SERVER_REFUSAL_MARK = "FATAL:"
+#: ... and what such a refusal says when the server is starting, stopping or recovering: the
+#: restart or failover a worker waits out, not a setting to fix (SQLSTATE 57P03, in English).
+SERVER_NOT_READY_MARK = "the database system is"
 
 
 def register_worker(
-    pool: RelayPool, worker_id: str, config: WorkerConfig, handlers: Iterable[HandlerSpec]
-) -> tuple[datetime, bool]:
-    """Register the worker and publish its handlers' limits, max_attempts and schedules, in one transaction.
+    pool: RelayPool, maintenance: Maintenance, worker_id: str, config: WorkerConfig, handlers: Iterable[HandlerSpec]
+) -> bool:
+    """Register the worker, then publish its handlers' limits, max_attempts and schedules; whether any type has a limit.
 
-    Returns when the registry recorded its start and whether any job type
-    has a limit (which decides how the claim runs). A short wait for a
+    The registration is recorded on ``maintenance`` as soon as it commits
+    (each step commits its own): a stop during a retry of a later step must
+    still find the worker registered, and record its stop. Whether any job
+    type has a limit decides how the claim runs. A short wait for a
     connection per try, so a stop during an outage is not held up by it.
     """
     specs = list(handlers)
@@ -52,7 +56,7 @@ def register_worker(
         problem = migrator.schema_problem(conn)
         if problem is not None:
             raise ConfigurationError(problem)
-        registered_at = register(
+        maintenance.registered_at = register(
             conn,
             worker_id,
             config.queues,
@@ -64,7 +68,7 @@ def register_worker(
         limits.publish(conn, specs)
         limits_exist = bool(conn.execute(sql("type_limits_exist")).fetchone()[0])
         periodic.publish(conn, specs, published_by=worker_id)
-    return registered_at, limits_exist
+    return limits_exist
 
 
 def retry_until_stopped(action: Callable[[], None], stopping: threading.Event, dsn: str) -> None:
@@ -75,7 +79,8 @@ def retry_until_stopped(action: Callable[[], None], stopping: threading.Event, d
             action()
             return
         except (psycopg.OperationalError, psycopg.InterfaceError, PoolTimeout) as exc:
-            error = connect_error(dsn) if isinstance(exc, PoolTimeout) else str(exc)
+            # The pool's timeout says only that it waited: a connection of its own says why.
+            error = (connect_error(dsn) if isinstance(exc, PoolTimeout) else None) or str(exc)
             event(logging.WARNING, retry_message(error), error=error, retry_in=delay)
             stopping.wait(delay)
             delay = next_retry_delay(delay)
@@ -84,17 +89,19 @@ def retry_until_stopped(action: Callable[[], None], stopping: threading.Event, d
 def retry_message(error: str) -> str:
     """What the worker says while it waits: refused by a database that answered, or unreachable.
 
-    Told by the severity libpq puts before the server's message; where the
-    server's messages are in another language, every failure reads as
-    unreachable, and ``error`` still gives the server's words.
+    Told by the severity libpq puts before the server's message; a server
+    starting up, shutting down or in recovery refuses with that severity too,
+    and is an outage. Where the server's messages are in another language,
+    every failure reads as unreachable, and ``error`` still gives the
+    server's words.
     """
-    if SERVER_REFUSAL_MARK in error:
+    if SERVER_REFUSAL_MARK in error and SERVER_NOT_READY_MARK not in error:
         return "database refused the connection; retrying"
     return "database unreachable; retrying"
 
 
-def connect_error(dsn: str) -> str:
-    """Why a connection cannot be made now, in the server's or libpq's words.
+def connect_error(dsn: str) -> str | None:
+    """Why a connection cannot be made now, in the server's or libpq's words; None when one can.
 
     The pool only says it waited in vain; the cause (a refused connection, a
     database that does not exist, a wrong password) is what an operator needs.
@@ -110,4 +117,4 @@ def connect_error(dsn: str) -> str:
         if unusable_setting(exc):
             raise ConfigurationError(f"the database URL has a setting libpq cannot use: {exc}") from None
         return str(exc)
-    return "no pooled connection became free in time"
+    return None  # the database answers: the pool's own timeout says what held it up

@@ -25,8 +25,9 @@ FORMATS = ("text", "json")
 LIBRARY_LOGGERS = ("psycopg",)
 
 #: The connection pool's warning for every failed try at connecting: in an outage, one
-#: every couple of seconds per pool. The first of each run gets through, then one per
-#: REPEAT_SECONDS (a worker's own log says when the database stopped and started answering).
+#: every couple of seconds per pool. For each of Relay's pools the first of each run gets
+#: through, then one per REPEAT_SECONDS (a worker's own log says when the database stopped
+#: and started answering).
 POOL_CONNECT_WARNING = "error connecting in"
 REPEAT_SECONDS = 30.0
 
@@ -78,22 +79,31 @@ def _plain(value: Any) -> str:
 
 
 class RepeatsFilter(logging.Filter):
-    """Lets a record whose message starts with ``prefix`` through at most once per ``seconds``."""
+    """Lets a record whose message starts with ``prefix`` through at most once per ``seconds`` for each pool.
+
+    The pool is the record's first argument (psycopg_pool names it there);
+    only Relay's own pools (named ``relay...``) are throttled, each on its own
+    clock, so an application's pools in the same process keep every warning.
+    """
 
     def __init__(self, prefix: str, seconds: float = REPEAT_SECONDS) -> None:
         super().__init__()
         self.prefix = prefix
         self.seconds = seconds
-        self._last = -float("inf")
+        self._last: dict[str, float] = {}
 
     def filter(self, record: logging.LogRecord) -> bool:
-        """False for a repeat within the window."""
+        """False for a repeat of one of Relay's pools within the window."""
         if not str(record.msg).startswith(self.prefix):
             return True
+        args = record.args if isinstance(record.args, tuple) else ()
+        pool = str(args[0]) if args else ""
+        if not pool.startswith("relay"):
+            return True
         now = time.monotonic()
-        if now - self._last < self.seconds:
+        if now - self._last.get(pool, -float("inf")) < self.seconds:
             return False
-        self._last = now
+        self._last[pool] = now
         return True
 
 
@@ -130,7 +140,7 @@ def configure(level: str | int = "INFO", fmt: str | None = None) -> None:
 
 
 def throttle_pool_connect_warnings() -> None:
-    """Let the connection pool's warning for a failed try at connecting through once per REPEAT_SECONDS.
+    """Let Relay's pools' warning for a failed try at connecting through once per REPEAT_SECONDS, per pool.
 
     Done by every Relay pool as it opens, not only by Relay's own processes:
     an application's enqueue during an outage, or with a misspelt database,

@@ -4,6 +4,7 @@ timeouts, scheduling, priorities, queues, heartbeats, the registry, wake-ups."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import re
 import sys
@@ -31,9 +32,10 @@ from relay_core import (
     Worker,
     monitor,
 )
+from relay_core.logs import POOL_CONNECT_WARNING, RepeatsFilter
 from relay_core.pools import all_in_use, make_pool
 from relay_core.queries import sql
-from relay_core.worker import runtime
+from relay_core.worker import lease_watch, runtime, startup
 from relay_core.worker.claim import hand_back_unheld
 from relay_core.worker.config import WorkerConfig
 from relay_core.worker.ledger import Slot
@@ -1628,6 +1630,49 @@ def test_a_worker_whose_database_refuses_it_says_refused_not_unreachable(
     assert not any("database unreachable" in r.getMessage() for r in caplog.records)
 
 
+@pytest.mark.parametrize(
+    ("error", "said"),
+    [
+        (
+            'connection to server at "db", port 5432 failed: FATAL:  password authentication failed for user "app"',
+            "refused",
+        ),
+        ('connection to server at "db", port 5432 failed: FATAL:  sorry, too many clients already', "refused"),
+        # A restart or a failover in progress is the outage a worker waits out, not a setting to fix.
+        ('connection to server at "db", port 5432 failed: FATAL:  the database system is starting up', "unreachable"),
+        (
+            'connection to server at "db", port 5432 failed: FATAL:  the database system is in recovery mode',
+            "unreachable",
+        ),
+        ('connection to server at "db", port 5432 failed: Connection refused', "unreachable"),
+    ],
+)
+def test_the_start_tells_a_refusal_from_an_outage(error: str, said: str) -> None:
+    assert startup.retry_message(error) == (
+        "database refused the connection; retrying" if said == "refused" else "database unreachable; retrying"
+    )
+
+
+def test_pool_connect_warnings_are_throttled_per_pool_and_only_for_relays_pools() -> None:
+    """One throttle for every psycopg pool in the process silenced an application's own pool for 30 s
+    after any of Relay's warned, the first warning of its own outage included."""
+    throttle = RepeatsFilter(POOL_CONNECT_WARNING)
+
+    def warned(pool: str) -> bool:
+        record = logging.LogRecord(
+            "psycopg.pool", logging.WARNING, "", 0, "error connecting in %r: %s", (pool, "x"), None
+        )
+        return throttle.filter(record)
+
+    assert [warned("relay-client"), warned("relay-client"), warned("relay-web"), warned("relay-web")] == [
+        True,
+        False,
+        True,
+        False,
+    ]
+    assert [warned("app"), warned("app")] == [True, True]
+
+
 def test_a_worker_stopped_before_the_database_ever_answered_exits_at_once(dsn: str) -> None:
     worker_app = Relay(conninfo.make_conninfo(dsn, port=str(free_port())))
     worker = worker_app.worker(concurrency=1, listen=False)
@@ -2258,7 +2303,7 @@ def test_a_stop_hands_back_the_jobs_waiting_for_a_slot_before_the_drain(
 ) -> None:
     """The jobs waiting for a slot went back only after the drain wait for the running ones: up to
     the whole shutdown timeout later, and a SIGKILL at its end spent their attempts."""
-    monkeypatch.setattr(runtime, "PREFETCH_HOLD_SECONDS", 600.0, raising=False)  # only the stop hands them back
+    monkeypatch.setattr(lease_watch, "PREFETCH_HOLD_SECONDS", 600.0)  # only the stop hands them back
     gate = threading.Event()
     relay.handler("quick")(lambda job: None)
     relay.handler("blocking")(lambda job: gate.wait(60))

@@ -113,6 +113,8 @@ MISSING_SCHEMA_ERRORS: tuple[type[psycopg.Error], ...] = (
 )
 
 
+MISSING_SCHEMA_SQLSTATES = frozenset(error.sqlstate for error in MISSING_SCHEMA_ERRORS)
+
 #: What Relay says when one of its statements fails that way (the server's words stay in the cause).
 MISSING_TABLES = "Relay's tables are missing or older than this release: run `relay migrate` first"
 
@@ -125,11 +127,13 @@ def schema_missing(exc: BaseException) -> ConfigurationError | None:
     CLI, the worker and the web app say to run ``relay migrate``. A
     ConfigurationError, like the worker's refusal to start on such a
     database, to be raised from ``exc``, which keeps the server's words. Told
-    by the server's error, whether psycopg raised it or SQLAlchemy wrapped it
-    (``orig``).
+    by the server's error code, whether psycopg raised it or SQLAlchemy
+    wrapped it (``orig``), psycopg's or psycopg2's.
     """
     cause = exc if isinstance(exc, MISSING_SCHEMA_ERRORS) else getattr(exc, "orig", None)
-    if not isinstance(cause, MISSING_SCHEMA_ERRORS):
+    # By SQLSTATE: SQLAlchemy's psycopg2 dialect wraps psycopg2's errors, which say it as pgcode.
+    code = getattr(cause, "sqlstate", None) or getattr(cause, "pgcode", None)
+    if code not in MISSING_SCHEMA_SQLSTATES:
         return None
     return ConfigurationError(MISSING_TABLES)
 

@@ -1690,6 +1690,40 @@ def test_a_worker_stopped_before_the_database_ever_answered_exits_at_once(dsn: s
         worker_app.close()
 
 
+def test_a_worker_stopped_while_its_start_retries_after_registering_records_its_stop(
+    relay: Relay, db: psycopg.Connection
+) -> None:
+    """Registration commits before the handlers' settings are published. A stop during a retry of
+    the publishing must still end in the worker's stop record: the registry showed it alive until
+    it went stale, and its schedule checks counted as running meanwhile."""
+    relay.handler("echo")(lambda job: None)
+    db.execute(
+        "CREATE FUNCTION relay_test.refuse_publish() RETURNS trigger LANGUAGE plpgsql AS "
+        "$$ BEGIN RAISE EXCEPTION 'publishing held up' USING ERRCODE = 'query_canceled'; END $$"
+    )
+    db.execute(
+        "CREATE TRIGGER refuse_publish BEFORE INSERT OR UPDATE ON relay.job_types "
+        "FOR EACH ROW EXECUTE FUNCTION relay_test.refuse_publish()"
+    )
+    worker = relay.worker(concurrency=1, listen=False)
+    thread = threading.Thread(target=worker.run, kwargs={"install_signals": False}, daemon=True)
+    try:
+        thread.start()
+        wait_for(
+            lambda: db.execute("SELECT count(*) FROM relay.workers WHERE id = %s", (worker.id,)).fetchone()[0] == 1,
+            timeout=15,
+            what="the registration to commit while publishing is refused",
+        )
+        worker.stop()
+        thread.join(15)
+        assert not thread.is_alive()
+    finally:
+        db.execute("DROP TRIGGER IF EXISTS refuse_publish ON relay.job_types")
+        db.execute("DROP FUNCTION IF EXISTS relay_test.refuse_publish()")
+    (stopped_at,) = db.execute("SELECT stopped_at FROM relay.workers WHERE id = %s", (worker.id,)).fetchone()
+    assert stopped_at is not None
+
+
 def test_a_worker_that_cannot_log_in_says_why_while_it_retries(dsn: str, caplog: pytest.LogCaptureFixture) -> None:
     worker_app = Relay(conninfo.make_conninfo(dsn, dbname="relay_no_such_database"))
     worker = worker_app.worker(concurrency=1, listen=False)

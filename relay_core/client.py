@@ -445,12 +445,12 @@ class Relay:
 
     def get_job(self, job_id: int) -> admin.JobDetail:
         """One job with its error history; raises JobNotFound (InvalidJobError for what is no job id)."""
-        with migrator.schema_needed(), self.pool.connection() as conn:
+        with migrator.SchemaNeeded(), self.pool.connection() as conn:
             return admin.get_job(conn, check_job_id(job_id))
 
     def requeue(self, job_id: int) -> admin.JobDetail:
         """Run a dead or cancelled job again now, with fresh attempts."""
-        with migrator.schema_needed(), self.pool.connection() as conn:
+        with migrator.SchemaNeeded(), self.pool.connection() as conn:
             return admin.requeue(conn, check_job_id(job_id))
 
     def cancel(self, job_id: int) -> admin.JobDetail:
@@ -459,27 +459,27 @@ class Relay:
         A running job's worker sees the request at its next heartbeat; the job
         ends ``cancelled`` when its handler stops (see ``Job.cancel_requested``).
         """
-        with migrator.schema_needed(), self.pool.connection() as conn:
+        with migrator.SchemaNeeded(), self.pool.connection() as conn:
             return admin.cancel(conn, check_job_id(job_id))
 
     def pause_queue(self, queue: str) -> None:
         """Stop every worker from claiming from ``queue`` (survives restarts)."""
-        with migrator.schema_needed(), self.pool.connection() as conn:
+        with migrator.SchemaNeeded(), self.pool.connection() as conn:
             admin.set_queue_paused(conn, queue, True)
 
     def resume_queue(self, queue: str) -> None:
         """Let workers claim from ``queue`` again."""
-        with migrator.schema_needed(), self.pool.connection() as conn:
+        with migrator.SchemaNeeded(), self.pool.connection() as conn:
             admin.set_queue_paused(conn, queue, False)
 
     def paused_queues(self) -> list[str]:
         """Names of the queues paused now."""
-        with migrator.schema_needed(), self.pool.connection() as conn:
+        with migrator.SchemaNeeded(), self.pool.connection() as conn:
             return admin.paused_queues(conn)
 
     def schedules(self) -> list[dict[str, Any]]:
         """Every periodic schedule with its last tick, last run and next tick."""
-        with migrator.schema_needed(), self.pool.connection() as conn:
+        with migrator.SchemaNeeded(), self.pool.connection() as conn:
             return admin.schedules(conn)
 
     def worker(self, **settings: Any) -> Worker:

@@ -18,7 +18,7 @@ import psycopg
 from psycopg.rows import dict_row, tuple_row
 
 from .inserts import Statement, Steps
-from .migrate import schema_missing
+from .migrate import SchemaNeeded
 from .pools import RelayConnection
 
 T = TypeVar("T")
@@ -147,20 +147,16 @@ def run(conn: Any, steps: Steps[T]) -> T:
     """Send each statement ``steps`` asks for on ``conn``; return what the steps return.
 
     A statement refused because Relay's schema is missing or behind this
-    release raises ConfigurationError saying to migrate (``migrate.schema_missing``).
+    release raises ConfigurationError saying to migrate (``migrate.SchemaNeeded``).
     """
-    try:
-        statement = next(steps)
-        while True:
-            fetch = fetch_first_value if statement.first_value else fetch_all
-            statement = steps.send(fetch(conn, statement.sql, statement.params))
-    except StopIteration as done:
-        return done.value
-    except Exception as exc:
-        missing = schema_missing(exc)
-        if missing is None:
-            raise
-        raise missing from exc
+    with SchemaNeeded():
+        try:
+            statement = next(steps)
+            while True:
+                fetch = fetch_first_value if statement.first_value else fetch_all
+                statement = steps.send(fetch(conn, statement.sql, statement.params))
+        except StopIteration as done:
+            return done.value
 
 
 async def run_async(conn: Any, steps: Steps[T]) -> T:
@@ -174,21 +170,17 @@ async def run_async(conn: Any, steps: Steps[T]) -> T:
         if not hasattr(conn, "exec_driver_sql"):
             conn = await conn.connection()  # an AsyncSession: its connection, in its transaction
         _check_driver(conn)
-    try:
-        statement = next(steps)
-        while True:
-            rows = await _fetch_all_async(conn, statement)
-            answer: Any = rows
-            if statement.first_value:
-                answer = next(iter(rows[0].values())) if rows else None
-            statement = steps.send(answer)
-    except StopIteration as done:
-        return done.value
-    except Exception as exc:
-        missing = schema_missing(exc)
-        if missing is None:
-            raise
-        raise missing from exc
+    with SchemaNeeded():
+        try:
+            statement = next(steps)
+            while True:
+                rows = await _fetch_all_async(conn, statement)
+                answer: Any = rows
+                if statement.first_value:
+                    answer = next(iter(rows[0].values())) if rows else None
+                statement = steps.send(answer)
+        except StopIteration as done:
+            return done.value
 
 
 async def _fetch_all_async(conn: Any, statement: Statement) -> list[dict[str, Any]]:

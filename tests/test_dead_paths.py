@@ -21,7 +21,7 @@ import socket
 import subprocess
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -75,10 +75,21 @@ def skip_unless_packets_can_be_dropped(db: psycopg.Connection) -> None:
 
 
 @contextmanager
-def dropped(ports: list[int]) -> Iterator[None]:
-    """Drop every packet to or from these local ports (both ends of a loopback connection pass OUTPUT)."""
+def dropped(ports: list[int]) -> Iterator[Callable[[], int]]:
+    """Drop every packet to or from these local ports (both ends of a loopback connection pass OUTPUT).
+
+    Yields a function that tells how many packets the rules have dropped so far.
+    """
     remove_leftover_rules()
-    tag = ["-m", "comment", "--comment", f"{RULE_COMMENT}-{os.getpid()}"]
+    comment = f"{RULE_COMMENT}-{os.getpid()}"
+    tag = ["-m", "comment", "--comment", comment]
+
+    def count() -> int:
+        listed = subprocess.run(
+            ["iptables", "-L", "OUTPUT", "-v", "-n", "-x"], capture_output=True, text=True, check=True
+        ).stdout
+        return sum(int(line.split()[0]) for line in listed.splitlines() if comment in line)
+
     rules = [
         ["OUTPUT", "-p", "tcp", "-m", "multiport", "--ports", ",".join(map(str, ports[i : i + 15])), *tag, "-j", "DROP"]
         for i in range(0, len(ports), 15)
@@ -88,7 +99,7 @@ def dropped(ports: list[int]) -> Iterator[None]:
         for rule in rules:
             subprocess.run(["iptables", "-I", *rule], check=True)
             added.append(rule)
-        yield
+        yield count
     finally:
         for rule in added:
             subprocess.run(["iptables", "-D", *rule], check=False)
@@ -119,7 +130,7 @@ def test_a_worker_whose_connections_go_silent_reconnects_and_works_within_second
             ).fetchall()
             assert len(sessions) >= 3, sessions  # the pool's, the listener's and the heartbeat's
             ran.clear()
-            with dropped([port for _, port in sessions]):
+            with dropped([port for _, port in sessions]) as dropped_packets:
                 # The old server is gone: its sessions end, and their goodbyes vanish too.
                 for pid, _ in sessions:
                     db.execute("SELECT pg_terminate_backend(%s)", (pid,))
@@ -128,14 +139,17 @@ def test_a_worker_whose_connections_go_silent_reconnects_and_works_within_second
                 second = producer.enqueue("echo")
                 assert ran.wait(60), "no job ran in the 60 s after the worker's connections went silent"
                 resumed = time.monotonic() - gone
+                vanished = dropped_packets()
                 wait_for(lambda: job_status(db, second) == "succeeded", what="the second job's success")
     finally:
         relay.close()
         producer.close()
     budget = LIVENESS_DEFAULTS["tcp_user_timeout"] / 1000 + LIVENESS_DEFAULTS["keepalives_idle"]
     assert resumed < budget, f"the worker ran a job {resumed:.1f} s after its connections went silent"
-    # Not at once, either: had the packets not vanished, it would have heard its sessions end.
-    assert resumed > LIVENESS_DEFAULTS["keepalives_idle"] / 2, f"resumed after {resumed:.1f} s: nothing was dropped"
+    # The sessions' goodbyes vanished: had they arrived, the worker would have heard its sessions end.
+    # (Not timed: a claim that checks out a connection idle for over a second tests it first, and
+    # replaces it within a second or so, as it should.)
+    assert vanished > 0, "no packet of the worker's sessions was dropped"
 
 
 @pytest.mark.slow

@@ -565,6 +565,7 @@ def test_the_table_accepts_the_default_queue_and_named_ones_written_by_hand(db: 
         ("type", "t" * 201, "jobs_type_check"),
         ("max_attempts", 0, "jobs_max_attempts_check"),
         ("queue", "Has Spaces", "jobs_queue_format"),
+        ("status", "claimed", "jobs_claim_has_lease"),
     ],
 )
 def test_the_table_refuses_a_bad_value_written_by_hand_in_an_insert_or_an_update(
@@ -580,6 +581,60 @@ def test_the_table_refuses_a_bad_value_written_by_hand_in_an_insert_or_an_update
         db.execute(f"UPDATE relay.jobs SET {column} = %s WHERE id = %s", (value, job_id))
     row = db.execute("SELECT type, queue, max_attempts FROM relay.jobs").fetchall()
     assert row == [("x", "default", 20)]
+
+
+def counted(conn: psycopg.Connection) -> dict[tuple[str, str], int]:
+    """What the admin counters say each (queue, state) holds."""
+    rows = conn.execute(
+        "SELECT queue, state::text, sum(n) FROM relay.job_counts GROUP BY 1, 2 HAVING sum(n) <> 0"
+    ).fetchall()
+    return {(queue, state): n for queue, state, n in rows}
+
+
+def test_one_bad_row_among_many_refuses_the_whole_statement_and_counts_nothing(db: psycopg.Connection) -> None:
+    """The rules are checked for every row of a statement, not only the first, whether its rows
+    share a queue or not; the refused statement leaves neither a job nor a count behind."""
+    db.execute("INSERT INTO relay.jobs (type, queue) VALUES ('a', 'emails'), ('b', 'emails')")
+    before = counted(db)
+    for queues in (("emails", "emails", "emails"), ("emails", "default", "reports")):
+        with pytest.raises(psycopg.errors.CheckViolation, match="jobs_max_attempts_check") as refused:
+            db.execute(
+                "INSERT INTO relay.jobs (type, queue, max_attempts) VALUES ('x', %s, 5), ('y', %s, 0), ('z', %s, 5)",
+                queues,
+            )
+        assert refused.value.diag.constraint_name == "jobs_max_attempts_check"
+        assert refused.value.diag.table_name == "jobs"
+    with pytest.raises(psycopg.errors.CheckViolation, match="jobs_claim_has_lease"):
+        # Two rows, only the second of which breaks a rule once claimed.
+        db.execute(
+            "UPDATE relay.jobs SET status = 'claimed', claimed_until = now() + interval '1 minute',"
+            " claimed_by = CASE WHEN type = 'a' THEN 'w' END"
+        )
+    assert db.execute("SELECT type, status::text FROM relay.jobs ORDER BY type").fetchall() == [
+        ("a", "queued"),
+        ("b", "queued"),
+    ]
+    assert counted(db) == before == {("emails", "queued"): 2}
+
+
+def test_the_rules_name_the_constraint_postgres_would_and_ignore_the_sessions_search_path(
+    db: psycopg.Connection,
+) -> None:
+    """A row breaking every rule is refused under the name PostgreSQL's own CHECKs gave first
+    (in name order); a session whose search_path puts its own length() first cannot switch off
+    the type's rule, as it could not switch off a CHECK's."""
+    with pytest.raises(psycopg.errors.CheckViolation, match="jobs_claim_has_lease"):
+        db.execute("INSERT INTO relay.jobs (type, queue, max_attempts, status) VALUES ('', 'Bad', 0, 'claimed')")
+    with pytest.raises(psycopg.errors.CheckViolation, match="jobs_max_attempts_check"):
+        db.execute("INSERT INTO relay.jobs (type, queue, max_attempts) VALUES ('', 'Bad', 0)")
+    with db.transaction(force_rollback=True):
+        db.execute("CREATE SCHEMA relay_test_lengths")
+        db.execute("CREATE FUNCTION relay_test_lengths.length(text) RETURNS int LANGUAGE sql IMMUTABLE AS 'SELECT 5'")
+        db.execute("SET LOCAL search_path = relay_test_lengths, pg_catalog, public")
+        with pytest.raises(psycopg.errors.CheckViolation, match="jobs_type_check"), db.transaction():
+            db.execute("INSERT INTO relay.jobs (type) VALUES ('')")
+    assert job_count(db) == 0
+    assert db.execute("SELECT to_regnamespace('relay_test_lengths')").fetchone() == (None,)
 
 
 def test_the_client_pool_hands_out_autocommit_connections_and_admin_actions_still_work(

@@ -179,8 +179,8 @@ def test_an_existing_database_gets_the_table_workers_publish_max_attempts_to(dat
         drop_database(dsn)
 
 
-#: The newest migrations that lock relay.jobs (its index builds): the lock tests start from them.
-JOBS_TABLE_MIGRATIONS = (13, 14)
+#: The newest migrations that lock relay.jobs (its index builds, its CHECKs dropped): the lock tests start from them.
+JOBS_TABLE_MIGRATIONS = (13, 14, 22)
 
 
 def pending_from(first: int) -> list[str]:
@@ -188,7 +188,7 @@ def pending_from(first: int) -> list[str]:
     return [f"{m.version:04d}_{m.name}" for m in migrator.available() if m.version >= first]
 
 
-@pytest.mark.parametrize("behind", [1, 2])
+@pytest.mark.parametrize("behind", range(1, len(JOBS_TABLE_MIGRATIONS) + 1))
 def test_the_newest_migrations_run_beside_a_transaction_that_reads_jobs_then_writes_them(
     database_url: str, behind: int
 ) -> None:
@@ -357,6 +357,45 @@ def test_a_rate_window_past_31_days_written_by_hand_no_longer_stops_every_claim(
             assert len(conn.execute(sql("job_claim"), claim).fetchall()) == 1
             with pytest.raises(psycopg.errors.CheckViolation, match="type_limits_rate_window_at_most_31_days"):
                 conn.execute("UPDATE relay.type_limits SET rate_period_seconds = 'Infinity' WHERE type = 'hour'")
+    finally:
+        drop_database(dsn)
+
+
+def test_statements_prepared_before_the_checks_moved_into_the_triggers_keep_working(database_url: str) -> None:
+    """Migration 0022 drops relay.jobs' CHECKs and checks their rules in the counting triggers. The
+    running release's prepared enqueue and claim go on working on the same connection through it,
+    and a row written by hand that breaks a rule is refused before and after, by the same name."""
+    from relay_core.queries import sql
+
+    dsn = fresh_database(database_url)
+    try:
+        migrate_to(dsn, 21)
+        enqueue = {
+            "type": "t",
+            "payload": "{}",
+            "queue": "default",
+            "priority": 0,
+            "run_at": None,
+            "max_attempts": 3,
+            "published": False,
+            "notify": False,
+        }
+        bad_queue = "INSERT INTO relay.jobs (type, queue) VALUES ('t', 'Bad Queue')"
+        with psycopg.connect(dsn, autocommit=True, prepare_threshold=0) as conn:
+            for _ in range(2):
+                conn.execute(sql("job_insert"), enqueue)
+                assert len(conn.execute(sql("job_claim"), claim_params()).fetchall()) == 1
+                with pytest.raises(psycopg.errors.CheckViolation, match="jobs_queue_format") as refused:
+                    conn.execute(bad_queue)
+                assert refused.value.diag.constraint_name == "jobs_queue_format"
+                if not conn.execute("SELECT 1 FROM relay.schema_migrations WHERE version = 22").fetchone():
+                    assert migrator.migrate(dsn) == ["0022_job_checks_in_counting_triggers"]
+            checks = conn.execute(
+                "SELECT count(*) FROM pg_constraint WHERE conrelid = 'relay.jobs'::regclass AND contype = 'c'"
+            ).fetchone()
+            assert checks == (0,)
+            counts = conn.execute("SELECT state::text, sum(n) FROM relay.job_counts GROUP BY 1 HAVING sum(n) <> 0")
+            assert counts.fetchall() == [("claimed", 2)]
     finally:
         drop_database(dsn)
 

@@ -21,7 +21,7 @@ from .client import Relay
 from .errors import ConfigurationError, InvalidJobError, MigrationError, RelayError
 from .jsonb import float_changes
 from .settings import database_url, database_url_set
-from .validation import new_job, positive_number
+from .validation import check_queue, new_job, positive_number
 from .worker import require_handlers
 from .worker.config import MAX_CONCURRENCY
 from .worker.shutdown import exit_now
@@ -170,9 +170,28 @@ def migrate() -> None:
         click.echo("every migration this Relay ships is applied" if unknown else "schema is up to date")
 
 
+def _queue_names(_ctx: click.Context, _param: click.Parameter, value: str | None) -> tuple[str, ...] | None:
+    """``--queues`` as names, each checked as it is read: a bad one is the caller's own input (exit 2,
+    before the app is imported), as a value click cannot read is. ``--queues ''`` names no queue
+    and is refused as such, not read as "not given"."""
+    if value is None:
+        return None
+    names = tuple(q.strip() for q in value.split(",") if q.strip())
+    if not names:
+        raise click.BadParameter("names no queue: a worker needs at least one")
+    for name in names:
+        try:
+            check_queue(name)
+        except InvalidJobError as exc:
+            raise click.BadParameter(exc.message) from None
+    return names
+
+
 @main.command()
 @click.option("--app", "app_spec", required=True, help="MODULE:ATTR of your Relay object.")
-@click.option("--queues", default=None, help="Comma-separated queues to serve (default: default).")
+@click.option(
+    "--queues", default=None, callback=_queue_names, help="Comma-separated queues to serve (default: default)."
+)
 @click.option(
     "--concurrency", type=click.IntRange(1, MAX_CONCURRENCY), default=None, help="Jobs run at once (default 8)."
 )
@@ -188,7 +207,7 @@ def migrate() -> None:
 @click.option("--no-listen", is_flag=True, help="Poll only (for PgBouncer in transaction pooling).")
 def worker(
     app_spec: str,
-    queues: str | None,
+    queues: tuple[str, ...] | None,
     concurrency: int | None,
     lease_seconds: float | None,
     shutdown_timeout: float | None,
@@ -201,8 +220,8 @@ def worker(
         "lease_seconds": lease_seconds,
         "shutdown_timeout": shutdown_timeout,
     }
-    if queues is not None:  # --queues '' names no queue: refused as such, not read as "not given"
-        settings["queues"] = tuple(q.strip() for q in queues.split(",") if q.strip())
+    if queues is not None:
+        settings["queues"] = queues
     if no_listen:
         settings["listen"] = False
     try:

@@ -193,15 +193,24 @@ def test_an_error_of_the_apps_own_sql_keeps_its_traceback(
     assert 'relation "app_feature_flags" does not exist' in done.stderr and "migrate" not in done.stderr
 
 
-def test_a_worker_given_an_empty_queues_flag_is_refused_not_served_its_variables_queues(
-    python: str, worker_env: dict[str, str], db: psycopg.Connection
+@pytest.mark.parametrize(
+    ("flag", "said"),
+    [
+        ("", "names no queue: a worker needs at least one"),
+        (" , ", "names no queue: a worker needs at least one"),
+        ("emails,Bad Queue", "'Bad Queue' is not a valid queue name"),
+    ],
+)
+def test_a_worker_given_a_bad_queues_flag_is_refused_as_a_usage_error(
+    python: str, worker_env: dict[str, str], db: psycopg.Connection, flag: str, said: str
 ) -> None:
-    """`--queues ''` was read as "not given": the worker served RELAY_QUEUES, or the default queue."""
-    done = run_worker(python, {**worker_env, "RELAY_QUEUES": "emails"}, "--queues", "")
-    assert done.returncode == 1, done.stderr
-    assert done.stderr.strip().splitlines()[-1] == "Error: queues must name at least one queue: a worker needs one", (
-        done.stderr
-    )
+    """`--queues ''` was read as "not given": the worker served RELAY_QUEUES, or the default queue.
+    A flag that names no queue, or a bad one, is the caller's input: exit 2, as for a value click
+    cannot read (it exited 1, as a database that failed does), and no worker registers."""
+    done = run_worker(python, {**worker_env, "RELAY_QUEUES": "emails"}, "--queues", flag)
+    assert done.returncode == 2, done.stderr
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("Error: Invalid value for '--queues': ") and said in last, done.stderr
     assert db.execute("SELECT count(*) FROM relay.workers").fetchone() == (0,)
 
 

@@ -1,4 +1,5 @@
-"""Bad settings and inputs at the command line: one clear line naming what is wrong, exit 1, nothing written."""
+"""Bad settings and inputs at the command line: one clear line naming what is wrong, nothing written (exit 1, or 2
+for a bad flag, as click gives for one it cannot read)."""
 
 from __future__ import annotations
 

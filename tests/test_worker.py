@@ -1195,17 +1195,27 @@ def test_a_handler_hung_past_its_timeout_at_shutdown_spends_its_attempt(
 
 @pytest.mark.parametrize("ends", ["dead", "cancelled"])
 @pytest.mark.parametrize("requeue", ["one", "matching"])
+@pytest.mark.parametrize("cancelled_between", [False, True], ids=["requeued", "requeued-cancelled-requeued"])
 def test_a_job_that_ended_at_shutdown_beside_its_running_thread_is_requeued_to_run_after_that_thread(
-    relay: Relay, db: psycopg.Connection, ends: str, requeue: str
+    relay: Relay, db: psycopg.Connection, ends: str, requeue: str, cancelled_between: bool
 ) -> None:
     """At shutdown, a hung handler's timeout is written (dead on its last attempt) and a job an admin
     asked to stop is handed back cancelled while their threads still run until the process exits.
-    A requeue at once made the job due: another worker started it beside the old thread (7 runs of 8)."""
+    A requeue at once made the job due: another worker started it beside the old thread (7 runs of 8).
+    The requeued job keeps that time while it is ahead: a requeue cleared it, so a cancel and a
+    second requeue made the job due at once."""
     release = threading.Event()
 
     @relay.handler("hangs", timeout=0.3 if ends == "dead" else None, max_attempts=1)
     def hangs(job: Job) -> None:
         release.wait(30)
+
+    def requeue_it(status: str) -> None:
+        if requeue == "one":
+            relay.requeue(job_id)
+        else:
+            with psycopg.connect(relay.dsn, autocommit=True) as conn:
+                assert monitor.requeue_matching(conn, monitor.JobFilter(status=status)) == 1
 
     job_id = relay.enqueue("hangs")
     try:
@@ -1216,20 +1226,26 @@ def test_a_job_that_ended_at_shutdown_beside_its_running_thread_is_requeued_to_r
                 wait_for(lambda: job_status(db, job_id) == "claimed", what="the job to start")
                 relay.cancel(job_id)
         assert job_status(db, job_id) == ends
-        if requeue == "one":
-            relay.requeue(job_id)
-        else:
-            with psycopg.connect(relay.dsn, autocommit=True) as conn:
-                assert monitor.requeue_matching(conn, monitor.JobFilter(status=ends)) == 1
-        status, wait, lease = db.execute(
-            "SELECT status::text, extract(epoch FROM run_at - now()), claimed_until FROM relay.jobs WHERE id = %s",
+        requeue_it(ends)
+        if cancelled_between:
+            if requeue == "one":
+                relay.cancel(job_id)
+            else:
+                with psycopg.connect(relay.dsn, autocommit=True) as conn:
+                    assert monitor.cancel_matching(conn, monitor.JobFilter(status="queued")) == 1
+            assert job_status(db, job_id) == "cancelled"
+            requeue_it("cancelled")
+        status, wait, lease_kept = db.execute(
+            "SELECT status::text, extract(epoch FROM run_at - now()), claimed_until = run_at"
+            " FROM relay.jobs WHERE id = %s",
             (job_id,),
         ).fetchone()
     finally:
         release.set()
     # Due only once the grace in which the old thread may still run is over, like a retry's.
-    assert (status, lease) == ("queued", None)
+    assert status == "queued"
     assert wait > HAND_BACK_GRACE_SECONDS / 2, wait
+    assert lease_kept, "the requeued job no longer says when the old thread stops"
 
 
 def test_transactional_handler_stopping_after_its_timeout_commits_nothing(relay: Relay, db: psycopg.Connection) -> None:

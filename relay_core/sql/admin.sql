@@ -76,8 +76,8 @@ WITH picked AS (
     UPDATE relay.jobs AS j
     -- Not before a shutdown's still-running thread has stopped (see job_requeue).
     SET status = 'queued', attempts = 0, run_at = greatest(now(), j.claimed_until), started_at = NULL,
-        finished_at = NULL, claimed_by = NULL, claimed_until = NULL, cancel_requested_at = NULL, progress = NULL,
-        result = NULL
+        finished_at = NULL, claimed_by = NULL, claimed_until = CASE WHEN j.claimed_until > now() THEN j.claimed_until END,
+        cancel_requested_at = NULL, progress = NULL, result = NULL
     FROM picked
     WHERE j.id = picked.id AND j.status::text IN ('dead', 'cancelled')
     RETURNING j.id, j.queue

@@ -415,13 +415,16 @@ FOR UPDATE;
 -- Admin: a dead or cancelled job runs again now with fresh attempts; its error
 -- history is kept. One that ended while its handler's thread went on (a
 -- shutdown's, which keeps when that thread stops at the latest in
--- claimed_until) runs once that time has passed, never beside the thread.
+-- claimed_until) runs once that time has passed, never beside the thread. While
+-- that time is still ahead the job keeps it, so a cancel and a second requeue
+-- before then wait for the thread too.
 -- transition: dead -> queued
 -- transition: cancelled -> queued
 WITH requeued AS (
     UPDATE relay.jobs
     SET status = 'queued', attempts = 0, run_at = greatest(now(), claimed_until), started_at = NULL, finished_at = NULL,
-        claimed_by = NULL, claimed_until = NULL, cancel_requested_at = NULL, progress = NULL, result = NULL
+        claimed_by = NULL, claimed_until = CASE WHEN claimed_until > now() THEN claimed_until END,
+        cancel_requested_at = NULL, progress = NULL, result = NULL
     WHERE id = %(id)s AND status::text IN ('dead', 'cancelled')
     RETURNING id, queue
 )

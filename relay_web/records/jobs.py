@@ -163,9 +163,9 @@ class JobRecord(Record):
     lease_token: int = Field(description="Fencing token of the latest claim.")
     claimed_by: str | None = Field(description="The worker holding the lease, or that held it last.")
     claimed_until: datetime | None = Field(
-        description="When the current lease runs out. On a dead or cancelled job: when the thread of a handler "
+        description="When the current lease runs out. On a job not claimed: when the thread of a handler "
         "still running as its worker shut down stops at the latest, with the worker's process (a requeue makes "
-        "the job due no earlier)."
+        "the job due no earlier, and keeps this while it is ahead)."
     )
     idempotency_key: str | None
     last_error: str | None

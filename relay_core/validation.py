@@ -45,6 +45,10 @@ BIGINT_MAX = 2**63 - 1
 #: A whole number as Relay writes one: ASCII digits, no sign, space,
 #: underscore, decimal point or leading zero.
 CANONICAL_NUMBER = re.compile(r"0|[1-9][0-9]*")
+#: What JSON's encoder writes as arrays and objects.
+CONTAINERS = (dict, list, tuple)
+#: An object or array longer than this is checked by the set of its members' types first.
+MANY = 16
 #: One encoder for every payload (json.dumps with options builds a new one per call).
 PAYLOAD_ENCODER = json.JSONEncoder(allow_nan=False, ensure_ascii=False, separators=(",", ":"))
 
@@ -134,9 +138,14 @@ def check_payload(payload: Any, max_bytes: int) -> str:
         raise InvalidJobError("payload", f"is not JSON-serializable: {exc}") from None
     except RecursionError:
         raise InvalidJobError("payload", f"is nested deeper than {MAX_PAYLOAD_DEPTH} levels") from None
-    # Depth can only exceed the limit if there are more containers than the limit (a C-speed count).
-    if text.count("[") + text.count("{") > MAX_PAYLOAD_DEPTH and nesting_depth(payload) > MAX_PAYLOAD_DEPTH:
-        raise InvalidJobError("payload", f"is nested deeper than {MAX_PAYLOAD_DEPTH} levels")
+    # Depth can only exceed the limit if there are more containers than the limit, and
+    # keys are only where objects are (C-speed counts, which spare most payloads the walk).
+    if "{" in text or text.count("[") > MAX_PAYLOAD_DEPTH:
+        found = shape(payload)
+        if found.depth > MAX_PAYLOAD_DEPTH:
+            raise InvalidJobError("payload", f"is nested deeper than {MAX_PAYLOAD_DEPTH} levels")
+        if found.non_string_key is not None:
+            raise InvalidJobError("payload", f"has a key that is not a string: {found.non_string_key}")
     if "\\u0000" in text and ESCAPED_NUL.search(text):
         raise InvalidJobError("payload", "must not contain NUL characters (PostgreSQL jsonb cannot store them)")
     try:
@@ -149,21 +158,41 @@ def check_payload(payload: Any, max_bytes: int) -> str:
     return text
 
 
-def nesting_depth(value: Any) -> int:
-    """How deep arrays and objects nest in ``value`` (0 for a scalar), without recursion."""
+@dataclass(frozen=True, slots=True)
+class Shape:
+    """How deep a JSON value's arrays and objects nest, and the first object key that is not a string."""
+
+    depth: int
+    #: That key described (its repr, cut short, and its type); None when every key is a string.
+    non_string_key: str | None
+
+
+def shape(value: Any) -> Shape:
+    """``value``'s nesting depth (0 for a scalar) and first non-string key, in one walk without recursion.
+
+    JSON's objects have string keys only, and Python's encoder turns an int,
+    float, bool or None key into one without a word: ``{1: "a", "1": "b"}``
+    would be stored as ``{"1": "b"}``, the first value lost.
+    """
     deepest = 0
     stack = [(value, 1)]
     while stack:
         item, depth = stack.pop()
         if isinstance(item, dict):
             children = item.values()
+            if len(item) <= MANY or not all(issubclass(kind, str) for kind in set(map(type, item))):
+                for key in item:
+                    if not isinstance(key, str):
+                        return Shape(deepest, f"{repr(key)[:40]} ({type(key).__name__})")
         elif isinstance(item, (list, tuple)):
             children = item
         else:
             continue
         deepest = max(deepest, depth)
-        stack.extend((child, depth + 1) for child in children)
-    return deepest
+        # A long run of scalars is passed over by its members' types, a set built at C speed.
+        if len(children) <= MANY or any(issubclass(kind, CONTAINERS) for kind in set(map(type, children))):
+            stack.extend((child, depth + 1) for child in children if isinstance(child, CONTAINERS))
+    return Shape(deepest, None)
 
 
 def check_run_at(run_at: Any) -> datetime | None:

@@ -291,6 +291,11 @@ BAD_INPUTS = [
     ({"job_type": "x", "payload": nested(100_000)}, "payload"),
     # 101 levels: the encoder manages it, but every worker that claimed it could fail to read it.
     ({"job_type": "x", "payload": nested(100)}, "payload"),
+    # JSON's keys are strings: the encoder made these "1", "true" and "null", and
+    # {1: "a", "1": "b"} was stored as {"1": "b"}.
+    ({"job_type": "x", "payload": {1: "a", "1": "b"}}, "payload"),
+    ({"job_type": "x", "payload": {"rows": [{"id": 1}, {True: "yes"}]}}, "payload"),
+    ({"job_type": "x", "payload": {"by_day": {f"d{n}": n for n in range(40)} | {None: 0}}}, "payload"),
     ({"job_type": "x", "run_at": datetime(2030, 1, 1)}, "run_at"),
     ({"job_type": "x", "run_at": "2030-01-01T00:00:00Z"}, "run_at"),
     # Year 0 and year 10000 in UTC: PostgreSQL stores them, but no datetime can read them back.
@@ -323,6 +328,13 @@ def test_a_nul_in_an_idempotency_key_is_named_as_such(relay: Relay, db: psycopg.
         "idempotency_key",
         "must not contain a NUL character ('\\x00')",
     )
+    assert job_count(db) == 0
+
+
+def test_a_payload_key_that_is_not_a_string_is_named(relay: Relay, db: psycopg.Connection) -> None:
+    with pytest.raises(InvalidJobError) as caught:
+        relay.enqueue("x", {"totals": {"2026-12": 3, 2026: 40}})
+    assert (caught.value.field, caught.value.message) == ("payload", "has a key that is not a string: 2026 (int)")
     assert job_count(db) == 0
 
 

@@ -1250,15 +1250,20 @@ def test_progress_is_visible_while_running_and_the_result_is_kept(relay: Relay, 
     def odd_result(job: Job) -> object:
         return {1, 2}
 
+    @relay.handler("int_keys")
+    def int_keys(job: Job) -> object:
+        return {"by_hour": {9: "a", "9": "b"}}  # JSON would keep {"9": "b"} only
+
     job_id = relay.enqueue("import_rows")
-    odd = relay.enqueue("odd_result")
+    odd, keyed = relay.enqueue("odd_result"), relay.enqueue("int_keys")
     with running_worker(relay):
         wait_for(halfway.is_set)
         assert relay.get_job(job_id).progress == {"percent": 50.0, "message": "halfway"}
         release.set()
-        wait_for(lambda: job_status(db, job_id) == "succeeded" and job_status(db, odd) == "succeeded")
+        wait_for(lambda: {job_status(db, j) for j in (job_id, odd, keyed)} == {"succeeded"})
     assert relay.get_job(job_id).result == {"rows": 3}
     assert relay.get_job(odd).result == {"unstored_result": "not JSON-serializable: set"}
+    assert relay.get_job(keyed).result == {"unstored_result": "has a key that is not a string: 9 (int)"}
 
 
 def test_a_result_with_a_backslash_before_u0000_is_kept_one_with_a_nul_is_not(

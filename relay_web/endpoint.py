@@ -14,6 +14,7 @@ import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import unquote_to_bytes
 
 from flask import Response, json, request
 from pydantic import BaseModel, ValidationError
@@ -215,6 +216,20 @@ def _sent_a_body() -> bool:
         return True
 
 
+def undecodable_query() -> list[dict[str, Any]]:
+    """An error for a query string that is not UTF-8 once percent-decoded, else none.
+
+    Werkzeug reads such bytes as U+FFFD, so ``?type=%ff`` searched for a
+    replacement character and answered an empty page instead of saying the
+    request was wrong.
+    """
+    try:
+        unquote_to_bytes(request.query_string).decode("utf-8")
+    except UnicodeDecodeError:
+        return [{"field": "query", "in": "query", "detail": "is not valid UTF-8 once percent-decoded"}]
+    return []
+
+
 def unknown_query_parameters() -> list[dict[str, Any]]:
     """The request's query parameters as errors, for a view that takes none."""
     return [{"field": name, "in": "query", "detail": "is not a known parameter"} for name in request.args]
@@ -226,9 +241,13 @@ def _parse_inputs(spec: Endpoint, view_args: dict[str, Any]) -> dict[str, Any]:
     sources: list[tuple[str, type[BaseModel] | None, dict[str, Any]]] = []
     if spec.path:
         sources.append(("path", spec.path, dict(view_args)))
+    if not spec.ignores_query and (undecodable := undecodable_query()):
+        raise validation_problem(undecodable)
     if spec.query:
         values, repeated = _single_values(request.args, "query")
         errors.extend(repeated)
+        if getattr(spec.query, "empty_means_absent", False):
+            values = {name: value for name, value in values.items() if value != ""}
         sources.append(("query", spec.query, values))
     elif not spec.ignores_query:
         errors.extend(unknown_query_parameters())

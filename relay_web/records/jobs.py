@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import Field, JsonValue, StringConstraints, field_validator
 
@@ -51,7 +51,12 @@ class JobFilterFields(QueryRecord):
 
 
 class JobListQuery(JobFilterFields):
-    """``GET /api/admin/jobs`` parameters."""
+    """``GET /api/admin/jobs`` parameters. One given empty (``queue=&type=``) is as if not given:
+    scripts and forms send every parameter they know of, filled in or not."""
+
+    #: Read by the endpoint layer. Only a read says so: for an action, an empty filter
+    #: taken as none would widen what it changes.
+    empty_means_absent: ClassVar[bool] = True
 
     status: StatusName | None = None
     limit: PageSize = Field(default=DEFAULT_PAGE, description=f"Page size, at most {MAX_PAGE}.")

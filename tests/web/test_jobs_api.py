@@ -70,7 +70,7 @@ def test_default_and_maximum_page_size(client, admin, relay: Relay) -> None:
     relay.enqueue_many([{"type": "t"} for _ in range(205)])
     assert len(_ids(client.get("/api/admin/jobs", headers=admin))) == 50
     assert len(_ids(client.get("/api/admin/jobs?limit=200", headers=admin))) == 200
-    for limit in ("1000000000", "201", "0", "-5", "ten", "1e3", "", "99999999999999999999999"):
+    for limit in ("1000000000", "201", "0", "-5", "ten", "1e3", "%20", "99999999999999999999999"):
         body = assert_problem(client.get(f"/api/admin/jobs?limit={limit}", headers=admin), 422, "validation")
         assert [e["field"] for e in body["errors"]] == ["limit"]
 
@@ -108,6 +108,31 @@ def test_nul_characters_are_refused_not_sent_to_the_database(client, admin) -> N
         assert_problem(client.get(f"/api/admin/jobs?{name}=a%00b", headers=admin), 422, "validation")
     assert_problem(client.post("/api/admin/jobs/requeue", headers=admin, json={"type": "a\u0000b"}), 422)
     assert_problem(client.post("/api/admin/jobs", headers=admin, json={"type": "a\u0000b"}), 422)
+
+
+def test_an_empty_listing_parameter_is_as_if_not_given(client, admin, relay: Relay, db: psycopg.Connection) -> None:
+    """DESIGN.md's listing, ``?status=dead&queue=&type=&limit=&cursor=``, was refused: 422 naming
+    four parameters. A script or form sends every parameter it knows of, filled in or not."""
+    relay.enqueue("send_email")
+    dead = relay.enqueue("send_email")
+    make_dead(db, dead, "SMTP timeout")
+    assert _ids(client.get("/api/admin/jobs?status=dead&queue=&type=&limit=&cursor=", headers=admin)) == [dead]
+    assert len(_ids(client.get("/api/admin/jobs?status=&q=&limit=", headers=admin))) == 2
+    # Given twice, even empty, is still refused; and an action's parameter is not widened to none.
+    assert_problem(client.get("/api/admin/jobs?queue=&queue=", headers=admin), 422, "validation")
+    body = assert_problem(client.post(f"/api/admin/jobs/{dead}/requeue?seen_lease_token=", headers=admin), 422)
+    assert [e["field"] for e in body["errors"]] == ["seen_lease_token"]
+    assert relay.get_job(dead).status == "dead"
+
+
+@pytest.mark.parametrize("query", ["type=%ff", "q=%ff%fe", "queue=%c3", "status=dead&%ff=1"])
+def test_a_query_string_that_is_not_utf8_is_refused(client, admin, relay: Relay, query: str) -> None:
+    """It was read with U+FFFD in place of the bytes: ``?type=%ff`` answered an empty page."""
+    relay.enqueue("send_email")
+    body = assert_problem(client.get(f"/api/admin/jobs?{query}", headers=admin), 422, "validation")
+    assert body["errors"] == [{"field": "query", "in": "query", "detail": "is not valid UTF-8 once percent-decoded"}]
+    assert_problem(client.get(f"/api/admin/queues?{query}", headers=admin), 422, "validation")
+    assert _ids(client.get("/api/admin/jobs?type=%C3%A9", headers=admin)) == []  # é, well-formed
 
 
 def test_unknown_and_repeated_parameters_are_refused(client, admin) -> None:

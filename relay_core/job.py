@@ -116,6 +116,9 @@ class Job:
         """Report progress (shown on the job's admin page); False if the job is no longer ours.
 
         Each call is one fenced UPDATE, so report per step, not per item.
+        While the database cannot be reached the report is dropped, and the
+        answer is whether this worker still holds the lease by its own count
+        (``not job.lease_lost``): an outage does not say the job is gone.
         A percent that is not a finite real number (NaN, infinity, text, a
         bool, one too large for a float) raises ValueError and writes
         nothing; finite ones are kept within 0 to 100.

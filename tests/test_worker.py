@@ -827,6 +827,68 @@ def test_worker_survives_its_connections_being_killed(relay: Relay, db: psycopg.
     assert done == set(first) | set(second)
 
 
+def _end_idle_worker_sessions(db: psycopg.Connection) -> int:
+    """End the worker's connections that sit idle in its pool (as a restart or an idle-session killer would)."""
+    return db.execute(
+        "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity WHERE datname = current_database() "
+        "AND application_name LIKE 'relay-worker%%' AND state = 'idle' AND pid <> pg_backend_pid()"
+    ).fetchone()[0]
+
+
+def test_a_transactional_job_given_a_connection_the_server_ended_runs_on_another(
+    relay: Relay, db: psycopg.Connection, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The pool tests only connections idle for over a second; one ended sooner failed Relay's own BEGIN,
+    before the handler started, and the attempt was spent: 33 of 40 such jobs with max_attempts=1 ended
+    dead (AdminShutdown) in a review's run, where plain handlers' jobs all succeeded."""
+    caplog.set_level("INFO", logger="relay")
+
+    @relay.handler("tx", transactional=True, max_attempts=1)
+    def tx(job: Job, conn: psycopg.Connection) -> None:
+        conn.execute(
+            "INSERT INTO relay_test.executions (job_id, pid, attempt, lease_token, phase)"
+            " VALUES (%s, %s, %s, %s, 'ran')",
+            (job.id, os.getpid(), job.attempt, job.lease_token),
+        )
+
+    ids: list[int] = []
+    with running_worker(relay, concurrency=4, poll_interval=0.05):
+        for _ in range(6):
+            warm = relay.enqueue_many([{"type": "tx"} for _ in range(4)])
+            wait_for(lambda w=warm: all(job_status(db, j) == "succeeded" for j in w))
+            time.sleep(0.2)  # the connections are back in the pool, well under a second ago
+            assert _end_idle_worker_sessions(db) > 0
+            fresh = relay.enqueue_many([{"type": "tx"} for _ in range(4)])
+            ids += warm + fresh
+            wait_for(lambda f=fresh: all(job_status(db, j) in ("succeeded", "dead") for j in f), timeout=30)
+            if any(r.getMessage().startswith("transaction not begun") for r in caplog.records):
+                break
+    assert status_counts(db) == {"succeeded": len(ids)}
+    runs = db.execute("SELECT job_id, count(*) FROM relay_test.executions GROUP BY job_id").fetchall()
+    assert sorted(runs) == sorted((j, 1) for j in ids)
+    assert db.execute("SELECT count(*) FROM relay.jobs WHERE errors <> '[]'").fetchone()[0] == 0
+    assert any(r.getMessage().startswith("transaction not begun") for r in caplog.records), "no BEGIN failed"
+
+
+def test_progress_during_a_lost_connection_does_not_say_the_job_is_gone(relay: Relay, db: psycopg.Connection) -> None:
+    """A report on a connection the server had just ended returned False, which a handler reads as
+    "stop, the job is no longer yours": 20 of 40 handlers in a review's run stopped halfway while
+    their jobs were still theirs, and the jobs ended succeeded with half their work undone."""
+    sessions_ended = threading.Event()
+    answers: list[bool] = []
+
+    @relay.handler("steps")
+    def steps(job: Job) -> None:
+        assert _end_idle_worker_sessions(db) > 0  # the claim's connection came back just now
+        sessions_ended.set()
+        answers.append(job.progress(50, "halfway"))
+
+    job_id = relay.enqueue("steps")
+    with running_worker(relay, concurrency=1):
+        wait_for(lambda: job_status(db, job_id) == "succeeded")
+    assert sessions_ended.is_set() and answers == [True]
+
+
 def test_error_text_with_nul_characters_is_recorded(relay: Relay, db: psycopg.Connection) -> None:
     @relay.handler("nul", max_attempts=1)
     def nul(job: Job) -> None:

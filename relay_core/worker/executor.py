@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import logging
 import os
 import time
 from collections.abc import Mapping
@@ -35,6 +36,7 @@ from ..errors import (
 from ..handlers import HandlerSpec
 from ..job import Job
 from ..jsonb import UnreadableJson
+from ..logs import event
 from ..queries import sql
 from ..sessions import handler_settings_end_with_transaction, in_autocommit, reset_session
 from .aio import SlotLoop
@@ -175,8 +177,38 @@ ROLLED_BACK = (
 )
 
 
+#: Connections a transactional run tries before its handler starts. One the server
+#: ended while it sat in the pool (a restart, a failover, an idle-session killer)
+#: fails Relay's BEGIN; the pool tests only connections idle for over a second,
+#: so each of a worker's pooled connections may be such a one.
+TRANSACTION_OPEN_TRIES = 4
+
+
 def _run_transactional(job: Job, spec: HandlerSpec, pool: ConnectionPool, lease_seconds: float) -> None:
+    """``_run_in_transaction`` on another connection while the one it took fails before the handler starts.
+
+    Nothing has run then and nothing was written, so the attempt is not the
+    handler's to lose: it was charged with ``AdminShutdown`` (dead at
+    ``max_attempts=1``) after a restart ended the pool's idle connections.
+    A failure once the handler has started is the attempt's, as before.
+    """
+    for tries_left in range(TRANSACTION_OPEN_TRIES - 1, -1, -1):
+        started: list[bool] = []
+        try:
+            _run_in_transaction(job, spec, pool, lease_seconds, started)
+            return
+        except (psycopg.OperationalError, psycopg.InterfaceError) as exc:
+            if started or not tries_left:
+                raise
+            event(logging.INFO, "transaction not begun: connection lost; trying another", job_id=job.id, error=str(exc))
+
+
+def _run_in_transaction(
+    job: Job, spec: HandlerSpec, pool: ConnectionPool, lease_seconds: float, started: list[bool]
+) -> None:
     """Handler and fenced success in one transaction; LeaseLost rolls both back.
+
+    ``started`` gets an item once the handler is called.
 
     A handler that ended the transaction itself (SQL COMMIT or ROLLBACK,
     which psycopg passes on) fails for good: see ``ENDED_OWN_TRANSACTION``.
@@ -204,6 +236,7 @@ def _run_transactional(job: Job, spec: HandlerSpec, pool: ConnectionPool, lease_
     with pool.connection() as conn, _handlers_own(pool, conn), in_autocommit(conn):
         try:
             with conn.transaction():
+                started.append(True)
                 try:
                     value = spec.func(job, conn)
                 except BaseException as exc:

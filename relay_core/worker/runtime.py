@@ -205,21 +205,31 @@ class Worker:
         In autocommit, as the heartbeat (``Maintenance.heartbeat``): the report
         locks the job's row, and a worker frozen before a separate COMMIT kept
         it from the sweepers.
+
+        A connection the server ended while it sat in the pool fails the report
+        at once; it is sent once more, on another. A report the database cannot
+        take says nothing of whose the job is: the answer is then the lease as
+        this worker counts it (``job.lease_lost``), not False, which a handler
+        reads as "stop, the job is no longer yours".
         """
-        try:
-            with self.pool.connection() as conn, in_autocommit(conn):
-                sent = time.monotonic()
-                row = conn.execute(
-                    sql("job_set_progress"),
-                    {
-                        "id": job.id,
-                        "token": job.lease_token,
-                        "progress": json.dumps(progress),
-                        "lease_seconds": self.config.lease_seconds,
-                    },
-                ).fetchone()
-        except (psycopg.OperationalError, psycopg.InterfaceError, PoolTimeout):
-            return False
+        params = {
+            "id": job.id,
+            "token": job.lease_token,
+            "progress": json.dumps(progress),
+            "lease_seconds": self.config.lease_seconds,
+        }
+        row = None
+        for tries_left in (1, 0):
+            try:
+                with self.pool.connection() as conn, in_autocommit(conn):
+                    sent = time.monotonic()
+                    row = conn.execute(sql("job_set_progress"), params).fetchone()
+                break
+            except (psycopg.OperationalError, psycopg.InterfaceError):
+                if not tries_left:
+                    return not job.lease_lost
+            except PoolTimeout:
+                return not job.lease_lost
         if row is None:
             return False
         self._on_renewed({job.id: job.lease_token}, sent)

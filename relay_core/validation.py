@@ -12,6 +12,7 @@ import re
 import sys
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from itertools import repeat
 from typing import Any
 
 from .errors import InvalidJobError
@@ -47,8 +48,8 @@ BIGINT_MAX = 2**63 - 1
 CANONICAL_NUMBER = re.compile(r"0|[1-9][0-9]*")
 #: What JSON's encoder writes as arrays and objects.
 CONTAINERS = (dict, list, tuple)
-#: An object or array longer than this is checked by the set of its members' types first.
-MANY = 16
+#: Members of an array or object past which their types are looked at as a set first.
+SCALAR_RUN = 16
 #: One encoder for every payload (json.dumps with options builds a new one per call).
 PAYLOAD_ENCODER = json.JSONEncoder(allow_nan=False, ensure_ascii=False, separators=(",", ":"))
 
@@ -138,14 +139,13 @@ def check_payload(payload: Any, max_bytes: int) -> str:
         raise InvalidJobError("payload", f"is not JSON-serializable: {exc}") from None
     except RecursionError:
         raise InvalidJobError("payload", f"is nested deeper than {MAX_PAYLOAD_DEPTH} levels") from None
-    # Depth can only exceed the limit if there are more containers than the limit, and
-    # keys are only where objects are (C-speed counts, which spare most payloads the walk).
+    # Keys are only where objects are, and depth can exceed the limit only with more
+    # containers than the limit (C-speed looks at the text, which spare a list of
+    # scalars the walk).
     if "{" in text or text.count("[") > MAX_PAYLOAD_DEPTH:
-        found = shape(payload)
-        if found.depth > MAX_PAYLOAD_DEPTH:
-            raise InvalidJobError("payload", f"is nested deeper than {MAX_PAYLOAD_DEPTH} levels")
-        if found.non_string_key is not None:
-            raise InvalidJobError("payload", f"has a key that is not a string: {found.non_string_key}")
+        problem = payload_problem(payload)
+        if problem is not None:
+            raise InvalidJobError("payload", problem)
     if "\\u0000" in text and ESCAPED_NUL.search(text):
         raise InvalidJobError("payload", "must not contain NUL characters (PostgreSQL jsonb cannot store them)")
     try:
@@ -158,41 +158,66 @@ def check_payload(payload: Any, max_bytes: int) -> str:
     return text
 
 
-@dataclass(frozen=True, slots=True)
-class Shape:
-    """How deep a JSON value's arrays and objects nest, and the first object key that is not a string."""
-
-    depth: int
-    #: That key described (its repr, cut short, and its type); None when every key is a string.
-    non_string_key: str | None
-
-
-def shape(value: Any) -> Shape:
-    """``value``'s nesting depth (0 for a scalar) and first non-string key, in one walk without recursion.
+def payload_problem(value: Any, depth: int = 1) -> str | None:
+    """What makes ``value`` a payload Relay refuses past what the encoder checks: nesting deeper than
+    MAX_PAYLOAD_DEPTH, or a dict key that is not a string; None if nothing.
 
     JSON's objects have string keys only, and Python's encoder turns an int,
     float, bool or None key into one without a word: ``{1: "a", "1": "b"}``
-    would be stored as ``{"1": "b"}``, the first value lost.
+    would be stored as ``{"1": "b"}``, the first value lost, and a handler
+    reading ``payload[1]`` finds nothing. Recursive, but never past the
+    depth limit.
     """
-    deepest = 0
-    stack = [(value, 1)]
-    while stack:
-        item, depth = stack.pop()
-        if isinstance(item, dict):
-            children = item.values()
-            if len(item) <= MANY or not all(issubclass(kind, str) for kind in set(map(type, item))):
-                for key in item:
-                    if not isinstance(key, str):
-                        return Shape(deepest, f"{repr(key)[:40]} ({type(key).__name__})")
-        elif isinstance(item, (list, tuple)):
-            children = item
-        else:
-            continue
-        deepest = max(deepest, depth)
-        # A long run of scalars is passed over by its members' types, a set built at C speed.
-        if len(children) <= MANY or any(issubclass(kind, CONTAINERS) for kind in set(map(type, children))):
-            stack.extend((child, depth + 1) for child in children if isinstance(child, CONTAINERS))
-    return Shape(deepest, None)
+    if isinstance(value, dict):
+        if not all(map(isinstance, value, repeat(str))):
+            key = next(key for key in value if not isinstance(key, str))
+            return f"has a key that is not a string: {repr(key)[:40]} ({type(key).__name__})"
+        members = value.values()
+    elif isinstance(value, (list, tuple)):
+        members = value
+    else:
+        return None
+    if depth > MAX_PAYLOAD_DEPTH:
+        return f"is nested deeper than {MAX_PAYLOAD_DEPTH} levels"
+    if scalars_only(members):
+        return None
+    for member in members:
+        if isinstance(member, CONTAINERS) and (problem := payload_problem(member, depth + 1)) is not None:
+            return problem
+    return None
+
+
+def scalars_only(members: Any) -> bool:
+    """Whether a long run of members holds no dict, list or tuple, told by their types' set (built at C speed)."""
+    return len(members) > SCALAR_RUN and not any(issubclass(kind, CONTAINERS) for kind in set(map(type, members)))
+
+
+def colliding_keys(value: Any, depth: int = 1) -> str | None:
+    """Keys of one dict in ``value`` that JSON writes as the same string (``1`` and ``"1"``), described; else None.
+
+    Only such keys lose a value when encoded: ``{200: 5, 404: 1}`` is kept as
+    ``{"200": 5, "404": 1}``. ``value`` is one the encoder took, so its depth is
+    within the interpreter's recursion limit.
+    """
+    if isinstance(value, dict):
+        if not all(map(isinstance, value, repeat(str))):
+            written: dict[str, Any] = {}
+            for key in value:
+                text = key if isinstance(key, str) else json.dumps(key)
+                if text in written:
+                    return f"{written[text]!r} and {key!r} are both {text!r} in JSON"[:200]
+                written[text] = key
+        members = value.values()
+    elif isinstance(value, (list, tuple)):
+        members = value
+    else:
+        return None
+    if scalars_only(members):
+        return None
+    for member in members:
+        if isinstance(member, CONTAINERS) and (collision := colliding_keys(member, depth + 1)) is not None:
+            return collision
+    return None
 
 
 def check_run_at(run_at: Any) -> datetime | None:

@@ -247,7 +247,9 @@ def _parse_inputs(spec: Endpoint, view_args: dict[str, Any]) -> dict[str, Any]:
         values, repeated = _single_values(request.args, "query")
         errors.extend(repeated)
         if getattr(spec.query, "empty_means_absent", False):
-            values = {name: value for name, value in values.items() if value != ""}
+            # Only the record's own parameters: an unknown one (``?stauts=``) is still named.
+            known = spec.query.model_fields
+            values = {name: value for name, value in values.items() if value != "" or name not in known}
         sources.append(("query", spec.query, values))
     elif not spec.ignores_query:
         errors.extend(unknown_query_parameters())

@@ -1250,20 +1250,31 @@ def test_progress_is_visible_while_running_and_the_result_is_kept(relay: Relay, 
     def odd_result(job: Job) -> object:
         return {1, 2}
 
-    @relay.handler("int_keys")
-    def int_keys(job: Job) -> object:
+    @relay.handler("colliding_keys")
+    def colliding_keys(job: Job) -> object:
         return {"by_hour": {9: "a", "9": "b"}}  # JSON would keep {"9": "b"} only
 
+    @relay.handler("status_counts")
+    def status_counts(job: Job) -> object:
+        return {"by_status": {200: 5, 404: 1}}  # no two keys alike: kept, as strings
+
     job_id = relay.enqueue("import_rows")
-    odd, keyed = relay.enqueue("odd_result"), relay.enqueue("int_keys")
+    odd, colliding, counts = (
+        relay.enqueue("odd_result"),
+        relay.enqueue("colliding_keys"),
+        relay.enqueue("status_counts"),
+    )
     with running_worker(relay):
         wait_for(halfway.is_set)
         assert relay.get_job(job_id).progress == {"percent": 50.0, "message": "halfway"}
         release.set()
-        wait_for(lambda: {job_status(db, j) for j in (job_id, odd, keyed)} == {"succeeded"})
+        wait_for(lambda: {job_status(db, j) for j in (job_id, odd, colliding, counts)} == {"succeeded"})
     assert relay.get_job(job_id).result == {"rows": 3}
     assert relay.get_job(odd).result == {"unstored_result": "not JSON-serializable: set"}
-    assert relay.get_job(keyed).result == {"unstored_result": "has a key that is not a string: 9 (int)"}
+    assert relay.get_job(colliding).result == {
+        "unstored_result": "has keys that JSON cannot tell apart: 9 and '9' are both '9' in JSON"
+    }
+    assert relay.get_job(counts).result == {"by_status": {"200": 5, "404": 1}}
 
 
 def test_a_result_with_a_backslash_before_u0000_is_kept_one_with_a_nul_is_not(

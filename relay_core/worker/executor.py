@@ -17,6 +17,7 @@ import logging
 import os
 import time
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 import psycopg
 from psycopg.pq import TransactionStatus
@@ -184,31 +185,47 @@ ROLLED_BACK = (
 TRANSACTION_OPEN_TRIES = 4
 
 
+@dataclass
+class _TransactionRun:
+    """What a failed transactional run had got to: the connection it took, and whether its handler started."""
+
+    conn: psycopg.Connection | None = None
+    handler_started: bool = False
+
+    def lost_its_connection_first(self) -> bool:
+        """Whether it failed on a connection that broke before the handler started: nothing ran or was written."""
+        return not self.handler_started and self.conn is not None and (self.conn.broken or self.conn.closed)
+
+
 def _run_transactional(job: Job, spec: HandlerSpec, pool: ConnectionPool, lease_seconds: float) -> None:
-    """``_run_in_transaction`` on another connection while the one it took fails before the handler starts.
+    """``_run_in_transaction``, on another connection while the one it took broke before the handler started.
 
     Nothing has run then and nothing was written, so the attempt is not the
     handler's to lose: it was charged with ``AdminShutdown`` (dead at
     ``max_attempts=1``) after a restart ended the pool's idle connections.
-    A failure once the handler has started is the attempt's, as before.
+    Only a broken connection is tried again (not a pool timeout, nor an error
+    on a connection that still works), never once the lease is lost (another
+    worker may have the job by then), and at most ``TRANSACTION_OPEN_TRIES``
+    times in all; the last failure is the attempt's, as any failure once the
+    handler has started is.
     """
     for tries_left in range(TRANSACTION_OPEN_TRIES - 1, -1, -1):
-        started: list[bool] = []
+        run = _TransactionRun()
         try:
-            _run_in_transaction(job, spec, pool, lease_seconds, started)
+            _run_in_transaction(job, spec, pool, lease_seconds, run)
             return
-        except (psycopg.OperationalError, psycopg.InterfaceError) as exc:
-            if started or not tries_left:
+        except psycopg.Error as exc:
+            if not (tries_left and run.lost_its_connection_first()) or job.lease_lost:
                 raise
             event(logging.INFO, "transaction not begun: connection lost; trying another", job_id=job.id, error=str(exc))
 
 
 def _run_in_transaction(
-    job: Job, spec: HandlerSpec, pool: ConnectionPool, lease_seconds: float, started: list[bool]
+    job: Job, spec: HandlerSpec, pool: ConnectionPool, lease_seconds: float, run: _TransactionRun
 ) -> None:
     """Handler and fenced success in one transaction; LeaseLost rolls both back.
 
-    ``started`` gets an item once the handler is called.
+    ``run`` records the connection taken and when the handler is called.
 
     A handler that ended the transaction itself (SQL COMMIT or ROLLBACK,
     which psycopg passes on) fails for good: see ``ENDED_OWN_TRANSACTION``.
@@ -234,9 +251,10 @@ def _run_in_transaction(
     """
     success_written = False
     with pool.connection() as conn, _handlers_own(pool, conn), in_autocommit(conn):
+        run.conn = conn
         try:
             with conn.transaction():
-                started.append(True)
+                run.handler_started = True
                 try:
                     value = spec.func(job, conn)
                 except BaseException as exc:

@@ -9,7 +9,7 @@ from enum import StrEnum
 from typing import Any
 
 from ..job import Job
-from ..validation import ESCAPED_NUL, shape, storable_text
+from ..validation import ESCAPED_NUL, colliding_keys, storable_text
 
 MAX_TRACEBACK_CHARS = 8000
 MAX_MESSAGE_CHARS = 2000
@@ -62,8 +62,8 @@ def result_json(value: Any, limit: int = MAX_RESULT_BYTES) -> str | None:
         return json.dumps({"unstored_result": "nested too deeply"})
     if "\\u0000" in text and ESCAPED_NUL.search(text):
         return json.dumps({"unstored_result": "contains NUL characters"})
-    if "{" in text and (key := shape(value).non_string_key) is not None:
-        return json.dumps({"unstored_result": f"has a key that is not a string: {key}"})
+    if "{" in text and (collision := colliding_keys(value)) is not None:
+        return json.dumps({"unstored_result": f"has keys that JSON cannot tell apart: {collision}"})
     try:
         size = len(text.encode("utf-8"))
     except UnicodeEncodeError:  # a lone surrogate: jsonb would refuse the whole completion

@@ -225,11 +225,11 @@ class Worker:
                     sent = time.monotonic()
                     row = conn.execute(sql("job_set_progress"), params).fetchone()
                 break
+            except PoolTimeout:  # an OperationalError too: no connection came, none to try again
+                return not job.lease_lost
             except (psycopg.OperationalError, psycopg.InterfaceError):
                 if not tries_left:
                     return not job.lease_lost
-            except PoolTimeout:
-                return not job.lease_lost
         if row is None:
             return False
         self._on_renewed({job.id: job.lease_token}, sent)

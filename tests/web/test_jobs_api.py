@@ -118,8 +118,12 @@ def test_an_empty_listing_parameter_is_as_if_not_given(client, admin, relay: Rel
     make_dead(db, dead, "SMTP timeout")
     assert _ids(client.get("/api/admin/jobs?status=dead&queue=&type=&limit=&cursor=", headers=admin)) == [dead]
     assert len(_ids(client.get("/api/admin/jobs?status=&q=&limit=", headers=admin))) == 2
-    # Given twice, even empty, is still refused; and an action's parameter is not widened to none.
+    # Given twice, even empty, is still refused, as is an unknown one; and an action's parameter
+    # is not widened to none.
     assert_problem(client.get("/api/admin/jobs?queue=&queue=", headers=admin), 422, "validation")
+    for unknown in ("stauts=", "dead"):
+        body = assert_problem(client.get(f"/api/admin/jobs?{unknown}", headers=admin), 422, "validation")
+        assert [e["field"] for e in body["errors"]] == [unknown.rstrip("=")]
     body = assert_problem(client.post(f"/api/admin/jobs/{dead}/requeue?seen_lease_token=", headers=admin), 422)
     assert [e["field"] for e in body["errors"]] == ["seen_lease_token"]
     assert relay.get_job(dead).status == "dead"
@@ -131,7 +135,8 @@ def test_a_query_string_that_is_not_utf8_is_refused(client, admin, relay: Relay,
     relay.enqueue("send_email")
     body = assert_problem(client.get(f"/api/admin/jobs?{query}", headers=admin), 422, "validation")
     assert body["errors"] == [{"field": "query", "in": "query", "detail": "is not valid UTF-8 once percent-decoded"}]
-    assert_problem(client.get(f"/api/admin/queues?{query}", headers=admin), 422, "validation")
+    body = assert_problem(client.get(f"/api/admin/queues?{query}", headers=admin), 422, "validation")
+    assert [e["field"] for e in body["errors"]] == ["query"]  # not the parameter read as U+FFFD
     assert _ids(client.get("/api/admin/jobs?type=%C3%A9", headers=admin)) == []  # é, well-formed
 
 

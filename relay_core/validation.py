@@ -139,9 +139,8 @@ def check_payload(payload: Any, max_bytes: int) -> str:
         raise InvalidJobError("payload", f"is not JSON-serializable: {exc}") from None
     except RecursionError:
         raise InvalidJobError("payload", f"is nested deeper than {MAX_PAYLOAD_DEPTH} levels") from None
-    # Keys are only where objects are, and depth can exceed the limit only with more
-    # containers than the limit (C-speed looks at the text, which spare a list of
-    # scalars the walk).
+    # Keys are only where objects are, and depth can pass the limit only with more
+    # containers than the limit: two looks at the text spare a list of scalars the walk.
     if "{" in text or text.count("[") > MAX_PAYLOAD_DEPTH:
         problem = payload_problem(payload)
         if problem is not None:
@@ -192,12 +191,12 @@ def scalars_only(members: Any) -> bool:
     return len(members) > SCALAR_RUN and not any(issubclass(kind, CONTAINERS) for kind in set(map(type, members)))
 
 
-def colliding_keys(value: Any, depth: int = 1) -> str | None:
+def colliding_keys(value: Any) -> str | None:
     """Keys of one dict in ``value`` that JSON writes as the same string (``1`` and ``"1"``), described; else None.
 
     Only such keys lose a value when encoded: ``{200: 5, 404: 1}`` is kept as
-    ``{"200": 5, "404": 1}``. ``value`` is one the encoder took, so its depth is
-    within the interpreter's recursion limit.
+    ``{"200": 5, "404": 1}``. Recursive: a value nested nearly as deep as the
+    encoder takes raises RecursionError.
     """
     if isinstance(value, dict):
         if not all(map(isinstance, value, repeat(str))):
@@ -215,7 +214,7 @@ def colliding_keys(value: Any, depth: int = 1) -> str | None:
     if scalars_only(members):
         return None
     for member in members:
-        if isinstance(member, CONTAINERS) and (collision := colliding_keys(member, depth + 1)) is not None:
+        if isinstance(member, CONTAINERS) and (collision := colliding_keys(member)) is not None:
             return collision
     return None
 

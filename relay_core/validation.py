@@ -195,27 +195,27 @@ def colliding_keys(value: Any) -> str | None:
     """Keys of one dict in ``value`` that JSON writes as the same string (``1`` and ``"1"``), described; else None.
 
     Only such keys lose a value when encoded: ``{200: 5, 404: 1}`` is kept as
-    ``{"200": 5, "404": 1}``. Recursive: a value nested nearly as deep as the
-    encoder takes raises RecursionError.
+    ``{"200": 5, "404": 1}``. Without recursion: ``value`` may nest as deep
+    as the encoder takes, which need not be within what Python recursion reaches.
     """
-    if isinstance(value, dict):
-        if not all(map(isinstance, value, repeat(str))):
-            written: dict[str, Any] = {}
-            for key in value:
-                text = key if isinstance(key, str) else json.dumps(key)
-                if text in written:
-                    return f"{written[text]!r} and {key!r} are both {text!r} in JSON"[:200]
-                written[text] = key
-        members = value.values()
-    elif isinstance(value, (list, tuple)):
-        members = value
-    else:
-        return None
-    if scalars_only(members):
-        return None
-    for member in members:
-        if isinstance(member, CONTAINERS) and (collision := colliding_keys(member)) is not None:
-            return collision
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            if not all(map(isinstance, item, repeat(str))):
+                written: dict[str, Any] = {}
+                for key in item:
+                    text = key if isinstance(key, str) else json.dumps(key)
+                    if text in written:
+                        return f"{written[text]!r} and {key!r} are both {text!r} in JSON"[:200]
+                    written[text] = key
+            members = item.values()
+        elif isinstance(item, (list, tuple)):
+            members = item
+        else:
+            continue
+        if not scalars_only(members):
+            stack.extend(member for member in members if isinstance(member, CONTAINERS))
     return None
 
 

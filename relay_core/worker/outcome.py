@@ -62,11 +62,7 @@ def result_json(value: Any, limit: int = MAX_RESULT_BYTES) -> str | None:
         return json.dumps({"unstored_result": "nested too deeply"})
     if "\\u0000" in text and ESCAPED_NUL.search(text):
         return json.dumps({"unstored_result": "contains NUL characters"})
-    try:
-        collision = colliding_keys(value) if "{" in text else None
-    except RecursionError:
-        return json.dumps({"unstored_result": "nested too deeply"})
-    if collision is not None:
+    if "{" in text and (collision := colliding_keys(value)) is not None:
         return json.dumps({"unstored_result": f"has keys that JSON cannot tell apart: {collision}"})
     try:
         size = len(text.encode("utf-8"))

@@ -16,11 +16,11 @@ import click
 
 from . import admin, logs
 from . import migrate as migrator
-from .cli_users import connect, database_errors, user
+from .cli_users import command_dsn, connect, database_errors, user
 from .client import Relay
 from .errors import ConfigurationError, InvalidJobError, MigrationError, RelayError
 from .jsonb import float_changes
-from .settings import database_url, database_url_set
+from .settings import database_url_set
 from .validation import check_queue, new_job, positive_number
 from .worker import require_handlers
 from .worker.config import MAX_CONCURRENCY
@@ -67,17 +67,10 @@ def _declared_at(exc: BaseException) -> str:
     return place
 
 
-def _dsn() -> str:
-    try:
-        return database_url()
-    except ConfigurationError as exc:
-        raise click.ClickException(str(exc)) from None
-
-
 def _dsn_or_embedded() -> str:
     """DATABASE_URL when set, else an embedded PostgreSQL (stopped when this command exits)."""
     if database_url_set():
-        return _dsn()  # one that cannot be read is an error, not a reason to run elsewhere
+        return command_dsn()  # one that cannot be read is an error, not a reason to run elsewhere
     from .embedded import default_data_dir, start
 
     click.echo(f"no DATABASE_URL: starting an embedded PostgreSQL in {default_data_dir()}", err=True)
@@ -154,7 +147,7 @@ def main(log_level: str, log_format: str | None) -> None:
 @main.command()
 def migrate() -> None:
     """Apply pending migrations (safe to run concurrently)."""
-    dsn = _dsn()
+    dsn = command_dsn()
     applied = Relay(dsn).migrate()  # a MigrationError is one line (RelayCommands)
     unknown = migrator.unknown_applied(dsn)
     if unknown:
@@ -190,21 +183,36 @@ def _queue_names(_ctx: click.Context, _param: click.Parameter, value: str | None
 @main.command()
 @click.option("--app", "app_spec", required=True, help="MODULE:ATTR of your Relay object.")
 @click.option(
-    "--queues", default=None, callback=_queue_names, help="Comma-separated queues to serve (default: default)."
+    "--queues",
+    default=None,
+    callback=_queue_names,
+    help="Comma-separated queues to serve (default: RELAY_QUEUES, else default).",
 )
 @click.option(
-    "--concurrency", type=click.IntRange(1, MAX_CONCURRENCY), default=None, help="Jobs run at once (default 8)."
+    "--concurrency",
+    type=click.IntRange(1, MAX_CONCURRENCY),
+    default=None,
+    help="Jobs run at once (default: RELAY_CONCURRENCY, else 8).",
 )
 @click.option(
-    "--lease", "lease_seconds", type=click.FloatRange(min=1), default=None, help="Lease seconds (default 30)."
+    "--lease",
+    "lease_seconds",
+    type=click.FloatRange(min=1),
+    default=None,
+    help="Lease seconds (default: RELAY_LEASE_SECONDS, else 30).",
 )
 @click.option(
     "--shutdown-timeout",
     type=click.FloatRange(min=0),
     default=None,
-    help="Seconds in-flight jobs get to finish on SIGTERM before they are handed back (default 25).",
+    help=(
+        "Seconds in-flight jobs get to finish on SIGTERM before they are handed back"
+        " (default: RELAY_SHUTDOWN_TIMEOUT, else 25)."
+    ),
 )
-@click.option("--no-listen", is_flag=True, help="Poll only (for PgBouncer in transaction pooling).")
+@click.option(
+    "--no-listen", is_flag=True, help="Poll only, as RELAY_LISTEN=false does (for PgBouncer in transaction pooling)."
+)
 def worker(
     app_spec: str,
     queues: tuple[str, ...] | None,
@@ -213,7 +221,13 @@ def worker(
     shutdown_timeout: float | None,
     no_listen: bool,
 ) -> None:
-    """Run a worker until SIGTERM/SIGINT, then shut down gracefully."""
+    """Run a worker until SIGTERM/SIGINT, then shut down gracefully.
+
+    A flag wins over its variable. The other settings are variables only:
+    RELAY_HEARTBEAT_INTERVAL, RELAY_POLL_INTERVAL, RELAY_SWEEP_INTERVAL,
+    RELAY_RETENTION_*, RELAY_PRUNE, RELAY_SELF_VACUUM, RELAY_TRANSACTION_POOLING
+    (the README's "Workers" section says what each does).
+    """
     app = load_app(app_spec)
     settings: dict[str, object] = {
         "concurrency": concurrency,
@@ -309,7 +323,16 @@ def enqueue(
     max_attempts: int | None,
     idempotency_key: str | None,
 ) -> None:
-    """Enqueue one job; PAYLOAD is JSON. Prints the job id."""
+    """Enqueue one job; PAYLOAD is JSON, or - to read it from standard input. Prints the job id.
+
+    Standard input takes payloads past what one command-line argument may hold
+    (128 KiB on Linux, under the default payload limit) and JSON another
+    command makes: jq -c . order.json | relay enqueue ship_order -
+    """
+    if payload == "-":
+        payload = sys.stdin.read()
+        if not payload.strip():
+            raise click.BadParameter("standard input (-) held no JSON", param_hint="PAYLOAD")
     data = _parse_payload(payload)
     when = None
     if run_at is not None:
@@ -317,7 +340,7 @@ def enqueue(
             when = datetime.fromisoformat(run_at)
         except ValueError:
             raise click.BadParameter(f"{run_at!r} is not an ISO 8601 time", param_hint="--run-at") from None
-    relay = Relay(_dsn())
+    relay = Relay(command_dsn())
     try:
         # Checked before connecting: refused input exits 2 whether or not the database answers.
         new_job(

@@ -8,6 +8,7 @@ command line, where ``ps`` and shell history would show it.
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -20,16 +21,28 @@ from .connect_options import connection_options
 from .errors import ConfigurationError, RelayError
 from .jsonb import read_any_number
 from .migrate import MISSING_SCHEMA_ERRORS, MISSING_TABLES
-from .settings import database_url, env_int
+from .settings import EXAMPLE_URL, database_url, env_int
 
-#: What a command says when the database has no Relay schema yet.
+#: The command that makes an admin, for the messages that say none is there.
+FIRST_ADMIN = "relay user create NAME --role admin"
+
+
+def command_dsn() -> str:
+    """The configured database's DSN, or one line saying what is wrong with its setting."""
+    if not any(name in os.environ for name in ("RELAY_DATABASE_URL", "DATABASE_URL")):
+        # database_url's own words ("pass a DSN to Relay(...)") are for code; at a shell only the variable serves.
+        raise click.ClickException(f"no database configured: set DATABASE_URL (or RELAY_DATABASE_URL) to {EXAMPLE_URL}")
+    try:
+        return database_url()
+    except ConfigurationError as exc:
+        raise click.ClickException(str(exc)) from None
 
 
 def connect() -> psycopg.Connection:
     """An autocommit connection to the configured database, its transactions READ COMMITTED;
     a clear usage error when there is none."""
+    dsn = command_dsn()
     try:
-        dsn = database_url()
         options = connection_options(dsn)
     except ConfigurationError as exc:
         raise click.ClickException(str(exc)) from None
@@ -100,7 +113,8 @@ def _acceptable_password(password: str) -> str:
         raise click.BadParameter(exc.message, param_hint="password") from None
 
 
-def _run(action: str, func: object, *args: object) -> None:
+def _run(action: str, func: object, *args: object) -> bool:
+    """Run ``func(conn, *args)``; answers whether an admin is left afterwards."""
     with connect() as conn, database_errors():
         try:
             func(conn, *args)  # type: ignore[operator]
@@ -108,6 +122,13 @@ def _run(action: str, func: object, *args: object) -> None:
             raise click.BadParameter(exc.message, param_hint=exc.field) from None
         except RelayError as exc:
             raise click.ClickException(f"{action} failed: {exc}") from None
+        return any(u.role == "admin" for u in users.list_users(conn))
+
+
+def _say_if_no_admin_is_left(admin_left: bool) -> None:
+    """Done, but nobody can act from the dashboard or the API any more: the shell is the way back."""
+    if not admin_left:
+        click.echo(f"warning: no admin is left; make one with: {FIRST_ADMIN}", err=True)
 
 
 @click.group()
@@ -145,16 +166,18 @@ def set_password(username: str, password_stdin: bool) -> None:
 @click.argument("role", type=click.Choice(users.ROLES))
 def set_role(username: str, role: str) -> None:
     """Make a user an admin or a viewer."""
-    _run("set-role", users.set_role, username, role)
+    admin_left = _run("set-role", users.set_role, username, role)
     click.echo(f"{username.lower()} is now {role}")
+    _say_if_no_admin_is_left(admin_left)
 
 
 @user.command("delete")
 @click.argument("username")
 def delete(username: str) -> None:
     """Remove a user."""
-    _run("delete", users.delete_user, username)
+    admin_left = _run("delete", users.delete_user, username)
     click.echo(f"deleted {username.lower()}")
+    _say_if_no_admin_is_left(admin_left)
 
 
 @user.command("list")
@@ -162,6 +185,8 @@ def list_() -> None:
     """Show every user and their role."""
     with connect() as conn, database_errors():
         found = users.list_users(conn)
+    if not found:
+        click.echo(f"no users yet; make the first admin with: {FIRST_ADMIN}", err=True)
     for u in found:
         seen = u.last_login_at.isoformat(timespec="seconds") if u.last_login_at else "never"
         click.echo(f"{u.username}\t{u.role}\tlast login: {seen}")

@@ -10,6 +10,12 @@ from psycopg import conninfo, pq
 
 from .errors import ConfigurationError
 
+#: What a database URL looks like, for messages about one that is not.
+EXAMPLE_URL = "postgresql://user:password@host:5432/dbname"
+
+#: A URL's scheme and its "://" (RFC 3986's letters, with "+" for SQLAlchemy's driver names).
+_SCHEME = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*)://")
+
 #: Quoted text in libpq's parse errors: a token it could not read, often the password itself.
 _QUOTED = re.compile(r'"([^"]*)"')
 
@@ -39,16 +45,15 @@ def database_url(explicit: str | None = None) -> str:
             else ("RELAY_DATABASE_URL" if os.environ.get("RELAY_DATABASE_URL") else "DATABASE_URL")
         )
         raise ConfigurationError(f"{source} is blank: set it to a database URL (or unset it)")
-    # Heroku-style URLs say postgres://, which libpq accepts; normalise for SQLAlchemy users too.
-    if dsn.startswith("postgres://"):
-        dsn = "postgresql://" + dsn[len("postgres://") :]
+    dsn = _libpq_scheme(dsn)
     try:
         parsed = conninfo.conninfo_to_dict(dsn)
     except psycopg.ProgrammingError as exc:
         # Here, not at the first connection: a pool would log libpq's message,
         # quoted password and all, on every attempt, and the worker would run on.
+        hint = "" if "://" in dsn else f" (expected {EXAMPLE_URL} or key=value settings)"
         raise ConfigurationError(
-            f"the database URL (DATABASE_URL or RELAY_DATABASE_URL) cannot be read: {_redact(exc)}"
+            f"the database URL (DATABASE_URL or RELAY_DATABASE_URL) cannot be read: {_redact(exc)}{hint}"
         ) from None
     if dsn.startswith("postgresql://") and any("@" in host[1:] for host in str(parsed.get("host", "")).split(",")):
         # libpq ends the password at its first "@": the rest of it became the host name, which
@@ -57,6 +62,27 @@ def database_url(explicit: str | None = None) -> str:
             "the database URL (DATABASE_URL or RELAY_DATABASE_URL) has an '@' in its user or password: write it as %40"
         )
     return dsn
+
+
+def _libpq_scheme(dsn: str) -> str:
+    """``dsn`` with a URL scheme libpq reads, or a ConfigurationError naming the scheme it has.
+
+    Heroku-style URLs say ``postgres://``, which libpq accepts; it is written
+    ``postgresql://`` for SQLAlchemy users too. SQLAlchemy's own spelling names
+    a driver (``postgresql+psycopg://``), which an application sharing one
+    DATABASE_URL with Relay has; libpq read it as key=value settings and
+    answered 'missing "=" after "..."'. Any other scheme is not PostgreSQL.
+    """
+    scheme = _SCHEME.match(dsn)
+    if scheme is None:
+        return dsn  # key=value settings, or text libpq will refuse in its own words
+    name = scheme.group(1).lower()
+    if name in {"postgres", "postgresql"} or name.startswith(("postgres+", "postgresql+")):
+        return "postgresql://" + dsn[scheme.end() :]
+    raise ConfigurationError(
+        f"the database URL (DATABASE_URL or RELAY_DATABASE_URL) is a {name}:// URL: "
+        f"Relay needs PostgreSQL, {EXAMPLE_URL}"
+    )
 
 
 def _redact(exc: Exception) -> str:

@@ -153,7 +153,9 @@ def check_payload(payload: Any, max_bytes: int) -> str:
         raise InvalidJobError("payload", "contains a lone surrogate, which is not valid Unicode text") from None
     size = len(encoded)
     if size > max_bytes:
-        raise InvalidJobError("payload", f"is {size} bytes as JSON, over the limit of {max_bytes}")
+        raise InvalidJobError(
+            "payload", f"is {size} bytes as JSON, over the limit of {max_bytes} (RELAY_MAX_PAYLOAD_BYTES)"
+        )
     return text
 
 

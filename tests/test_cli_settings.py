@@ -3,9 +3,11 @@ for a bad flag, as click gives for one it cannot read)."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import time
 from pathlib import Path
+from urllib.parse import quote
 
 import psycopg
 import pytest
@@ -322,3 +324,85 @@ def test_a_worker_whose_app_registered_no_handler_ends_with_one_line(
         "(with `relay worker --app MODULE:ATTR`, in MODULE or a module it imports)"
     ]
     assert db.execute("SELECT status::text, attempts FROM relay.jobs").fetchall() == [("queued", 0)]
+
+
+@pytest.mark.parametrize("scheme", ["postgresql+psycopg", "postgresql+psycopg2", "postgres"])
+def test_a_sqlalchemy_or_heroku_spelling_of_the_database_url_is_read_as_postgresql(
+    dsn: str, db: psycopg.Connection, scheme: str
+) -> None:
+    """An application shares one DATABASE_URL with Relay: SQLAlchemy's names a driver, which
+    libpq read as key=value settings ('missing "=" after "..."')."""
+    parts = conninfo.conninfo_to_dict(dsn)
+    user, database = quote(parts["user"], safe=""), quote(parts["dbname"], safe="")
+    url = f"{scheme}://{user}@{parts['host']}:{parts['port']}/{database}"
+    result = run(url, ["enqueue", "t", "{}"])
+    assert result.exit_code == 0, result.output
+    assert job_count(db) == 1
+
+
+@pytest.mark.parametrize(
+    ("url", "said"),
+    [
+        ("mysql://app@db.internal/app", "is a mysql:// URL: Relay needs PostgreSQL, postgresql://"),
+        ("sqlite:///app.db", "is a sqlite:// URL: Relay needs PostgreSQL, postgresql://"),
+        ("garbage", 'cannot be read: missing "=" after "..." in connection info string (expected postgresql://'),
+    ],
+)
+def test_a_database_url_that_is_not_postgresql_says_what_one_looks_like(
+    db: psycopg.Connection, url: str, said: str
+) -> None:
+    result = run(url, ["enqueue", "t", "{}"])
+    assert result.exit_code == 1, result.output
+    assert result.output.startswith(f"Error: the database URL (DATABASE_URL or RELAY_DATABASE_URL) {said}")
+    assert job_count(db) == 0
+
+
+def test_a_command_with_no_database_configured_names_the_variable_not_the_python_api() -> None:
+    result = CliRunner().invoke(
+        main, ["enqueue", "t", "{}"], env={"RELAY_DATABASE_URL": None, "DATABASE_URL": None}, catch_exceptions=False
+    )
+    assert result.exit_code == 1, result.output
+    assert result.output.strip() == (
+        "Error: no database configured: set DATABASE_URL (or RELAY_DATABASE_URL) "
+        "to postgresql://user:password@host:5432/dbname"
+    )
+
+
+def test_a_payload_read_from_standard_input_may_be_longer_than_an_argument_may(
+    dsn: str, db: psycopg.Connection
+) -> None:
+    """Linux refuses a command-line argument over 128 KiB, under the default payload limit of 256 KiB."""
+    big = {"text": "a" * 200_000}
+    result = run(dsn, ["enqueue", "big", "-"], stdin=json.dumps(big))
+    assert result.exit_code == 0, result.output
+    job_id = int(result.stdout.strip())
+    assert db.execute("SELECT payload FROM relay.jobs WHERE id = %s", (job_id,)).fetchone()[0] == big
+
+
+@pytest.mark.parametrize(
+    ("stdin", "said"),
+    [("", "standard input (-) held no JSON"), ("{'a': 1}", "not valid JSON"), ('{"a": NaN}', "NaN")],
+)
+def test_a_payload_from_standard_input_is_checked_as_an_argument_is(
+    dsn: str, db: psycopg.Connection, stdin: str, said: str
+) -> None:
+    result = run(dsn, ["enqueue", "t", "-"], stdin=stdin)
+    assert result.exit_code == 2, result.output
+    assert said in result.output
+    assert job_count(db) == 0
+
+
+def test_a_payload_over_the_limit_names_the_setting_that_sets_it(dsn: str, db: psycopg.Connection) -> None:
+    result = run(dsn, ["enqueue", "t", json.dumps({"a": "b" * 100})], env={"RELAY_MAX_PAYLOAD_BYTES": "50"})
+    assert result.exit_code == 2, result.output
+    assert "over the limit of 50 (RELAY_MAX_PAYLOAD_BYTES)" in result.output
+    assert job_count(db) == 0
+
+
+def test_worker_help_names_the_variable_behind_each_flag() -> None:
+    result = CliRunner().invoke(main, ["worker", "--help"], catch_exceptions=False)
+    assert result.exit_code == 0
+    text = " ".join(result.output.split())
+    for variable in ("RELAY_QUEUES", "RELAY_CONCURRENCY", "RELAY_LEASE_SECONDS", "RELAY_SHUTDOWN_TIMEOUT"):
+        assert f"default: {variable}, else" in text, variable
+    assert "RELAY_LISTEN=false" in text and "RELAY_HEARTBEAT_INTERVAL" in text

@@ -216,7 +216,11 @@ def requeue_many(body: RequeueFilter, claims: dict[str, Any]) -> BulkResultRecor
 @bp.post("/jobs/cancel")
 @endpoint(tag="jobs", role="admin", body=CancelFilter, responses={200: BulkResultRecord})
 def cancel_many(body: CancelFilter, claims: dict[str, Any]) -> BulkResultRecord:
-    """Cancel every queued job matching the filters. Answers how many jobs changed."""
+    """Cancel every queued job matching the filters (e.g. everything queued in one queue).
+
+    An empty object means every queued job, in every queue. Jobs enqueued
+    while the request runs are left alone. Answers how many jobs changed.
+    """
     where = monitor.JobFilter(queue=body.queue, type=body.type, q=body.q)
     with connection() as conn:
         changed = monitor.cancel_matching(conn, where)

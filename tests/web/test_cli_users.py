@@ -127,3 +127,23 @@ def test_list_set_role_set_password_delete(run, db) -> None:
     assert run("user", "delete", "eve").exit_code == 0
     assert _hash(db, "eve") is None
     assert run("user", "delete", "eve").exit_code == 1
+
+
+def test_an_empty_user_list_says_how_to_make_the_first_admin(run, db) -> None:
+    result = run("user", "list")
+    assert result.exit_code == 0, result.output
+    assert result.stdout == ""  # a script reading the list reads none
+    assert "no users yet; make the first admin with: relay user create NAME --role admin" in result.stderr
+
+
+@pytest.mark.parametrize("action", [("delete", "boss"), ("set-role", "boss", "viewer")])
+def test_removing_the_last_admin_is_done_and_warned_of(run, db, action: tuple[str, ...]) -> None:
+    """Nobody can act from the dashboard or the API after it; only the shell can make another."""
+    assert run("user", "create", "boss", "--role", "admin", "--password-stdin", stdin="long-enough-1\n").exit_code == 0
+    assert run("user", "create", "other", "--role", "admin", "--password-stdin", stdin="long-enough-2\n").exit_code == 0
+    assert "warning" not in run("user", *action).output  # another admin is left
+    run("user", "delete", "other")
+    run("user", "create", "boss", "--role", "admin", "--password-stdin", stdin="long-enough-1\n")
+    last = run("user", *action)
+    assert last.exit_code == 0, last.output
+    assert "warning: no admin is left; make one with: relay user create NAME --role admin" in last.stderr

@@ -196,7 +196,9 @@ def _return_path() -> str | None:
 
 
 def _to_login() -> Response:
-    target = url_for("dashboard.login", next=_return_path())
+    # A button pressed after the session ended did nothing: the login form says so (``undone``).
+    undone = 1 if request.method != "GET" else None
+    target = url_for("dashboard.login", next=_return_path(), undone=undone)
     if request.headers.get("HX-Request"):
         response = Response("", status=401)
         response.headers["HX-Redirect"] = target

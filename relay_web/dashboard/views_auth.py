@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import logging
+
+import psycopg
 from flask import Response, redirect, request, url_for
+from psycopg_pool import PoolTimeout
 
 from relay_core import users
 
@@ -11,12 +15,23 @@ from ..db import connection
 from ..problems import Problem
 from . import session
 from .blueprint import bp
+from .errors import RETRY_SECONDS
 from .render import page
+
+log = logging.getLogger("relay.web")
+
+
+#: What the login form says to someone sent to it by a button pressed after their session ended.
+UNDONE = "Your session had ended, so what you pressed was not done. Log in, then press it again."
+
+#: What the login form says when the database cannot be reached to check a password.
+NO_DATABASE = "Relay cannot reach its database right now, so nobody can log in. Try again in a moment."
 
 
 def _form(error: str | None = None, status: int = 200, username: str = "") -> Response:
     next_url = session.safe_next(request.values.get("next"))
-    return page("login", whole=True, status=status, error=error, username=username, next_url=next_url)
+    notice = UNDONE if request.method == "GET" and request.args.get("undone") else None
+    return page("login", whole=True, status=status, error=error, notice=notice, username=username, next_url=next_url)
 
 
 @bp.get("/login")
@@ -40,6 +55,12 @@ def login_submit() -> Response:
     try:
         with connection() as conn:
             user = auth.log_in(conn, username, password)
+    except (psycopg.OperationalError, psycopg.InterfaceError, PoolTimeout) as exc:
+        # The form again, with the name typed kept: the error page's reload sent the form again.
+        log.warning("database unavailable: %s", exc)
+        response = _form(NO_DATABASE, 503, username)
+        response.headers["Retry-After"] = str(RETRY_SECONDS)
+        return response
     except users.LoginThrottled as throttled:
         response = _form(f"Too many attempts; try again in {throttled.wait} seconds.", 429, username)
         response.headers["Retry-After"] = str(throttled.wait)

@@ -51,10 +51,10 @@ def test_an_action_after_the_session_ended_returns_to_the_page_after_login(
         f"/jobs/{job_id}/requeue", headers={"HX-Request": "true", "HX-Current-URL": page, "Referer": page}
     )
     assert htmx.status_code == 401
-    assert htmx.headers["HX-Redirect"] == f"/login?next=/jobs/{job_id}"
+    assert htmx.headers["HX-Redirect"] == f"/login?next=/jobs/{job_id}&undone=1"
     form = anonymous.client.post(f"/jobs/{job_id}/requeue", headers={"Referer": page})
     assert form.status_code == 303
-    assert form.headers["Location"] == f"/login?next=/jobs/{job_id}"
+    assert form.headers["Location"] == f"/login?next=/jobs/{job_id}&undone=1"
     poll = anonymous.client.get(
         f"/jobs/{job_id}?part=status&seen=queued", headers={"HX-Request": "true", "HX-Current-URL": page}
     )
@@ -62,6 +62,9 @@ def test_an_action_after_the_session_ended_returns_to_the_page_after_login(
     assert jobs.status(job_id) == "dead"  # nothing was done without a session
     login = anonymous.get(htmx.headers["HX-Redirect"]).get_data(as_text=True)
     assert f'name="next" value="/jobs/{job_id}"' in login
+    # The form says the press was not done: a bare form let the person think the requeue went through.
+    assert "Your session had ended, so what you pressed was not done. Log in, then press it again." in login
+    assert "what you pressed" not in anonymous.get(poll.headers["HX-Redirect"]).get_data(as_text=True)
     assert anonymous.login("ops", next=f"/jobs/{job_id}").headers["Location"] == f"/jobs/{job_id}"
 
 
@@ -75,7 +78,7 @@ def test_a_page_of_another_site_is_never_the_way_back(anonymous: DashboardClient
             "Referer": "https://evil.example.com/x",
         },
     )
-    assert response.headers["HX-Redirect"] == "/login"
+    assert response.headers["HX-Redirect"] == "/login?undone=1"  # a POST: the form says it was not done
 
 
 def test_login_sets_an_httponly_samesite_cookie_and_goes_to_next(anonymous: DashboardClient, dsn: str) -> None:

@@ -412,3 +412,85 @@ def test_an_action_pressed_while_the_card_refreshes_shows_its_own_answer(
     phone.locator(".status-card .flash", has_text="Cancelled: it will not run.").wait_for(timeout=5_000)
     assert phone.locator(".status-card .badge").inner_text() == "cancelled"
     assert shop.relay.get_job(waiting).status == "cancelled"
+
+
+def test_a_second_press_while_a_requeue_is_on_its_way_sends_nothing(
+    phone: Any, live_server: LiveServer, shop: Shop
+) -> None:
+    """A second press replaced the first in the card's request queue: the browser dropped the first's answer after
+    the server had requeued the job, and the page showed only the second's "Nothing done: it has run again"."""
+    make_user(shop.relay.dsn, "ops", "admin")
+    job_id = shop.relay.enqueue("send_email", {"to": "h@example.com"})
+    _dead(shop, job_id)
+    _log_in(phone, live_server)
+    held: list[Any] = []
+    phone.route(re.compile(r".*/requeue$"), lambda route: held.append(route))
+    phone.goto(live_server.at(f"/jobs/{job_id}"))
+    requeue = phone.get_by_role("button", name="Requeue")
+    requeue.click()
+    wait_for(lambda: phone.wait_for_timeout(50) or held, 10, what="the requeue to be sent")
+    assert requeue.is_disabled()
+    with contextlib.suppress(PlaywrightError):
+        requeue.click(timeout=500)  # a second tap: the button takes none
+    phone.wait_for_timeout(300)
+    assert len(held) == 1 and len(phone.dialogs) == 1
+    held[0].continue_()
+    phone.locator("#job-notice", has_text="Requeued").wait_for(timeout=5_000)
+    # The answer stays through the card's next refreshes (every 2 s); it was gone after the first.
+    phone.wait_for_timeout(4_500)
+    assert phone.locator("#job-notice").inner_text().startswith("Requeued")
+    assert phone.locator("#job-notice").is_visible()
+
+
+def test_an_action_that_gets_no_answer_says_so(phone: Any, live_server: LiveServer, shop: Shop) -> None:
+    """Pressed with no network, Requeue did nothing and said nothing; the page still looked current."""
+    make_user(shop.relay.dsn, "ops", "admin")
+    job_id = shop.relay.enqueue("send_email", {"to": "i@example.com"})
+    _dead(shop, job_id)
+    waiting = shop.relay.enqueue("send_email", {"to": "j@example.com"}, run_at=datetime.now(UTC) + timedelta(days=1))
+    _log_in(phone, live_server)
+    phone.goto(live_server.at(f"/jobs/{job_id}"))
+    phone.context.set_offline(True)
+    try:
+        phone.get_by_role("button", name="Requeue").click()
+        note = phone.get_by_role("alert")
+        note.wait_for(timeout=5_000)
+        assert note.inner_text().startswith("No answer from Relay (is the network down?). It may or may not have")
+        assert phone.get_by_role("button", name="Requeue").is_enabled()
+    finally:
+        phone.context.set_offline(False)
+    assert shop.relay.get_job(job_id).status == "dead"
+
+    # A page whose refreshes get no answer says it may be out of date, and stops saying so once one is answered.
+    phone.goto(live_server.at(f"/jobs/{waiting}"))  # its card refreshes every 2 s
+    banner = phone.locator("#no-answer")
+    assert banner.is_hidden()
+    phone.context.set_offline(True)
+    try:
+        banner.wait_for(state="visible", timeout=6_000)
+        assert re.fullmatch(
+            r"No answer from Relay since .+: what this page shows may be out of date\. It keeps trying\.",
+            banner.inner_text(),
+        )
+    finally:
+        phone.context.set_offline(False)
+    banner.wait_for(state="hidden", timeout=6_000)
+
+
+def test_an_open_traceback_stays_open_when_the_history_refreshes(
+    phone: Any, live_server: LiveServer, shop: Shop
+) -> None:
+    """Every new error reloads the history; the traceback being read snapped shut."""
+    make_user(shop.relay.dsn, "ops", "admin")
+    job_id = shop.relay.enqueue("send_email", {"to": "k@example.com"})
+    _dead(shop, job_id)
+    _log_in(phone, live_server)
+    phone.goto(live_server.at(f"/jobs/{job_id}"))
+    phone.locator(".attempt summary", has_text="Traceback").first.click()
+    assert phone.locator(".attempt details[open]").count() == 1
+    phone.get_by_role("button", name="Requeue").click()  # the mail server is still down: it dies again
+    phone.get_by_role("heading", name="Errors (2)").wait_for(timeout=20_000)
+    opened = phone.locator(".attempt details[open]")
+    assert opened.count() == 1
+    # The one opened is the first attempt's, now second in the list; the new one is folded.
+    assert phone.locator(".attempt").nth(1).locator("details[open]").count() == 1

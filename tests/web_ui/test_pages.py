@@ -8,6 +8,7 @@ from datetime import datetime, timedelta
 
 import psycopg
 import pytest
+from psycopg.types.json import Jsonb
 
 from relay_core import Relay
 from relay_core.worker import periodic
@@ -218,7 +219,7 @@ def test_job_page_shows_payload_errors_timings_lease_and_folded_tracebacks(viewe
     assert '<span class="badge big s-dead">dead</span>' in html
     assert "attempt 1 of 20" in html
     assert "{\n  &#34;to&#34;: &#34;ops@example.com&#34;,\n  &#34;tries&#34;: [\n    1,\n    2\n  ]\n}" in html
-    assert "<details>\n      <summary>Traceback</summary>" in html  # folded: no "open"
+    assert re.search(r'<details id="trace-[^"]+-1-1" hx-preserve>\n      <summary>Traceback</summary>', html)  # folded
     assert "<details open" not in html
     assert "smtp.connect(host, port)" in html
     assert "web-1:4242:abc123" in html
@@ -714,3 +715,42 @@ def test_truncating_the_jobs_while_a_page_reads_the_counters_deadlocks_nothing(
     assert truncate_error is None
     assert page.status_code == 200, _text(page)
     assert db.execute("SELECT coalesce(sum(n), 0) FROM relay.job_counts").fetchone()[0] == 0
+
+
+def test_a_login_while_the_database_is_down_shows_the_form_again_with_the_name_kept(make_app, dsn: str) -> None:
+    """It answered with an error page whose reload sent the form again, the name typed lost."""
+    outage = make_app(RELAY_DATABASE_URL="postgresql://postgres@127.0.0.1:1/nowhere", RELAY_DB_WAIT_SECONDS=1)
+    response = DashboardClient(outage.test_client(), dsn).login("ops")
+    assert response.status_code == 503
+    assert response.headers["Retry-After"] == "5"
+    html = _text(response)
+    assert "Relay cannot reach its database right now, so nobody can log in. Try again in a moment." in html
+    assert '<form method="post" action="/login">' in html and 'value="ops"' in html
+
+
+def test_a_job_page_shows_its_times_not_only_in_a_title(viewer: DashboardClient, jobs: Jobs) -> None:
+    """A phone has no hover: a time only in a title attribute cannot be read there."""
+    job_id = jobs.dead(jobs.add())
+    html = _text(viewer.get(f"/jobs/{job_id}"))
+    created = re.search(
+        r'<dt>Created</dt><dd><time datetime="[^"]+" title="([^"]+)">[^<]+</time> <span class="stamp">([^<]+)</span>',
+        html,
+    )
+    assert created and created[1] == created[2] and created[2].endswith(" UTC"), html
+    attempt = html.split('class="attempt-head"')[1].split("</p>")[0]
+    assert re.search(r'<span class="stamp">\d{4}-\d\d-\d\d \d\d:\d\d:\d\d UTC</span>', attempt), attempt
+
+
+def test_a_long_error_history_shows_the_newest_ten_and_folds_the_rest(
+    viewer: DashboardClient, jobs: Jobs, db: psycopg.Connection
+) -> None:
+    job_id = jobs.add()
+    errors = [
+        {"attempt": n, "message": f"failure number {n}", "at": f"2026-12-06T10:{n:02d}:00+00:00"} for n in range(1, 26)
+    ]
+    db.execute("UPDATE relay.jobs SET errors = %s WHERE id = %s", (Jsonb(errors), job_id))
+    html = _text(viewer.get(f"/jobs/{job_id}"))
+    assert "<h2>Errors (25)</h2>" in html
+    shown, folded = html.split('<details class="older"><summary>15 older attempts</summary>')
+    assert [int(n) for n in re.findall(r"failure number (\d+)", shown)] == list(range(25, 15, -1))
+    assert [int(n) for n in re.findall(r"failure number (\d+)", folded)] == list(range(15, 0, -1))

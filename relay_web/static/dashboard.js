@@ -1,0 +1,60 @@
+// Relay's dashboard: what a page says when a request gets no answer at all.
+//
+// htmx swaps in whatever the server answers, its error pages included. A
+// request that never reaches the server, or whose answer never arrives (a
+// phone out of signal), ends in htmx:sendError or htmx:timeout, which htmx
+// only logs: a Requeue pressed offline did nothing and said nothing, and a
+// page whose refreshes failed went on showing old numbers as if they were
+// current. Loaded from this server (the Content-Security-Policy allows no
+// inline script); it changes text only, never markup from a response.
+(function () {
+  "use strict";
+
+  var UNANSWERED_ACTION =
+    "No answer from Relay (is the network down?). It may or may not have been done: " +
+    "reload the page to see where things stand before you press again.";
+
+  function banner() {
+    return document.getElementById("no-answer");
+  }
+
+  function unanswered(event) {
+    var detail = event.detail || {};
+    var verb = detail.requestConfig ? detail.requestConfig.verb : "get";
+    if (verb === "get") {
+      var shown = banner();
+      if (shown && shown.hidden) {
+        shown.querySelector("[data-since]").textContent = new Date().toLocaleTimeString();
+        shown.hidden = false;
+      }
+      return;
+    }
+    var form = event.target instanceof Element ? event.target.closest("form") : null;
+    if (!form) {
+      return;
+    }
+    // Before the buttons (a fieldset of them on a job's card), replacing an earlier such note.
+    var place = form.closest("fieldset") || form;
+    var before = place.previousElementSibling;
+    if (before && before.classList.contains("no-answer")) {
+      before.remove();
+    }
+    var note = document.createElement("p");
+    note.className = "flash flash-error no-answer";
+    note.setAttribute("role", "alert");
+    note.setAttribute("tabindex", "-1");
+    note.textContent = UNANSWERED_ACTION;
+    place.parentNode.insertBefore(note, place);
+    note.focus();
+  }
+
+  document.addEventListener("htmx:sendError", unanswered);
+  document.addEventListener("htmx:timeout", unanswered);
+  document.addEventListener("htmx:afterRequest", function (event) {
+    var xhr = event.detail ? event.detail.xhr : null;
+    var shown = banner();
+    if (xhr && xhr.status > 0 && shown) {
+      shown.hidden = true; // answered again, whatever the answer: the page is current
+    }
+  });
+})();

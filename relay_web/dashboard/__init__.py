@@ -9,9 +9,11 @@ registers :data:`bp`.
 
 from __future__ import annotations
 
+from flask.blueprints import BlueprintSetupState
+
 from . import errors, views_auth, views_dead, views_jobs, views_overview, views_system
 from .blueprint import bp
-from .formatting import FILTERS
+from .formatting import FILTERS, direction_controls_shown
 
 __all__ = ["bp"]
 
@@ -20,3 +22,9 @@ _VIEWS = (errors, views_auth, views_dead, views_jobs, views_overview, views_syst
 
 for _name, _function in FILTERS.items():
     bp.add_app_template_filter(_function, _name)
+
+
+@bp.record_once
+def _show_direction_controls(state: BlueprintSetupState) -> None:
+    """Every value the templates print goes through ``direction_controls_shown`` (before any template is compiled)."""
+    state.app.jinja_env.finalize = direction_controls_shown

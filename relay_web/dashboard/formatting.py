@@ -11,6 +11,8 @@ import json
 from datetime import UTC, datetime
 from typing import Any
 
+from markupsafe import Markup
+
 #: Characters of a first line shown in a listing row (CSS clips it further on phones).
 FIRST_LINE_CHARS = 160
 
@@ -134,6 +136,25 @@ def progress_percent(value: int | float) -> float:
     except OverflowError:
         number = 100.0 if value > 0 else 0.0
     return max(0.0, min(100.0, number))
+
+
+#: Unicode's explicit direction controls (embeddings, overrides, isolates), each shown as its code point.
+DIRECTION_CONTROLS = {code: f"[U+{code:04X}]" for code in (*range(0x202A, 0x202F), *range(0x2066, 0x206A))}
+
+
+def direction_controls_shown(value: Any) -> Any:
+    """``value`` with every direction control written out, for every ``{{ ... }}`` of the dashboard.
+
+    Escaping makes a job's text inert but leaves the order it is drawn in to
+    the text: a right-to-left override in an error showed "gnp.exe" as
+    "exe.png" and reordered the payload's punctuation around it. Jinja calls
+    this on each expression's value before escaping it (``finalize``); text
+    already marked safe stays safe, as what replaces a control is plain text.
+    """
+    if not isinstance(value, str) or value.isascii():
+        return value
+    shown = value.translate(DIRECTION_CONTROLS)
+    return Markup(shown) if isinstance(value, Markup) else shown
 
 
 FILTERS = {

@@ -754,3 +754,26 @@ def test_a_long_error_history_shows_the_newest_ten_and_folds_the_rest(
     shown, folded = html.split('<details class="older"><summary>15 older attempts</summary>')
     assert [int(n) for n in re.findall(r"failure number (\d+)", shown)] == list(range(25, 15, -1))
     assert [int(n) for n in re.findall(r"failure number (\d+)", folded)] == list(range(15, 0, -1))
+
+
+def test_a_type_filter_with_a_space_at_its_end_says_why_nothing_matches(viewer: DashboardClient, jobs: Jobs) -> None:
+    """A phone's keyboard adds a space after a word it completed; the page said only "No jobs match"."""
+    jobs.add("send_email")
+    assert "send_email" in _text(viewer.get("/jobs?type=send_email"))
+    html = _text(viewer.get("/jobs?type=send_email+"))
+    assert "No jobs match. The type starts or ends with a space, and a type is matched exactly as written." in html
+    assert "starts or ends with a space" not in _text(viewer.get("/jobs?type=nothing"))
+
+
+def test_direction_controls_a_job_carries_are_written_out_not_obeyed(viewer: DashboardClient, jobs: Jobs) -> None:
+    """A right-to-left override in an error drew "gnp.exe" as "exe.png" and reordered the payload around it."""
+    override = "\u202e"
+    job_id = jobs.dead(
+        jobs.add("send_email", {"file": f"invoice{override}gnp.exe"}), f"ValueError: bad {override}gnp.exe"
+    )
+    for page in (f"/jobs/{job_id}", "/dead", "/jobs"):
+        html = _text(viewer.get(page))
+        assert override not in html, page
+        assert "[U+202E]gnp.exe" in html, page
+    assert "invoice[U+202E]gnp.exe" in _text(viewer.get(f"/jobs/{job_id}"))
+    assert jobs.status(job_id) == "dead"

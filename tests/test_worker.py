@@ -19,6 +19,7 @@ from typing import Any
 import psycopg
 import pytest
 from psycopg import conninfo
+from psycopg.rows import dict_row
 from psycopg_pool import PoolTimeout
 
 from relay_core import (
@@ -35,16 +36,28 @@ from relay_core import (
 from relay_core.logs import POOL_CONNECT_WARNING, RepeatsFilter
 from relay_core.pools import all_in_use, make_pool
 from relay_core.queries import sql
-from relay_core.worker import lease_watch, runtime, startup
+from relay_core.worker import executor, lease_watch, runtime, startup
+from relay_core.worker.aio import SlotLoop
 from relay_core.worker.claim import hand_back_unheld
+from relay_core.worker.completer import Completer
 from relay_core.worker.config import WorkerConfig
-from relay_core.worker.ledger import Slot
+from relay_core.worker.ledger import NOT_BEGUN, Slot
 from relay_core.worker.maintenance import Maintenance, heartbeat_once, sweep_once
 from relay_core.worker.outage import OutageLog
+from relay_core.worker.outcome import Kind
 from relay_core.worker.retention import Retention
 from relay_core.worker.shutdown import HAND_BACK_GRACE_SECONDS
 
-from .helpers import AT_COMMIT_SETTINGS, TcpProxy, free_port, job_status, running_worker, status_counts, wait_for
+from .helpers import (
+    AT_COMMIT_SETTINGS,
+    TcpProxy,
+    claim_params,
+    free_port,
+    job_status,
+    running_worker,
+    status_counts,
+    wait_for,
+)
 
 FAST = Backoff(base=0.05, factor=2, cap=1, jitter=0)
 
@@ -2536,3 +2549,86 @@ def test_a_worker_does_not_sweep_a_lease_it_still_holds(relay: Relay, db: psycop
         release.set()
         wait_for(lambda: not worker.ledger.awaiting_write and worker.in_flight() == 0, what="the run to end")
     assert runs[0] == job_id
+
+
+def test_a_heartbeat_whose_own_connection_is_refused_renews_on_a_pooled_one(
+    dsn: str, db: psycopg.Connection, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The server ended the heartbeat's session and refused new ones (too many clients) while the pool's open
+    sessions worked: the worker went on claiming and running through its pool, every lease it held ran out,
+    and another worker ran its jobs beside its handlers (about 17 s of one job running twice, in a review)."""
+    role = f"relay_heartbeat_test_{os.getpid()}"
+    db.execute(f"CREATE ROLE {role} LOGIN SUPERUSER")
+    app = Relay(conninfo.make_conninfo(dsn, user=role))
+    started = threading.Event()
+    release = threading.Event()
+
+    @app.handler("long")
+    def long(job: Job) -> None:
+        started.set()
+        release.wait(20)
+
+    try:
+        with running_worker(app, lease_seconds=3.0, heartbeat_interval=0.5, concurrency=2, poll_interval=0.1):
+            job_id = app.enqueue("long")
+            assert started.wait(10)
+            heartbeats = (
+                "SELECT {} FROM pg_stat_activity"
+                " WHERE usename = %s AND query LIKE 'UPDATE relay.workers SET last_seen_at%%'"
+            )
+            wait_for(
+                lambda: db.execute(heartbeats.format("count(*)"), (role,)).fetchone()[0] == 1, 10, what="a heartbeat"
+            )
+            db.execute(f"ALTER ROLE {role} NOLOGIN")  # no new session; those open go on
+            ended = db.execute(heartbeats.format("count(pg_terminate_backend(pid))"), (role,)).fetchone()[0]
+            assert ended == 1, "the heartbeat's own session"
+            cut = db.execute("SELECT claimed_until FROM relay.jobs WHERE id = %s", (job_id,)).fetchone()[0]
+            time.sleep(4.5)  # past the lease the job held when the heartbeat's session ended
+            lease, status, attempts = db.execute(
+                "SELECT claimed_until, status::text, attempts FROM relay.jobs WHERE id = %s", (job_id,)
+            ).fetchone()
+            assert (status, attempts) == ("claimed", 1)
+            assert lease > cut and lease > db.execute("SELECT now()").fetchone()[0], "renewed while cut off"
+            db.execute(f"ALTER ROLE {role} LOGIN")
+            release.set()
+            wait_for(lambda: job_status(db, job_id) == "succeeded", 10, what="the job to succeed")
+    finally:
+        release.set()
+        app.close()
+        db.execute(f"ALTER ROLE {role} LOGIN")
+        db.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = %s", (role,))
+        db.execute(f"DROP ROLE {role}")
+
+
+def test_a_transactional_job_that_gets_no_connection_goes_back_with_the_attempt_it_never_used(
+    relay: Relay, dsn: str, db: psycopg.Connection
+) -> None:
+    """The pool's wait running out (the database down for longer than it, or out of connections) was the
+    attempt's failure: a job with max_attempts=1 ended dead with PoolTimeout, its handler never started."""
+    ran: list[int] = []
+
+    @relay.handler("tx", transactional=True, max_attempts=1)
+    def tx(job: Job, conn: psycopg.Connection) -> None:
+        ran.append(job.id)
+
+    job_id = relay.enqueue("tx")
+    with psycopg.connect(dsn, autocommit=True, row_factory=dict_row) as claimer:
+        (job,) = [Job.from_row(row) for row in claimer.execute(sql("job_claim"), claim_params(limit=1))]
+    pool = make_pool(dsn, name="no-connection", min_size=1, max_size=1, timeout=0.5)
+    pool.open(wait=True)
+    try:
+        held = pool.getconn()  # the pool's only connection: none comes for the transaction
+        try:
+            outcome = executor.run(job, relay.handlers, pool, "w", SlotLoop(), 30.0)
+        finally:
+            pool.putconn(held)
+        assert (outcome.kind, outcome.message, outcome.handler_started) == (Kind.SNOOZED, NOT_BEGUN, False)
+        Completer(pool, lambda batch, done: None)._write_until_done([outcome])
+    finally:
+        pool.close()
+    assert ran == []
+    row = db.execute("SELECT status::text, attempts, errors FROM relay.jobs WHERE id = %s", (job_id,)).fetchone()
+    assert row == ("queued", 0, [])
+    with running_worker(relay):
+        wait_for(lambda: job_status(db, job_id) == "succeeded")
+    assert ran == [job_id]

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import psycopg
 from psycopg.pq import TransactionStatus
-from psycopg_pool import ConnectionPool
+from psycopg_pool import ConnectionPool, PoolTimeout
 
 from ..backoff import DEFAULT_BACKOFF, retry_delay, usable_delay
 from ..connect_options import without_user_timeout
@@ -41,6 +41,7 @@ from ..logs import event
 from ..queries import sql
 from ..sessions import handler_settings_end_with_transaction, in_autocommit, reset_session
 from .aio import SlotLoop
+from .ledger import NOT_BEGUN
 from .outcome import Kind, Outcome, describe, result_json
 
 
@@ -73,7 +74,12 @@ def run(
                 f"no handler for job type {job.type!r} on worker {worker_id} (registered: {registered})"
             )
         if spec.transactional:
-            _run_transactional(job, spec, pool, lease_seconds)
+            try:
+                _run_transactional(job, spec, pool, lease_seconds)
+            except _NotBegun as not_begun:
+                event(logging.WARNING, "transaction not begun; job handed back", job_id=job.id, error=str(not_begun))
+                took = time.monotonic() - started
+                return Outcome(job, Kind.SNOOZED, took, message=NOT_BEGUN, handler_started=False)
             return Outcome(job, Kind.COMMITTED, time.monotonic() - started)
         value = spec.func(job)
         if inspect.isawaitable(value):
@@ -197,6 +203,10 @@ class _TransactionRun:
         return not self.handler_started and self.conn is not None and (self.conn.broken or self.conn.closed)
 
 
+class _NotBegun(Exception):
+    """A transactional run that got no working connection before its handler started: nothing ran."""
+
+
 def _run_transactional(job: Job, spec: HandlerSpec, pool: ConnectionPool, lease_seconds: float) -> None:
     """``_run_in_transaction``, on another connection while the one it took broke before the handler started.
 
@@ -206,17 +216,28 @@ def _run_transactional(job: Job, spec: HandlerSpec, pool: ConnectionPool, lease_
     Only a broken connection is tried again (not a pool timeout, nor an error
     on a connection that still works), never once the lease is lost (another
     worker may have the job by then), and at most ``TRANSACTION_OPEN_TRIES``
-    times in all; the last failure is the attempt's, as any failure once the
-    handler has started is.
+    times in all.
+
+    When no working connection comes at all (the pool's wait ran out during
+    an outage or with the server out of connections, or every one tried was
+    broken), ``_NotBegun`` hands the job back with its attempt: charged with
+    ``PoolTimeout``, a job with one attempt ended dead without its handler
+    ever starting. A failure once the handler has started is the attempt's.
     """
     for tries_left in range(TRANSACTION_OPEN_TRIES - 1, -1, -1):
         run = _TransactionRun()
         try:
             _run_in_transaction(job, spec, pool, lease_seconds, run)
             return
-        except psycopg.Error as exc:
-            if not (tries_left and run.lost_its_connection_first()) or job.lease_lost:
+        except PoolTimeout as exc:
+            if run.conn is not None or job.lease_lost:
                 raise
+            raise _NotBegun(str(exc)) from exc
+        except psycopg.Error as exc:
+            if not run.lost_its_connection_first() or job.lease_lost:
+                raise
+            if not tries_left:
+                raise _NotBegun(str(exc)) from exc
             event(logging.INFO, "transaction not begun: connection lost; trying another", job_id=job.id, error=str(exc))
 
 

@@ -33,8 +33,10 @@ from .outcome import Kind, Outcome
 NOT_STARTED = "not started: its lease ran out unrenewed while it waited for a slot"
 #: ... or (see ``Ledger.take_held_back``).
 HELD_BEHIND = "not started: every slot was busy with a longer job, so another worker may run it"
-#: Both: the job goes back to the queue unstarted, with the attempt it never used.
-UNSTARTED_REASONS = frozenset({NOT_STARTED, HELD_BEHIND})
+#: ... or (see ``executor.run``): a transactional job's handler needs a connection, and none came.
+NOT_BEGUN = "not started: no working database connection came for its transaction"
+#: All: the job goes back to the queue unstarted, with the attempt it never used.
+UNSTARTED_REASONS = frozenset({NOT_STARTED, HELD_BEHIND, NOT_BEGUN})
 
 
 @dataclass

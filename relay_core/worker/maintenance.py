@@ -51,6 +51,8 @@ VACUUM_CHECK_INTERVAL = 15.0
 RESTART_GRACE_MAX_SECONDS = 60.0
 #: How long the registry keeps a worker that stopped or went quiet (a week of deploys to look back on).
 REGISTRY_KEEP_SECONDS = 7 * 86400.0
+#: How long a heartbeat whose own connection the server refused waits for one of the pool's instead.
+POOLED_HEARTBEAT_WAIT_SECONDS = 1.0
 
 
 def sweep_once(
@@ -255,27 +257,51 @@ class Maintenance:
         a worker frozen in between (SIGSTOP, a paused container, whose kernel
         still answers keepalives) kept them locked: the sweepers skip locked
         rows, so its jobs stayed claimed for as long as it was frozen.
+
+        When its own connection cannot be made again while the server takes no
+        new sessions (``too many clients``, a role's connection limit) but the
+        pool's open ones still work, one of those renews the leases, waited for
+        at most ``POOLED_HEARTBEAT_WAIT_SECONDS``: the worker went on claiming
+        and running jobs through its pool while every lease it held ran out, and
+        another worker ran them beside its handlers.
         """
         if self._heartbeat_conn is None or self._heartbeat_conn.closed:
-            self._heartbeat_conn = psycopg.connect(
-                self._dsn,
-                autocommit=True,
-                **connection_options(self._dsn, application_name=worker_application_name(self._worker_id)),
-            )
+            try:
+                self._heartbeat_conn = psycopg.connect(
+                    self._dsn,
+                    autocommit=True,
+                    **connection_options(self._dsn, application_name=worker_application_name(self._worker_id)),
+                )
+            except psycopg.OperationalError as refused:
+                self._heartbeat_on_a_pooled_connection(refused)
+                return
             configure_session(self._heartbeat_conn)
         conn = self._heartbeat_conn
-        held = self._held_leases()
-        sent = time.monotonic()  # the renewed leases run at least lease_seconds from here
         try:
-            renewed, lost, cancel = heartbeat_once(conn, held, self._lease_seconds)
-            conn.execute(
-                sql("worker_heartbeat"),
-                {"id": self._worker_id, "started_at": self.registered_at, "in_flight": self._in_flight()},
-            )
-            conn.commit()
+            self._renew(conn)
         except psycopg.Error:
             conn.close()  # reconnect next time rather than reuse a connection in an unknown state
             raise
+
+    def _heartbeat_on_a_pooled_connection(self, refused: psycopg.OperationalError) -> None:
+        """The heartbeat on one of the pool's connections; ``refused`` (why its own could not be made) if none comes."""
+        try:
+            with self._pool.connection(timeout=POOLED_HEARTBEAT_WAIT_SECONDS) as conn, in_autocommit(conn):
+                self._renew(conn)
+        except PoolTimeout:
+            raise refused from None
+        event(logging.DEBUG, "heartbeat sent on a pooled connection", error=str(refused))
+
+    def _renew(self, conn: psycopg.Connection) -> None:
+        """One renewal of the held leases and the registry row on ``conn``, then tell the worker what it found."""
+        held = self._held_leases()
+        sent = time.monotonic()  # the renewed leases run at least lease_seconds from here
+        renewed, lost, cancel = heartbeat_once(conn, held, self._lease_seconds)
+        conn.execute(
+            sql("worker_heartbeat"),
+            {"id": self._worker_id, "started_at": self.registered_at, "in_flight": self._in_flight()},
+        )
+        conn.commit()
         if self._on_renewed is not None:
             self._on_renewed(renewed, sent)
         if lost:

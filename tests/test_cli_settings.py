@@ -308,6 +308,9 @@ def test_a_worker_whose_unix_socket_server_is_down_waits_for_it(
         code = stop_process(worker)
     assert code == 0, log.read_text()
     assert "Error:" not in log.read_text()
+    # Its last line says it stopped: a log that ended at "database unreachable" read as a hang.
+    last_line = log.read_text().strip().splitlines()[-1]
+    assert "worker stopped before it started: the database never answered" in last_line, log.read_text()
 
 
 def test_a_worker_whose_app_registered_no_handler_ends_with_one_line(

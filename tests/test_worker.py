@@ -2632,3 +2632,136 @@ def test_a_transactional_job_that_gets_no_connection_goes_back_with_the_attempt_
     with running_worker(relay):
         wait_for(lambda: job_status(db, job_id) == "succeeded")
     assert ran == [job_id]
+
+
+def test_a_statement_the_server_cancelled_is_said_as_such_not_as_an_outage(caplog: pytest.LogCaptureFixture) -> None:
+    """psycopg's QueryCanceled is an OperationalError: 529 statement timeouts in 50 s were logged as the
+    database unreachable, then reachable again, by three workers."""
+    now = [100.0]
+    outage = OutageLog(clock=lambda: now[0])
+    caplog.set_level("INFO", logger="relay")
+    timeout = psycopg.errors.QueryCanceled("canceling statement due to statement timeout")
+    for _ in range(40):
+        outage.failed("heartbeat", timeout)
+        now[0] += 1.0
+    outage.succeeded()
+    assert [r.getMessage() for r in caplog.records] == [
+        "statement cancelled by the server (its statement_timeout?); retrying",
+        "statement cancelled by the server (its statement_timeout?); retrying",
+    ]
+    assert not outage.ended_within(3600.0)  # no outage began
+
+
+def test_the_sweeper_waits_the_restart_grace_after_its_own_worker_saw_the_database_come_back(
+    dsn: str, relay: Relay, db: psycopg.Connection
+) -> None:
+    """The grace ran from the server's start, which comes before its crash recovery: with 7.7 s of WAL to
+    replay and a 6 s lease, the first sweeper through took a live worker's lease 0.12 s after the server
+    took connections, and the job, finished and waiting for its success to be written, ran again."""
+    job_id = relay.enqueue("t")
+    db.execute(sql("job_claim"), claim_params(worker_id="holder", lease_seconds=5))
+    db.execute("UPDATE relay.jobs SET claimed_until = now() - interval '1 second' WHERE id = %s", (job_id,))
+    now = [1000.0]
+    outage = OutageLog(clock=lambda: now[0])
+    pool = make_pool(dsn, name="sweeper", min_size=1, max_size=2)
+    pool.open(wait=True)
+    try:
+        maintenance = Maintenance(
+            pool,
+            dsn=dsn,
+            worker_id="sweeper",
+            lease_seconds=5.0,
+            heartbeat_interval=1.0,
+            sweep_interval=1.0,
+            held_leases=dict,
+            on_lost=lambda lost: None,
+            on_cancel=lambda ids: None,
+            in_flight=lambda: 0,
+            outage=outage,
+        )
+        outage.failed("claim", "connection refused")  # the server restarted: this worker saw it too
+        now[0] += 8.0
+        outage.succeeded()
+        now[0] += 4.9
+        assert maintenance.sweep() == {"queued": 0, "dead": 0, "cancelled": 0}
+        assert job_status(db, job_id) == "claimed"
+        now[0] += 0.2  # the grace (the lease, 5 s) is over: the holder had its chance to renew
+        assert maintenance.sweep()["queued"] == 1
+        assert job_status(db, job_id) == "queued"
+    finally:
+        pool.close()
+
+
+def test_a_heartbeat_whose_connection_ended_while_idle_renews_on_a_new_one_at_once(
+    relay: Relay, db: psycopg.Connection, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An idle_session_timeout (or a restart) ended the heartbeat's session between two renewals: the renewal
+    failed, waited a second, and each such end was logged as an outage and its end."""
+    release = threading.Event()
+    started = threading.Event()
+
+    @relay.handler("long")
+    def long(job: Job) -> None:
+        started.set()
+        release.wait(20)
+
+    caplog.set_level("INFO", logger="relay")
+    try:
+        with running_worker(relay, lease_seconds=3.0, heartbeat_interval=0.5) as worker:
+            job_id = relay.enqueue("long")
+            assert started.wait(10)
+            wait_for(lambda: worker.maintenance._heartbeat_conn is not None, 10, what="the heartbeat's connection")
+            before = db.execute("SELECT claimed_until FROM relay.jobs WHERE id = %s", (job_id,)).fetchone()[0]
+            # Ended while idle, as an idle-session timeout ends it (not in the middle of its first renewal).
+            idle = (
+                "SELECT state = 'idle' AND state_change < now() - interval '50 ms' FROM pg_stat_activity WHERE pid = %s"
+            )
+            for _ in range(3):
+                pid = worker.maintenance._heartbeat_conn.info.backend_pid
+                wait_for(lambda p=pid: db.execute(idle, (p,)).fetchone() == (True,), 10, what="an idle session")
+                db.execute("SELECT pg_terminate_backend(%s)", (pid,))
+                wait_for(lambda p=pid: worker.maintenance._heartbeat_conn.info.backend_pid != p, 10, what="a new one")
+            wait_for(
+                lambda: (
+                    db.execute("SELECT claimed_until FROM relay.jobs WHERE id = %s", (job_id,)).fetchone()[0] > before
+                ),
+                5,
+                what="a renewal",
+            )
+            release.set()
+            wait_for(lambda: job_status(db, job_id) == "succeeded", 10)
+    finally:
+        release.set()
+    said = [r.getMessage() for r in caplog.records]
+    assert not [m for m in said if "unreachable" in m or "reachable again" in m], said
+
+
+def test_a_lease_taken_over_is_reported_once_not_at_every_heartbeat(
+    relay: Relay, db: psycopg.Connection, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The run whose lease was taken over stays in the ledger while its handler runs on: each heartbeat
+    renewed its old token again, found it taken again, and said so again."""
+    release = threading.Event()
+    started = threading.Event()
+
+    @relay.handler("long")
+    def long(job: Job) -> None:
+        started.set()
+        release.wait(20)
+
+    caplog.set_level("INFO", logger="relay")
+    try:
+        with running_worker(relay, lease_seconds=3.0, heartbeat_interval=0.3):
+            job_id = relay.enqueue("long")
+            assert started.wait(10)
+            # Another worker has it now: a sweeper put it back and that worker claimed it.
+            db.execute(
+                "UPDATE relay.jobs SET lease_token = lease_token + 1, claimed_by = 'other' WHERE id = %s", (job_id,)
+            )
+            wait_for(lambda: "leases taken over by another worker" in caplog.text, 10, what="the report")
+            time.sleep(1.5)  # five more heartbeats
+            release.set()
+    finally:
+        release.set()
+    reports = [r for r in caplog.records if r.getMessage() == "leases taken over by another worker"]
+    assert len(reports) == 1, [r.job_ids for r in reports]

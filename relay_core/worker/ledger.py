@@ -60,6 +60,8 @@ class Running:
     lease_expires: float = float("inf")
     #: When the worker took it from the claim (monotonic): how long it has waited for a slot.
     claimed_at: float = field(default_factory=time.monotonic)
+    #: A heartbeat found its lease taken over: it is no longer renewed, nor reported again.
+    taken_over: bool = False
 
 
 class Ledger:
@@ -97,8 +99,9 @@ class Ledger:
             held = dict(self.awaiting_write)
             held.update(self.closing)
             held.update((jid, r.job.lease_token) for jid, (r, _) in self.overdue.items())
-            # Last, so a job claimed again has its newest lease renewed, not the earlier run's.
-            held.update((jid, r.job.lease_token) for jid, r in self.running.items())
+            # Last, so a job claimed again has its newest lease renewed, not the earlier run's. Not one
+            # taken over: its renewal changed nothing, and each heartbeat reported it taken over again.
+            held.update((jid, r.job.lease_token) for jid, r in self.running.items() if not r.taken_over)
             return held
 
     # -- a run's life ----------------------------------------------------------
@@ -300,6 +303,7 @@ class Ledger:
                     continue
                 if running is not None and running.job.lease_token == token:
                     running.job._lease_lost.set()
+                    running.taken_over = True
                     if running.slot is None:
                         del self.running[jid]  # never started: a slot that takes it from the inbox skips it
                     taken.append(jid)

@@ -264,7 +264,21 @@ class Maintenance:
         at most ``POOLED_HEARTBEAT_WAIT_SECONDS``: the worker went on claiming
         and running jobs through its pool while every lease it held ran out, and
         another worker ran them beside its handlers.
+
+        A session the server ended while it sat idle between two heartbeats
+        (``idle_session_timeout``, a restart) is replaced at once: the renewal
+        waited a second for the next try, and each such end was logged as an
+        outage, then as its end.
         """
+        reused = self._heartbeat_conn is not None and not self._heartbeat_conn.closed
+        try:
+            self._heartbeat_on_its_own_connection()
+        except psycopg.OperationalError as exc:
+            if not reused or isinstance(exc, psycopg.errors.QueryCanceled):
+                raise
+            self._heartbeat_on_its_own_connection()  # a new one: this one had ended while idle
+
+    def _heartbeat_on_its_own_connection(self) -> None:
         if self._heartbeat_conn is None or self._heartbeat_conn.closed:
             try:
                 self._heartbeat_conn = psycopg.connect(
@@ -310,13 +324,21 @@ class Maintenance:
             self._on_cancel(cancel)
 
     def sweep(self) -> dict[str, int]:
-        """Run the sweeper once, each batch committed as it runs (autocommit: see ``heartbeat``)."""
+        """Run the sweeper once, each batch committed as it runs (autocommit: see ``heartbeat``).
+
+        Not within the restart grace of this worker's own last outage ending,
+        as not within that of the server's start (see ``sweep_once``): the
+        server's start time comes before its crash recovery, which can take
+        longer than the grace (7.7 s of WAL replayed in a review's run, past a
+        6 s lease), so the first sweeper through took the leases of live
+        workers that had had no chance to renew them, and a job whose
+        success waited to be written ran again. Every worker connected to a
+        server that restarted saw the outage.
+        """
+        if self.in_restart_grace():
+            return {"queued": 0, "dead": 0, "cancelled": 0}
         with self._pool.connection() as conn, in_autocommit(conn):
-            counts = sweep_once(
-                conn,
-                restart_grace=min(self._lease_seconds, RESTART_GRACE_MAX_SECONDS),
-                held=self._held_leases(),
-            )
+            counts = sweep_once(conn, restart_grace=self._restart_grace, held=self._held_leases())
         self.sweeps += 1
         if any(counts.values()):
             event(
@@ -327,6 +349,14 @@ class Maintenance:
                 cancelled=counts["cancelled"],
             )
         return counts
+
+    @property
+    def _restart_grace(self) -> float:
+        return min(self._lease_seconds, RESTART_GRACE_MAX_SECONDS)
+
+    def in_restart_grace(self) -> bool:
+        """Whether this worker's last outage is under way or ended within the restart grace (see ``sweep``)."""
+        return self._outage.ended_within(self._restart_grace)
 
     def run_periodic(self) -> float:
         """Learn whether any job type has a limit, and enqueue due periodic ticks once.
@@ -419,7 +449,11 @@ class Maintenance:
             try:
                 if now >= next_sweep:
                     next_sweep = now + self._sweep_interval
-                    self.sweep()
+                    if self.in_restart_grace():
+                        # Held off, so it sends nothing: not a call that got through an outage.
+                        due = now >= min(next_periodic, next_prune, next_fold)
+                    else:
+                        self.sweep()
                 if now >= next_periodic:
                     next_periodic = now + 1.0  # if the check fails
                     next_periodic = self.run_periodic() + PERIODIC_CHECK_PHASE

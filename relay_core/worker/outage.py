@@ -21,9 +21,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import psycopg
 from psycopg_pool import PoolTimeout
 
 from ..logs import event
+
+#: What a worker says of a statement the server cancelled, where it would say the database is unreachable.
+STATEMENT_CANCELLED = "statement cancelled by the server (its statement_timeout?); retrying"
 
 #: While an outage lasts, how often it is logged again.
 REPEAT_SECONDS = 30.0
@@ -102,14 +106,29 @@ class OutageLog:
         self._failures = 0
         self._reported = 0.0
         self._ended = float("-inf")
+        self._cancel_reported = float("-inf")
 
     def failed(self, during: str, error: BaseException | str, began: float | None = None) -> None:
         """A call (``during``: the claim, a completion write, the heartbeat ...) could not reach the database.
 
         ``began``: when the call started, on this log's clock; one that began
         before the last outage ended is that outage's tail and says nothing.
+
+        A statement the server cancelled (``statement_timeout``; psycopg's
+        QueryCanceled is an OperationalError) reached the database: it is said
+        as what it is, at most once per REPEAT_SECONDS, and begins no outage.
+        Logged as "database unreachable" and then "reachable again", 529 of
+        them in 50 s sent an operator to look for an outage that was not there.
         """
         now = self._clock()
+        if isinstance(error, psycopg.errors.QueryCanceled):
+            with self._lock:
+                say = now - self._cancel_reported >= REPEAT_SECONDS
+                if say:
+                    self._cancel_reported = now
+            if say:
+                event(logging.WARNING, STATEMENT_CANCELLED, during=during, error=str(error))
+            return
         with self._lock:
             if self._since is None and began is not None and began < self._ended:
                 return
@@ -132,6 +151,11 @@ class OutageLog:
                 during=during,
                 error=str(error),
             )
+
+    def ended_within(self, seconds: float) -> bool:
+        """Whether the last outage ended less than ``seconds`` ago (or one is under way)."""
+        with self._lock:
+            return self._since is not None or self._clock() - self._ended < seconds
 
     def succeeded(self) -> None:
         """A call got through: end the outage, if one was under way, with one line."""

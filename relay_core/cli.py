@@ -83,13 +83,32 @@ class RelayCommands(click.Group):
     A ``RELAY_*`` setting is read where it is used, often when a ``Relay`` is
     built, which for ``--app`` happens inside the user's module as it is
     imported; wherever that is, the message names the setting.
+
+    Under ``--log-format json`` (or ``RELAY_LOG_FORMAT=json``) the line that
+    ends a command, and the traceback of an application's module that failed
+    to import, are log records like every other line on stderr: as plain
+    text they broke the JSON a log pipeline parses. A usage error (a flag
+    mistyped at a terminal) stays click's own text.
     """
 
     def invoke(self, ctx: click.Context) -> object:
         try:
             return super().invoke(ctx)
         except (ConfigurationError, MigrationError) as exc:
-            raise click.ClickException(str(exc)) from None
+            ending = click.ClickException(str(exc))
+        except (click.UsageError, click.exceptions.Exit, click.Abort):
+            raise
+        except click.ClickException as exc:
+            ending = exc
+        except Exception as exc:
+            if not logs.json_configured():
+                raise
+            logs.logger.critical("%s: %s", type(exc).__name__, exc, exc_info=exc)
+            ctx.exit(1)
+        if logs.json_configured():
+            logs.logger.error(ending.format_message())
+            ctx.exit(ending.exit_code)
+        raise ending from None
 
 
 class RefusedInput(click.ClickException):

@@ -107,6 +107,11 @@ class RepeatsFilter(logging.Filter):
         return True
 
 
+def json_configured() -> bool:
+    """Whether ``configure`` made Relay's log lines JSON."""
+    return any(isinstance(handler.formatter, JsonFormatter) for handler in logger.handlers)
+
+
 def configure(level: str | int = "INFO", fmt: str | None = None) -> None:
     """Send Relay's logs to stderr, as JSON or key=value lines; an unknown format is a ConfigurationError."""
     raw = fmt or os.environ.get("RELAY_LOG_FORMAT") or "text"

@@ -409,3 +409,25 @@ def test_worker_help_names_the_variable_behind_each_flag() -> None:
     for variable in ("RELAY_QUEUES", "RELAY_CONCURRENCY", "RELAY_LEASE_SECONDS", "RELAY_SHUTDOWN_TIMEOUT"):
         assert f"default: {variable}, else" in text, variable
     assert "RELAY_LISTEN=false" in text and "RELAY_HEARTBEAT_INTERVAL" in text
+
+
+def test_under_json_logs_a_module_that_fails_to_import_ends_with_a_json_record(
+    python: str, worker_env: dict[str, str], tmp_path: Path
+) -> None:
+    """Its traceback, and every command's last "Error:" line, were plain text among JSON lines."""
+    (tmp_path / "broken_app.py").write_text('raise RuntimeError("boom at import")\n')
+    command = [python, "-m", "relay_core", "--log-format", "json", "worker", "--app", "broken_app:relay"]
+    done = subprocess.run(command, env=worker_env, cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1, done.stderr
+    records = [json.loads(line) for line in done.stderr.strip().splitlines()]  # every line is JSON
+    assert records[-1]["level"] == "critical" and records[-1]["message"] == "RuntimeError: boom at import"
+    assert f'File "{tmp_path / "broken_app.py"}", line 1' in records[-1]["exception"]
+
+
+def test_under_json_logs_a_command_ends_with_a_json_error_record(dsn: str) -> None:
+    result = run(dsn, ["--log-format", "json", "requeue", "999999"])
+    assert result.exit_code == 1, result.output
+    records = [json.loads(line) for line in result.stderr.strip().splitlines()]
+    assert records[-1]["level"] == "error" and records[-1]["message"] == "job 999999 does not exist"
+    typo = run(dsn, ["--log-format", "json", "enqueue", "t", "{bad"])
+    assert typo.exit_code == 2 and "Usage:" in typo.stderr  # typed at a terminal: click's own words

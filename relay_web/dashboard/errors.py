@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 
 import psycopg
-from flask import Response, request
+from flask import Response, request, url_for
 from psycopg_pool import PoolTimeout
 from werkzeug.exceptions import HTTPException, MethodNotAllowed, NotFound
 
@@ -22,6 +22,7 @@ from ..health import missing_schema_problem
 from ..problems import Problem
 from .blueprint import bp, page_headers
 from .render import is_htmx, page
+from .session import return_path
 
 log = logging.getLogger("relay.web")
 
@@ -41,6 +42,8 @@ def error_page(
     retry_url = request.full_path.rstrip("?") if retry and request.method == "GET" else None
     response = page(
         "error",
+        # A refused CSRF token: the page that sent it is stale, and reloading it gives a good one.
+        reload_url=(return_path() or url_for("dashboard.overview")) if status == 403 else None,
         status=status,
         title=title,
         detail=detail,

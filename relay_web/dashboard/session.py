@@ -178,7 +178,7 @@ def _slide(session: Session, claims: dict[str, Any]) -> None:
         return response
 
 
-def _return_path() -> str | None:
+def return_path() -> str | None:
     """The page to show again after login: the one the person was on, on this host only.
 
     An htmx request names that page in HX-Current-URL (a poll's own URL is only
@@ -198,7 +198,7 @@ def _return_path() -> str | None:
 def _to_login() -> Response:
     # A button pressed after the session ended did nothing: the login form says so (``undone``).
     undone = 1 if request.method != "GET" else None
-    target = url_for("dashboard.login", next=_return_path(), undone=undone)
+    target = url_for("dashboard.login", next=return_path(), undone=undone)
     if request.headers.get("HX-Request"):
         response = Response("", status=401)
         response.headers["HX-Redirect"] = target

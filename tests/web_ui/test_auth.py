@@ -391,7 +391,15 @@ def test_state_changing_posts_need_the_csrf_token(admin: DashboardClient, jobs: 
     assert "security token" in missing.get_data(as_text=True)
     admin_csrf = admin.csrf
     admin.csrf = "not-the-token"
-    assert admin.post(f"/jobs/{job_id}/requeue").status_code == 403
+    page = f"http://localhost/jobs/{job_id}"
+    refused = admin.client.post(
+        f"/jobs/{job_id}/requeue",
+        headers={"HX-Request": "true", "HX-Current-URL": page, "X-CSRF-TOKEN": admin.csrf},
+    )
+    assert refused.status_code == 403
+    html = refused.get_data(as_text=True)
+    # The way on is reloading the page the token came from, not the login form offered to someone logged in.
+    assert f'<a class="btn" href="/jobs/{job_id}">Reload the page</a>' in html and "Log in" not in html
     admin.csrf = admin_csrf
     assert jobs.status(job_id) == "dead"
 

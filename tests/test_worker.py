@@ -2551,15 +2551,9 @@ def test_a_worker_does_not_sweep_a_lease_it_still_holds(relay: Relay, db: psycop
     assert runs[0] == job_id
 
 
-def test_a_heartbeat_whose_own_connection_is_refused_renews_on_a_pooled_one(
-    dsn: str, db: psycopg.Connection, caplog: pytest.LogCaptureFixture
-) -> None:
-    """The server ended the heartbeat's session and refused new ones (too many clients) while the pool's open
-    sessions worked: the worker went on claiming and running through its pool, every lease it held ran out,
-    and another worker ran its jobs beside its handlers (about 17 s of one job running twice, in a review)."""
-    role = f"relay_heartbeat_test_{os.getpid()}"
-    db.execute(f"CREATE ROLE {role} LOGIN SUPERUSER")
-    app = Relay(conninfo.make_conninfo(dsn, user=role))
+@contextmanager
+def _a_long_job_running(app: Relay, **settings: object) -> Iterator[tuple[Worker, int, threading.Event]]:
+    """A worker running one job whose handler holds its slot until the event is set (set on the way out too)."""
     started = threading.Event()
     release = threading.Event()
 
@@ -2569,9 +2563,27 @@ def test_a_heartbeat_whose_own_connection_is_refused_renews_on_a_pooled_one(
         release.wait(20)
 
     try:
-        with running_worker(app, lease_seconds=3.0, heartbeat_interval=0.5, concurrency=2, poll_interval=0.1):
+        with running_worker(app, **settings) as worker:
             job_id = app.enqueue("long")
             assert started.wait(10)
+            yield worker, job_id, release
+            release.set()
+    finally:
+        release.set()
+
+
+def test_a_heartbeat_whose_own_connection_is_refused_renews_on_a_pooled_one(
+    dsn: str, db: psycopg.Connection, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The server ended the heartbeat's session and refused new ones (too many clients) while the pool's open
+    sessions worked: the worker went on claiming and running through its pool, every lease it held ran out,
+    and another worker ran its jobs beside its handlers (about 17 s of one job running twice, in a review)."""
+    role = f"relay_heartbeat_test_{os.getpid()}"
+    db.execute(f"CREATE ROLE {role} LOGIN SUPERUSER")
+    app = Relay(conninfo.make_conninfo(dsn, user=role))
+    settings = {"lease_seconds": 3.0, "heartbeat_interval": 0.5, "concurrency": 2, "poll_interval": 0.1}
+    try:
+        with _a_long_job_running(app, **settings) as (_, job_id, release):
             heartbeats = (
                 "SELECT {} FROM pg_stat_activity"
                 " WHERE usename = %s AND query LIKE 'UPDATE relay.workers SET last_seen_at%%'"
@@ -2593,7 +2605,6 @@ def test_a_heartbeat_whose_own_connection_is_refused_renews_on_a_pooled_one(
             release.set()
             wait_for(lambda: job_status(db, job_id) == "succeeded", 10, what="the job to succeed")
     finally:
-        release.set()
         app.close()
         db.execute(f"ALTER ROLE {role} LOGIN")
         db.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = %s", (role,))
@@ -2697,41 +2708,24 @@ def test_a_heartbeat_whose_connection_ended_while_idle_renews_on_a_new_one_at_on
 ) -> None:
     """An idle_session_timeout (or a restart) ended the heartbeat's session between two renewals: the renewal
     failed, waited a second, and each such end was logged as an outage and its end."""
-    release = threading.Event()
-    started = threading.Event()
-
-    @relay.handler("long")
-    def long(job: Job) -> None:
-        started.set()
-        release.wait(20)
-
     caplog.set_level("INFO", logger="relay")
-    try:
-        with running_worker(relay, lease_seconds=3.0, heartbeat_interval=0.5) as worker:
-            job_id = relay.enqueue("long")
-            assert started.wait(10)
-            wait_for(lambda: worker.maintenance._heartbeat_conn is not None, 10, what="the heartbeat's connection")
-            before = db.execute("SELECT claimed_until FROM relay.jobs WHERE id = %s", (job_id,)).fetchone()[0]
-            # Ended while idle, as an idle-session timeout ends it (not in the middle of its first renewal).
-            idle = (
-                "SELECT state = 'idle' AND state_change < now() - interval '50 ms' FROM pg_stat_activity WHERE pid = %s"
-            )
-            for _ in range(3):
-                pid = worker.maintenance._heartbeat_conn.info.backend_pid
-                wait_for(lambda p=pid: db.execute(idle, (p,)).fetchone() == (True,), 10, what="an idle session")
-                db.execute("SELECT pg_terminate_backend(%s)", (pid,))
-                wait_for(lambda p=pid: worker.maintenance._heartbeat_conn.info.backend_pid != p, 10, what="a new one")
-            wait_for(
-                lambda: (
-                    db.execute("SELECT claimed_until FROM relay.jobs WHERE id = %s", (job_id,)).fetchone()[0] > before
-                ),
-                5,
-                what="a renewal",
-            )
-            release.set()
-            wait_for(lambda: job_status(db, job_id) == "succeeded", 10)
-    finally:
+    with _a_long_job_running(relay, lease_seconds=3.0, heartbeat_interval=0.5) as (worker, job_id, release):
+        wait_for(lambda: worker.maintenance._heartbeat_conn is not None, 10, what="the heartbeat's connection")
+        before = db.execute("SELECT claimed_until FROM relay.jobs WHERE id = %s", (job_id,)).fetchone()[0]
+        # Ended while idle, as an idle-session timeout ends it (not in the middle of its first renewal).
+        idle = "SELECT state = 'idle' AND state_change < now() - interval '50 ms' FROM pg_stat_activity WHERE pid = %s"
+        for _ in range(3):
+            pid = worker.maintenance._heartbeat_conn.info.backend_pid
+            wait_for(lambda p=pid: db.execute(idle, (p,)).fetchone() == (True,), 10, what="an idle session")
+            db.execute("SELECT pg_terminate_backend(%s)", (pid,))
+            wait_for(lambda p=pid: worker.maintenance._heartbeat_conn.info.backend_pid != p, 10, what="a new one")
+        wait_for(
+            lambda: db.execute("SELECT claimed_until FROM relay.jobs WHERE id = %s", (job_id,)).fetchone()[0] > before,
+            5,
+            what="a renewal",
+        )
         release.set()
+        wait_for(lambda: job_status(db, job_id) == "succeeded", 10)
     said = [r.getMessage() for r in caplog.records]
     assert not [m for m in said if "unreachable" in m or "reachable again" in m], said
 
@@ -2741,27 +2735,11 @@ def test_a_lease_taken_over_is_reported_once_not_at_every_heartbeat(
 ) -> None:
     """The run whose lease was taken over stays in the ledger while its handler runs on: each heartbeat
     renewed its old token again, found it taken again, and said so again."""
-    release = threading.Event()
-    started = threading.Event()
-
-    @relay.handler("long")
-    def long(job: Job) -> None:
-        started.set()
-        release.wait(20)
-
     caplog.set_level("INFO", logger="relay")
-    try:
-        with running_worker(relay, lease_seconds=3.0, heartbeat_interval=0.3):
-            job_id = relay.enqueue("long")
-            assert started.wait(10)
-            # Another worker has it now: a sweeper put it back and that worker claimed it.
-            db.execute(
-                "UPDATE relay.jobs SET lease_token = lease_token + 1, claimed_by = 'other' WHERE id = %s", (job_id,)
-            )
-            wait_for(lambda: "leases taken over by another worker" in caplog.text, 10, what="the report")
-            time.sleep(1.5)  # five more heartbeats
-            release.set()
-    finally:
-        release.set()
+    with _a_long_job_running(relay, lease_seconds=3.0, heartbeat_interval=0.3) as (_, job_id, _):
+        # Another worker has it now: a sweeper put it back and that worker claimed it.
+        db.execute("UPDATE relay.jobs SET lease_token = lease_token + 1, claimed_by = 'other' WHERE id = %s", (job_id,))
+        wait_for(lambda: "leases taken over by another worker" in caplog.text, 10, what="the report")
+        time.sleep(1.5)  # five more heartbeats
     reports = [r for r in caplog.records if r.getMessage() == "leases taken over by another worker"]
     assert len(reports) == 1, [r.job_ids for r in reports]

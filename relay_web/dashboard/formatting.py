@@ -142,6 +142,19 @@ def progress_percent(value: int | float) -> float:
 DIRECTION_CONTROLS = {code: f"[U+{code:04X}]" for code in (*range(0x202A, 0x202F), *range(0x2066, 0x206A))}
 
 
+class Verbatim(str):
+    """Text a page sends back as it is (a form's value): ``direction_controls_shown`` leaves it alone."""
+
+
+def verbatim(value: Any) -> Verbatim:
+    """The ``verbatim`` filter: ``value="{{ g.type|verbatim }}"`` for a value the server must get back unchanged.
+
+    Written out, a job type holding a direction control came back from the
+    dead page's "Requeue all" as another type, and requeued nothing.
+    """
+    return Verbatim("" if value is None else value)
+
+
 def direction_controls_shown(value: Any) -> Any:
     """``value`` with every direction control written out, for every ``{{ ... }}`` of the dashboard.
 
@@ -149,9 +162,10 @@ def direction_controls_shown(value: Any) -> Any:
     the text: a right-to-left override in an error showed "gnp.exe" as
     "exe.png" and reordered the payload's punctuation around it. Jinja calls
     this on each expression's value before escaping it (``finalize``); text
-    already marked safe stays safe, as what replaces a control is plain text.
+    already marked safe stays safe, as what replaces a control is plain text,
+    and a form's value marked ``verbatim`` is sent back as it came.
     """
-    if not isinstance(value, str) or value.isascii():
+    if not isinstance(value, str) or isinstance(value, Verbatim) or value.isascii():
         return value
     shown = value.translate(DIRECTION_CONTROLS)
     return Markup(shown) if isinstance(value, Markup) else shown
@@ -170,4 +184,5 @@ FILTERS = {
     "number": number,
     "percent": percent,
     "progress_percent": progress_percent,
+    "verbatim": verbatim,
 }

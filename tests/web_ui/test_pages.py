@@ -777,3 +777,22 @@ def test_direction_controls_a_job_carries_are_written_out_not_obeyed(viewer: Das
         assert "[U+202E]gnp.exe" in html, page
     assert "invoice[U+202E]gnp.exe" in _text(viewer.get(f"/jobs/{job_id}"))
     assert jobs.status(job_id) == "dead"
+
+
+def test_a_type_holding_a_direction_control_goes_back_to_the_server_as_it_is(
+    admin: DashboardClient, jobs: Jobs
+) -> None:
+    """Written out in the dead page's form, the type came back from "Requeue all" as another type:
+    "Nothing requeued: no dead report[U+202E]FDP jobs are left", and the job stayed dead."""
+    job_type = "report\u202efdp"
+    job_id = jobs.dead(jobs.add(job_type))
+    page = _text(admin.get("/dead"))
+    assert f'<input type="hidden" name="type" value="{job_type}">' in page
+    assert "report[U+202E]fdp" in page  # shown written out
+    read_at = re.search(r'name="finished_by" value="([^"]+)"', page)
+    assert read_at, page
+    response = admin.post("/dead/requeue", {"type": job_type, "finished_by": read_at[1]})
+    assert response.status_code == 200, _text(response)
+    assert jobs.status(job_id) == "queued"
+    listing = _text(admin.get("/jobs", query_string={"type": job_type}))
+    assert f'<input name="type" value="{job_type}"' in listing

@@ -222,7 +222,10 @@ def _run_transactional(job: Job, spec: HandlerSpec, pool: ConnectionPool, lease_
     an outage or with the server out of connections, or every one tried was
     broken), ``_NotBegun`` hands the job back with its attempt: charged with
     ``PoolTimeout``, a job with one attempt ended dead without its handler
-    ever starting. A failure once the handler has started is the attempt's.
+    ever starting. So it is when the lease was lost during the wait: the
+    hand-back is fenced by the lease token, so it changes nothing if another
+    worker has the job, and gives the job back if nobody took it. A failure
+    once the handler has started is the attempt's.
     """
     for tries_left in range(TRANSACTION_OPEN_TRIES - 1, -1, -1):
         run = _TransactionRun()
@@ -230,13 +233,15 @@ def _run_transactional(job: Job, spec: HandlerSpec, pool: ConnectionPool, lease_
             _run_in_transaction(job, spec, pool, lease_seconds, run)
             return
         except PoolTimeout as exc:
-            if run.conn is not None or job.lease_lost:
+            if run.conn is not None:
                 raise
             raise _NotBegun(str(exc)) from exc
         except psycopg.Error as exc:
-            if not run.lost_its_connection_first() or job.lease_lost:
+            if not run.lost_its_connection_first():
                 raise
-            if not tries_left:
+            if job.lease_lost or not tries_left:
+                # Handed back, fenced: a lease lost meanwhile (it ran out during the wait, or
+                # another worker has the job) writes nothing if it is no longer this run's.
                 raise _NotBegun(str(exc)) from exc
             event(logging.INFO, "transaction not begun: connection lost; trying another", job_id=job.id, error=str(exc))
 

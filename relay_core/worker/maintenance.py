@@ -326,8 +326,8 @@ class Maintenance:
     def sweep(self) -> dict[str, int]:
         """Run the sweeper once, each batch committed as it runs (autocommit: see ``heartbeat``).
 
-        Not within the restart grace of this worker's own last outage ending,
-        as not within that of the server's start (see ``sweep_once``): the
+        Not within the restart grace of this worker's own last long outage
+        ending, as not within that of the server's start (see ``sweep_once``): the
         server's start time comes before its crash recovery, which can take
         longer than the grace (7.7 s of WAL replayed in a review's run, past a
         6 s lease), so the first sweeper through took the leases of live
@@ -355,8 +355,16 @@ class Maintenance:
         return min(self._lease_seconds, RESTART_GRACE_MAX_SECONDS)
 
     def in_restart_grace(self) -> bool:
-        """Whether this worker's last outage is under way or ended within the restart grace (see ``sweep``)."""
-        return self._outage.ended_within(self._restart_grace)
+        """Whether an outage that may have let leases run out is under way or ended within the restart grace.
+
+        One that long lasted at least a lease less a heartbeat interval: a
+        live worker renews at most that long before it began. Shorter ones
+        (a session an idle-session timeout ended, a lost packet) hold nothing
+        off: counting those, a worker whose listener was cut every few
+        seconds never swept, and a dead worker's jobs stayed claimed.
+        """
+        long_enough = max(self._lease_seconds - self._heartbeat_interval, 0.0)
+        return self._outage.long_one_within(self._restart_grace, longer_than=long_enough)
 
     def run_periodic(self) -> float:
         """Learn whether any job type has a limit, and enqueue due periodic ticks once.

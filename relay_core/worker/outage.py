@@ -107,6 +107,7 @@ class OutageLog:
         self._reported = 0.0
         self._ended = float("-inf")
         self._cancel_reported = float("-inf")
+        self._last_length = 0.0
 
     def failed(self, during: str, error: BaseException | str, began: float | None = None) -> None:
         """A call (``during``: the claim, a completion write, the heartbeat ...) could not reach the database.
@@ -152,10 +153,17 @@ class OutageLog:
                 error=str(error),
             )
 
-    def ended_within(self, seconds: float) -> bool:
-        """Whether the last outage ended less than ``seconds`` ago (or one is under way)."""
+    def long_one_within(self, seconds: float, longer_than: float) -> bool:
+        """Whether an outage of ``longer_than`` s or more is under way, or ended less than ``seconds`` ago.
+
+        Only an outage that long can have let leases run out: a blip (a
+        listener's session ended by an idle-session timeout) is not one.
+        """
         with self._lock:
-            return self._since is not None or self._clock() - self._ended < seconds
+            now = self._clock()
+            if self._since is not None:
+                return now - self._since >= longer_than
+            return self._last_length >= longer_than and now - self._ended < seconds
 
     def succeeded(self) -> None:
         """A call got through: end the outage, if one was under way, with one line."""
@@ -167,5 +175,6 @@ class OutageLog:
             self._since, self._failures = None, 0
             if since is not None:
                 self._ended = now
+                self._last_length = now - since
         if since is not None:
             event(logging.WARNING, self._wording.ends, after_s=round(now - since, 1), failed_calls=failures)

@@ -98,7 +98,7 @@ class Ledger:
         with self.lock:
             held = dict(self.awaiting_write)
             held.update(self.closing)
-            held.update((jid, r.job.lease_token) for jid, (r, _) in self.overdue.items())
+            held.update((jid, r.job.lease_token) for jid, (r, _) in self.overdue.items() if not r.taken_over)
             # Last, so a job claimed again has its newest lease renewed, not the earlier run's. Not one
             # taken over: its renewal changed nothing, and each heartbeat reported it taken over again.
             held.update((jid, r.job.lease_token) for jid, r in self.running.items() if not r.taken_over)

@@ -197,7 +197,7 @@ def return_path() -> str | None:
 
 def _to_login() -> Response:
     # A button pressed after the session ended did nothing: the login form says so (``undone``).
-    undone = 1 if request.method != "GET" else None
+    undone = 1 if request.method != "GET" and request.endpoint != "dashboard.logout" else None
     target = url_for("dashboard.login", next=return_path(), undone=undone)
     if request.headers.get("HX-Request"):
         response = Response("", status=401)

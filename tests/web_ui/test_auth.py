@@ -447,3 +447,10 @@ def test_viewers_see_no_action_buttons(viewer: DashboardClient, jobs: Jobs) -> N
         assert "<button" in html  # the logout button only
         assert html.count("<button") == 1, url
         assert "hx-post" not in html, url
+
+
+def test_a_logout_after_the_session_ended_does_not_say_a_press_was_not_done(anonymous: DashboardClient) -> None:
+    """The login form's "what you pressed was not done" is for actions; logging out is done either way."""
+    response = anonymous.client.post("/logout", headers={"HX-Request": "true"})
+    assert response.status_code == 401
+    assert response.headers["HX-Redirect"] == "/login"

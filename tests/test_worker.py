@@ -2754,3 +2754,58 @@ def test_a_lease_taken_over_is_reported_once_not_at_every_heartbeat(
         time.sleep(1.5)  # five more heartbeats
     reports = [r for r in caplog.records if r.getMessage() == "leases taken over by another worker"]
     assert len(reports) == 1, [r.job_ids for r in reports]
+
+
+def test_a_worker_that_started_while_the_database_was_down_gives_live_workers_the_restart_grace(
+    dsn: str, db: psycopg.Connection
+) -> None:
+    """Started during an outage (an orchestrator restarting containers while the database recovers), a
+    worker saw no outage end and swept at once: 0.85 s after the server took connections it took the lease
+    of a live worker that had not renewed yet, and that worker's finished job ran again."""
+    role = f"relay_late_start_test_{os.getpid()}"
+    db.execute(f"CREATE ROLE {role} LOGIN SUPERUSER")
+    job_id = db.execute("INSERT INTO relay.jobs (type, queue) VALUES ('t', 'elsewhere') RETURNING id").fetchone()[0]
+    db.execute(sql("job_claim"), claim_params(queues=["elsewhere"], worker_id="holder", lease_seconds=60))
+    db.execute("UPDATE relay.jobs SET claimed_until = now() - interval '1 second' WHERE id = %s", (job_id,))
+    app = Relay(conninfo.make_conninfo(dsn, user=role))
+    app.handler("other")(lambda job: None)
+    db.execute(f"ALTER ROLE {role} NOLOGIN")  # the database does not answer this worker yet
+    try:
+        with running_worker(app, lease_seconds=3.0, heartbeat_interval=1.0, sweep_interval=0.2) as worker:
+            time.sleep(1.0)
+            db.execute(f"ALTER ROLE {role} LOGIN")  # back
+            wait_for(lambda: worker.maintenance.registered_at is not None, 15, what="the worker's registration")
+            time.sleep(1.5)  # several sweeps' time, within the grace (the lease, 3 s)
+            assert job_status(db, job_id) == "claimed", "swept before the live holder could renew"
+            wait_for(lambda: job_status(db, job_id) == "queued", 10, what="the sweep after the grace")
+    finally:
+        app.close()
+        db.execute(f"ALTER ROLE {role} LOGIN")
+        db.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = %s", (role,))
+        db.execute(f"DROP ROLE {role}")
+
+
+def test_a_listening_session_the_server_ended_is_replaced_without_calling_it_an_outage(
+    relay: Relay, db: psycopg.Connection, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An idle_session_timeout ends an idle LISTEN session every few seconds: each end was logged as the
+    database unreachable, then reachable again (60 times in a review's run on a healthy server)."""
+    ran = threading.Event()
+    relay.handler("woken")(lambda job: ran.set())
+    caplog.set_level("INFO", logger="relay")
+    listening = (
+        "SELECT pid FROM pg_stat_activity"
+        " WHERE datname = current_database() AND query = 'LISTEN relay_jobs' AND state = 'idle'"
+    )
+    with running_worker(relay, poll_interval=60.0) as worker:
+        for ended in range(1, 4):
+            wait_for(lambda: worker.listener.connected.is_set(), 10, what="a listening session")
+            time.sleep(1.2)  # it has listened a while, as a session an idle timeout ends has
+            (pid,) = db.execute(listening).fetchone()
+            db.execute("SELECT pg_terminate_backend(%s)", (pid,))
+            wait_for(lambda n=ended: worker.listener.reconnects == n, 10, what="the session replaced")
+        wait_for(lambda: worker.listener.connected.is_set(), 10, what="a listening session")
+        relay.enqueue("woken")
+        assert ran.wait(5), "the new session did not wake the worker (it polls only every 60 s)"
+    said = [r.getMessage() for r in caplog.records]
+    assert not [m for m in said if "unreachable" in m or "reachable again" in m], said

@@ -165,6 +165,11 @@ class OutageLog:
                 return now - self._since >= longer_than
             return self._last_length >= longer_than and now - self._ended < seconds
 
+    def ended_long_one(self) -> None:
+        """Record, without a word, that an outage of unknown length ended now (the worker started during one)."""
+        with self._lock:
+            self._ended, self._last_length = self._clock(), float("inf")
+
     def succeeded(self) -> None:
         """A call got through: end the outage, if one was under way, with one line."""
         if self._since is None:  # the usual case, without the lock

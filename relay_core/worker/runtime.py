@@ -60,6 +60,8 @@ from .vacuum import vacuum_if_needed
 CLAIM_COALESCE_SECONDS = 0.002
 #: At shutdown, the pause between tries to return the jobs of a claim whose answer was lost.
 RETURN_UNHELD_RETRY_SECONDS = 0.1
+#: A registration that took longer than this waited for a database that was not answering.
+STARTED_DURING_AN_OUTAGE_SECONDS = 1.0
 #: At the end of a shutdown, how long the heartbeat and listener threads get to stop (together),
 #: and each of the pool's threads (its three workers and its scheduler, joined one after another).
 THREADS_STOP_SECONDS = 0.25
@@ -346,11 +348,17 @@ class Worker:
         # during a failover) would give up after that wait and exit. Registration
         # retries instead, until the database answers or the worker is told to stop.
         self.pool.open()
+        began = time.monotonic()
         try:
-            retry_until_stopped(self._register, self.stopping, self.dsn)
+            retried = retry_until_stopped(self._register, self.stopping, self.dsn)
         except ConfigurationError:
             self.pool.close()
             raise
+        if retried or time.monotonic() - began > STARTED_DURING_AN_OUTAGE_SECONDS:
+            # Started while the database was down or recovering (its registration failed, or waited for
+            # the pool to connect): how long it had been down is unknown, so this worker's sweeper gives
+            # live workers the restart grace to renew their leases, as after a long outage of its own.
+            self.outage.ended_long_one()
         if self.stopping.is_set() and self.maintenance.registered_at is None:
             self.pool.close()  # stopped before the database ever answered: nothing claimed, nothing to hand back
             self.stopped.set()

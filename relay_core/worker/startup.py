@@ -71,19 +71,25 @@ def register_worker(
     return limits_exist
 
 
-def retry_until_stopped(action: Callable[[], None], stopping: threading.Event, dsn: str) -> None:
-    """Run ``action`` until it gets through to the database or ``stopping`` is set, waits doubling to 1 s."""
+def retry_until_stopped(action: Callable[[], None], stopping: threading.Event, dsn: str) -> bool:
+    """Run ``action`` until it gets through to the database or ``stopping`` is set, waits doubling to 1 s.
+
+    Answers whether it had to wait: the database did not answer at first.
+    """
     delay = 0.1
+    waited = False
     while not stopping.is_set():
         try:
             action()
-            return
+            return waited
         except (psycopg.OperationalError, psycopg.InterfaceError, PoolTimeout) as exc:
+            waited = True
             # The pool's timeout says only that it waited: a connection of its own says why.
             error = (connect_error(dsn) if isinstance(exc, PoolTimeout) else None) or str(exc)
             event(logging.WARNING, retry_message(error), error=error, retry_in=delay)
             stopping.wait(delay)
             delay = next_retry_delay(delay)
+    return waited
 
 
 def retry_message(error: str) -> str:

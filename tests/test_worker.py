@@ -2572,43 +2572,51 @@ def _a_long_job_running(app: Relay, **settings: object) -> Iterator[tuple[Worker
         release.set()
 
 
+@contextmanager
+def _an_app_under_a_role_of_its_own(dsn: str, db: psycopg.Connection, name: str) -> Iterator[tuple[Relay, str]]:
+    """A Relay app logging in as a new superuser role, which a test may bar from logging in (NOLOGIN) while
+    its open sessions go on; dropped afterwards with every session it left."""
+    role = f"relay_{name}_test_{os.getpid()}"
+    db.execute(f"CREATE ROLE {role} LOGIN SUPERUSER")
+    app = Relay(conninfo.make_conninfo(dsn, user=role))
+    try:
+        yield app, role
+    finally:
+        app.close()
+        db.execute(f"ALTER ROLE {role} LOGIN")
+        db.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = %s", (role,))
+        db.execute(f"DROP ROLE {role}")
+
+
 def test_a_heartbeat_whose_own_connection_is_refused_renews_on_a_pooled_one(
     dsn: str, db: psycopg.Connection, caplog: pytest.LogCaptureFixture
 ) -> None:
     """The server ended the heartbeat's session and refused new ones (too many clients) while the pool's open
     sessions worked: the worker went on claiming and running through its pool, every lease it held ran out,
     and another worker ran its jobs beside its handlers (about 17 s of one job running twice, in a review)."""
-    role = f"relay_heartbeat_test_{os.getpid()}"
-    db.execute(f"CREATE ROLE {role} LOGIN SUPERUSER")
-    app = Relay(conninfo.make_conninfo(dsn, user=role))
     settings = {"lease_seconds": 3.0, "heartbeat_interval": 0.5, "concurrency": 2, "poll_interval": 0.1}
-    try:
-        with _a_long_job_running(app, **settings) as (_, job_id, release):
-            heartbeats = (
-                "SELECT {} FROM pg_stat_activity"
-                " WHERE usename = %s AND query LIKE 'UPDATE relay.workers SET last_seen_at%%'"
-            )
-            wait_for(
-                lambda: db.execute(heartbeats.format("count(*)"), (role,)).fetchone()[0] == 1, 10, what="a heartbeat"
-            )
-            db.execute(f"ALTER ROLE {role} NOLOGIN")  # no new session; those open go on
-            ended = db.execute(heartbeats.format("count(pg_terminate_backend(pid))"), (role,)).fetchone()[0]
-            assert ended == 1, "the heartbeat's own session"
-            cut = db.execute("SELECT claimed_until FROM relay.jobs WHERE id = %s", (job_id,)).fetchone()[0]
-            time.sleep(4.5)  # past the lease the job held when the heartbeat's session ended
-            lease, status, attempts = db.execute(
-                "SELECT claimed_until, status::text, attempts FROM relay.jobs WHERE id = %s", (job_id,)
-            ).fetchone()
-            assert (status, attempts) == ("claimed", 1)
-            assert lease > cut and lease > db.execute("SELECT now()").fetchone()[0], "renewed while cut off"
-            db.execute(f"ALTER ROLE {role} LOGIN")
-            release.set()
-            wait_for(lambda: job_status(db, job_id) == "succeeded", 10, what="the job to succeed")
-    finally:
-        app.close()
+    with (
+        _an_app_under_a_role_of_its_own(dsn, db, "heartbeat") as (app, role),
+        _a_long_job_running(app, **settings) as (_, job_id, release),
+    ):
+        heartbeats = (
+            "SELECT {} FROM pg_stat_activity"
+            " WHERE usename = %s AND query LIKE 'UPDATE relay.workers SET last_seen_at%%'"
+        )
+        wait_for(lambda: db.execute(heartbeats.format("count(*)"), (role,)).fetchone()[0] == 1, 10, what="a heartbeat")
+        db.execute(f"ALTER ROLE {role} NOLOGIN")  # no new session; those open go on
+        ended = db.execute(heartbeats.format("count(pg_terminate_backend(pid))"), (role,)).fetchone()[0]
+        assert ended == 1, "the heartbeat's own session"
+        cut = db.execute("SELECT claimed_until FROM relay.jobs WHERE id = %s", (job_id,)).fetchone()[0]
+        time.sleep(4.5)  # past the lease the job held when the heartbeat's session ended
+        lease, status, attempts = db.execute(
+            "SELECT claimed_until, status::text, attempts FROM relay.jobs WHERE id = %s", (job_id,)
+        ).fetchone()
+        assert (status, attempts) == ("claimed", 1)
+        assert lease > cut and lease > db.execute("SELECT now()").fetchone()[0], "renewed while cut off"
         db.execute(f"ALTER ROLE {role} LOGIN")
-        db.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = %s", (role,))
-        db.execute(f"DROP ROLE {role}")
+        release.set()
+        wait_for(lambda: job_status(db, job_id) == "succeeded", 10, what="the job to succeed")
 
 
 @pytest.mark.parametrize("lease_lost", [False, True], ids=["lease-held", "lease-flagged-lost-during-the-wait"])
@@ -2762,15 +2770,12 @@ def test_a_worker_that_started_while_the_database_was_down_gives_live_workers_th
     """Started during an outage (an orchestrator restarting containers while the database recovers), a
     worker saw no outage end and swept at once: 0.85 s after the server took connections it took the lease
     of a live worker that had not renewed yet, and that worker's finished job ran again."""
-    role = f"relay_late_start_test_{os.getpid()}"
-    db.execute(f"CREATE ROLE {role} LOGIN SUPERUSER")
     job_id = db.execute("INSERT INTO relay.jobs (type, queue) VALUES ('t', 'elsewhere') RETURNING id").fetchone()[0]
     db.execute(sql("job_claim"), claim_params(queues=["elsewhere"], worker_id="holder", lease_seconds=60))
     db.execute("UPDATE relay.jobs SET claimed_until = now() - interval '1 second' WHERE id = %s", (job_id,))
-    app = Relay(conninfo.make_conninfo(dsn, user=role))
-    app.handler("other")(lambda job: None)
-    db.execute(f"ALTER ROLE {role} NOLOGIN")  # the database does not answer this worker yet
-    try:
+    with _an_app_under_a_role_of_its_own(dsn, db, "late_start") as (app, role):
+        app.handler("other")(lambda job: None)
+        db.execute(f"ALTER ROLE {role} NOLOGIN")  # the database does not answer this worker yet
         with running_worker(app, lease_seconds=3.0, heartbeat_interval=1.0, sweep_interval=0.2) as worker:
             time.sleep(1.0)
             db.execute(f"ALTER ROLE {role} LOGIN")  # back
@@ -2778,11 +2783,6 @@ def test_a_worker_that_started_while_the_database_was_down_gives_live_workers_th
             time.sleep(1.5)  # several sweeps' time, within the grace (the lease, 3 s)
             assert job_status(db, job_id) == "claimed", "swept before the live holder could renew"
             wait_for(lambda: job_status(db, job_id) == "queued", 10, what="the sweep after the grace")
-    finally:
-        app.close()
-        db.execute(f"ALTER ROLE {role} LOGIN")
-        db.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = %s", (role,))
-        db.execute(f"DROP ROLE {role}")
 
 
 def test_a_listening_session_the_server_ended_is_replaced_without_calling_it_an_outage(

@@ -2614,6 +2614,8 @@ def test_a_heartbeat_whose_own_connection_is_refused_renews_on_a_pooled_one(
         ).fetchone()
         assert (status, attempts) == ("claimed", 1)
         assert lease > cut and lease > db.execute("SELECT now()").fetchone()[0], "renewed while cut off"
+        said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("heartbeat sent on a pooled")]
+        assert said == ["heartbeat sent on a pooled connection: its own was refused"]  # once, not per heartbeat
         db.execute(f"ALTER ROLE {role} LOGIN")
         release.set()
         wait_for(lambda: job_status(db, job_id) == "succeeded", 10, what="the job to succeed")

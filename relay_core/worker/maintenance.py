@@ -28,7 +28,7 @@ from ..monitor import fold_counters
 from ..queries import sql
 from ..sessions import configure_session, in_autocommit
 from .limits import forget_old_starts
-from .outage import OutageLog, PooledCallLog
+from .outage import REPEAT_SECONDS, OutageLog, PooledCallLog
 from .retention import hit_cap
 
 SWEEP_BATCH = 1000
@@ -195,6 +195,7 @@ class Maintenance:
         self._pooled_calls = pooled_calls or self._outage
         self._dsn = dsn
         self._heartbeat_conn: psycopg.Connection | None = None
+        self._pooled_heartbeat_said = float("-inf")  # when a pooled heartbeat was last logged (monotonic)
         self._worker_id = worker_id
         self._lease_seconds = lease_seconds
         self._heartbeat_interval = heartbeat_interval
@@ -304,7 +305,12 @@ class Maintenance:
                 self._renew(conn)
         except PoolTimeout:
             raise refused from None
-        event(logging.DEBUG, "heartbeat sent on a pooled connection", error=str(refused))
+        # Said once per REPEAT_SECONDS: the server refusing new sessions (too many clients) is the
+        # operator's to hear of, though the leases are safe; a line per heartbeat would bury the rest.
+        now = time.monotonic()
+        if now - self._pooled_heartbeat_said >= REPEAT_SECONDS:
+            self._pooled_heartbeat_said = now
+            event(logging.WARNING, "heartbeat sent on a pooled connection: its own was refused", error=str(refused))
 
     def _renew(self, conn: psycopg.Connection) -> None:
         """One renewal of the held leases and the registry row on ``conn``, then tell the worker what it found."""

@@ -126,9 +126,10 @@ def _too_slow(exc: psycopg.errors.QueryCanceled) -> Response:
     return error_page(503, "Query took too long", timed_out_detail("state, queue, type"), {"Retry-After": "1"})
 
 
-@bp.errorhandler(psycopg.OperationalError)
-@bp.errorhandler(psycopg.InterfaceError)
-@bp.errorhandler(PoolTimeout)
+#: What a dashboard request meets when the database cannot be reached (PoolTimeout: no connection came in time).
+UNREACHABLE = (psycopg.OperationalError, psycopg.InterfaceError, PoolTimeout)
+
+
 def _unavailable(exc: Exception) -> Response:
     log.warning("database unavailable: %s", exc)
     if request.method == "GET":
@@ -136,6 +137,10 @@ def _unavailable(exc: Exception) -> Response:
     else:
         detail = "The database cannot be reached right now; reload the page in a moment and try again."
     return error_page(503, "Database unreachable", detail, {"Retry-After": str(RETRY_SECONDS)}, retry=True)
+
+
+for _unreachable in UNREACHABLE:
+    bp.register_error_handler(_unreachable, _unavailable)
 
 
 def _missing_schema(exc: psycopg.Error) -> Response:

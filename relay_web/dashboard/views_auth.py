@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import logging
 
-import psycopg
 from flask import Response, redirect, request, url_for
-from psycopg_pool import PoolTimeout
 
 from relay_core import users
 
@@ -15,7 +13,7 @@ from ..db import connection
 from ..problems import Problem
 from . import session
 from .blueprint import bp
-from .errors import RETRY_SECONDS
+from .errors import RETRY_SECONDS, UNREACHABLE
 from .render import page
 
 log = logging.getLogger("relay.web")
@@ -55,7 +53,7 @@ def login_submit() -> Response:
     try:
         with connection() as conn:
             user = auth.log_in(conn, username, password)
-    except (psycopg.OperationalError, psycopg.InterfaceError, PoolTimeout) as exc:
+    except UNREACHABLE as exc:
         # The form again, with the name typed kept: the error page's reload sent the form again.
         log.warning("database unavailable: %s", exc)
         response = _form(NO_DATABASE, 503, username)

@@ -372,6 +372,48 @@ def test_run_worker_ends_its_process_when_a_handed_back_handler_runs_on(
     )
 
 
+def test_handlers_a_shutdown_left_running_count_against_their_type_limit_until_their_process_exits(
+    relay: Relay, db: psycopg.Connection, python: str, worker_env: dict
+) -> None:
+    """Worker A runs three ``limited`` jobs (three at once at most) and is sent SIGTERM with a short
+    shutdown timeout: it hands them back while their threads run on until its process exits.
+    Worker B, with three more waiting, started those at once, beside A's three: six ran at once
+    for about a second. B now starts none before A's process has ended, and then all six."""
+    env = dict(worker_env, RELAY_POLL_INTERVAL="0.05")
+    args = ("--lease", "60", "--shutdown-timeout", "0.3", "--concurrency", "3")
+    worker_a = start_worker_process(python, env, *args)
+    worker_b = None
+
+    def started_by(pid: int) -> set[int]:
+        rows = db.execute(
+            "SELECT DISTINCT job_id FROM relay_test.executions WHERE pid = %s AND phase = 'start'", (pid,)
+        ).fetchall()
+        return {row[0] for row in rows}
+
+    try:
+        running = {relay.enqueue("limited", {"sleep": 30}) for _ in range(3)}
+        wait_for(lambda: started_by(worker_a.pid) == running, timeout=30, what="worker A to start three jobs")
+        waiting = {relay.enqueue("limited", {"sleep": 0}) for _ in range(3)}
+        worker_b = start_worker_process(python, env, *args)
+        # B claims (an unlimited job shows it), but no limited job while A's three run.
+        probe = relay.enqueue("record", {})
+        wait_for(lambda: probe in started_by(worker_b.pid), timeout=30, what="worker B to claim")
+        assert not started_by(worker_b.pid) & (running | waiting)
+        worker_a.send_signal(signal.SIGTERM)
+        assert worker_a.wait(15) == 0
+        (a_gone,) = db.execute("SELECT clock_timestamp()").fetchone()
+        wait_for(lambda: started_by(worker_b.pid) >= running | waiting, timeout=30, what="worker B to start all six")
+        (b_first,) = db.execute(
+            "SELECT min(at) FROM relay_test.executions WHERE pid = %s AND phase = 'start' AND job_id = ANY(%s)",
+            (worker_b.pid, list(running | waiting)),
+        ).fetchone()
+        assert b_first > a_gone, "B started a limited job while A's handed-back handlers still ran"
+    finally:
+        stop_process(worker_a)
+        if worker_b is not None:
+            stop_process(worker_b)
+
+
 def assert_handed_back_job_starts_on_another_worker_after_the_first_exits(
     relay: Relay, db: psycopg.Connection, python: str, env: dict, worker_a: subprocess.Popen, job_type: str
 ) -> None:

@@ -143,10 +143,15 @@ WITH clock AS MATERIALIZED (
     SELECT clock_timestamp() AS at
 ), room AS (
     -- How many more jobs of each limited type may start now (no row: unlimited).
+    -- Running: the claimed jobs, and those a shutdown handed back or failed while their
+    -- handler's thread ran on, until their claimed_until (when that thread stops at the latest).
     SELECT l.type,
            least(
                coalesce(l.max_running - (SELECT count(*) FROM relay.jobs AS r
-                                         WHERE r.status = 'claimed' AND r.type = l.type), 2147483647),
+                                         WHERE r.status = 'claimed' AND r.type = l.type)
+                                      - (SELECT count(*) FROM relay.jobs AS r
+                                         WHERE r.status <> 'claimed' AND r.type = l.type
+                                           AND r.claimed_until > (SELECT at FROM clock)), 2147483647),
                coalesce(l.rate_limit - (SELECT count(*) FROM relay.rate_starts AS s
                                         WHERE s.type = l.type
                                           AND s.started_at > (SELECT at FROM clock)
@@ -277,9 +282,9 @@ SET status = CASE WHEN j.cancel_requested_at IS NOT NULL THEN 'cancelled'
                   THEN now() + make_interval(secs => f.delay_seconds) ELSE j.run_at END,
     finished_at = CASE WHEN f.next_status = 'dead' OR j.cancel_requested_at IS NOT NULL THEN now() END,
     -- A job that ends while its handler's thread goes on (a shutdown's overdue handler,
-    -- %(runs_on)s seconds more) keeps when that thread stops at the latest: job_requeue waits for it.
-    claimed_until = CASE WHEN (f.next_status = 'dead' OR j.cancel_requested_at IS NOT NULL) AND f.runs_on > 0
-                         THEN now() + make_interval(secs => f.runs_on) END,
+    -- %(runs_on)s seconds more) keeps when that thread stops at the latest: job_requeue waits for
+    -- it, and THE CLAIM counts the job as running against its type's limit until then.
+    claimed_until = CASE WHEN f.runs_on > 0 THEN now() + make_interval(secs => f.runs_on) END,
     last_error = f.message,
     -- The history keeps the newest 100 attempts, so a job with a huge max_attempts stays small.
     -- A history that is no array (written with SQL by another program) is kept as its first
@@ -322,9 +327,9 @@ UPDATE relay.jobs AS j
 SET status = CASE WHEN j.cancel_requested_at IS NOT NULL THEN 'cancelled' ELSE 'queued' END::relay.job_status,
     finished_at = CASE WHEN j.cancel_requested_at IS NOT NULL THEN now() END,
     attempts = greatest(j.attempts - 1, 0),
-    -- A job that ends cancelled while its thread goes on keeps the grace, as in job_fail_many.
-    claimed_until = CASE WHEN j.cancel_requested_at IS NOT NULL AND h.delay_seconds > 0
-                         THEN now() + make_interval(secs => h.delay_seconds) END,
+    -- A job whose thread goes on keeps the grace, as in job_fail_many: THE CLAIM counts it as
+    -- running against its type's limit until then (and a requeue of one ended cancelled waits).
+    claimed_until = CASE WHEN h.delay_seconds > 0 THEN now() + make_interval(secs => h.delay_seconds) END,
     run_at = now() + make_interval(secs => h.delay_seconds)
 FROM unnest(%(ids)s::bigint[], %(tokens)s::integer[], %(delays)s::float8[]) AS h(id, token, delay_seconds)
 WHERE j.id = h.id AND j.lease_token = h.token AND j.status::text = 'claimed'

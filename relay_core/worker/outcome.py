@@ -41,8 +41,9 @@ class Outcome:
     #: False for a job that ended before its handler was called: its attempt never ran.
     handler_started: bool = True
     #: Seconds the handler's thread may go on after the outcome is written (a shutdown's
-    #: grace, see ``shutdown.record_overdue``): a job that ends dead keeps them as its
-    #: ``claimed_until``, so a requeue does not start it beside that thread.
+    #: grace, see ``shutdown.record_overdue``): the job keeps them as its ``claimed_until``,
+    #: so a requeue does not start it beside that thread, and the claim counts it against
+    #: its type's ``concurrency`` until then.
     runs_on: float = 0.0
 
     def error_json(self) -> str:

@@ -145,9 +145,9 @@ def record_overdue(
     Handing them back would give the attempt back, and a handler that
     hangs every time would then never reach dead. Their threads still run,
     so their retry waits as a handed-back job's does, until the grace after
-    the shutdown's writes, which end within ``writes_left`` seconds; a job
-    that ends dead (or cancelled) keeps that grace as its ``claimed_until``,
-    which a requeue waits out.
+    the shutdown's writes, which end within ``writes_left`` seconds. Each
+    keeps that grace as its ``claimed_until``, which a requeue waits out and
+    until which the claim counts it against its type's ``concurrency``.
     """
     for outcome in decided:
         outcome.runs_on = still_running_delay(writes_left)

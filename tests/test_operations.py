@@ -1556,3 +1556,41 @@ def test_a_requeue_filter_with_a_cut_off_time_but_no_utc_offset_is_refused(relay
     with psycopg.connect(relay.dsn) as conn:
         assert monitor.requeue_matching(conn, aware) == 0  # it ended after the cut-off
     assert relay.get_job(job_id).status == "dead"
+
+
+@pytest.mark.parametrize("outcome", ["timeout written", "handed back"])
+def test_a_job_left_running_by_a_shutdown_holds_its_place_under_its_type_limit_until_its_grace_ends(
+    relay: Relay, db: psycopg.Connection, dsn: str, outcome: str
+) -> None:
+    """A shutdown writes an overdue handler's timeout (the job to be retried) or hands an unfinished
+    one back while its thread runs on for ``runs_on`` seconds more. The claim counted only claimed
+    jobs, so the type's one place under ``concurrency=1`` went to the next job at once."""
+    db.execute("INSERT INTO relay.type_limits (type, max_running) VALUES ('noop', 1)")
+    db.commit()
+    first, second = relay.enqueue("noop"), relay.enqueue("noop")
+    with psycopg.connect(dsn) as conn:
+        (claimed,) = claim_under_limits_lock(conn, claim_params())
+        assert claimed["id"] == first
+        ids, tokens = [first], [claimed["lease_token"]]
+        if outcome == "timeout written":
+            conn.execute(
+                sql("job_fail_many"),
+                {
+                    "ids": ids,
+                    "tokens": tokens,
+                    "next_statuses": ["queued"],
+                    "delays": [30.0],
+                    "runs_on": [30.0],
+                    "messages": ["timed out"],
+                    "errors": ["{}"],
+                },
+            )
+        else:
+            conn.execute(sql("job_hand_back_many"), {"ids": ids, "tokens": tokens, "delays": [30.0]})
+        conn.commit()
+        assert job_status(db, first) == "queued"
+        assert claim_under_limits_lock(conn, claim_params()) == [], "the next job took the place of one still running"
+        # Once the grace is over (the thread stopped with its process at the latest), the place is free.
+        db.execute("UPDATE relay.jobs SET claimed_until = now() - interval '1 second' WHERE id = %s", (first,))
+        db.commit()
+        assert [row["id"] for row in claim_under_limits_lock(conn, claim_params())] == [second]

@@ -1594,3 +1594,40 @@ def test_a_job_left_running_by_a_shutdown_holds_its_place_under_its_type_limit_u
         db.execute("UPDATE relay.jobs SET claimed_until = now() - interval '1 second' WHERE id = %s", (first,))
         db.commit()
         assert [row["id"] for row in claim_under_limits_lock(conn, claim_params())] == [second]
+
+
+def test_limits_whose_publisher_is_gone_are_published_again_by_a_live_worker(
+    relay: Relay, db: psycopg.Connection
+) -> None:
+    """In a deploy that raised a limit from 3 to 5, a worker of the old release restarted after the
+    new ones wrote 3 back, and 3 stayed after it stopped: limits were published only at a start.
+    A live worker's check now leaves a live publisher's limits alone and takes over the others."""
+    from relay_core.worker import limits
+    from relay_core.worker.maintenance import register
+
+    def limit() -> tuple:
+        return db.execute("SELECT max_running, published_by FROM relay.type_limits WHERE type = 'pay'").fetchone()
+
+    def specs(**declared: object) -> list:
+        release = Relay(relay.dsn)
+        release.handler("pay", **declared)(lambda job: None)
+        return list(release.handlers.values())
+
+    new_release, old_release = specs(concurrency=5), specs(concurrency=3)
+    for worker_id in ("old-restarted", "new"):
+        register(db, worker_id, ("default",), 8, 5.0, [])
+    limits.publish(db, new_release, published_by="new")
+    limits.publish(db, old_release, published_by="old-restarted")
+    assert limits.republish_unheld(db, new_release, "new") == [], "a live publisher's limits were overwritten"
+    assert limit() == (3, "old-restarted")
+    db.execute("UPDATE relay.workers SET stopped_at = now() WHERE id = 'old-restarted'")
+    db.commit()
+    assert limits.republish_unheld(db, new_release, "new") == ["pay"]
+    assert limit() == (5, "new")
+    assert limits.republish_unheld(db, new_release, "new") == [], "the check wrote again what it holds"
+    # The new release removed the limit: once the last publisher of one is gone, the row goes.
+    db.execute("UPDATE relay.workers SET stopped_at = now() WHERE id = 'new'")
+    db.commit()
+    assert limits.republish_unheld(db, specs(), "newest") == ["pay"]
+    assert limit() is None
+    assert limits.republish_unheld(db, specs(), "newest") == [], "no row and no limit: nothing to write"

@@ -48,18 +48,37 @@ RETURNING name, paused, paused_at;
 SELECT name, paused_at FROM relay.queues WHERE paused ORDER BY name;
 
 -- name: type_limit_upsert
--- A worker publishes the limits its handler declares for a type.
-INSERT INTO relay.type_limits (type, max_running, rate_limit, rate_period_seconds, updated_at)
-VALUES (%(type)s, %(max_running)s, %(rate_limit)s, %(rate_period_seconds)s, now())
+-- A worker publishes the limits its handler declares for a type, as their publisher.
+INSERT INTO relay.type_limits (type, max_running, rate_limit, rate_period_seconds, updated_at, published_by)
+VALUES (%(type)s, %(max_running)s, %(rate_limit)s, %(rate_period_seconds)s, now(), %(published_by)s)
 ON CONFLICT (type) DO UPDATE
 SET max_running = excluded.max_running, rate_limit = excluded.rate_limit,
-    rate_period_seconds = excluded.rate_period_seconds, updated_at = now()
-WHERE (relay.type_limits.max_running, relay.type_limits.rate_limit, relay.type_limits.rate_period_seconds)
-      IS DISTINCT FROM (excluded.max_running, excluded.rate_limit, excluded.rate_period_seconds);
+    rate_period_seconds = excluded.rate_period_seconds, updated_at = now(), published_by = excluded.published_by
+WHERE (relay.type_limits.max_running, relay.type_limits.rate_limit, relay.type_limits.rate_period_seconds,
+       relay.type_limits.published_by)
+      IS DISTINCT FROM (excluded.max_running, excluded.rate_limit, excluded.rate_period_seconds,
+                        excluded.published_by);
 
 -- name: type_limit_delete
 -- A worker's handler for a type declares no limits any more.
 DELETE FROM relay.type_limits WHERE type = %(type)s;
+
+-- name: type_limits_unpublished
+-- Of the types a worker has handlers for, those whose limits no live worker
+-- holds: no row, or a row whose publisher is gone (stopped, or silent past
+-- relay.worker_state's bound), or named none (written by a release before
+-- migration 0024). The worker publishes its own for these (type_limit_upsert,
+-- or type_limit_delete where its handler declares none); a row whose
+-- publisher is alive is left to it, so two releases running side by side in
+-- a deploy do not overwrite each other's at every check.
+SELECT t.type, l.type IS NOT NULL AS published
+FROM unnest(%(types)s::text[]) AS t(type)
+LEFT JOIN relay.type_limits AS l ON l.type = t.type
+WHERE l.published_by IS DISTINCT FROM %(worker_id)s
+  AND NOT EXISTS (
+      SELECT FROM relay.workers AS w
+      WHERE w.id = l.published_by
+        AND relay.worker_state(w.stopped_at, w.last_seen_at, w.heartbeat_seconds, 60) = 'alive');
 
 -- name: job_type_upsert
 -- A worker publishes the max_attempts its handler declares for a type.

@@ -3,34 +3,71 @@ the claim query, max_attempts for enqueues that have no handler for the type."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 
 import psycopg
 
 from ..handlers import HandlerSpec
+from ..logs import event
 from ..queries import sql
 
+#: How often a worker checks that a live worker holds the limits of each type it has a handler for.
+REPUBLISH_CHECK_SECONDS = 5.0
 
-def publish(conn: psycopg.Connection, specs: Iterable[HandlerSpec]) -> bool:
-    """Write this worker's per-type limits; return whether any type is limited."""
+
+def publish(conn: psycopg.Connection, specs: Iterable[HandlerSpec], published_by: str | None = None) -> bool:
+    """Write this worker's (``published_by``'s) per-type limits; return whether any type is limited.
+
+    At start, whatever is published: the newest release's workers win a
+    deploy as they start. A worker of an older one restarted after them wins
+    back its types until it stops; then :func:`republish_unheld` hands them
+    to a live worker again.
+    """
     limited = False
     for spec in specs:
-        if spec.has_limits:
-            limited = True
-            starts, seconds = spec.rate_limit or (None, None)
-            conn.execute(
-                sql("type_limit_upsert"),
-                {
-                    "type": spec.type,
-                    "max_running": spec.concurrency,
-                    "rate_limit": starts,
-                    "rate_period_seconds": seconds,
-                },
-            )
-        else:
-            conn.execute(sql("type_limit_delete"), {"type": spec.type})
+        limited = spec.has_limits or limited
+        _publish_one(conn, spec, published_by)
     conn.commit()
     return limited
+
+
+def republish_unheld(conn: psycopg.Connection, specs: Iterable[HandlerSpec], worker_id: str) -> list[str]:
+    """Publish this worker's limits for the types whose limits no live worker holds; the types written.
+
+    A row whose publisher is alive is left to it, so two releases running
+    side by side in a deploy do not overwrite each other every few seconds.
+    """
+    by_type = {spec.type: spec for spec in specs}
+    rows = conn.execute(sql("type_limits_unpublished"), {"types": list(by_type), "worker_id": worker_id}).fetchall()
+    written = []
+    for job_type, published in rows:
+        spec = by_type[job_type]
+        if spec.has_limits or published:  # no row and no limits: nothing to write
+            _publish_one(conn, spec, worker_id)
+            written.append(job_type)
+    conn.commit()
+    if written:
+        event(logging.INFO, "published limits no live worker held", types=written)
+    return written
+
+
+def _publish_one(conn: psycopg.Connection, spec: HandlerSpec, published_by: str | None) -> None:
+    """Write ``spec``'s limits for its type, or delete the type's row where it declares none."""
+    if not spec.has_limits:
+        conn.execute(sql("type_limit_delete"), {"type": spec.type})
+        return
+    starts, seconds = spec.rate_limit or (None, None)
+    conn.execute(
+        sql("type_limit_upsert"),
+        {
+            "type": spec.type,
+            "max_running": spec.concurrency,
+            "rate_limit": starts,
+            "rate_period_seconds": seconds,
+            "published_by": published_by,
+        },
+    )
 
 
 def publish_max_attempts(conn: psycopg.Connection, specs: Iterable[HandlerSpec]) -> None:

@@ -373,7 +373,7 @@ class Maintenance:
         return self._outage.long_one_within(self._restart_grace, longer_than=long_enough)
 
     def run_periodic(self) -> float:
-        """Learn whether any job type has a limit, and enqueue due periodic ticks once.
+        """Learn whether any job type has a limit, then run the periodic duties (due ticks, limits nobody holds).
 
         The limits first: a worker that missed the first limit row of a
         deploy would claim nothing at all, so no schedule may hold it up.

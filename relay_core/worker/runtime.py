@@ -32,7 +32,7 @@ from ..queries import sql
 from ..sessions import in_autocommit
 from ..signals import ShutdownSignals
 from ..stalls import SHORTEST_CUT_SECONDS, seconds_until
-from . import executor, periodic
+from . import executor, limits, periodic
 from .aio import SlotLoop
 from .claim import (
     HAND_BACK_UNHELD_LIMIT_SECONDS,
@@ -118,6 +118,7 @@ class Worker:
         self._slots: list[Slot] = []
         # Whether any job type has a limit: decides how the claim runs (see claim()).
         self.limits_exist = True
+        self._next_limits_check = time.monotonic() + limits.REPUBLISH_CHECK_SECONDS  # the start published them
         # Moving average of handler run time; starts "long" so nothing is prefetched until jobs prove short.
         self._typical_run = PREFETCH_BELOW_SECONDS * 2
         application_name = worker_application_name(self.id)
@@ -152,7 +153,7 @@ class Worker:
             on_renewed=self._on_renewed,
             on_limits=self._set_limits_exist,
             in_flight=self.ledger.in_flight,
-            periodic=self._enqueue_periodic if any(s.cron for s in self.handlers.values()) else None,
+            periodic=self._periodic_duties,
             prune=(lambda conn: prune_once(conn, self.config.retention)) if self.config.retention else None,
             vacuum=vacuum_if_needed if self.config.self_vacuum else None,
             outage=self.outage,
@@ -192,14 +193,20 @@ class Worker:
         for job in self.ledger.cancel(ids):
             event(logging.INFO, "cancellation requested", job_id=job.id, type=job.type)
 
-    def _enqueue_periodic(self, conn: psycopg.Connection) -> None:
-        periodic.enqueue_due(
-            conn,
-            self.handlers.values(),
-            running_since=self.maintenance.registered_at,
-            queues=self.config.queues,
-            worker_id=self.id,
-        )
+    def _periodic_duties(self, conn: psycopg.Connection) -> None:
+        """Each second: enqueue due schedule ticks; every few seconds, take over limits nobody holds."""
+        if any(spec.cron for spec in self.handlers.values()):
+            periodic.enqueue_due(
+                conn,
+                self.handlers.values(),
+                running_since=self.maintenance.registered_at,
+                queues=self.config.queues,
+                worker_id=self.id,
+            )
+        now = time.monotonic()
+        if now >= self._next_limits_check:
+            self._next_limits_check = now + limits.REPUBLISH_CHECK_SECONDS
+            limits.republish_unheld(conn, self.handlers.values(), self.id)
 
     def _report_progress(self, job: Job, progress: dict) -> bool:  # type: ignore[type-arg]
         """Write a report; it renews the job's lease as a heartbeat does (see job_set_progress).

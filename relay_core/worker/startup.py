@@ -65,7 +65,7 @@ def register_worker(
             periodic.checked_schedules(specs),
         )
         limits.publish_max_attempts(conn, specs)
-        limits.publish(conn, specs)
+        limits.publish(conn, specs, published_by=worker_id)
         limits_exist = bool(conn.execute(sql("type_limits_exist")).fetchone()[0])
         periodic.publish(conn, specs, published_by=worker_id)
     return limits_exist

@@ -1,0 +1,16 @@
+-- Which worker published each type's limits, so that the others can tell
+-- when it is gone and publish their own.
+--
+-- Why: a worker published its limits only as it started, and the last to
+-- start won. In a rolling deploy that raised a limit from 3 to 5, a worker of
+-- the old release restarted after the new ones (a crash, an out-of-memory
+-- kill) wrote 3 back, and 3 stayed after every old worker had stopped, until
+-- a worker of the new release happened to start. Workers now check every few
+-- seconds: a row whose publisher is no longer alive, or a missing row, is
+-- published again by a live worker whose handler declares limits for the
+-- type (or deleted by one whose handler declares none).
+--
+-- A nullable column without a default: the ALTER changes only the catalog.
+-- Rows written before it (or by a release without it) name no publisher, so
+-- the first check of a worker of this release publishes its own.
+ALTER TABLE relay.type_limits ADD COLUMN published_by text;

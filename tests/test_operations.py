@@ -560,6 +560,40 @@ def test_workers_of_an_old_release_leave_a_changed_schedule_to_the_ones_that_pub
     new_release.close()
 
 
+def test_a_changed_schedule_stays_with_the_new_release_when_the_worker_that_published_it_stops(
+    relay: Relay, db: psycopg.Connection
+) -> None:
+    """A rolling deploy moves a report from 03:00 to 04:00; new-1 published 04:00 and then stopped (a
+    restart, a scale-down) while new-2 of the same release ran on. The take-over asked only whether
+    new-1 still checked the schedule: old-1 of the old release took it back and enqueued 03:00, and
+    04:00's tick was lost. A live worker that checks the published schedule now holds it."""
+    from relay_core.worker.maintenance import register
+    from relay_core.worker.periodic import checked_schedule_definitions, checked_schedules
+
+    relay.handler("report", cron="0 3 * * *")(lambda job: None)
+    old = list(relay.handlers.values())
+    new_release = Relay(relay.dsn)
+    new_release.handler("report", cron="0 4 * * *")(lambda job: None)
+    new = list(new_release.handlers.values())
+    for worker_id, specs in (("old-1", old), ("new-1", new), ("new-2", new)):
+        register(db, worker_id, ("default",), 8, 10.0, checked_schedules(specs), checked_schedule_definitions(specs))
+    publish(db, new, published_by="new-1")
+    db.execute("UPDATE relay.workers SET stopped_at = now() WHERE id = 'new-1'")
+    db.commit()
+    published = "SELECT cron FROM relay.schedules WHERE type = 'report'"
+    today = database_midnight(db)
+    three, four = today + timedelta(days=1, hours=3), today + timedelta(days=1, hours=4)
+    assert enqueue_due(db, old, clock=three + timedelta(seconds=1), worker_id="old-1") == []
+    assert db.execute(published).fetchone() == ("0 4 * * *",), "the old release took the schedule back"
+    assert enqueue_due(db, new, clock=four + timedelta(seconds=1), worker_id="new-2") == [("report", four.isoformat())]
+    # Once no worker checks 04:00 any more, the old release's workers take the schedule over.
+    db.execute("UPDATE relay.workers SET stopped_at = now() WHERE id = 'new-2'")
+    db.commit()
+    enqueue_due(db, old, clock=three + timedelta(days=1, seconds=1), worker_id="old-1")
+    assert db.execute(published).fetchone() == ("0 3 * * *",)
+    new_release.close()
+
+
 def test_a_tick_that_fell_due_while_the_schedule_was_removed_is_skipped_when_it_comes_back(
     relay: Relay, db: psycopg.Connection
 ) -> None:

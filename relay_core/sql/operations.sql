@@ -130,10 +130,14 @@ RETURNING type, cron, timezone, queue, last_tick, next_tick;
 -- worker checks at the same moment of each second, and the new workers
 -- skipped a row the old ones held just to read it, so an every-second
 -- schedule lost about a third of its ticks for as long as the deploy
--- overlapped. Returns what was published, and whether the worker that
--- published it still checks it (alive by relay.worker_state, with
--- RELAY_WORKER_STALE_SECONDS' default, and not shutting down), for the others:
--- a schedule its publisher no longer checks is theirs to take over. A worker
+-- overlapped. Returns what was published, and whether another worker still
+-- checks it (alive by relay.worker_state, with RELAY_WORKER_STALE_SECONDS'
+-- default, and not shutting down): the one that published it, or any that
+-- registered the published schedule as its own (migration 0025), for the
+-- others: a schedule nobody checks any more is theirs to take over. Asking
+-- the publisher alone, a new release's worker that published a changed
+-- schedule and then stopped handed it to the old release's workers while
+-- the new release's others still ran it. A worker
 -- named as the publisher of a schedule not its own did not publish it: a
 -- Relay older than migration 0021, restarted mid-deploy, wrote its schedule
 -- back and left published_by as it was, and that worker left the ticks to
@@ -144,7 +148,9 @@ WITH published AS (
            (s.cron, s.timezone, s.queue) = (%(cron)s, %(timezone)s, %(queue)s) AS current,
            EXISTS (
                SELECT FROM relay.workers w
-               WHERE w.id = s.published_by
+               WHERE (w.id = s.published_by
+                      OR w.schedule_definitions @> jsonb_build_array(jsonb_build_object(
+                             'type', s.type, 'cron', s.cron, 'timezone', s.timezone, 'queue', s.queue)))
                  AND w.id IS DISTINCT FROM %(worker_id)s
                  AND relay.worker_state(w.stopped_at, w.last_seen_at, w.heartbeat_seconds, 60) = 'alive'
                  AND (w.schedules_stopped_at IS NULL OR w.schedules_stopped_at < w.started_at)
@@ -207,11 +213,21 @@ SELECT EXISTS (
 
 -- name: schedule_list
 -- Every schedule with its next run and its last run: the tick that last enqueued
--- a job, and that job's status now (NULL once retention deleted it).
+-- a job, and that job's status now (NULL once retention deleted it). checked:
+-- whether a live worker serving its queue checks it now (as worker_was_running_at
+-- counts one, at this moment); a schedule whose handler is gone from every
+-- worker stays listed, after the checked ones, and its next_tick is when it
+-- would have run.
 SELECT s.type, s.cron, s.timezone, s.queue, s.last_tick, s.next_tick,
-       s.last_enqueued_tick, s.last_job_id, j.status::text AS last_job_status, s.runs_recorded_since
+       s.last_enqueued_tick, s.last_job_id, j.status::text AS last_job_status, s.runs_recorded_since,
+       EXISTS (
+           SELECT FROM relay.workers w
+           WHERE s.queue = ANY(w.queues) AND (w.schedules IS NULL OR s.type = ANY(w.schedules))
+             AND relay.worker_state(w.stopped_at, w.last_seen_at, w.heartbeat_seconds, 60) = 'alive'
+             AND (w.schedules_stopped_at IS NULL OR w.schedules_stopped_at < w.started_at)
+       ) AS checked
 FROM relay.schedules s LEFT JOIN relay.jobs j ON j.id = s.last_job_id
-ORDER BY s.next_tick NULLS LAST, s.type;
+ORDER BY checked DESC, s.next_tick NULLS LAST, s.type;
 
 -- name: db_now
 -- The database clock; every decision about time uses it.

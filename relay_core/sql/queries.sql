@@ -456,11 +456,13 @@ FROM relay.jobs WHERE id = %(id)s;
 -- started_at). The returned started_at is this process's registration: its
 -- heartbeats and its stop carry it, so an older process with the same id that
 -- is still shutting down leaves the new one's row alone.
-INSERT INTO relay.workers (id, host, pid, queues, concurrency, heartbeat_seconds, schedules)
-VALUES (%(id)s, %(host)s, %(pid)s, %(queues)s::text[], %(concurrency)s, %(heartbeat_seconds)s, %(schedules)s::text[])
+INSERT INTO relay.workers (id, host, pid, queues, concurrency, heartbeat_seconds, schedules, schedule_definitions)
+VALUES (%(id)s, %(host)s, %(pid)s, %(queues)s::text[], %(concurrency)s, %(heartbeat_seconds)s, %(schedules)s::text[],
+        %(schedule_definitions)s::jsonb)
 ON CONFLICT (id) DO UPDATE
 SET host = excluded.host, pid = excluded.pid, queues = excluded.queues, concurrency = excluded.concurrency,
     heartbeat_seconds = excluded.heartbeat_seconds, schedules = excluded.schedules,
+    schedule_definitions = excluded.schedule_definitions,
     started_at = now(), last_seen_at = now(), stopped_at = NULL, schedules_stopped_at = NULL, in_flight = 0
 RETURNING started_at;
 

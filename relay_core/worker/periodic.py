@@ -43,6 +43,20 @@ def checked_schedules(specs: Iterable[HandlerSpec]) -> list[str]:
     return sorted(spec.type for spec in specs if spec.cron)
 
 
+def checked_schedule_definitions(specs: Iterable[HandlerSpec]) -> str:
+    """The schedules a worker with these handlers checks, in full, as JSON for the registry.
+
+    Another worker whose published schedule matches one of these leaves it to
+    this one rather than take it over (``schedule_advance``).
+    """
+    definitions = [
+        {"type": spec.type, "cron": spec.cron, "timezone": spec.timezone, "queue": spec.queue}
+        for spec in sorted(specs, key=lambda spec: spec.type)
+        if spec.cron
+    ]
+    return json.dumps(definitions)
+
+
 def publish(conn: psycopg.Connection, specs: Iterable[HandlerSpec], published_by: str | None = None) -> None:
     """Record this worker's (``published_by``'s) schedules; a new or changed schedule starts from now."""
     now = _db_now(conn)

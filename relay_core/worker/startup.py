@@ -63,6 +63,7 @@ def register_worker(
             config.concurrency,
             config.heartbeat_interval,
             periodic.checked_schedules(specs),
+            periodic.checked_schedule_definitions(specs),
         )
         limits.publish_max_attempts(conn, specs)
         limits.publish(conn, specs, published_by=worker_id)

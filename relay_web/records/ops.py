@@ -117,6 +117,10 @@ class ScheduleRecord(Record):
         description="Set only on a schedule that predates Relay's record of runs and had no job left to read its "
         "last run from: whether it ran before this moment is unknown. null: every run is recorded."
     )
+    checked: bool = Field(
+        description="Whether a running worker checks the schedule now. false: nothing enqueues its ticks (its "
+        "handler is gone from every running worker, or no worker runs), and next_tick is when it would have run."
+    )
 
 
 class SchedulesRecord(Record):

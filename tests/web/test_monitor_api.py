@@ -386,6 +386,7 @@ def test_api_answers_are_not_cached_or_sniffed(client, admin) -> None:
 
 def test_schedules_and_limits_are_listed(client, viewer, relay: Relay, db) -> None:
     from relay_core.worker import limits, periodic
+    from relay_core.worker.maintenance import register
 
     @relay.handler("settlement_report", cron="0 0 1 * *", timezone="Europe/Berlin")
     def settle(job) -> None:
@@ -405,6 +406,10 @@ def test_schedules_and_limits_are_listed(client, viewer, relay: Relay, db) -> No
     # The tick before registration is not a run: nothing has been enqueued yet.
     assert [schedules[0][key] for key in ("last_enqueued_tick", "last_job_id", "last_job_status")] == [None] * 3
     assert schedules[0]["runs_recorded_since"] is None
+    assert schedules[0]["checked"] is False, "no worker runs: nothing enqueues its ticks"
+    register(db, "w1", ("default",), 8, 10.0, ["settlement_report"])
+    (schedule,) = client.get("/api/admin/schedules", headers=viewer).get_json()["schedules"]
+    assert schedule["checked"] is True
     # The month-end tick, checked on time, enqueues a job.
     (tick,) = db.execute("SELECT last_tick FROM relay.schedules").fetchone()
     db.execute("UPDATE relay.schedules SET last_tick = last_tick - interval '62 days'")

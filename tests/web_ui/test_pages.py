@@ -617,10 +617,19 @@ def test_schedules_page_shows_the_next_run(viewer: DashboardClient, relay: Relay
     def nightly(job) -> None:
         pass
 
+    from relay_core.worker.maintenance import register
+
     periodic.publish(db, relay.handlers.values())
+    register(db, "w1", ("reports",), 8, 10.0, ["nightly_report"])
     html = _text(viewer.get("/schedules"))
     assert 'href="/jobs?type=nightly_report">nightly_report</a>' in html
     assert "0 3 * * *" in html and "<dt>Next run</dt>" in html and "03:00:00 UTC" in html
+    # No running worker checks it (its handler is gone, or no worker runs): no tick will come.
+    db.execute("UPDATE relay.workers SET stopped_at = now()")
+    db.commit()
+    html = _text(viewer.get("/schedules"))
+    assert "<dt>Next run</dt><dd>none: no running worker checks this schedule</dd>" in html
+    assert "03:00:00 UTC" not in html
 
 
 def _last_run(html: str) -> str:

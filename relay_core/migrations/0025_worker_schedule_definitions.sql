@@ -1,0 +1,16 @@
+-- The schedules a worker checks, in full (type, cron, time zone, queue), in
+-- the registry beside their types.
+--
+-- Why: a schedule's take-over asked only whether the one worker named as its
+-- publisher still checked it. In a rolling deploy that changed a schedule,
+-- stopping the new release's worker that had published it (a restart, a
+-- scale-down) let a worker of the old release take the schedule back and
+-- enqueue the old cron's ticks, while other workers of the new release
+-- still ran the new one: its ticks were lost until the old workers stopped.
+-- Now any live worker that checks the published schedule, as it is
+-- published, holds it against a take-over (schedule_advance).
+--
+-- A nullable column without a default: the ALTER changes only the catalog.
+-- Workers of a release before it register none: only as named publishers
+-- do they hold a schedule, as before.
+ALTER TABLE relay.workers ADD COLUMN schedule_definitions jsonb;

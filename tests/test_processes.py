@@ -641,3 +641,21 @@ def test_relay_prove_counts_a_job_retention_pruned_after_it_ran_as_succeeded(
     assert lines["jobs lost"].strip() == "0" and lines["duplicates found"].strip() == "0"
     assert pruned > 0 and lines["succeeded"].strip().startswith("3000 (")
     assert "pruned by retention after they ran" in lines["succeeded"]
+
+
+def test_a_running_worker_publishes_its_limits_again_once_their_publisher_is_gone(
+    db: psycopg.Connection, python: str, worker_env: dict
+) -> None:
+    """A worker of an old release restarted mid-deploy wrote its own limit for ``limited`` over the new
+    release's, and stopped: the old limit stayed until a worker of the new release next started. The
+    running worker now takes the row back within its check interval."""
+    worker = start_worker_process(python, worker_env, "--concurrency", "2")
+    try:
+        published = "SELECT max_running, published_by FROM relay.type_limits WHERE type = 'limited'"
+        wait_for(lambda: db.execute(published).fetchone(), timeout=30, what="the worker to publish its limits")
+        (_, worker_id) = db.execute(published).fetchone()
+        db.execute("UPDATE relay.type_limits SET max_running = 1, published_by = 'a-stopped-worker'")
+        db.commit()
+        wait_for(lambda: db.execute(published).fetchone() == (3, worker_id), timeout=20, what="the limit taken back")
+    finally:
+        stop_process(worker)

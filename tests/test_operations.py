@@ -1624,6 +1624,8 @@ def test_a_job_left_running_by_a_shutdown_holds_its_place_under_its_type_limit_u
         conn.commit()
         assert job_status(db, first) == "queued"
         assert claim_under_limits_lock(conn, claim_params()) == [], "the next job took the place of one still running"
+        # The admin surface counts it as running too, as the claim does.
+        assert [(row["type"], row["running"]) for row in admin.type_limits(db)] == [("noop", 1)]
         # Once the grace is over (the thread stopped with its process at the latest), the place is free.
         db.execute("UPDATE relay.jobs SET claimed_until = now() - interval '1 second' WHERE id = %s", (first,))
         db.commit()
@@ -1659,9 +1661,38 @@ def test_limits_whose_publisher_is_gone_are_published_again_by_a_live_worker(
     assert limits.republish_unheld(db, new_release, "new") == ["pay"]
     assert limit() == (5, "new")
     assert limits.republish_unheld(db, new_release, "new") == [], "the check wrote again what it holds"
+    # A release before migration 0024 restarted mid-deploy writes its limit over the row and leaves the
+    # publisher named: the named worker, whose handler declares another, writes its own back.
+    db.execute("UPDATE relay.type_limits SET max_running = 3 WHERE type = 'pay'")
+    db.commit()
+    assert limits.republish_unheld(db, new_release, "new") == ["pay"]
+    assert limit() == (5, "new")
     # The new release removed the limit: once the last publisher of one is gone, the row goes.
     db.execute("UPDATE relay.workers SET stopped_at = now() WHERE id = 'new'")
     db.commit()
     assert limits.republish_unheld(db, specs(), "newest") == ["pay"]
     assert limit() is None
     assert limits.republish_unheld(db, specs(), "newest") == [], "no row and no limit: nothing to write"
+
+
+def test_a_limits_check_that_meets_a_held_row_lets_go_and_keeps_what_the_same_check_did_before(
+    relay: Relay, db: psycopg.Connection, dsn: str
+) -> None:
+    """The check runs on the connection of the second's other duties, after the schedule ticks it
+    enqueued: a failure in it rolled them back too, and it waited without bound for a limits row an
+    operator's transaction held, with the ticks' schedule rows locked meanwhile."""
+    from relay_core.worker import limits
+
+    release = Relay(relay.dsn)
+    release.handler("pay", concurrency=5)(lambda job: None)
+    db.execute("INSERT INTO relay.type_limits (type, max_running, published_by) VALUES ('pay', 3, 'gone')")
+    db.commit()
+    with psycopg.connect(dsn) as operator, psycopg.connect(dsn) as conn:
+        operator.execute("SELECT * FROM relay.type_limits WHERE type = 'pay' FOR UPDATE")
+        tick = relay.enqueue("noop", conn=conn)  # not committed yet, as a tick the same check enqueued
+        began = time.monotonic()
+        assert limits.republish_unheld(conn, release.handlers.values(), "w1") == []
+        assert time.monotonic() - began < 5
+        operator.rollback()
+    assert job_status(db, tick) == "queued", "the tick was rolled back with the check"
+    assert db.execute("SELECT max_running FROM relay.type_limits WHERE type = 'pay'").fetchone() == (3,)

@@ -63,22 +63,31 @@ WHERE (relay.type_limits.max_running, relay.type_limits.rate_limit, relay.type_l
 -- A worker's handler for a type declares no limits any more.
 DELETE FROM relay.type_limits WHERE type = %(type)s;
 
--- name: type_limits_unpublished
--- Of the types a worker has handlers for, those whose limits no live worker
--- holds: no row, or a row whose publisher is gone (stopped, or silent past
--- relay.worker_state's bound), or named none (written by a release before
--- migration 0024). The worker publishes its own for these (type_limit_upsert,
--- or type_limit_delete where its handler declares none); a row whose
--- publisher is alive is left to it, so two releases running side by side in
--- a deploy do not overwrite each other's at every check.
-SELECT t.type, l.type IS NOT NULL AS published
+-- name: set_lock_timeout
+-- Bound every lock wait for the rest of the transaction (a duration as text, '1s').
+SELECT set_config('lock_timeout', %(timeout)s, true);
+
+-- name: type_limits_held
+-- The limits published for each type a worker has a handler for (published:
+-- whether a row exists), whether they name this worker as their publisher,
+-- and whether another live worker holds them (their publisher, alive by
+-- relay.worker_state and its bound). The worker publishes its own where no
+-- other live worker holds them and they differ from its own or name another
+-- (type_limit_upsert, or type_limit_delete where its handler declares none):
+-- a row whose publisher is alive is left to it, so two releases running side
+-- by side in a deploy do not overwrite each other's at every check. A row that
+-- names this worker but holds other values was written over by a release
+-- before migration 0024, whose upsert left published_by as it was.
+SELECT t.type, l.type IS NOT NULL AS published, l.max_running, l.rate_limit, l.rate_period_seconds,
+       l.published_by IS NOT DISTINCT FROM %(worker_id)s AS mine,
+       EXISTS (
+           SELECT FROM relay.workers AS w
+           WHERE w.id = l.published_by AND w.id <> %(worker_id)s
+             AND relay.worker_state(w.stopped_at, w.last_seen_at, w.heartbeat_seconds, 60) = 'alive'
+       ) AS held_by_another
 FROM unnest(%(types)s::text[]) AS t(type)
 LEFT JOIN relay.type_limits AS l ON l.type = t.type
-WHERE l.published_by IS DISTINCT FROM %(worker_id)s
-  AND NOT EXISTS (
-      SELECT FROM relay.workers AS w
-      WHERE w.id = l.published_by
-        AND relay.worker_state(w.stopped_at, w.last_seen_at, w.heartbeat_seconds, 60) = 'alive');
+ORDER BY t.type;
 
 -- name: job_type_upsert
 -- A worker publishes the max_attempts its handler declares for a type.
@@ -89,9 +98,13 @@ SET max_attempts = excluded.max_attempts, updated_at = now()
 WHERE relay.job_types.max_attempts IS DISTINCT FROM excluded.max_attempts;
 
 -- name: type_limit_list
--- Every declared limit with the jobs of that type running now.
+-- Every declared limit with the jobs of that type running now, counted as THE
+-- CLAIM counts them: the claimed ones, and those a shutdown handed back or
+-- failed while their handler's thread ran on, until their claimed_until.
 SELECT l.type, l.max_running, l.rate_limit, l.rate_period_seconds,
-       (SELECT count(*) FROM relay.jobs r WHERE r.status = 'claimed' AND r.type = l.type) AS running
+       (SELECT count(*) FROM relay.jobs r WHERE r.status = 'claimed' AND r.type = l.type)
+       + (SELECT count(*) FROM relay.jobs r
+          WHERE r.status <> 'claimed' AND r.type = l.type AND r.claimed_until > now()) AS running
 FROM relay.type_limits l ORDER BY l.type;
 
 -- name: rate_starts_prune
@@ -214,15 +227,16 @@ SELECT EXISTS (
 -- name: schedule_list
 -- Every schedule with its next run and its last run: the tick that last enqueued
 -- a job, and that job's status now (NULL once retention deleted it). checked:
--- whether a live worker serving its queue checks it now (as worker_was_running_at
--- counts one, at this moment); a schedule whose handler is gone from every
+-- whether a live worker checks it now; a schedule whose handler is gone from every
 -- worker stays listed, after the checked ones, and its next_tick is when it
 -- would have run.
 SELECT s.type, s.cron, s.timezone, s.queue, s.last_tick, s.next_tick,
        s.last_enqueued_tick, s.last_job_id, j.status::text AS last_job_status, s.runs_recorded_since,
        EXISTS (
            SELECT FROM relay.workers w
-           WHERE s.queue = ANY(w.queues) AND (w.schedules IS NULL OR s.type = ANY(w.schedules))
+           -- Every worker checks all its handlers' schedules, whatever queues it serves; one
+           -- registered by a Relay before migration 0017 records none and counts by its queues.
+           WHERE (s.type = ANY(w.schedules) OR (w.schedules IS NULL AND s.queue = ANY(w.queues)))
              AND relay.worker_state(w.stopped_at, w.last_seen_at, w.heartbeat_seconds, 60) = 'alive'
              AND (w.schedules_stopped_at IS NULL OR w.schedules_stopped_at < w.started_at)
        ) AS checked

@@ -14,6 +14,8 @@ from ..queries import sql
 
 #: How often a worker checks that a live worker holds the limits of each type it has a handler for.
 REPUBLISH_CHECK_SECONDS = 5.0
+#: How long that check waits for a row another transaction holds (lock_timeout) before it lets go.
+REPUBLISH_LOCK_WAIT = "1s"
 
 
 def publish(conn: psycopg.Connection, specs: Iterable[HandlerSpec], published_by: str | None = None) -> bool:
@@ -33,23 +35,42 @@ def publish(conn: psycopg.Connection, specs: Iterable[HandlerSpec], published_by
 
 
 def republish_unheld(conn: psycopg.Connection, specs: Iterable[HandlerSpec], worker_id: str) -> list[str]:
-    """Publish this worker's limits for the types whose limits no live worker holds; the types written.
+    """Publish this worker's limits for the types whose limits no other live worker holds; the types written.
 
     A row whose publisher is alive is left to it, so two releases running
     side by side in a deploy do not overwrite each other every few seconds.
+    Its own transaction, committed before and after: a failure here must not
+    undo the schedule ticks the same check enqueued. A row another
+    transaction holds is not waited for past REPUBLISH_LOCK_WAIT: the next
+    check tries again.
     """
     by_type = {spec.type: spec for spec in specs}
-    rows = conn.execute(sql("type_limits_unpublished"), {"types": list(by_type), "worker_id": worker_id}).fetchall()
+    conn.commit()
     written = []
-    for job_type, published in rows:
-        spec = by_type[job_type]
-        if spec.has_limits or published:  # no row and no limits: nothing to write
+    try:
+        conn.execute(sql("set_lock_timeout"), {"timeout": REPUBLISH_LOCK_WAIT})
+        rows = conn.execute(sql("type_limits_held"), {"types": sorted(by_type), "worker_id": worker_id}).fetchall()
+        for job_type, published, max_running, rate_limit, period, mine, held_by_another in rows:
+            spec = by_type[job_type]
+            if held_by_another or (not published and not spec.has_limits):
+                continue
+            if published and mine and (max_running, rate_limit, period) == _declared(spec):
+                continue
             _publish_one(conn, spec, worker_id)
             written.append(job_type)
-    conn.commit()
+        conn.commit()
+    except psycopg.errors.LockNotAvailable:
+        conn.rollback()
+        return []
     if written:
         event(logging.INFO, "published limits no live worker held", types=written)
     return written
+
+
+def _declared(spec: HandlerSpec) -> tuple[int | None, int | None, float | None]:
+    """``spec``'s limits as relay.type_limits holds them: (max_running, rate_limit, rate_period_seconds)."""
+    starts, seconds = spec.rate_limit or (None, None)
+    return spec.concurrency, starts, seconds
 
 
 def _publish_one(conn: psycopg.Connection, spec: HandlerSpec, published_by: str | None) -> None:
@@ -57,12 +78,12 @@ def _publish_one(conn: psycopg.Connection, spec: HandlerSpec, published_by: str 
     if not spec.has_limits:
         conn.execute(sql("type_limit_delete"), {"type": spec.type})
         return
-    starts, seconds = spec.rate_limit or (None, None)
+    max_running, starts, seconds = _declared(spec)
     conn.execute(
         sql("type_limit_upsert"),
         {
             "type": spec.type,
-            "max_running": spec.concurrency,
+            "max_running": max_running,
             "rate_limit": starts,
             "rate_period_seconds": seconds,
             "published_by": published_by,

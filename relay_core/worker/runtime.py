@@ -119,6 +119,7 @@ class Worker:
         # Whether any job type has a limit: decides how the claim runs (see claim()).
         self.limits_exist = True
         self._next_limits_check = time.monotonic() + limits.REPUBLISH_CHECK_SECONDS  # the start published them
+        self._checks_schedules = any(spec.cron for spec in self.handlers.values())
         # Moving average of handler run time; starts "long" so nothing is prefetched until jobs prove short.
         self._typical_run = PREFETCH_BELOW_SECONDS * 2
         application_name = worker_application_name(self.id)
@@ -195,7 +196,7 @@ class Worker:
 
     def _periodic_duties(self, conn: psycopg.Connection) -> None:
         """Each second: enqueue due schedule ticks; every few seconds, take over limits nobody holds."""
-        if any(spec.cron for spec in self.handlers.values()):
+        if self._checks_schedules:
             periodic.enqueue_due(
                 conn,
                 self.handlers.values(),

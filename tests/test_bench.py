@@ -7,6 +7,7 @@ only proves every workload still runs end to end for Relay and the ceiling.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -65,3 +66,23 @@ def test_the_harness_lets_a_contestant_script_wait_for_its_work_nearly_as_long_a
 
     waits = [runner.invoke(Echo("echo"), sys.executable, "", "W1", {}, limit, tmp_path / "log") for limit in (900, 60)]
     assert waits == [{"timeout": 840.0}, {"timeout": 30.0}]
+
+
+def test_the_enqueue_breakdown_runs_and_reports_every_part(database_url: str, python: str) -> None:
+    result = subprocess.run(
+        [python, "bench/enqueue_breakdown.py", "--jobs", "20", "--rounds", "1"],
+        cwd=ROOT,
+        env={**os.environ, "DATABASE_URL": database_url},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    rows = {line.split(" | ")[0].lstrip("| "): line for line in result.stdout.splitlines() if line.startswith("| ")}
+    parts = ["ceiling", "jobs, no trigger", "jobs, counting trigger", "relay.jobs, NOTIFY", "Relay.enqueue"]
+    assert [name for name in rows if name in parts] == parts
+    assert rows["ceiling"].split(" | ")[2] == "1.00x"
+    for name in parts:
+        wall, ratio, cpu, wal = rows[name].rstrip(" |").split(" | ")[1:]
+        assert float(wall.split()[0]) > 0 and float(ratio.rstrip("x")) > 0, rows[name]
+        assert float(cpu) >= 0 and int(wal) > 0, rows[name]

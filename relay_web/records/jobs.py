@@ -5,7 +5,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import Field, JsonValue, StringConstraints, field_validator
+from pydantic import BeforeValidator, Field, JsonValue, StringConstraints, field_validator
 
 from relay_core import JobDetail
 from relay_core.monitor import MAX_PAGE, JobSummary
@@ -223,21 +223,34 @@ class IdempotencyHeaders(QueryRecord):
     )
 
 
+def _not_null(value: Any) -> Any:
+    # A bulk action's filter given as null is refused, not read as left out: a script
+    # sending {"queue": $Q} with Q unset cancelled every queued job in every queue.
+    if value is None:
+        raise ValueError("must not be null: leave it out to match every value")
+    return value
+
+
+#: A bulk action's filter: left out, it matches every value; given, it must be a value (not null).
+#: Its default None stands for "left out" and is never validated, so null is not in the schema.
+Given = BeforeValidator(_not_null)
+
+
 class RequeueFilter(BodyRecord):
     """Bulk requeue: every dead or cancelled job matching all given filters."""
 
-    status: Literal["dead", "cancelled"] | None = Field(default=None, description="Both when omitted.")
-    queue: QueueName | None = None
-    type: JobType | None = None
-    q: Search | None = None
+    status: Annotated[Literal["dead", "cancelled"], Given] = Field(default=None, description="Both when omitted.")
+    queue: Annotated[QueueName, Given] = None
+    type: Annotated[JobType, Given] = None
+    q: Annotated[Search, Given] = None
 
 
 class CancelFilter(BodyRecord):
     """Bulk cancel: every queued job matching all given filters."""
 
-    queue: QueueName | None = None
-    type: JobType | None = None
-    q: Search | None = None
+    queue: Annotated[QueueName, Given] = None
+    type: Annotated[JobType, Given] = None
+    q: Annotated[Search, Given] = None
 
 
 class BulkResultRecord(Record):

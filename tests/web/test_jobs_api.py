@@ -425,6 +425,32 @@ def test_bulk_requeue_by_filter_answers_how_many_changed(client, admin, relay: R
     assert client.post("/api/admin/jobs/requeue", headers=admin, json={}).get_json()["changed"] == 1
 
 
+def test_a_bulk_filter_given_as_null_is_refused_not_read_as_every_value(client, admin, relay: Relay, db) -> None:
+    """``{"queue": null}`` cancelled every queued job in every queue: a script that builds
+    ``{"queue": $Q}`` from an unset variable must get a 422, as an empty string does, not act on all."""
+    kept = relay.enqueue("send_email", {}, queue="mail")
+    other = relay.enqueue("resize_image", {})
+    dead = relay.enqueue("send_email", {})
+    make_dead(db, dead)
+    refusals = [
+        ("/api/admin/jobs/cancel", {"queue": None}),
+        ("/api/admin/jobs/cancel", {"type": None}),
+        ("/api/admin/jobs/cancel", {"queue": "mail", "q": None}),
+        ("/api/admin/jobs/requeue", {"type": None}),
+        ("/api/admin/jobs/requeue", {"status": None}),
+        ("/api/admin/jobs/requeue", {"queue": None, "type": "send_email"}),
+    ]
+    for path, body in refusals:
+        problem = assert_problem(client.post(path, headers=admin, json=body), 422, "validation")
+        null_fields = {name for name, value in body.items() if value is None}
+        assert {error["field"] for error in problem["errors"]} == null_fields, problem
+        assert all("leave it out" in error["detail"] for error in problem["errors"]), problem
+    assert [relay.get_job(i).status for i in (kept, other, dead)] == ["queued", "queued", "dead"]
+    # Left out, the same filters still match every value.
+    assert client.post("/api/admin/jobs/requeue", headers=admin, json={"type": "send_email"}).get_json()["changed"] == 1
+    assert client.post("/api/admin/jobs/cancel", headers=admin, json={}).get_json()["changed"] == 3
+
+
 def test_bulk_actions_walk_many_batches(client, admin, relay: Relay, db) -> None:
     relay.enqueue_many([{"type": "bulk", "queue": "q1"} for _ in range(2500)])
     relay.enqueue("bulk", {}, queue="q2")

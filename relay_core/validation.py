@@ -80,9 +80,10 @@ class NewJob:
         }
 
 
-#: Control characters (C0 and DEL): no job type holds one on purpose, and a newline in one
-#: would not survive a form (browsers send it back as CRLF).
-CONTROL_CHARACTER = re.compile(r"[\x00-\x1f\x7f]")
+#: Control characters (C0, DEL and C1): no job type holds one on purpose, a newline in one
+#: would not survive a form (browsers send it back as CRLF), and a C1 one (CSI, NEL) is a
+#: terminal escape or a line break to whoever reads the type in a log.
+CONTROL_CHARACTER = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 
 
 def check_type(job_type: Any) -> str:

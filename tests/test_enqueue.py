@@ -307,6 +307,8 @@ BAD_INPUTS = [
     ({"job_type": None}, "type"),
     ({"job_type": "send\nemail"}, "type"),  # no job type holds a control character on purpose
     ({"job_type": "send_email\x7f"}, "type"),
+    ({"job_type": "send\x9b31memail"}, "type"),  # a C1 control character: CSI, the terminal escape
+    ({"job_type": "send\x85email"}, "type"),  # NEL, a line break to str.splitlines()
     ({"job_type": " send_email"}, "type"),  # no handler's type: it would fail every attempt
     ({"job_type": "send_email\u00a0"}, "type"),
     ({"job_type": "x", "queue": "Has Spaces"}, "queue"),

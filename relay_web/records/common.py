@@ -77,11 +77,11 @@ QueueName = Annotated[
 JobType = Annotated[text(1, 200), Field(examples=["send_email"])]
 
 #: A character Python's str.strip() keeps and relay_core allows in a type (no control character).
-_VISIBLE = r"[^\x00-\x20\x7f\u0085\u00a0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000]"
-#: A job type's text: no control character (C0 or DEL), and one that str.strip() keeps at
+_VISIBLE = r"[^\x00-\x20\x7f-\xa0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000]"
+#: A job type's text: no control character (C0, DEL or C1), and one that str.strip() keeps at
 #: either end, as relay_core requires; spelled so JSON Schema, pydantic's regex engine
 #: and relay_core's check_type agree on it.
-JOB_TYPE_TEXT = rf"^{_VISIBLE}(?:[^\x00-\x1f\x7f]*{_VISIBLE})?$"
+JOB_TYPE_TEXT = rf"^{_VISIBLE}(?:[^\x00-\x1f\x7f-\x9f]*{_VISIBLE})?$"
 
 
 #: The type of a new job: relay_core refuses an empty one, control characters and whitespace at either end.

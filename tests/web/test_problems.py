@@ -270,3 +270,13 @@ def test_every_problem_has_the_same_members(client, admin, viewer) -> None:
         assert response.mimetype == "application/problem+json"
         assert list(body)[:5] == ["type", "title", "status", "detail", "instance"]
         assert body["status"] == response.status_code
+
+
+@pytest.mark.parametrize("job_type", ["send\u009b31memail", "send\u0085email", "send\nemail", "\u0080"])
+def test_a_job_type_with_a_control_character_is_refused_as_relay_core_refuses_it(
+    client, admin, db, job_type: str
+) -> None:
+    """C1 control characters (U+0080 to U+009F: CSI, NEL) passed the API and were stored, while
+    the message of the refusal for C0 ones says a type holds no control characters."""
+    data = json.dumps({"type": job_type})
+    assert [error["field"] for error in refused_job_errors(client, admin, db, data)] == ["type"]

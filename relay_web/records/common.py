@@ -95,8 +95,11 @@ NewJobType = Annotated[
 JobId = Annotated[int, Field(ge=1, le=BIGINT_MAX, examples=[42])]
 
 
-#: RFC 3339's date-time: a full date, a time, and a UTC offset.
-DATE_TIME = re.compile(r"\d{4}-\d{2}-\d{2}[Tt ]\d{2}:\d{2}:\d{2}(\.\d+)?([Zz]|[+-]\d{2}:\d{2})")
+#: RFC 3339's date-time: a full date, a time, and a UTC offset, in the digits 0-9 (a str
+#: pattern's \d matches every script's digits, which RFC 3339 does not allow).
+DATE_TIME = re.compile(
+    r"[0-9]{4}-[0-9]{2}-[0-9]{2}[Tt ][0-9]{2}:[0-9]{2}:[0-9]{2}(\.[0-9]+)?([Zz]|[+-][0-9]{2}:[0-9]{2})"
+)
 
 
 def _date_time_text(value: Any) -> Any:

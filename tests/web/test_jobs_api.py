@@ -800,6 +800,17 @@ def test_a_run_at_that_names_no_real_moment_is_refused_in_relays_words(client, a
     assert db.execute("SELECT count(*) FROM relay.jobs").fetchone()[0] == 0
 
 
+@pytest.mark.parametrize("run_at", ["\uff12\uff10\uff13\uff10-01-01T00:00:00Z", "2030-01-01T09:00:00+\u0660\u0661:00"])
+def test_a_run_at_written_with_other_digits_than_0_to_9_is_refused_for_its_format(client, admin, db, run_at) -> None:
+    """Full-width or Arabic-Indic digits matched the format's \\d and were then called a moment that
+    does not exist, as if a month or an offset were out of range."""
+    problem = assert_problem(client.post("/api/admin/jobs", headers=admin, json={"type": "t", "run_at": run_at}), 422)
+    [error] = problem["errors"]
+    assert error["field"] == "run_at"
+    assert "must be an RFC 3339 date-time" in error["detail"], error
+    assert db.execute("SELECT count(*) FROM relay.jobs").fetchone()[0] == 0
+
+
 def test_run_at_at_the_edges_of_the_utc_calendar_is_accepted(client, admin, relay: Relay) -> None:
     for run_at in ("0001-01-01T00:00:00+00:00", "0001-01-01T14:00:00+14:00", "9999-12-31T23:59:59-00:00"):
         response = client.post("/api/admin/jobs", headers=admin, json={"type": "t", "run_at": run_at})

@@ -942,6 +942,39 @@ def test_an_error_whose_text_cannot_be_read_fails_its_job_and_the_slot_goes_on(
     assert relay.get_job(bad).last_error == "Unprintable: <unprintable Unprintable>"
 
 
+class UnformattableTraceback(Exception):
+    """An error whose traceback cannot be formatted: reading its ``__notes__`` raises, and not an Exception."""
+
+    @property
+    def __notes__(self) -> list[str]:
+        raise KeyboardInterrupt("raised while reading __notes__")
+
+
+def test_an_error_whose_traceback_cannot_be_formatted_fails_its_job_and_the_slot_goes_on(
+    relay: Relay, db: psycopg.Connection
+) -> None:
+    """Formatting the traceback read ``__notes__``, whose KeyboardInterrupt ended the slot's thread:
+    the job stayed claimed for the worker's life, heartbeated, and nothing else ran on the slot."""
+
+    @relay.handler("unformattable", max_attempts=1)
+    def unformattable(job: Job) -> None:
+        raise UnformattableTraceback("boom")
+
+    @relay.handler("fine")
+    def fine(job: Job) -> None:
+        return None
+
+    bad = relay.enqueue("unformattable")
+    good = [relay.enqueue("fine") for _ in range(3)]
+    with running_worker(relay, concurrency=1):
+        wait_for(lambda: job_status(db, bad) == "dead" and all(job_status(db, j) == "succeeded" for j in good))
+    job = relay.get_job(bad)
+    assert job.last_error == "UnformattableTraceback: boom"
+    [entry] = job.errors
+    assert entry["message"] == "UnformattableTraceback: boom"
+    assert "could not be formatted" in entry["traceback"] and "KeyboardInterrupt" in entry["traceback"]
+
+
 def test_a_handler_that_returns_a_generator_is_dead_not_a_success(relay: Relay, db: psycopg.Connection) -> None:
     """Registration refuses a generator function; a callable that returns a generator is caught at run time."""
     ran: list[int] = []

@@ -138,7 +138,7 @@ def _ended_by(exc: BaseException, job: Job, spec: HandlerSpec | None, worker_id:
             message = f"{message} ({problem})"
             entry["message"] = f"{entry.get('message')} ({problem})"
         return Outcome(job, Kind.RETRY, took, delay=delay, message=message, error=entry)
-    except Exception as failure:
+    except BaseException as failure:  # a KeyboardInterrupt from the handler's code here would end the slot's thread
         message = f"{type(exc).__name__} (and classifying it raised {type(failure).__name__})"
         entry = {
             "attempt": job.attempt,

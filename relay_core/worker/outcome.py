@@ -84,7 +84,10 @@ def describe(exc: BaseException, job: Job, worker_id: str) -> tuple[str, dict[st
     message = f"{name}: {text}" if text else name
     if len(message) > MAX_MESSAGE_CHARS:
         message = message[: MAX_MESSAGE_CHARS - 1] + "…"
-    trace = "".join(tb.format_exception(type(exc), exc, exc.__traceback__))
+    try:
+        trace = "".join(tb.format_exception(type(exc), exc, exc.__traceback__))
+    except BaseException as failure:  # it reads the error's __notes__, __cause__ and __context__: code of the handler's
+        trace = f"<the traceback could not be formatted: doing so raised {type(failure).__name__}>"
     if len(trace) > MAX_TRACEBACK_CHARS:
         trace = "…" + trace[-(MAX_TRACEBACK_CHARS - 1) :]
     # PostgreSQL text cannot hold NUL, nor can UTF-8 hold lone surrogates (how

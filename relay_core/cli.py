@@ -27,11 +27,34 @@ from .worker.config import MAX_CONCURRENCY
 from .worker.shutdown import exit_now
 
 
+class FiniteFloatRange(click.FloatRange):
+    """click's FloatRange, refusing NaN and infinity as well.
+
+    Every comparison with NaN is false, so FloatRange let it through any
+    bounds: ``relay prove --timeout nan`` enqueued its jobs and started its
+    workers before stopping at once, and ``relay demo --orders-per-minute
+    nan`` enqueued orders as fast as it could. No option of Relay's means an
+    endless or undefined number of seconds.
+    """
+
+    def convert(self, value: object, param: click.Parameter | None, ctx: click.Context | None) -> float:
+        number = super().convert(value, param, ctx)
+        if not math.isfinite(number):
+            self.fail(f"{value!r} is not a finite number.", param, ctx)
+        return number
+
+
 def load_app(spec: str) -> Relay:
     """Import ``MODULE:ATTR`` and return the Relay object it names."""
     module_name, _, attr = spec.partition(":")
     if not module_name or not attr:
         raise click.BadParameter(f"{spec!r} is not MODULE:ATTR (for example myapp.jobs:relay)", param_hint="--app")
+    if module_name.startswith("."):
+        # importlib refuses a relative name without a package to resolve it in (a TypeError).
+        raise click.BadParameter(
+            f"{module_name!r} is a relative module name: give the full dotted name (for example myapp.jobs:relay)",
+            param_hint="--app",
+        )
     if "" not in sys.path:
         sys.path.insert(0, "")  # like `python -m`, find modules in the current directory
     try:
@@ -216,13 +239,13 @@ def _queue_names(_ctx: click.Context, _param: click.Parameter, value: str | None
 @click.option(
     "--lease",
     "lease_seconds",
-    type=click.FloatRange(min=1),
+    type=FiniteFloatRange(min=1),
     default=None,
     help="Lease seconds (default: RELAY_LEASE_SECONDS, else 30).",
 )
 @click.option(
     "--shutdown-timeout",
-    type=click.FloatRange(min=0),
+    type=FiniteFloatRange(min=0),
     default=None,
     help=(
         "Seconds in-flight jobs get to finish on SIGTERM before they are handed back"
@@ -359,7 +382,7 @@ def enqueue(
             when = datetime.fromisoformat(run_at)
         except ValueError:
             raise click.BadParameter(f"{run_at!r} is not an ISO 8601 time", param_hint="--run-at") from None
-    relay = Relay(command_dsn())
+    relay = Relay()  # the database's setting is read by connect(), once the input passed
     try:
         # Checked before connecting: refused input exits 2 whether or not the database answers.
         new_job(
@@ -399,7 +422,7 @@ def enqueue(
 @click.option("--concurrency", type=click.IntRange(1, 256), default=4, show_default=True)
 @click.option(
     "--timeout",
-    type=click.FloatRange(1, 86400),
+    type=FiniteFloatRange(1, 86400),
     default=300,
     show_default=True,
     help="Seconds to wait for the jobs; any still unfinished then are reported as such.",
@@ -460,7 +483,7 @@ main.add_command(user)
     help="Port of the dashboard on 127.0.0.1 (or PORT).",
 )
 @click.option("--fresh", is_flag=True, help="Delete the embedded database's data and start over.")
-@click.option("--orders-per-minute", type=click.FloatRange(min=0.1, max=6000), default=30.0, show_default=True)
+@click.option("--orders-per-minute", type=FiniteFloatRange(min=0.1, max=6000), default=30.0, show_default=True)
 def demo(port: int, fresh: bool, orders_per_minute: float) -> None:
     """Run the whole product here: database, dashboard, two workers and a shop placing orders.
 

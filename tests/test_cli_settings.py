@@ -292,6 +292,43 @@ def test_a_module_that_fails_to_import_its_own_dependency_is_not_called_a_bad_ap
     assert missing.returncode == 2 and "Invalid value for --app: cannot import 'no_such_app'" in missing.stderr
 
 
+@pytest.mark.parametrize("app", [".jobs:relay", "..:relay", ".:relay"])
+def test_a_relative_module_name_for_app_is_a_usage_error_not_a_traceback(
+    python: str, worker_env: dict[str, str], tmp_path: Path, app: str
+) -> None:
+    """importlib raised TypeError ("the 'package' argument is required ..."), which left as a traceback."""
+    done = run_worker(python, worker_env, app=app, cwd=tmp_path)
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr
+    assert "Invalid value for --app" in done.stderr and "relative" in done.stderr, done.stderr
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["worker", "--app", "tests.apps.worker_app:relay", "--lease", "nan"],
+        ["worker", "--app", "tests.apps.worker_app:relay", "--lease", "inf"],
+        ["worker", "--app", "tests.apps.worker_app:relay", "--shutdown-timeout", "nan"],
+        ["worker", "--app", "tests.apps.worker_app:relay", "--shutdown-timeout", "inf"],
+        ["prove", "--timeout", "nan"],
+        ["demo", "--orders-per-minute", "nan"],
+    ],
+)
+def test_a_seconds_or_rate_option_given_nan_or_infinity_is_a_usage_error_that_changes_nothing(
+    python: str, worker_env: dict[str, str], dsn: str, command: list[str]
+) -> None:
+    """Every comparison with NaN is false, so click's FloatRange let it through: `relay prove --timeout nan`
+    enqueued 5,000 jobs and started workers, and `relay demo --orders-per-minute nan` flooded the queue."""
+    done = subprocess.run(
+        [python, "-m", "relay_core", *command], env=worker_env, cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 2, done.stderr
+    assert f"Invalid value for '{command[-2]}'" in done.stderr, done.stderr
+    with psycopg.connect(dsn) as conn:
+        assert conn.execute("SELECT count(*) FROM relay.jobs").fetchone()[0] == 0
+        assert conn.execute("SELECT count(*) FROM pg_namespace WHERE nspname = 'relay_proof'").fetchone()[0] == 0
+
+
 def test_a_worker_whose_unix_socket_server_is_down_waits_for_it(
     python: str, worker_env: dict[str, str], dsn: str, tmp_path: Path
 ) -> None:
@@ -369,6 +406,17 @@ def test_a_command_with_no_database_configured_names_the_variable_not_the_python
         "Error: no database configured: set DATABASE_URL (or RELAY_DATABASE_URL) "
         "to postgresql://user:password@host:5432/dbname"
     )
+
+
+@pytest.mark.parametrize("args", [["t", "{}", "--queue", "BAD"], ["", "{}"], ["t", "{}", "--max-attempts", "0"]])
+def test_refused_enqueue_input_exits_2_with_no_database_configured_as_with_one(args: list[str]) -> None:
+    """The database's setting was read first, so refused input exited 1 (no database configured)
+    while with a database configured the same input exits 2."""
+    result = CliRunner().invoke(
+        main, ["enqueue", *args], env={"RELAY_DATABASE_URL": None, "DATABASE_URL": None}, catch_exceptions=False
+    )
+    assert result.exit_code == 2, result.output
+    assert result.output.startswith("Error: refused: "), result.output
 
 
 def test_a_payload_read_from_standard_input_may_be_longer_than_an_argument_may(

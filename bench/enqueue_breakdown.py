@@ -4,7 +4,8 @@
 
 Creates a scratch database (relay_bench_enqueue) on the server of
 DATABASE_URL, migrates Relay into it, and times one-job transactions, each
-committed before the next as in W2, in interleaved rounds:
+committed before the next as in W2, in interleaved rounds (each in a
+shuffled order):
 
 - ``ceiling``: the ceiling contestant's insert into its own five-column table;
 - ``jobs, no trigger``: Relay's insert statement (``job_insert``) into a copy
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import statistics
 import sys
 import time
@@ -134,8 +136,12 @@ def measure(
     ]
     own_pid = [conn.info.backend_pid]
     results: dict[str, list[tuple[float, float, float]]] = {name: [] for name in variants}
+    order = list(variants)
+    shuffle = random.Random(6).shuffle
     for _ in range(rounds):
-        for name, run in variants.items():
+        shuffle(order)  # each round in another order, so no variant always runs after the same one
+        for name in order:
+            run = variants[name]
             pids = pool_pids if name == "Relay.enqueue" else own_pid
             wal_before = conn.execute("SELECT pg_current_wal_insert_lsn()").fetchone()[0]
             cpu_before, started = server_cpu_seconds(pids), time.perf_counter()

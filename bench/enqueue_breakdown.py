@@ -2,7 +2,7 @@
 
     DATABASE_URL=postgresql://postgres@127.0.0.1:5432/test python bench/enqueue_breakdown.py
 
-Creates a scratch database (relay_bench_enqueue) on the server of
+Creates a scratch database (relay_bench_enqueue, or ``--database``) on the server of
 DATABASE_URL, migrates Relay into it, and times one-job transactions, each
 committed before the next as in W2, in interleaved rounds (each in a
 shuffled order):
@@ -38,6 +38,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import psycopg
+import psycopg.sql
 from psycopg import conninfo
 from psycopg.types.json import Jsonb
 
@@ -67,6 +68,11 @@ CREATE TRIGGER jobs_counted_insert AFTER INSERT ON public.jobs_counted
 CEILING_INSERT = "INSERT INTO bench_jobs (payload) VALUES (%s) RETURNING id"
 
 
+def sql_identifier(statement: str, name: str) -> psycopg.sql.Composed:
+    """``statement`` with ``name`` quoted as an identifier in its ``{}``."""
+    return psycopg.sql.SQL(statement).format(psycopg.sql.Identifier(name))
+
+
 def server_cpu_seconds(pids: list[int]) -> float:
     """CPU time the server processes ``pids`` have used, from /proc (nanoseconds there)."""
     return sum(int(Path(f"/proc/{pid}/schedstat").read_text().split()[0]) for pid in pids) / 1e9
@@ -76,13 +82,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--jobs", type=int, default=2000, help="transactions per variant and round")
     parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--database", default=DATABASE, help="the scratch database's name (dropped at the end)")
     args = parser.parse_args()
 
     admin_dsn = database_url()
-    dsn = conninfo.make_conninfo(admin_dsn, dbname=DATABASE)
+    dsn = conninfo.make_conninfo(admin_dsn, dbname=args.database)
     with psycopg.connect(admin_dsn, autocommit=True) as admin:
-        admin.execute(f"DROP DATABASE IF EXISTS {DATABASE}")
-        admin.execute(f"CREATE DATABASE {DATABASE}")
+        admin.execute(sql_identifier("DROP DATABASE IF EXISTS {}", args.database))
+        admin.execute(sql_identifier("CREATE DATABASE {}", args.database))
     relay = Relay(dsn)
     try:
         relay.migrate()
@@ -94,7 +101,7 @@ def main() -> None:
     finally:
         relay.close()
         with psycopg.connect(admin_dsn, autocommit=True) as admin:
-            admin.execute(f"DROP DATABASE IF EXISTS {DATABASE}")
+            admin.execute(sql_identifier("DROP DATABASE IF EXISTS {}", args.database))
 
 
 def measure(

@@ -10,8 +10,10 @@ import json
 import os
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 
+import psycopg
 import pytest
 
 from .helpers import ROOT
@@ -69,8 +71,9 @@ def test_the_harness_lets_a_contestant_script_wait_for_its_work_nearly_as_long_a
 
 
 def test_the_enqueue_breakdown_runs_and_reports_every_part(database_url: str, python: str) -> None:
+    scratch = f"relay_bench_enqueue_{uuid.uuid4().hex[:10]}"
     result = subprocess.run(
-        [python, "bench/enqueue_breakdown.py", "--jobs", "20", "--rounds", "1"],
+        [python, "bench/enqueue_breakdown.py", "--jobs", "20", "--rounds", "1", "--database", scratch],
         cwd=ROOT,
         env={**os.environ, "DATABASE_URL": database_url},
         capture_output=True,
@@ -86,3 +89,5 @@ def test_the_enqueue_breakdown_runs_and_reports_every_part(database_url: str, py
         wall, ratio, cpu, wal = rows[name].rstrip(" |").split(" | ")[1:]
         assert float(wall.split()[0]) > 0 and float(ratio.rstrip("x")) > 0, rows[name]
         assert float(cpu) >= 0 and int(wal) > 0, rows[name]
+    with psycopg.connect(database_url) as conn:
+        assert conn.execute("SELECT count(*) FROM pg_database WHERE datname = %s", (scratch,)).fetchone()[0] == 0

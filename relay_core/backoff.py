@@ -71,11 +71,12 @@ def retry_delay(backoff: Backoff, attempt: int) -> tuple[float, str | None]:
     what no run_at can hold (NaN, negative, past a century), the default backoff's delay and why.
 
     A handler's own backoff is its code: raising there killed the slot thread with its job held
-    forever, and a NaN delay had the database refuse the failure, which was then lost.
+    forever, and a NaN delay had the database refuse the failure, which was then lost. Whatever
+    it raises: a KeyboardInterrupt from it ended the lease watch's thread, and every timeout after.
     """
     try:
         seconds = backoff.delay(attempt)
-    except Exception as exc:
+    except BaseException as exc:
         problem = f"its backoff raised {type(exc).__name__}"  # its text is the backoff's code too: not read
     else:
         if usable_delay(seconds):

@@ -366,6 +366,13 @@ class RaisingBackoff(Backoff):
         raise IndexError("no delay for this attempt")
 
 
+class InterruptingBackoff(Backoff):
+    """A handler's own backoff raising what no ``except Exception`` catches."""
+
+    def delay(self, attempt: int, rand: Any = None) -> float:  # type: ignore[override]
+        raise KeyboardInterrupt("from the backoff")
+
+
 class NaNBackoff(Backoff):
     def delay(self, attempt: int, rand: Any = None) -> float:  # type: ignore[override]
         return float("nan")
@@ -385,10 +392,11 @@ def test_a_backoff_that_is_no_backoff_is_refused_at_registration(relay: Relay) -
     ("spec", "said"),
     [
         ({"backoff": RaisingBackoff()}, "its backoff raised IndexError; the default backoff was used"),
+        ({"backoff": InterruptingBackoff()}, "its backoff raised KeyboardInterrupt; the default backoff was used"),
         ({"backoff": NaNBackoff()}, "its backoff gave a delay of nan"),
         ({}, "SnoozeWithoutSeconds without a usable delay"),
     ],
-    ids=["backoff-raises", "backoff-gives-nan", "snooze-without-seconds"],
+    ids=["backoff-raises", "backoff-interrupts", "backoff-gives-nan", "snooze-without-seconds"],
 )
 def test_a_failure_whose_classification_fails_is_still_a_failed_attempt_and_the_slot_lives_on(
     relay: Relay, db: psycopg.Connection, spec: dict, said: str
@@ -413,12 +421,17 @@ def test_a_failure_whose_classification_fails_is_still_a_failed_attempt_and_the_
     assert job.status in ("queued", "claimed", "dead") and job.errors[0]["attempt"] == 1
 
 
-def test_a_timed_out_run_keeps_its_lease_when_its_backoff_raises(relay: Relay, db: psycopg.Connection) -> None:
+@pytest.mark.parametrize("backoff", [RaisingBackoff(), InterruptingBackoff()], ids=["raises", "interrupts"])
+def test_a_timed_out_run_keeps_its_lease_when_its_backoff_raises(
+    relay: Relay, db: psycopg.Connection, backoff: Backoff
+) -> None:
     """Past its timeout the run left the ledger's table of running jobs before its outcome was
-    decided; deciding raised, so its lease was renewed no more and its retry ran beside it."""
+    decided; deciding raised, so its lease was renewed no more and its retry ran beside it.
+    A KeyboardInterrupt from the backoff ended the lease watch's thread, and with it every
+    timeout after."""
     runs: list[tuple[int, float, float]] = []
 
-    @relay.handler("slow", timeout=0.5, max_attempts=2, backoff=RaisingBackoff())
+    @relay.handler("slow", timeout=0.5, max_attempts=2, backoff=backoff)
     def slow(job: Job) -> None:
         began = time.monotonic()
         time.sleep(3.0)
@@ -429,7 +442,8 @@ def test_a_timed_out_run_keeps_its_lease_when_its_backoff_raises(relay: Relay, d
         wait_for(lambda: len(runs) == 2, timeout=30, what="both attempts to end")
     (first, second) = sorted(runs)
     assert second[1] >= first[2], f"attempt 2 began at {second[1]:.2f}, before attempt 1 ended at {first[2]:.2f}"
-    assert "its backoff raised IndexError" in relay.get_job(job_id).errors[0]["message"]
+    raised = "IndexError" if isinstance(backoff, RaisingBackoff) else "KeyboardInterrupt"
+    assert f"its backoff raised {raised}" in relay.get_job(job_id).errors[0]["message"]
 
 
 def test_a_task_of_an_async_handler_raising_systemexit_leaves_no_run_behind(

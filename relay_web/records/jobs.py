@@ -223,7 +223,7 @@ class IdempotencyHeaders(QueryRecord):
     )
 
 
-def _not_null(value: Any) -> Any:
+def _filter_given(value: Any) -> Any:
     # A bulk action's filter given as null is refused, not read as left out: a script
     # sending {"queue": $Q} with Q unset cancelled every queued job in every queue.
     if value is None:
@@ -231,26 +231,38 @@ def _not_null(value: Any) -> Any:
     return value
 
 
-#: A bulk action's filter: left out, it matches every value; given, it must be a value (not null).
-#: Its default None stands for "left out" and is never validated, so null is not in the schema.
-Given = BeforeValidator(_not_null)
+def _no_default(schema: dict[str, Any]) -> None:
+    # The None that stands for "left out" is no value a client may send: the schema says
+    # the field is optional (not required), not that null is its default.
+    schema.pop("default", None)
+
+
+#: A bulk action's filter: left out, it matches every value; given, it must be a value, not null.
+#: Its default None stands for "left out": pydantic never validates it, and the schema omits it.
+Given = BeforeValidator(_filter_given)
+
+
+def left_out(description: str | None = None) -> Any:
+    """A bulk filter's default: None when left out, which the OpenAPI schema does not show."""
+    described = {} if description is None else {"description": description}  # else the type's own stands
+    return Field(default=None, json_schema_extra=_no_default, **described)
 
 
 class RequeueFilter(BodyRecord):
     """Bulk requeue: every dead or cancelled job matching all given filters."""
 
-    status: Annotated[Literal["dead", "cancelled"], Given] = Field(default=None, description="Both when omitted.")
-    queue: Annotated[QueueName, Given] = None
-    type: Annotated[JobType, Given] = None
-    q: Annotated[Search, Given] = None
+    status: Annotated[Literal["dead", "cancelled"], Given] = left_out("Both when omitted.")
+    queue: Annotated[QueueName, Given] = left_out()
+    type: Annotated[JobType, Given] = left_out()
+    q: Annotated[Search, Given] = left_out()
 
 
 class CancelFilter(BodyRecord):
     """Bulk cancel: every queued job matching all given filters."""
 
-    queue: Annotated[QueueName, Given] = None
-    type: Annotated[JobType, Given] = None
-    q: Annotated[Search, Given] = None
+    queue: Annotated[QueueName, Given] = left_out()
+    type: Annotated[JobType, Given] = left_out()
+    q: Annotated[Search, Given] = left_out()
 
 
 class BulkResultRecord(Record):

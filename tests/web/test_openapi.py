@@ -124,6 +124,19 @@ def test_document_comes_from_the_records(client) -> None:
     assert doc["paths"]["/api/auth/login"]["post"]["security"] == []
 
 
+def test_a_bulk_filter_is_optional_but_never_null_in_the_document(client) -> None:
+    """The server refuses a filter given as null (it widened the action to every job before):
+    the document must not offer null, nor name null as a default a generated client would send."""
+    doc = _document(client)
+    for name in ("RequeueFilter", "CancelFilter"):
+        body = doc["components"]["schemas"][name]
+        assert body.get("required", []) == [], name
+        for field, schema in body["properties"].items():
+            assert "default" not in schema and "anyOf" not in schema, (name, field, schema)
+            assert schema["type"] == "string", (name, field, schema)
+    assert "description" in doc["components"]["schemas"]["CancelFilter"]["properties"]["queue"]
+
+
 def test_descriptions_are_plain_paragraphs_and_say_what_the_server_does(client) -> None:
     """Docstrings kept their 4-space indentation, which Markdown renders as code; and the enqueue's
     description said a run_at the first job was not given answers 409, where the server (and

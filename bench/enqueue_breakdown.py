@@ -78,10 +78,18 @@ def server_cpu_seconds(pids: list[int]) -> float:
     return sum(int(Path(f"/proc/{pid}/schedstat").read_text().split()[0]) for pid in pids) / 1e9
 
 
+def positive(text: str) -> int:
+    """A command-line count of at least 1."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--jobs", type=int, default=2000, help="transactions per variant and round")
-    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--jobs", type=positive, default=2000, help="transactions per variant and round")
+    parser.add_argument("--rounds", type=positive, default=7)
     parser.add_argument("--database", default=DATABASE, help="the scratch database's name (dropped at the end)")
     args = parser.parse_args()
 
@@ -93,15 +101,15 @@ def main() -> None:
     relay = Relay(dsn)
     try:
         relay.migrate()
-        conn = psycopg.connect(dsn, autocommit=True)
-        conn.execute(TABLES)
-        conn.execute("SET TimeZone = 'UTC'; SET jit = off")
-        report(measure(relay, conn, args.jobs, args.rounds), args.jobs)
-        conn.close()
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            conn.execute(TABLES)
+            conn.execute("SET TimeZone = 'UTC'; SET jit = off")
+            report(measure(relay, conn, args.jobs, args.rounds), args.jobs)
     finally:
         relay.close()
         with psycopg.connect(admin_dsn, autocommit=True) as admin:
-            admin.execute(sql_identifier("DROP DATABASE IF EXISTS {}", args.database))
+            # FORCE: a run that failed part way may leave a session behind.
+            admin.execute(sql_identifier("DROP DATABASE IF EXISTS {} WITH (FORCE)", args.database))
 
 
 def measure(
@@ -139,6 +147,7 @@ def measure(
         row[0]
         for row in conn.execute(
             "SELECT pid FROM pg_stat_activity WHERE datname = current_database() AND pid <> pg_backend_pid()"
+            " AND backend_type = 'client backend'"  # not an autovacuum worker, which may be gone when read
         )
     ]
     own_pid = [conn.info.backend_pid]
@@ -164,7 +173,7 @@ def measure(
 def report(results: dict[str, list[tuple[float, float, float]]], jobs: int) -> None:
     """Medians per transaction, and each wall time as a ratio of the ceiling's."""
     ceiling = statistics.median(wall for wall, _, _ in results["ceiling"])
-    print("| variant | wall us (min-max) | x ceiling (jobs/s) | server CPU us | WAL bytes |")
+    print("| variant | wall us (min-max) | x ceiling | server CPU us | WAL bytes |")
     print("|---|---|---|---|---|")
     for name, rounds in results.items():
         walls = [wall / jobs * 1e6 for wall, _, _ in rounds]

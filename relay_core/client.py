@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import os
 import threading
+import weakref
 from collections.abc import Callable, Iterable, Mapping
 from datetime import datetime
 from typing import Any, TypeVar
@@ -37,10 +39,27 @@ from .validation import (
 from .worker import Worker, WorkerConfig, require_handlers
 from .worker.shutdown import exit_now
 
-#: How long an enqueue without ``conn`` waits for a pooled connection by default (RELAY_DB_WAIT_SECONDS).
 T = TypeVar("T")
 
+#: How long an enqueue without ``conn`` waits for a pooled connection by default (RELAY_DB_WAIT_SECONDS).
 DEFAULT_DB_WAIT_SECONDS = 5.0
+
+#: Every Relay of this process, so that a forked child can give each a pool lock nobody holds.
+RELAYS: weakref.WeakSet[Relay] = weakref.WeakSet()
+
+
+def _unlock_pools_after_fork() -> None:
+    """In a forked child, each Relay's pool lock anew.
+
+    A thread of the parent that held one at the fork (closing the pool, or
+    opening it) does not exist in the child, and the lock it held stayed
+    held there: the child's first enqueue waited for it forever.
+    """
+    for relay in list(RELAYS):
+        relay._pool_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_unlock_pools_after_fork)
 
 
 def batch_items(jobs: Any) -> list[Any]:
@@ -111,6 +130,7 @@ class Relay:
         self._pool: RelayPool | None = None
         self._pool_size = pool_size
         self._pool_lock = threading.Lock()
+        RELAYS.add(self)
 
     # -- configuration -----------------------------------------------------
 

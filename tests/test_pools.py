@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -209,6 +210,31 @@ def test_a_forked_child_leaves_the_parents_armed_connections_alone(dsn: str) -> 
         _, status = os.waitpid(pid, 0)
         assert os.waitstatus_to_exitcode(status) == 0
         assert conn.execute("SELECT 1").fetchone() == (1,)
+
+
+def test_a_child_forked_while_another_thread_held_the_pool_lock_can_enqueue(
+    relay: Relay, db: psycopg.Connection
+) -> None:
+    """The pool's lock, held by another thread (closing the pool, or opening it) at the fork, stayed
+    held in the child, where that thread does not exist: the child's first enqueue hung for good."""
+    relay.enqueue("before_fork")
+    relay._pool_lock.acquire()  # as a thread inside close() or the pool's opening holds it
+    try:
+        pid = os.fork()
+        if pid == 0:  # the child: its enqueue makes a pool of its own, or the alarm ends it
+            code = 1
+            try:
+                signal.alarm(10)
+                relay.enqueue("from_child")
+                code = 0
+            finally:
+                os._exit(code)
+    finally:
+        relay._pool_lock.release()
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert db.execute("SELECT count(*) FROM relay.jobs WHERE type = 'from_child'").fetchone()[0] == 1
+    relay.enqueue("after_fork")  # the parent's pool and lock work as before
 
 
 def test_a_pool_left_open_is_closed_as_the_process_exits(dsn: str, db: psycopg.Connection) -> None:

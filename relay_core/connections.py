@@ -149,7 +149,7 @@ def run(conn: Any, steps: Steps[T]) -> T:
     A statement refused because Relay's schema is missing or behind this
     release raises ConfigurationError saying to migrate (``migrate.SchemaNeeded``).
     """
-    with SchemaNeeded():
+    with SchemaNeeded(conn):
         try:
             statement = next(steps)
             while True:
@@ -170,7 +170,7 @@ async def run_async(conn: Any, steps: Steps[T]) -> T:
         if not hasattr(conn, "exec_driver_sql"):
             conn = await conn.connection()  # an AsyncSession: its connection, in its transaction
         _check_driver(conn)
-    with SchemaNeeded():
+    with SchemaNeeded(conn):
         try:
             statement = next(steps)
             while True:

@@ -135,21 +135,50 @@ def schema_missing(exc: BaseException) -> ConfigurationError | None:
     return ConfigurationError(MISSING_TABLES)
 
 
+#: An object of Relay's schema as the server's error message names it: relation "relay.jobs",
+#: function relay.published_max_attempts(...), type "relay.job_status", schema "relay".
+NAMES_RELAYS_SCHEMA = re.compile(r'\brelay\.|"relay"')
+
+
 class SchemaNeeded:
     """Around Relay's statements: raise ``schema_missing``'s error instead of one that says the schema is behind.
 
     A class rather than a generator-based context manager: an enqueue runs
     inside one, and entering this costs next to nothing.
+
+    ``conn``: the caller's connection the statements run on, if any. In a
+    psycopg pipeline (``conn.pipeline()``) the server's error for one of the
+    caller's own statements queued before Relay's (a mistyped table) comes
+    back at Relay's fetch: there only an error that names Relay's schema is
+    Relay's to explain, and any other is raised as it came.
     """
+
+    __slots__ = ("conn",)
+
+    def __init__(self, conn: object = None) -> None:
+        self.conn = conn
 
     def __enter__(self) -> None:
         return None
 
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, _tb: object) -> bool:
         missing = schema_missing(exc) if exc is not None else None
-        if missing is not None:
+        if missing is not None and (not self._in_pipeline() or _names_relays_schema(exc)):
             raise missing from exc
         return False
+
+    def _in_pipeline(self) -> bool:
+        pgconn = getattr(self.conn, "pgconn", None)  # a psycopg connection, sync or async
+        try:
+            return pgconn is not None and pgconn.pipeline_status != psycopg.pq.PipelineStatus.OFF
+        except psycopg.Error:  # a connection closed since: not in a pipeline any more
+            return False
+
+
+def _names_relays_schema(exc: BaseException) -> bool:
+    """Whether the server's message of ``exc`` names an object of Relay's schema."""
+    diag = getattr(exc, "diag", None)
+    return bool(NAMES_RELAYS_SCHEMA.search(getattr(diag, "message_primary", None) or ""))
 
 
 #: What a database recording another build's migrations went through, and what to do about it.

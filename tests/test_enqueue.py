@@ -990,6 +990,23 @@ def test_a_handler_that_names_no_max_attempts_takes_its_relays_default(dsn: str,
     assert rows == [(3,), (7,)]
 
 
+@pytest.mark.parametrize("many", [False, True], ids=["enqueue", "enqueue_many"])
+def test_the_callers_own_failed_statement_in_a_pipeline_is_raised_as_it_is_not_as_a_schema_to_migrate(
+    relay: Relay, dsn: str, db: psycopg.Connection, many: bool
+) -> None:
+    """In a pipeline the server's error for the caller's earlier statement (a mistyped table) comes
+    back at Relay's fetch, and Relay called it its own schema being missing: "run `relay migrate`"."""
+    with psycopg.connect(dsn) as conn:
+        with pytest.raises(psycopg.errors.UndefinedTable, match='relation "ordrs" does not exist'), conn.pipeline():
+            conn.execute("INSERT INTO ordrs VALUES (1)")
+            if many:
+                relay.enqueue_many([{"type": "t"}], conn=conn)
+            else:
+                relay.enqueue("t", conn=conn)
+        conn.rollback()
+    assert db.execute("SELECT count(*) FROM relay.jobs").fetchone()[0] == 0
+
+
 @pytest.mark.parametrize("autocommit", [True, False], ids=["autocommit", "transaction"])
 def test_enqueue_many_in_a_pipeline_returns_the_ids(
     relay: Relay, dsn: str, db: psycopg.Connection, autocommit: bool
@@ -1069,6 +1086,10 @@ def test_calls_on_a_database_never_migrated_say_to_migrate(unmigrated_dsn: str) 
             with pytest.raises(ConfigurationError, match=r"run `relay migrate`") as raised:
                 relay.enqueue("echo", {}, conn=conn)
             assert 'relation "relay.jobs" does not exist' in str(raised.value.__cause__)
+            conn.rollback()
+            # In a pipeline too: the error names Relay's table, so it is Relay's to explain.
+            with pytest.raises(ConfigurationError, match=r"run `relay migrate`"), conn.pipeline():
+                relay.enqueue("echo", {}, conn=conn)
             conn.rollback()
         engine = sa_engine(unmigrated_dsn)
         try:

@@ -271,6 +271,22 @@ def test_enqueue_many_async_refuses_a_batch_that_is_not_a_list_of_mappings(
     assert jobs(db) == []
 
 
+def test_the_callers_own_failed_statement_in_an_async_pipeline_is_raised_as_it_is(
+    relay: Relay, dsn: str, db: psycopg.Connection
+) -> None:
+    """The async twin: a caller's failed statement, queued before the enqueue, was called Relay's
+    schema being missing."""
+
+    async def enqueue() -> None:
+        async with await psycopg.AsyncConnection.connect(dsn) as conn, conn.pipeline():
+            await conn.execute("SELECT no_such_function()")
+            await relay.enqueue_async("t", conn=conn)
+
+    with pytest.raises(psycopg.errors.UndefinedFunction, match="no_such_function"):
+        asyncio.run(enqueue())
+    assert db.execute("SELECT count(*) FROM relay.jobs").fetchone()[0] == 0
+
+
 def test_enqueue_async_in_a_pipeline_returns_the_ids(relay: Relay, dsn: str, db: psycopg.Connection) -> None:
     """In ``conn.pipeline()`` a cursor has no description until its rows are fetched: the jobs were
     inserted while enqueue_many_async raised IndexError, enqueue_async returned None and a repeated

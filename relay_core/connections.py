@@ -99,6 +99,12 @@ def _prepare(conn: Any) -> bool | None:
     return True if isinstance(conn, RelayConnection) else None
 
 
+#: SQLAlchemy execution options for Relay's statements on a caller's connection: a connection set to
+#: ``stream_results`` ran them through a server-side cursor, ``DECLARE ... CURSOR FOR INSERT``, which
+#: PostgreSQL refuses (aborting the caller's transaction); they return a row or a few.
+ONE_RESULT = {"stream_results": False}
+
+
 def fetch_all(conn: Any, sql: str, params: dict[str, Any]) -> list[dict[str, Any]]:
     """Run ``sql`` on a caller's connection and return its rows as dicts."""
     if isinstance(conn, psycopg.Connection):
@@ -115,7 +121,7 @@ def fetch_all(conn: Any, sql: str, params: dict[str, Any]) -> list[dict[str, Any
     sa_conn = _sqlalchemy_connection(conn)
     if sa_conn is not None:
         _check_driver(sa_conn)
-        result = sa_conn.exec_driver_sql(sql, params)
+        result = sa_conn.exec_driver_sql(sql, params, execution_options=ONE_RESULT)
         if not result.returns_rows:
             return []
         return [dict(row) for row in result.mappings()]
@@ -188,7 +194,7 @@ async def _fetch_all_async(conn: Any, statement: Statement) -> list[dict[str, An
         async with _cursor(conn, dict_row) as cur:
             await cur.execute(statement.sql, statement.params, prepare=None)  # the caller's policy, as _prepare
             return await cur.fetchall()  # rows even in a pipeline (see fetch_all)
-    result = await conn.exec_driver_sql(statement.sql, statement.params)
+    result = await conn.exec_driver_sql(statement.sql, statement.params, execution_options=ONE_RESULT)
     if not result.returns_rows:
         return []
     return [dict(row) for row in result.mappings()]

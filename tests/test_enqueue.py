@@ -153,6 +153,29 @@ def test_sqlalchemy_connection_joins_the_transaction(relay: Relay, dsn: str, db:
         engine.dispose()
 
 
+def test_a_sqlalchemy_connection_set_to_stream_results_still_enqueues(
+    relay: Relay, dsn: str, db: psycopg.Connection
+) -> None:
+    """``stream_results=True`` (SQLAlchemy's way to stream a large SELECT) made SQLAlchemy run Relay's
+    INSERT through a server-side cursor, "DECLARE ... CURSOR FOR INSERT": a syntax error that also
+    aborted the caller's transaction."""
+    engine = sa_engine(dsn)
+    try:
+        with engine.connect() as plain:
+            conn = plain.execution_options(stream_results=True)
+            with conn.begin():
+                one = relay.enqueue("send_email", {"n": 1}, conn=conn)
+                many = relay.enqueue_many([{"type": "send_email", "payload": {"n": 2}}], conn=conn)
+                keyed = [relay.enqueue("send_email", conn=conn, idempotency_key="k") for _ in range(2)]
+                assert conn.exec_driver_sql("SELECT 1").scalar() == 1  # the caller's transaction goes on
+        with Session(engine.execution_options(stream_results=True)) as session:
+            relay.enqueue("send_email", {"n": 3}, conn=session)
+            session.commit()
+        assert job_count(db) == 4 and keyed[0] == keyed[1] and len({one, *many, keyed[0]}) == 3
+    finally:
+        engine.dispose()
+
+
 class AppSession(Session):
     """An application's own session class: refused as "not a SQLAlchemy Session" before."""
 

@@ -55,6 +55,26 @@ async def sqlalchemy_session(dsn: str, session_class: type[AsyncSession] = Async
         await engine.dispose()
 
 
+def test_a_sqlalchemy_async_connection_set_to_stream_results_still_enqueues(
+    relay: Relay, dsn: str, db: psycopg.Connection
+) -> None:
+    """SQLAlchemy ran Relay's INSERT through a server-side cursor (``DECLARE ... CURSOR FOR INSERT``)."""
+
+    async def enqueue() -> None:
+        engine = create_async_engine(
+            "postgresql+psycopg://", async_creator=lambda: psycopg.AsyncConnection.connect(dsn)
+        ).execution_options(stream_results=True)
+        try:
+            async with engine.begin() as conn:
+                await relay.enqueue_async("send_email", {"n": 1}, conn=conn)
+                await relay.enqueue_many_async([{"type": "send_email"}], conn=conn)
+        finally:
+            await engine.dispose()
+
+    asyncio.run(enqueue())
+    assert db.execute("SELECT count(*) FROM relay.jobs").fetchone()[0] == 2
+
+
 class AppSession(AsyncSession):
     """An application's own session class (``async_sessionmaker(class_=AppSession)``): still a session."""
 

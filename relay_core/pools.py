@@ -259,10 +259,18 @@ class RelayPool(ReconnectingPool):
         return self._checked_out
 
     def getconn(self, timeout: float | None = None) -> psycopg.Connection:
-        """A connection, counted as checked out until ``putconn``."""
+        """A connection, counted as checked out until ``putconn``.
+
+        A checkout that timed out while every connection was checked out says
+        so: "couldn't get a connection" alone reads as a database that is down.
+        """
         self._checkout.ends = time.monotonic() + (self.timeout if timeout is None else timeout)
         try:
             conn = super().getconn(timeout)
+        except PoolTimeout as exc:
+            if not all_in_use(self):
+                raise
+            raise PoolTimeout(f"{exc}: all {self.max_size} of the pool's connections were in use") from exc
         finally:
             self._checkout.ends = None
         with self._checked_out_lock:

@@ -237,6 +237,21 @@ def test_a_child_forked_while_another_thread_held_the_pool_lock_can_enqueue(
     relay.enqueue("after_fork")  # the parent's pool and lock work as before
 
 
+def test_an_enqueue_that_finds_every_connection_in_use_says_so(dsn: str, db: psycopg.Connection) -> None:
+    """The error said only "couldn't get a connection after 0.50 sec", as if the database were down."""
+    small = Relay(dsn, pool_size=1, db_wait=0.5)
+    try:
+        # The pool's only connection, held (a slow request, a leak).
+        with small.pool.connection(), pytest.raises(PoolTimeout) as waited:
+            small.enqueue("t")
+        said = "couldn't get a connection after 0.50 sec: all 1 of the pool's connections were in use"
+        assert str(waited.value) == said
+        small.enqueue("t")  # returned, the connection serves again
+    finally:
+        small.close()
+    assert db.execute("SELECT count(*) FROM relay.jobs").fetchone()[0] == 1
+
+
 def test_a_pool_left_open_is_closed_as_the_process_exits(dsn: str, db: psycopg.Connection) -> None:
     """A pool never closed (``relay = Relay()`` at module level) was closed by its finaliser during
     interpreter shutdown, when Python 3.13 and newer can no longer join its threads: a program that

@@ -938,24 +938,6 @@ class Unprintable(Exception):
         raise KeyboardInterrupt("from __str__")
 
 
-def test_an_error_whose_text_cannot_be_read_fails_its_job_and_the_slot_goes_on(
-    relay: Relay, db: psycopg.Connection
-) -> None:
-    @relay.handler("unprintable", max_attempts=1)
-    def unprintable(job: Job) -> None:
-        raise Unprintable
-
-    @relay.handler("fine")
-    def fine(job: Job) -> None:
-        return None
-
-    bad = relay.enqueue("unprintable")
-    good = [relay.enqueue("fine") for _ in range(3)]
-    with running_worker(relay, concurrency=1):
-        wait_for(lambda: job_status(db, bad) == "dead" and all(job_status(db, j) == "succeeded" for j in good))
-    assert relay.get_job(bad).last_error == "Unprintable: <unprintable Unprintable>"
-
-
 class UnformattableTraceback(Exception):
     """An error whose traceback cannot be formatted: reading its ``__notes__`` raises, and not an Exception."""
 
@@ -964,29 +946,36 @@ class UnformattableTraceback(Exception):
         raise KeyboardInterrupt("raised while reading __notes__")
 
 
-def test_an_error_whose_traceback_cannot_be_formatted_fails_its_job_and_the_slot_goes_on(
-    relay: Relay, db: psycopg.Connection
+@pytest.mark.parametrize(
+    ("error", "said", "traceback_says"),
+    [
+        # __str__ raising: the text cannot be read, the traceback can.
+        (Unprintable(), "Unprintable: <unprintable Unprintable>", "Unprintable"),
+        # __notes__ raising, read while the traceback is formatted: that KeyboardInterrupt
+        # ended the slot's thread, its job claimed and heartbeated for the worker's life.
+        (UnformattableTraceback("boom"), "UnformattableTraceback: boom", "could not be formatted: doing so raised"),
+    ],
+    ids=["text", "traceback"],
+)
+def test_an_error_that_cannot_be_read_or_formatted_fails_its_job_and_the_slot_goes_on(
+    relay: Relay, db: psycopg.Connection, error: Exception, said: str, traceback_says: str
 ) -> None:
-    """Formatting the traceback read ``__notes__``, whose KeyboardInterrupt ended the slot's thread:
-    the job stayed claimed for the worker's life, heartbeated, and nothing else ran on the slot."""
-
-    @relay.handler("unformattable", max_attempts=1)
-    def unformattable(job: Job) -> None:
-        raise UnformattableTraceback("boom")
+    @relay.handler("odd_error", max_attempts=1)
+    def odd_error(job: Job) -> None:
+        raise error
 
     @relay.handler("fine")
     def fine(job: Job) -> None:
         return None
 
-    bad = relay.enqueue("unformattable")
+    bad = relay.enqueue("odd_error")
     good = [relay.enqueue("fine") for _ in range(3)]
     with running_worker(relay, concurrency=1):
         wait_for(lambda: job_status(db, bad) == "dead" and all(job_status(db, j) == "succeeded" for j in good))
     job = relay.get_job(bad)
-    assert job.last_error == "UnformattableTraceback: boom"
     [entry] = job.errors
-    assert entry["message"] == "UnformattableTraceback: boom"
-    assert "could not be formatted" in entry["traceback"] and "KeyboardInterrupt" in entry["traceback"]
+    assert job.last_error == entry["message"] == said
+    assert traceback_says in entry["traceback"], entry["traceback"]
 
 
 def test_a_handler_that_returns_a_generator_is_dead_not_a_success(relay: Relay, db: psycopg.Connection) -> None:

@@ -100,9 +100,9 @@ if web_concurrency is not None:
 _port = _whole("PORT", 1, 65535)
 
 # Without --bind, gunicorn listens on every interface once PORT is set (as
-# platforms set it), and RELAY_WEB_HOST, which the Procfile's --bind reads,
-# did not keep it local. Here it names the interface for gunicorn's own choice
-# of port too; a --bind on the command line still wins over this file.
+# platforms set it). RELAY_WEB_HOST names the interface instead, an IPv6 one in
+# brackets as gunicorn reads it (the Procfile passes no --bind, which would
+# have to spell that itself); a --bind on the command line still wins over this file.
 _web_host = os.environ.get("RELAY_WEB_HOST", "").strip()
 if _web_host:
     _interface = f"[{_web_host}]" if ":" in _web_host and not _web_host.startswith("[") else _web_host

@@ -125,3 +125,24 @@ def test_procfile_release_web_and_worker_run_a_job_enqueued_through_the_api(
     assert code in (0, 143), output  # honcho reports the SIGTERM it was sent as 143
     claimed = db.execute("SELECT count(*) FROM relay.jobs WHERE status = 'claimed'").fetchone()[0]
     assert claimed == 0
+
+
+def test_the_procfiles_web_process_listens_on_an_ipv6_relay_web_host(dsn: str, python: str, tmp_path: Path) -> None:
+    """The Procfile's ``--bind ${RELAY_WEB_HOST:-0.0.0.0}:$PORT`` made ``::1:8000`` of an IPv6 host,
+    which gunicorn read as another host and no port: "Error: '' is not a valid port number"."""
+    port = free_port()
+    env = {**platform_env(dsn, port, tmp_path), "RELAY_WEB_HOST": "::1"}
+    log = tmp_path / "honcho.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            honcho(python, tmp_path, "web", port=port),
+            env=env,
+            cwd=ROOT,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    try:
+        wait_for(lambda: call("GET", f"http://[::1]:{port}/healthz")[0] == 200, timeout=60, interval=0.25)
+    finally:
+        stop_honcho(proc, log)

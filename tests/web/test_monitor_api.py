@@ -85,6 +85,25 @@ def test_truncating_the_jobs_leaves_no_count_behind(relay: Relay, dsn: str, db) 
     assert _counter_counts(db) == {}
 
 
+def test_truncating_the_jobs_while_a_cursor_reads_the_counters_leaves_no_count_behind(
+    relay: Relay, dsn: str, db
+) -> None:
+    """TRUNCATE of the counters is refused while a cursor of the same session reads them (a DECLARE,
+    a driver's server-side cursor), as it is when one statement truncates both tables. The trigger took
+    every such refusal for the second case and kept the counters: they counted the jobs for good."""
+    relay.enqueue_many([{"type": "t"} for _ in range(5)])
+    with psycopg.connect(dsn) as truncating:
+        truncating.execute("DECLARE reading CURSOR FOR SELECT * FROM relay.job_counts")
+        truncating.execute("TRUNCATE relay.jobs")
+        truncating.commit()
+    assert _true_counts(db) == {}
+    assert _counter_counts(db) == {}
+    # Both tables in one statement: the counters are empty already, and nothing fails.
+    relay.enqueue("t", {})
+    db.execute("TRUNCATE relay.jobs, relay.job_counts")
+    assert _counter_counts(db) == {}
+
+
 def test_every_shape_of_insert_is_counted(relay: Relay, db) -> None:
     """The insert trigger's one-queue-one-state fast path and its GROUP BY path agree with a full count."""
     relay.enqueue("t", {})

@@ -224,6 +224,10 @@ def migrate(dsn: str, lock_wait: float = LOCK_WAIT_SECONDS, patience: float = LO
     done: list[str] = []
     try:
         with psycopg.connect(dsn, autocommit=True, **connection_options(dsn)) as conn:
+            # READ COMMITTED whatever the database's default: a migration that writes what it reads
+            # (0003 counts the jobs once CREATE TRIGGER's lock waited out their writers) must read
+            # after that wait, not from a snapshot taken before it.
+            conn.isolation_level = psycopg.IsolationLevel.READ_COMMITTED
             while (name := _apply_next(conn, lock_wait, patience)) is not None:
                 done.append(name)
     except psycopg.Error as exc:

@@ -155,6 +155,45 @@ def test_schedules_of_an_existing_database_keep_their_last_run(database_url: str
         drop_database(dsn)
 
 
+@pytest.mark.parametrize("isolation", ["repeatable read", "serializable"])
+def test_the_counters_migration_counts_a_job_committed_while_it_waited_whatever_the_default_isolation(
+    database_url: str, isolation: str
+) -> None:
+    """Migration 0003 counts the jobs there are once CREATE TRIGGER's lock has waited out the writers.
+    The migrator's transactions took the database's default isolation: under REPEATABLE READ the
+    snapshot came before that wait, and a job committed during it was counted by neither the trigger
+    nor the count, for good."""
+    dsn = fresh_database(database_url)
+    try:
+        migrate_to(dsn, 2)
+        with psycopg.connect(dsn) as writer:
+            writer.execute("INSERT INTO relay.jobs (type) VALUES ('early')")  # uncommitted: holds the table
+            strict = conninfo.make_conninfo(
+                dsn, options=f"-c default_transaction_isolation={isolation.replace(' ', chr(92) + ' ')}"
+            )
+            migrating = threading.Thread(target=migrator.migrate, args=(strict,), daemon=True)
+            migrating.start()
+            with psycopg.connect(dsn, autocommit=True) as watch:
+                wait_for(
+                    lambda: (
+                        watch.execute(
+                            "SELECT count(*) FROM pg_locks WHERE NOT granted AND relation = 'relay.jobs'::regclass"
+                        ).fetchone()[0]
+                        > 0
+                    ),
+                    what="the migration to wait for the writer",
+                )
+            writer.commit()
+        migrating.join(60)
+        assert not migrating.is_alive()
+        with psycopg.connect(dsn) as conn:
+            counted = dict(conn.execute("SELECT state::text, sum(n)::int FROM relay.job_counts GROUP BY 1"))
+            true = dict(conn.execute("SELECT status::text, count(*)::int FROM relay.jobs GROUP BY 1"))
+        assert counted == true == {"queued": 1}
+    finally:
+        drop_database(dsn)
+
+
 def test_an_existing_database_gets_the_table_workers_publish_max_attempts_to(database_url: str) -> None:
     """Migration 0010 adds relay.job_types and leaves existing jobs as they were; afterwards a
     worker publishes its handlers' max_attempts there and a handler-less enqueue reads them."""

@@ -9,7 +9,7 @@ from datetime import datetime
 
 import click
 
-from . import admin, logs
+from . import admin, logs, monitor
 from . import migrate as migrator
 from .cli_input import FiniteFloatRange, JobIdType, load_app, parse_payload, queue_names
 from .cli_users import command_dsn, connect, database_errors, user
@@ -315,6 +315,22 @@ def requeue(job_id: int) -> None:
         except RelayError as exc:
             raise click.ClickException(str(exc)) from None
     click.echo(f"job {job.id} is {job.status}")
+
+
+@main.command()
+def recount() -> None:
+    """Rebuild the dashboard's and metrics' job counts from the jobs table.
+
+    For counts left wrong by writes the counting triggers did not see
+    (session_replication_role = replica, DISABLE TRIGGER, a data-only restore
+    of both tables). It counts the whole table; enqueues and workers go on meanwhile.
+    """
+    with connect() as conn, database_errors():
+        wrong = monitor.recount(conn)
+    if not wrong:
+        click.echo("the counts matched the jobs table")
+    for row in wrong:
+        click.echo(f"{row['queue']} {row['state']}: counted {row['was']}, now {row['now']}")
 
 
 main.add_command(user)

@@ -306,6 +306,26 @@ def created_in_this_transaction(conn: psycopg.Connection, job_id: int) -> bool:
 # -- counters ------------------------------------------------------------------
 
 
+def recount(conn: psycopg.Connection) -> list[dict[str, Any]]:
+    """Rebuild the counters from the jobs table; the (queue, state) counts that were wrong, as
+    ``{"queue", "state", "was", "now"}``.
+
+    The counters are exact while the counting triggers see every write. A
+    session that skipped them (``session_replication_role = replica``, a
+    ``DISABLE TRIGGER``) or a data-only restore of both tables (its COPY into
+    relay.jobs is counted beside the restored deltas) leaves them wrong for
+    good; this puts them right. It counts the whole table (about a tenth of a
+    second per million jobs); writers go on meanwhile and a fold waits for it.
+    Its own transaction, at READ COMMITTED, on a connection not inside one.
+    """
+    if conn.info.transaction_status != psycopg.pq.TransactionStatus.IDLE:
+        raise RelayError("recount needs a connection outside a transaction: it commits one of its own")
+    with conn.transaction():
+        conn.execute("SET TRANSACTION ISOLATION LEVEL READ COMMITTED")
+        conn.execute(sql("job_counts_recount_lock"), {"key": FOLD_LOCK_KEY})
+        return _rows(conn, "job_counts_recount", {})
+
+
 def fold_counters(conn: psycopg.Connection, *, rows: int | None = None) -> bool:
     """Fold the counter deltas into one row per key; False when it could not fold now.
 

@@ -290,3 +290,16 @@ def test_relay_version_names_the_release_and_the_newest_migration_it_ships() -> 
     newest = sorted((ROOT / "relay_core" / "migrations").glob("*.sql"))[-1].stem
     assert result.exit_code == 0, result.output
     assert result.output == f"relay {importlib.metadata.version('relay-queue')} (migrations up to {newest})\n"
+
+
+def test_recount_says_which_counts_were_wrong_and_puts_them_right(dsn: str, db: psycopg.Connection) -> None:
+    def recount() -> Result:
+        return CliRunner().invoke(main, ["recount"], env={"RELAY_DATABASE_URL": dsn}, catch_exceptions=False)
+
+    assert (recount().exit_code, recount().output) == (0, "the counts matched the jobs table\n")
+    db.execute("SET session_replication_role = replica")  # writes the counting triggers do not see
+    db.execute("INSERT INTO relay.jobs (type, queue) VALUES ('t', 'restored'), ('t', 'restored')")
+    db.execute("RESET session_replication_role")
+    first = recount()
+    assert (first.exit_code, first.output) == (0, "restored queued: counted 0, now 2\n")
+    assert recount().output == "the counts matched the jobs table\n"

@@ -145,6 +145,33 @@ WITH folded AS (
 )
 SELECT count(*) AS folded FROM folded;
 
+-- name: job_counts_recount_lock
+-- Rebuilding the counters waits for a fold in progress (job_counts_fold_lock's
+-- key), and folds wait for it: a fold committed after the rebuild's snapshot
+-- would put back sums of deltas the rebuild also counted.
+SELECT pg_advisory_xact_lock(%(key)s);
+
+-- name: job_counts_recount
+-- Replace every count delta with the jobs table's own count, per (queue, state);
+-- returns what the counters said before and what they say now where the two differ.
+-- One statement, one snapshot: a writer's jobs and their deltas commit together,
+-- so the deltas it deletes are those of the jobs it counts, and a delta committed
+-- after it stays, as its jobs are not counted. Writers never wait for it.
+WITH cleared AS (
+    DELETE FROM relay.job_counts RETURNING queue, state, n
+), was AS (
+    SELECT queue, state, sum(n) AS n FROM cleared GROUP BY queue, state
+), truth AS (
+    SELECT queue, status AS state, count(*) AS n FROM relay.jobs GROUP BY queue, status
+), recounted AS (
+    INSERT INTO relay.job_counts (queue, state, n) SELECT queue, state, n FROM truth
+)
+SELECT coalesce(truth.queue, was.queue) AS queue, coalesce(truth.state, was.state)::text AS state,
+       coalesce(was.n, 0)::bigint AS was, coalesce(truth.n, 0)::bigint AS now
+FROM truth FULL JOIN was ON was.queue = truth.queue AND was.state = truth.state
+WHERE coalesce(was.n, 0) <> coalesce(truth.n, 0)
+ORDER BY 1, 2;
+
 -- name: job_outcomes_fold
 -- Replace up to %(rows)s committed outcome deltas (all of them when NULL) with
 -- one row per (minute, queue, type); minutes older than %(keep_minutes)s fold

@@ -104,6 +104,59 @@ def test_truncating_the_jobs_while_a_cursor_reads_the_counters_leaves_no_count_b
     assert _counter_counts(db) == {}
 
 
+def test_recount_puts_right_the_counts_of_writes_the_triggers_did_not_see(relay: Relay, dsn: str, db) -> None:
+    """A session with the triggers off (or a data-only restore of both tables) left the counters wrong
+    for good: nothing in Relay rebuilt them."""
+    relay.enqueue_many([{"type": "t"} for _ in range(3)])
+    relay.enqueue("t", {}, queue="mail")
+    with psycopg.connect(dsn) as unseen:
+        unseen.execute("SET session_replication_role = replica")
+        unseen.execute("INSERT INTO relay.jobs (type, queue) VALUES ('t', 'mail'), ('t', 'restored')")
+        unseen.execute("DELETE FROM relay.jobs WHERE id = (SELECT min(id) FROM relay.jobs)")
+        unseen.commit()
+    assert _counter_counts(db) != _true_counts(db)
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        wrong = monitor.recount(conn)
+        assert wrong == [
+            {"queue": "default", "state": "queued", "was": 3, "now": 2},
+            {"queue": "mail", "state": "queued", "was": 1, "now": 2},
+            {"queue": "restored", "state": "queued", "was": 0, "now": 1},
+        ]
+        assert _counter_counts(db) == _true_counts(db)
+        relay.enqueue("t", {}, queue="restored")  # counted from there on
+        assert monitor.recount(conn) == []
+
+
+def test_recount_while_jobs_are_written_and_folded_leaves_the_counts_exact(relay: Relay, dsn: str, db) -> None:
+    """No job is counted twice or missed: not one a writer commits while the recount runs, nor one
+    whose deltas a fold sums meanwhile."""
+    stop = threading.Event()
+
+    def write() -> None:
+        while not stop.is_set():
+            relay.enqueue_many([{"type": "t", "queue": "busy"} for _ in range(5)])
+
+    def fold() -> None:
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            while not stop.is_set():
+                monitor.fold_counters(conn)
+
+    threads = [threading.Thread(target=write, daemon=True), threading.Thread(target=fold, daemon=True)]
+    for thread in threads:
+        thread.start()
+    try:
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            for _ in range(20):
+                monitor.recount(conn)
+                time.sleep(0.01)
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join(10)
+    assert _counter_counts(db) == _true_counts(db)
+    assert _true_counts(db)[("busy", "queued")] >= 5
+
+
 def test_every_shape_of_insert_is_counted(relay: Relay, db) -> None:
     """The insert trigger's one-queue-one-state fast path and its GROUP BY path agree with a full count."""
     relay.enqueue("t", {})

@@ -153,7 +153,7 @@ class Relay:
         with self._pool_lock:
             # A process forked after the pool opened makes its own: the parent's connections are the parent's.
             if self._pool is None or self._pool.inherited:
-                self._pool = make_pool(
+                pool = make_pool(
                     self.dsn,
                     name="relay-client",
                     min_size=1,
@@ -161,7 +161,10 @@ class Relay:
                     timeout=self.db_wait,
                     autocommit=True,
                 )
-                self._pool.open()
+                pool.open()
+                # Stored once open: a thread reads it above without the lock, and an unopened
+                # pool refused its enqueue ("the pool 'relay-client' is not open yet").
+                self._pool = pool
             return self._pool
 
     def close(self) -> None:

@@ -20,7 +20,13 @@ from relay_core import Relay
 from relay_core.connections import fetch_first_value
 from relay_core.job import Job
 from relay_core.migrate import migrate
-from relay_core.pools import IDLE_CHECK_FLOOR_SECONDS, IDLE_CHECK_SECONDS, RelayConnection, make_pool
+from relay_core.pools import (
+    IDLE_CHECK_FLOOR_SECONDS,
+    IDLE_CHECK_SECONDS,
+    ReconnectingPool,
+    RelayConnection,
+    make_pool,
+)
 from relay_core.queries import sql
 from relay_core.stalls import WATCHDOG, cut_after
 from relay_core.worker.completer import Completer
@@ -250,6 +256,41 @@ def test_an_enqueue_that_finds_every_connection_in_use_says_so(dsn: str, db: psy
     finally:
         small.close()
     assert db.execute("SELECT count(*) FROM relay.jobs").fetchone()[0] == 1
+
+
+def test_threads_that_enqueue_first_at_once_all_get_an_open_pool(
+    dsn: str, db: psycopg.Connection, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The pool was stored before it was opened: a thread that read it in between (without the lock)
+    got "the pool 'relay-client' is not open yet" from its enqueue. Opening is slowed here so that
+    the threads meet that moment every time, not once in many CI runs."""
+    opening = ReconnectingPool._open
+
+    def slow_open(pool: ReconnectingPool, *args: object, **kwargs: object) -> None:
+        time.sleep(0.05)
+        opening(pool, *args, **kwargs)
+
+    monkeypatch.setattr(ReconnectingPool, "_open", slow_open)
+    failures: list[BaseException] = []
+    for _ in range(15):
+        fresh = Relay(dsn)
+        barrier = threading.Barrier(6)
+
+        def enqueue(relay: Relay = fresh, barrier: threading.Barrier = barrier) -> None:
+            barrier.wait(timeout=30)
+            try:
+                relay.enqueue("first")
+            except Exception as exc:
+                failures.append(exc)
+
+        threads = [threading.Thread(target=enqueue) for _ in range(6)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(60)
+        fresh.close()
+    assert failures == []
+    assert db.execute("SELECT count(*) FROM relay.jobs WHERE type = 'first'").fetchone()[0] == 90
 
 
 def test_a_pool_left_open_is_closed_as_the_process_exits(dsn: str, db: psycopg.Connection) -> None:

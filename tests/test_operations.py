@@ -568,7 +568,7 @@ def test_a_changed_schedule_stays_with_the_new_release_when_the_worker_that_publ
     new-1 still checked the schedule: old-1 of the old release took it back and enqueued 03:00, and
     04:00's tick was lost. A live worker that checks the published schedule now holds it."""
     from relay_core.worker.maintenance import register
-    from relay_core.worker.periodic import checked_schedule_definitions, checked_schedules
+    from relay_core.worker.periodic import checked_schedule_definitions
 
     relay.handler("report", cron="0 3 * * *")(lambda job: None)
     old = list(relay.handlers.values())
@@ -576,7 +576,7 @@ def test_a_changed_schedule_stays_with_the_new_release_when_the_worker_that_publ
     new_release.handler("report", cron="0 4 * * *")(lambda job: None)
     new = list(new_release.handlers.values())
     for worker_id, specs in (("old-1", old), ("new-1", new), ("new-2", new)):
-        register(db, worker_id, ("default",), 8, 10.0, checked_schedules(specs), checked_schedule_definitions(specs))
+        register(db, worker_id, ("default",), 8, 10.0, checked_schedule_definitions(specs))
     publish(db, new, published_by="new-1")
     db.execute("UPDATE relay.workers SET stopped_at = now() WHERE id = 'new-1'")
     db.commit()
@@ -1651,7 +1651,7 @@ def test_limits_whose_publisher_is_gone_are_published_again_by_a_live_worker(
 
     new_release, old_release = specs(concurrency=5), specs(concurrency=3)
     for worker_id in ("old-restarted", "new"):
-        register(db, worker_id, ("default",), 8, 5.0, [])
+        register(db, worker_id, ("default",), 8, 5.0)
     limits.publish(db, new_release, published_by="new")
     limits.publish(db, old_release, published_by="old-restarted")
     assert limits.republish_unheld(db, new_release, "new") == [], "a live publisher's limits were overwritten"

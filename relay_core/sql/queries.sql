@@ -456,8 +456,11 @@ FROM relay.jobs WHERE id = %(id)s;
 -- started_at). The returned started_at is this process's registration: its
 -- heartbeats and its stop carry it, so an older process with the same id that
 -- is still shutting down leaves the new one's row alone.
+-- schedules: the types of %(schedule_definitions)s, in their order (sorted by type).
 INSERT INTO relay.workers (id, host, pid, queues, concurrency, heartbeat_seconds, schedules, schedule_definitions)
-VALUES (%(id)s, %(host)s, %(pid)s, %(queues)s::text[], %(concurrency)s, %(heartbeat_seconds)s, %(schedules)s::text[],
+VALUES (%(id)s, %(host)s, %(pid)s, %(queues)s::text[], %(concurrency)s, %(heartbeat_seconds)s,
+        ARRAY(SELECT d.value->>'type' FROM jsonb_array_elements(%(schedule_definitions)s::jsonb)
+                                           WITH ORDINALITY AS d(value, n) ORDER BY d.n),
         %(schedule_definitions)s::jsonb)
 ON CONFLICT (id) DO UPDATE
 SET host = excluded.host, pid = excluded.pid, queues = excluded.queues, concurrency = excluded.concurrency,

@@ -139,17 +139,16 @@ def register(
     queues: tuple[str, ...],
     concurrency: int,
     heartbeat_seconds: float,
-    schedules: list[str],
     schedule_definitions: str = "[]",
 ) -> datetime:
     """Record this worker process in the registry; return its registration (``started_at``).
 
     The heartbeat interval goes with it: a worker that beats every 100 s is
     not gone after 60 s of silence (relay.worker_state). So do the schedules
-    it checks: only a worker that had a schedule saw its ticks fall due
-    (periodic.enqueue_due); with them in full (``schedule_definitions``, a
-    JSON array), a worker whose schedule is the one published holds it
-    against another's take-over.
+    it checks (``schedule_definitions``, a JSON array, whose types fill the
+    ``schedules`` column): only a worker that had a schedule saw its ticks
+    fall due (periodic.enqueue_due), and a worker whose schedule is the one
+    published holds it against another's take-over.
     """
     (started_at,) = conn.execute(
         sql("worker_register"),
@@ -160,7 +159,6 @@ def register(
             "queues": list(queues),
             "concurrency": concurrency,
             "heartbeat_seconds": heartbeat_seconds,
-            "schedules": schedules,
             "schedule_definitions": schedule_definitions,
         },
     ).fetchone()

@@ -38,11 +38,6 @@ def _worker_was_running(conn: psycopg.Connection, spec: HandlerSpec, at: datetim
     return bool(conn.execute(sql("worker_was_running_at"), params).fetchone()[0])
 
 
-def checked_schedules(specs: Iterable[HandlerSpec]) -> list[str]:
-    """The types whose schedules a worker with these handlers checks, for the registry."""
-    return sorted(spec.type for spec in specs if spec.cron)
-
-
 def checked_schedule_definitions(specs: Iterable[HandlerSpec]) -> str:
     """The schedules a worker with these handlers checks, in full, as JSON for the registry.
 

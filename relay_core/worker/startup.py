@@ -62,7 +62,6 @@ def register_worker(
             config.queues,
             config.concurrency,
             config.heartbeat_interval,
-            periodic.checked_schedules(specs),
             periodic.checked_schedule_definitions(specs),
         )
         limits.publish_max_attempts(conn, specs)

@@ -479,7 +479,7 @@ def test_schedules_and_limits_are_listed(client, viewer, relay: Relay, db) -> No
     assert [schedules[0][key] for key in ("last_enqueued_tick", "last_job_id", "last_job_status")] == [None] * 3
     assert schedules[0]["runs_recorded_since"] is None
     assert schedules[0]["checked"] is False, "no worker runs: nothing enqueues its ticks"
-    register(db, "w1", ("default",), 8, 10.0, ["settlement_report"])
+    register(db, "w1", ("default",), 8, 10.0, periodic.checked_schedule_definitions(relay.handlers.values()))
     (schedule,) = client.get("/api/admin/schedules", headers=viewer).get_json()["schedules"]
     assert schedule["checked"] is True
     # The month-end tick, checked on time, enqueues a job.

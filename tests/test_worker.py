@@ -383,6 +383,37 @@ class SnoozeWithoutSeconds(Snooze):
         Exception.__init__(self, "later")
 
 
+class SnoozeWhoseSecondsInterrupt(Snooze):
+    """A Snooze whose ``seconds`` raises what no ``except Exception`` catches, read as the attempt is classified."""
+
+    def __init__(self) -> None:
+        Exception.__init__(self, "later")
+
+    @property  # type: ignore[override]
+    def seconds(self) -> float:
+        raise KeyboardInterrupt("from seconds")
+
+
+def test_a_failure_whose_classification_is_interrupted_is_still_a_failed_attempt(
+    relay: Relay, db: psycopg.Connection
+) -> None:
+    """Classifying an attempt runs code of the handler's (a Snooze's ``seconds``): a KeyboardInterrupt
+    from it passed ``except Exception`` and ended the slot's thread with its job held."""
+
+    @relay.handler("odd", max_attempts=3)
+    def odd(job: Job) -> None:
+        if job.payload.get("fail"):
+            raise SnoozeWhoseSecondsInterrupt()
+
+    failing = relay.enqueue("odd", {"fail": True})
+    with running_worker(relay, concurrency=1):
+        wait_for(lambda: relay.get_job(failing).errors, what="the failed attempt recorded")
+        after = relay.enqueue("odd", {})
+        wait_for(lambda: job_status(db, after) == "succeeded", what="the slot to run the next job")
+    [entry] = relay.get_job(failing).errors
+    assert entry["message"] == "SnoozeWhoseSecondsInterrupt (and classifying it raised KeyboardInterrupt)"
+
+
 def test_a_backoff_that_is_no_backoff_is_refused_at_registration(relay: Relay) -> None:
     with pytest.raises(InvalidJobError, match=r"^backoff: must be a relay_core\.Backoff"):
         relay.handler("t", backoff=lambda n: 2**n)(lambda job: None)  # type: ignore[arg-type]

@@ -2,10 +2,10 @@
 
     DATABASE_URL=postgresql://postgres@127.0.0.1:5432/test python bench/enqueue_breakdown.py
 
-Creates a scratch database (relay_bench_enqueue, or ``--database``) on the server of
-DATABASE_URL, migrates Relay into it, and times one-job transactions, each
-committed before the next as in W2, in interleaved rounds (each in a
-shuffled order):
+Creates a scratch database (relay_bench_enqueue, or ``--database``: a name
+the harness's ``databases`` module accepts) on the server of DATABASE_URL,
+migrates Relay into it, and times one-job transactions, each committed
+before the next as in W2, in interleaved rounds (each in a shuffled order):
 
 - ``ceiling``: the ceiling contestant's insert into its own five-column table;
 - ``jobs, no trigger``: Relay's insert statement (``job_insert``) into a copy
@@ -38,11 +38,12 @@ from collections.abc import Callable
 from pathlib import Path
 
 import psycopg
-import psycopg.sql
-from psycopg import conninfo
 from psycopg.types.json import Jsonb
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from harness import databases
 
 from relay_core import Relay
 from relay_core.queries import sql
@@ -68,11 +69,6 @@ CREATE TRIGGER jobs_counted_insert AFTER INSERT ON public.jobs_counted
 CEILING_INSERT = "INSERT INTO bench_jobs (payload) VALUES (%s) RETURNING id"
 
 
-def sql_identifier(statement: str, name: str) -> psycopg.sql.Composed:
-    """``statement`` with ``name`` quoted as an identifier in its ``{}``."""
-    return psycopg.sql.SQL(statement).format(psycopg.sql.Identifier(name))
-
-
 def server_cpu_seconds(pids: list[int]) -> float:
     """CPU time the server processes ``pids`` have used, from /proc (nanoseconds there)."""
     return sum(int(Path(f"/proc/{pid}/schedstat").read_text().split()[0]) for pid in pids) / 1e9
@@ -90,14 +86,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--jobs", type=positive, default=2000, help="transactions per variant and round")
     parser.add_argument("--rounds", type=positive, default=7)
-    parser.add_argument("--database", default=DATABASE, help="the scratch database's name (dropped at the end)")
+    parser.add_argument(
+        "--database", default=DATABASE, help="the scratch database's name, starting relay_bench_ (dropped at the end)"
+    )
     args = parser.parse_args()
 
     admin_dsn = database_url()
-    dsn = conninfo.make_conninfo(admin_dsn, dbname=args.database)
-    with psycopg.connect(admin_dsn, autocommit=True) as admin:
-        admin.execute(sql_identifier("DROP DATABASE IF EXISTS {}", args.database))
-        admin.execute(sql_identifier("CREATE DATABASE {}", args.database))
+    dsn = databases.create(admin_dsn, args.database)
     relay = Relay(dsn)
     try:
         relay.migrate()
@@ -107,9 +102,7 @@ def main() -> None:
             report(measure(relay, conn, args.jobs, args.rounds), args.jobs)
     finally:
         relay.close()
-        with psycopg.connect(admin_dsn, autocommit=True) as admin:
-            # FORCE: a run that failed part way may leave a session behind.
-            admin.execute(sql_identifier("DROP DATABASE IF EXISTS {} WITH (FORCE)", args.database))
+        databases.drop(admin_dsn, args.database)  # with FORCE: a run that failed part way may leave a session
 
 
 def measure(

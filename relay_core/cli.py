@@ -12,7 +12,7 @@ import click
 from . import admin, logs, monitor
 from . import migrate as migrator
 from .cli_input import FiniteFloatRange, JobIdType, load_app, parse_payload, queue_names
-from .cli_users import command_dsn, connect, database_errors, user
+from .cli_users import UnusableSetting, command_dsn, connect, database_errors, user
 from .client import Relay
 from .errors import ConfigurationError, InvalidJobError, MigrationError, RelayError
 from .settings import database_url_set
@@ -67,10 +67,11 @@ class RelayCommands(click.Group):
 
 
 class RefusedInput(click.ClickException):
-    """Input Relay's checks refused, nothing written: exit 2, as for a value click itself cannot read.
+    """Input Relay's checks refused, or a setting it cannot use, nothing written: exit 2, as for a value
+    click itself cannot read.
 
-    A script then tells its own bad input (2) from a database that failed or
-    refused (1), and does not retry what will never pass.
+    A script then tells its own bad input or configuration (2) from a database
+    that failed or refused (1), and does not retry what will never pass.
     """
 
     exit_code = 2
@@ -247,7 +248,10 @@ def enqueue(
             when = datetime.fromisoformat(run_at)
         except ValueError:
             raise click.BadParameter(f"{run_at!r} is not an ISO 8601 time", param_hint="--run-at") from None
-    relay = Relay()  # the database's setting is read by connect(), once the input passed
+    try:
+        relay = Relay()  # the database's setting is read by connect(), once the input passed
+    except ConfigurationError as exc:
+        raise RefusedInput(str(exc)) from None
     try:
         # Checked before connecting: refused input exits 2 whether or not the database answers.
         new_job(
@@ -264,7 +268,11 @@ def enqueue(
         raise RefusedInput(f"refused: {exc}") from None
     # One plain connection, not the Relay's pool: a database that cannot be
     # reached is a one-line error at once, not a traceback after the pool's wait.
-    with connect() as conn, database_errors():
+    try:
+        conn = connect()
+    except UnusableSetting as exc:
+        raise RefusedInput(exc.message) from None
+    with conn, database_errors():
         try:
             job_id = relay.enqueue(
                 job_type,

@@ -27,15 +27,23 @@ from .settings import EXAMPLE_URL, database_url, env_int
 FIRST_ADMIN = "relay user create NAME --role admin"
 
 
+class UnusableSetting(click.ClickException):
+    """The database's setting cannot be used (none, blank, or a parameter libpq cannot read): one line, exit 1.
+
+    A command whose exit codes tell a caller what to retry (``relay enqueue``)
+    turns it into its own refusal: a setting does not fix itself on a retry.
+    """
+
+
 def command_dsn() -> str:
     """The configured database's DSN, or one line saying what is wrong with its setting."""
     if not any(name in os.environ for name in ("RELAY_DATABASE_URL", "DATABASE_URL")):
         # database_url's own words ("pass a DSN to Relay(...)") are for code; at a shell only the variable serves.
-        raise click.ClickException(f"no database configured: set DATABASE_URL (or RELAY_DATABASE_URL) to {EXAMPLE_URL}")
+        raise UnusableSetting(f"no database configured: set DATABASE_URL (or RELAY_DATABASE_URL) to {EXAMPLE_URL}")
     try:
         return database_url()
     except ConfigurationError as exc:
-        raise click.ClickException(str(exc)) from None
+        raise UnusableSetting(str(exc)) from None
 
 
 def connect() -> psycopg.Connection:
@@ -45,11 +53,13 @@ def connect() -> psycopg.Connection:
     try:
         options = connection_options(dsn)
     except ConfigurationError as exc:
-        raise click.ClickException(str(exc)) from None
+        raise UnusableSetting(str(exc)) from None
     try:
         conn = psycopg.connect(dsn, autocommit=True, **options)
-    except (psycopg.OperationalError, psycopg.ProgrammingError) as exc:
-        # ProgrammingError: a setting libpq cannot use, such as connect_timeout=abc.
+    except psycopg.ProgrammingError as exc:
+        # A setting libpq cannot use, such as connect_timeout=abc.
+        raise UnusableSetting(f"cannot connect to the database: {exc}") from None
+    except psycopg.OperationalError as exc:
         raise click.ClickException(f"cannot connect to the database: {exc}") from None
     # READ COMMITTED whatever the database's default, as every Relay connection: under a
     # stricter level a requeue that waited for a worker's row lock failed with a

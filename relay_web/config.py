@@ -53,6 +53,8 @@ STR_SETTINGS = ("RELAY_ENV", "RELAY_METRICS_TOKEN")
 
 #: RELAY_ENV values where a missing secret is replaced by a random one.
 NON_PRODUCTION = frozenset({"development", "test"})
+#: Every RELAY_ENV value (read in any case; unset or blank is production).
+ENVIRONMENTS = ("production", *sorted(NON_PRODUCTION))
 
 
 #: What the dashboard's session cookie may say of cross-site requests (``JWT_COOKIE_SAMESITE``).
@@ -154,6 +156,17 @@ def _metrics_token(token: str | None) -> str | None:
     return token
 
 
+def _environment(value: str | None) -> str:
+    """RELAY_ENV, lowercased; one Relay does not know stops the app rather than run as production unsaid
+    (a misspelt ``development`` then asked for a secret with no word of why)."""
+    environment = (value or "").strip().lower() or "production"
+    if environment not in ENVIRONMENTS:
+        raise ConfigurationError(
+            f"RELAY_ENV must be {', '.join(ENVIRONMENTS[:-1])} or {ENVIRONMENTS[-1]}, got {value!r}"
+        )
+    return environment
+
+
 def load(given: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """Every setting the app needs, validated; raises ConfigurationError."""
     given = dict(given or {})
@@ -161,7 +174,7 @@ def load(given: Mapping[str, Any] | None = None) -> dict[str, Any]:
     for name in STR_SETTINGS:
         value = _pick(name, given)
         settings[name] = None if value is None else str(value)
-    settings["RELAY_ENV"] = (settings["RELAY_ENV"] or "production").lower()
+    settings["RELAY_ENV"] = _environment(settings["RELAY_ENV"])
     production = settings["RELAY_ENV"] not in NON_PRODUCTION and not given.get("TESTING")
     for name, (default, smallest, largest) in INT_SETTINGS.items():
         raw = _pick(name, given)

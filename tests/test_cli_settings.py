@@ -45,14 +45,9 @@ def job_count(db: psycopg.Connection) -> int:
     [
         (["migrate"], {"RELAY_NOTIFY": "x"}, "RELAY_NOTIFY"),
         (["migrate"], {"RELAY_TRANSACTION_POOLING": "x"}, "RELAY_TRANSACTION_POOLING"),
-        (["enqueue", "t", "{}"], {"RELAY_DB_WAIT_SECONDS": "0"}, "RELAY_DB_WAIT_SECONDS"),
-        (["enqueue", "t", "{}"], {"RELAY_MAX_PAYLOAD_BYTES": "abc"}, "RELAY_MAX_PAYLOAD_BYTES"),
-        (["enqueue", "t", "{}"], {"RELAY_MAX_PAYLOAD_BYTES": "-1"}, "RELAY_MAX_PAYLOAD_BYTES"),
-        (["enqueue", "t", "{}"], {"RELAY_MAX_PAYLOAD_BYTES": "419430400"}, "RELAY_MAX_PAYLOAD_BYTES"),
-        (["enqueue", "t", "{}"], {"RELAY_DATABASE_URL": " "}, "RELAY_DATABASE_URL is blank"),
         (["user", "list"], {"RELAY_DATABASE_URL": "  "}, "RELAY_DATABASE_URL is blank"),
         # Set to nothing (an env file's `DATABASE_URL=`): it said "no database configured: pass a DSN to Relay(...)".
-        (["enqueue", "t", "{}"], {"RELAY_DATABASE_URL": None, "DATABASE_URL": ""}, "DATABASE_URL is empty"),
+        (["migrate"], {"RELAY_DATABASE_URL": None, "DATABASE_URL": ""}, "DATABASE_URL is empty"),
     ],
 )
 def test_a_bad_setting_ends_the_command_with_one_line_naming_it(
@@ -60,6 +55,31 @@ def test_a_bad_setting_ends_the_command_with_one_line_naming_it(
 ) -> None:
     result = run(dsn, args, env)
     assert result.exit_code == 1, result.output
+    assert named in result.output and "Traceback" not in result.output
+    assert job_count(db) == 0
+
+
+@pytest.mark.parametrize(
+    ("env", "named"),
+    [
+        ({"RELAY_NOTIFY": "maybe"}, "RELAY_NOTIFY"),
+        ({"RELAY_DB_WAIT_SECONDS": "0"}, "RELAY_DB_WAIT_SECONDS"),
+        ({"RELAY_MAX_PAYLOAD_BYTES": "abc"}, "RELAY_MAX_PAYLOAD_BYTES"),
+        ({"RELAY_MAX_PAYLOAD_BYTES": "-1"}, "RELAY_MAX_PAYLOAD_BYTES"),
+        ({"RELAY_MAX_PAYLOAD_BYTES": "419430400"}, "RELAY_MAX_PAYLOAD_BYTES"),
+        ({"RELAY_DATABASE_URL": " "}, "RELAY_DATABASE_URL is blank"),
+        ({"RELAY_DATABASE_URL": None, "DATABASE_URL": ""}, "DATABASE_URL is empty"),
+        ({"RELAY_DATABASE_URL": None, "DATABASE_URL": None}, "no database configured"),
+        ({"RELAY_DATABASE_URL": "postgresql://postgres@127.0.0.1/test?connect_timeout=abc"}, "connect_timeout"),
+    ],
+)
+def test_relay_enqueue_exits_2_for_a_setting_it_cannot_use(
+    dsn: str, db: psycopg.Connection, env: dict[str, str], named: str
+) -> None:
+    """The README's contract: 2 for what a retry cannot fix, 1 only for a database that failed or refused.
+    A bad setting exited 1, so a script that retried on 1 retried it for ever."""
+    result = run(dsn, ["enqueue", "t", "{}"], env)
+    assert result.exit_code == 2, result.output
     assert named in result.output and "Traceback" not in result.output
     assert job_count(db) == 0
 
@@ -392,14 +412,14 @@ def test_a_database_url_that_is_not_postgresql_says_what_one_looks_like(
     db: psycopg.Connection, url: str, said: str
 ) -> None:
     result = run(url, ["enqueue", "t", "{}"])
-    assert result.exit_code == 1, result.output
+    assert result.exit_code == 2, result.output  # a setting a retry cannot fix (see the test above)
     assert result.output.startswith(f"Error: the database URL (DATABASE_URL or RELAY_DATABASE_URL) {said}")
     assert job_count(db) == 0
 
 
 def test_a_command_with_no_database_configured_names_the_variable_not_the_python_api() -> None:
     result = CliRunner().invoke(
-        main, ["enqueue", "t", "{}"], env={"RELAY_DATABASE_URL": None, "DATABASE_URL": None}, catch_exceptions=False
+        main, ["migrate"], env={"RELAY_DATABASE_URL": None, "DATABASE_URL": None}, catch_exceptions=False
     )
     assert result.exit_code == 1, result.output
     assert result.output.strip() == (

@@ -128,6 +128,23 @@ def test_the_wait_for_a_connection_is_read_as_relay_reads_it(clean_env, dsn: str
             create_app({"RELAY_DATABASE_URL": dsn, "JWT_SECRET_KEY": SECRET})
 
 
+@pytest.mark.parametrize("value", ["staging", "developement", "prod"])
+def test_an_unknown_environment_stops_the_app_naming_the_ones_there_are(clean_env, dsn: str, value: str) -> None:
+    """It ran as production without a word, so a misspelt ``development`` hid why a secret was demanded."""
+    clean_env.setenv("RELAY_ENV", value)
+    with pytest.raises(ConfigurationError, match=rf"^RELAY_ENV must be production, development or test, got '{value}'"):
+        create_app({"RELAY_DATABASE_URL": dsn, "JWT_SECRET_KEY": SECRET})
+
+
+@pytest.mark.parametrize("value", ["production", "Production", "", "TEST"])
+def test_the_environments_there_are_are_read_in_any_case_and_blank_is_production(
+    clean_env, dsn: str, value: str
+) -> None:
+    clean_env.setenv("RELAY_ENV", value)
+    app = create_app({"RELAY_DATABASE_URL": dsn, "JWT_SECRET_KEY": SECRET})
+    assert app.config["RELAY_ENV"] == (value.lower() or "production")
+
+
 def test_development_generates_a_secret(clean_env, dsn: str) -> None:
     clean_env.setenv("RELAY_ENV", "development")
     first = create_app({"RELAY_DATABASE_URL": dsn})

@@ -48,6 +48,31 @@
     note.focus();
   }
 
+  // A button disabled while its action is on its way (hx-disabled-elt, so that a second tap sends
+  // nothing) loses the keyboard focus; htmx, which puts the focus back on the element of the same id
+  // after a swap, then finds none to put back, and the focus fell to the top of the page (Pause pressed
+  // from the keyboard). It goes back to the element of the pressed one's id as the answer is swapped in
+  // (an answer's own autofocus, on its notice, takes it after that, as the swap settles).
+  var pressedId = null;
+  document.addEventListener("htmx:beforeRequest", function (event) {
+    var config = event.detail ? event.detail.requestConfig : null;
+    var active = document.activeElement;
+    if (config && config.verb !== "get" && active && active.id && event.target.contains(active)) {
+      pressedId = active.id;
+    }
+  });
+  document.addEventListener("htmx:afterSwap", function () {
+    var id = pressedId;
+    pressedId = null;
+    var active = document.activeElement;
+    if (id && (!active || active === document.body)) {
+      var again = document.getElementById(id);
+      if (again) {
+        again.focus();
+      }
+    }
+  });
+
   document.addEventListener("htmx:sendError", unanswered);
   document.addEventListener("htmx:timeout", unanswered);
   document.addEventListener("htmx:afterRequest", function (event) {

@@ -21,6 +21,7 @@ import pytest
 from playwright.sync_api import Error as PlaywrightError
 
 from relay_core import Relay, Worker
+from relay_web.dashboard import views_system
 from tests.helpers import running_worker, wait_for
 
 from .browser import PHONE, LiveServer, screenshot
@@ -255,6 +256,29 @@ def test_the_by_queue_table_keeps_its_words_whole_at_360px(
     screenshot(phone, "phone-360-overview")
 
 
+def test_a_long_username_leaves_the_phone_header_whole(phone: Any, live_server: LiveServer, shop: Shop) -> None:
+    """An e-mail address as username wrapped "Relay" into "Rel|ay" and "Log out" onto two lines, and pushed
+    the role out of sight: whether one is an admin was not on screen."""
+    name = "oncall.engineer.with.a.very.long.name@example-company.com"
+    make_user(shop.relay.dsn, name, "admin")
+    phone.set_viewport_size({"width": 390, "height": 844})
+    _log_in(phone, live_server, name)
+    for selector in (".brand", ".btn-header"):
+        box = phone.locator(selector).bounding_box()
+        text_lines = phone.locator(selector).evaluate(
+            "e => { const r = document.createRange(); r.selectNodeContents(e);"
+            " return new Set([...r.getClientRects()].map(x => Math.round(x.top))).size; }"
+        )
+        assert text_lines == 1, selector
+        assert box is not None and box["x"] >= 0 and box["x"] + box["width"] <= 390, selector
+    role, holder = phone.locator(".who-role").bounding_box(), phone.locator(".who-name").bounding_box()
+    assert role is not None and holder is not None and role["width"] > 0
+    assert role["x"] + role["width"] <= min(390, holder["x"] + holder["width"])  # not clipped by its ellipsis
+    assert phone.locator(".who-role").inner_text() == "admin"
+    assert phone.evaluate("document.scrollingElement.scrollWidth") <= 390
+    screenshot(phone, "phone-long-username")
+
+
 def test_a_queue_is_paused_and_resumed_from_the_phone(phone: Any, live_server: LiveServer, shop: Shop) -> None:
     make_user(shop.relay.dsn, "ops", "admin")
     _dead(shop, shop.relay.enqueue("send_email", {"to": "d@example.com"}, queue="mail"))
@@ -447,6 +471,73 @@ def test_a_second_press_while_a_requeue_is_on_its_way_sends_nothing(
     phone.wait_for_timeout(4_500)
     assert phone.locator("#job-notice").inner_text().startswith("Requeued")
     assert phone.locator("#job-notice").is_visible()
+
+
+def test_a_pause_on_its_way_disables_its_button_and_its_answer_outlasts_the_refreshes(
+    phone: Any, live_server: LiveServer, shop: Shop, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The button stayed pressable with nothing on screen for as long as the POST took (5 s against a
+    database that had gone), and the queues view's next refresh wiped the answer, a 503's "try again" too."""
+    monkeypatch.setattr(views_system, "REFRESH_SECONDS", 1)
+    make_user(shop.relay.dsn, "ops", "admin")
+    _dead(shop, shop.relay.enqueue("send_email", {"to": "k@example.com"}, queue="mail"))
+    _log_in(phone, live_server)
+    held: list[Any] = []
+    phone.route(re.compile(r".*/queues/mail/pause$"), lambda route: held.append(route))
+    phone.goto(live_server.at("/queues"))
+    pause = phone.get_by_role("button", name="Pause mail")
+    pause.click()
+    wait_for(lambda: phone.wait_for_timeout(50) or held, 10, what="the pause to be sent")
+    assert pause.is_disabled()
+    with contextlib.suppress(PlaywrightError):
+        pause.click(timeout=500)  # a second tap: the button takes none
+    phone.wait_for_timeout(300)
+    assert len(held) == 1
+    held[0].continue_()
+    notice = phone.get_by_text("Paused mail: workers claim nothing")
+    notice.wait_for(timeout=5_000)
+    phone.wait_for_timeout(2_500)  # two of the view's refreshes
+    assert notice.is_visible()
+    assert phone.get_by_role("button", name="Resume mail").is_visible()
+    assert shop.relay.paused_queues() == ["mail"]
+
+
+def test_a_requeue_all_on_its_way_disables_its_button(phone: Any, live_server: LiveServer, shop: Shop) -> None:
+    make_user(shop.relay.dsn, "ops", "admin")
+    _dead(shop, shop.relay.enqueue("send_email", {"to": "l@example.com"}))
+    _log_in(phone, live_server)
+    held: list[Any] = []
+    phone.route(re.compile(r".*/dead/requeue$"), lambda route: held.append(route))
+    phone.goto(live_server.at("/dead"))
+    requeue_all = phone.get_by_role("button", name=re.compile("^Requeue all"))
+    requeue_all.click()
+    wait_for(lambda: phone.wait_for_timeout(50) or held, 10, what="the requeue to be sent")
+    assert requeue_all.is_disabled()
+    held[0].continue_()
+    phone.locator(".dead-view .flash").wait_for(timeout=5_000)
+
+
+def test_a_stop_request_is_said_once_through_the_cards_refreshes(
+    phone: Any, live_server: LiveServer, shop: Shop
+) -> None:
+    """From the card's first refresh on, the kept answer ("Stop requested: the worker stops the job ...") and
+    the card's own line ("Stop requested 31s ago; ...") stood one above the other."""
+    make_user(shop.relay.dsn, "ops", "admin")
+    job_id = shop.relay.enqueue("send_email", {"to": "m@example.com"}, run_at=datetime.now(UTC) + timedelta(days=1))
+    with psycopg.connect(shop.relay.dsn, autocommit=True) as conn:  # running on a worker of its own
+        conn.execute(
+            "UPDATE relay.jobs SET status = 'claimed', attempts = 1, claimed_by = 'elsewhere',"
+            " claimed_until = now() + interval '1 hour', started_at = now() WHERE id = %s",
+            (job_id,),
+        )
+    _log_in(phone, live_server)
+    phone.goto(live_server.at(f"/jobs/{job_id}"))
+    phone.get_by_role("button", name="Request stop").click()
+    said = phone.locator(".status-card .flash", has_text="Stop requested")
+    said.first.wait_for(timeout=5_000)
+    phone.wait_for_timeout(4_500)  # two of the card's refreshes
+    visible = [said.nth(i).inner_text() for i in range(said.count()) if said.nth(i).is_visible()]
+    assert visible == ["Stop requested: the worker stops the job at its next heartbeat."]
 
 
 def test_an_action_that_gets_no_answer_says_so(phone: Any, live_server: LiveServer, shop: Shop) -> None:

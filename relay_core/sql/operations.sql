@@ -116,7 +116,8 @@ WHERE s.started_at < now() - make_interval(secs => coalesce(
     (SELECT l.rate_period_seconds FROM relay.type_limits l WHERE l.type = s.type), 0));
 
 -- name: schedule_upsert
--- A worker publishes a periodic schedule; a changed cron expression starts from now.
+-- A worker publishes a periodic schedule; one whose cron expression or time zone changed
+-- starts from now (a new queue alone keeps the ticks where they were).
 INSERT INTO relay.schedules (type, cron, timezone, queue, last_tick, next_tick, updated_at, published_by)
 VALUES (%(type)s, %(cron)s, %(timezone)s, %(queue)s, %(last_tick)s, %(next_tick)s, now(), %(published_by)s)
 ON CONFLICT (type) DO UPDATE

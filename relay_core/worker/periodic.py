@@ -53,7 +53,8 @@ def checked_schedule_definitions(specs: Iterable[HandlerSpec]) -> str:
 
 
 def publish(conn: psycopg.Connection, specs: Iterable[HandlerSpec], published_by: str | None = None) -> None:
-    """Record this worker's (``published_by``'s) schedules; a new or changed schedule starts from now."""
+    """Record this worker's (``published_by``'s) schedules; a new one, or one whose cron or time zone
+    changed, starts from now."""
     now = _db_now(conn)
     for spec in specs:
         if spec.cron:

@@ -203,7 +203,9 @@ class TcpProxy:
     still arrive and run), and :meth:`cut` then breaks every connection: those
     answers are lost in transit. Setting ``stall_after_next_write`` lets one
     more read of a client's bytes through, then stalls as clearing
-    ``flowing`` does: a client frozen right after one write.
+    ``flowing`` does: a client frozen right after one write. ``latency`` delays
+    every read passed on, each way, by that many seconds: a database across a
+    slow network.
     """
 
     def __init__(self, host: str, port: int, listen_port: int = 0) -> None:
@@ -212,6 +214,7 @@ class TcpProxy:
         self.upstream: tuple[str, int] | str = f"{host}/.s.PGSQL.{port}" if host.startswith("/") else (host, port)
         self.flowing = threading.Event()
         self.flowing.set()
+        self.latency = 0.0
         self.hold_answers_with: bytes | None = None
         self.stall_after_next_write = threading.Event()
         self._released = threading.Event()
@@ -259,6 +262,8 @@ class TcpProxy:
     def _pipe(self, src: socket.socket, dst: socket.socket, answers: bool) -> None:
         try:
             while data := src.recv(65536):
+                if self.latency:
+                    time.sleep(self.latency)
                 self.flowing.wait()
                 if answers and self.hold_answers_with is not None and self.hold_answers_with in data:
                     self._released.wait()

@@ -2342,6 +2342,44 @@ def test_a_hand_back_held_up_by_a_row_lock_still_waits_out_the_grace_after_it(
     assert run_at - released_at >= timedelta(seconds=HAND_BACK_GRACE_SECONDS)
 
 
+def test_a_registry_stop_held_by_a_lock_leaves_the_hand_back_its_time(
+    relay: Relay, db: psycopg.Connection, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The registry's stop is written before the hand-back and took all of the writes' time but
+    0.05 s while a lock on relay.workers (a migration's ALTER) held it: across a network of 60 ms
+    each way, the hand-back then never got a connection, and every unfinished job stayed claimed
+    with its attempt spent. The registry's stop only says "stopped" rather than, 60 s on, "gone"."""
+    caplog.set_level("INFO", logger="relay")
+    proxy = TcpProxy.in_front_of(relay.dsn)
+    through = Relay(proxy.dsn)
+    release = threading.Event()
+    through.handler("stuck")(lambda job: release.wait(30))
+    job_id = relay.enqueue("stuck")
+    config = WorkerConfig(poll_interval=0.1, shutdown_timeout=0.5, listen=False)
+    worker = Worker(through.dsn, through.handlers, config)
+    thread = threading.Thread(target=worker.run, kwargs={"install_signals": False}, daemon=True)
+    thread.start()
+    try:
+        wait_for(lambda: job_status(db, job_id) == "claimed", what="the job to start")
+        proxy.latency = 0.06
+        with psycopg.connect(relay.dsn) as blocker:
+            blocker.execute("LOCK relay.workers IN ACCESS EXCLUSIVE MODE")
+            worker.stop()
+            assert worker.stopped.wait(30), "the worker never stopped"
+    finally:
+        release.set()
+        proxy.latency = 0.0
+        thread.join(30)
+        through.close()
+        proxy.close()
+    (stopped,) = [r for r in caplog.records if r.getMessage() == "worker stopped"]
+    assert (stopped.handed_back, stopped.not_handed_back) == (1, 0)
+    assert db.execute("SELECT status::text, attempts FROM relay.jobs WHERE id = %s", (job_id,)).fetchone() == (
+        "queued",
+        0,
+    )
+
+
 def test_a_maintenance_duty_that_raises_leaves_the_sweeper_running(relay: Relay, db: psycopg.Connection) -> None:
     """Only database errors were caught: anything else a duty raised (a bug, an odd schedule row) ended
     the maintenance thread, and the worker claimed on with no sweeper, pruner or periodic jobs."""

@@ -603,16 +603,19 @@ class Worker:
         if overdue:
             overdue_decided = [d for _, d in overdue]
             record_overdue(self.completer, self.ledger, overdue_decided, writes.next(), writes.left(), self._on_written)
+        # Every unfinished job had started (the unstarted ones went back first, and nothing was
+        # claimed since). Handed back before the registry's stop, which only tells "stopped" from,
+        # 60 s on, "gone": that write, held by a lock on its table, took the hand-back's time, and the
+        # jobs stayed claimed with their attempts spent. A job whose handler still runs may start
+        # elsewhere only once the writes after its hand-back are done and the process is gone.
+        self.handlers_left_running = len(unfinished) + len(overdue)
+        if unfinished:
+            handed_back += hand_back(self.pool, self.ledger, unfinished, writes.next(), writes.left())
         try:
             with write_within(self.pool, writes.next()) as conn:
                 conn.execute(sql("worker_stop"), {"id": self.id, "started_at": self.maintenance.registered_at})
         except (psycopg.Error, PoolTimeout) as exc:
             event(logging.WARNING, "could not record worker stop", error=str(exc))
-        # The last write: from here to the process's exit must fit in the hand-back grace. Every
-        # unfinished job had started (the unstarted ones went back first, and nothing was claimed since).
-        self.handlers_left_running = len(unfinished) + len(overdue)
-        if unfinished:
-            handed_back += hand_back(self.pool, self.ledger, unfinished, writes.next())
         # Bounded too: a heartbeat connecting to a database that is down must not hold up the
         # exit. The listener, told to stop at the start, has ended by now unless its database stalled.
         threads_end = time.monotonic() + THREADS_STOP_SECONDS

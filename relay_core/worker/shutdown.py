@@ -40,15 +40,22 @@ SHUTDOWN_WRITES_SECONDS = 2.5
 #: answer: past them the connection is cut, since the database stopped answering and the timeout
 #: never arrives (see ``stalls``).
 CUT_GRACE_SECONDS = 0.5
+#: What each of a shutdown's writes still to come is kept of their shared time while one
+#: before it waits (on a lock, a slow database), where that time allows as much for each:
+#: a write needs a connection and several round trips, and across a network of 60 ms each
+#: way the 0.05 s a write was kept (``SHORTEST_CUT_SECONDS``) never got a connection.
+WRITE_RESERVE_SECONDS = 0.5
 
 
 class WriteTime:
     """The time a shutdown's last writes share, each taking what is left of it in turn.
 
-    A write is given what is left less the least each write after it needs,
-    so a database that holds up the first (the completer's, on a connection
-    that stopped answering) leaves the others their try without the last one
-    ending past the shared end.
+    A write is given what is left less what each write after it is kept
+    (WRITE_RESERVE_SECONDS, or an equal share of what is left when that is
+    less), so a database or a lock that holds up one write (the completer's,
+    on a connection that stopped answering; the registry's, behind a
+    migration's lock on its table) leaves the others their try without the
+    last one ending past the shared end.
     """
 
     def __init__(self, end: float, writes: int) -> None:
@@ -58,7 +65,9 @@ class WriteTime:
     def next(self) -> float:
         """Seconds for the next write."""
         self._writes_left = max(self._writes_left - 1, 0)
-        return seconds_until(self._end - self._writes_left * SHORTEST_CUT_SECONDS)
+        left = self._end - time.monotonic()
+        kept = max(min(WRITE_RESERVE_SECONDS, left / (self._writes_left + 1)), SHORTEST_CUT_SECONDS)
+        return seconds_until(self._end - self._writes_left * kept)
 
     def left(self) -> float:
         """Seconds until the last write ends."""
@@ -102,23 +111,28 @@ def write_within(pool: RelayPool, timeout: float) -> Iterator[psycopg.Connection
             yield conn
 
 
-def hand_back(pool: RelayPool, ledger: Ledger, unfinished: list[Running], timeout: float) -> int:
+def hand_back(
+    pool: RelayPool, ledger: Ledger, unfinished: list[Running], timeout: float, writes_left: float | None = None
+) -> int:
     """Return unfinished jobs to the queue, fenced, with their attempt given back; how many went back.
 
     Until then their leases are in the ledger's ``closing``, which heartbeats renew.
-    Jobs whose handlers still run are handed back by the shutdown's last write:
-    nothing but the process's exit comes after its ``timeout``.
+    Jobs whose handlers still run are handed back among the shutdown's last
+    writes: nothing but those writes, which end within ``writes_left`` seconds
+    (``timeout`` when none follow), and the process's exit come after it.
     """
     rows: list[tuple[int]] = []
     jobs = [r.job for r in unfinished]
     # A job that never left the prefetch can run elsewhere at once; one whose thread still runs waits.
-    delays = [0.0 if r.slot is None else still_running_delay(timeout) for r in unfinished]
+    still_running = still_running_delay(timeout if writes_left is None else max(writes_left, timeout))
+    delays = [0.0 if r.slot is None else still_running for r in unfinished]
     try:
         with write_within(pool, timeout) as conn:
-            rows = conn.execute(
+            returned = conn.execute(
                 sql("job_hand_back_many"),
                 {"ids": [j.id for j in jobs], "tokens": [j.lease_token for j in jobs], "delays": delays},
             ).fetchall()
+        rows = returned  # counted once committed: a COMMIT that failed handed nothing back
         event(logging.WARNING, "handed back unfinished jobs", job_ids=sorted(r[0] for r in rows))
     except (psycopg.Error, PoolTimeout) as exc:
         event(

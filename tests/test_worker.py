@@ -1735,12 +1735,14 @@ def test_a_worker_started_while_the_database_is_down_waits_for_it_then_works(
     try:
         # Old behaviour: one pool-opening wait of 30 s, then the worker raised and was gone.
         wait_for(
-            lambda: sum("database unreachable; retrying" in r.getMessage() for r in caplog.records) >= 2,
+            lambda: any("database unreachable; retrying" in r.getMessage() for r in caplog.records),
             timeout=20,
-            what="the worker to report the database unreachable and try again",
+            what="the worker to report the database unreachable",
         )
+        time.sleep(3)  # several tries (their waits double to 1 s), said once
         assert not failures, failures
         assert thread.is_alive()
+        assert sum("unreachable" in r.getMessage() for r in caplog.records if r.name == "relay") == 1
         forwarder = TcpProxy(str(params.get("host", "127.0.0.1")), int(params.get("port", 5432)), listen_port=port)
         job_id = relay.enqueue("echo", {})
         wait_for(
@@ -1786,6 +1788,35 @@ def test_a_worker_whose_database_refuses_it_says_refused_not_unreachable(
         r.__dict__ for r in refusals
     ]
     assert not any("database unreachable" in r.getMessage() for r in caplog.records)
+
+
+def test_a_start_that_waits_says_so_at_first_then_every_repeat_seconds(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A worker started against a database that never came logged a line at each try, every second:
+    about 1,200 an hour, where a running worker tells an outage once and then every 30 s."""
+    monkeypatch.setattr(startup, "REPEAT_SECONDS", 1.0)
+    caplog.set_level("WARNING", logger="relay")
+    stopping, tries = threading.Event(), []
+
+    def connect() -> None:
+        tries.append(time.monotonic())
+        raise psycopg.OperationalError('connection to server at "db", port 5432 failed: Connection refused')
+
+    timer = threading.Timer(3.0, stopping.set)
+    timer.start()
+    try:
+        assert startup.retry_until_stopped(connect, stopping, "postgresql://db/app") is True
+    finally:
+        timer.cancel()
+    said = [r for r in caplog.records if r.name == "relay"]
+    assert [r.getMessage() for r in said][:2] == [
+        "database unreachable; retrying",
+        "database still unreachable; retrying",
+    ]
+    assert {r.getMessage() for r in said[1:]} == {"database still unreachable; retrying"}
+    assert len(said) <= 3 < len(tries)
+    assert said[1].tries > 1 and said[1].for_s >= 1.0
 
 
 @pytest.mark.parametrize(

@@ -1,11 +1,13 @@
 """A worker's start: check the schema, register, publish what its handlers declare; retry while the database is away.
 
 A worker started during a failover, or before its database is up, waits for
-it rather than exit, and says why each try failed in the server's or libpq's
-own words. A database that answers and refuses (a wrong password, a database
-that does not exist, too many clients) is told apart from one that cannot be
-reached. A setting libpq cannot use is no outage to wait out: it ends the
-start with ConfigurationError, as a schema this release cannot run on does.
+it rather than exit, and says why its tries fail in the server's or libpq's
+own words: at the first, then every REPEAT_SECONDS while the wait lasts (and
+whenever the reason changes), not at each of its tries a second. A database
+that answers and refuses (a wrong password, a database that does not exist,
+too many clients) is told apart from one that cannot be reached. A setting
+libpq cannot use is no outage to wait out: it ends the start with
+ConfigurationError, as a schema this release cannot run on does.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable, Iterable
 
 import psycopg
@@ -29,7 +32,7 @@ from ..queries import sql
 from . import limits, periodic
 from .config import WorkerConfig
 from .maintenance import Maintenance, register
-from .outage import next_retry_delay
+from .outage import REPEAT_SECONDS, next_retry_delay
 
 #: How long one try at registering waits for a connection before it logs and tries again.
 REGISTER_WAIT_SECONDS = 2.0
@@ -78,18 +81,35 @@ def retry_until_stopped(action: Callable[[], None], stopping: threading.Event, d
     """
     delay = 0.1
     waited = False
+    said, said_at, began, tries = "", 0.0, time.monotonic(), 0
     while not stopping.is_set():
         try:
             action()
             return waited
         except (psycopg.OperationalError, psycopg.InterfaceError, PoolTimeout) as exc:
             waited = True
+            tries += 1
             # The pool's timeout says only that it waited: a connection of its own says why.
             error = (connect_error(dsn) if isinstance(exc, PoolTimeout) else None) or str(exc)
-            event(logging.WARNING, retry_message(error), error=error, retry_in=delay)
+            message, now = retry_message(error), time.monotonic()
+            if message != said:
+                event(logging.WARNING, message, error=error, retry_in=delay)
+                said, said_at = message, now
+            elif now - said_at >= REPEAT_SECONDS:
+                # A worker started against a database that never comes said so a line a try:
+                # about 1,200 an hour.
+                event(logging.WARNING, STILL[message], error=error, for_s=round(now - began, 1), tries=tries)
+                said_at = now
             stopping.wait(delay)
             delay = next_retry_delay(delay)
     return waited
+
+
+#: What the start says of a wait that goes on, for what it said as the wait began.
+STILL = {
+    "database refused the connection; retrying": "database still refuses the connection; retrying",
+    "database unreachable; retrying": "database still unreachable; retrying",
+}
 
 
 def retry_message(error: str) -> str:

@@ -56,16 +56,25 @@ def transition_detail(exc: IllegalTransition) -> str:
     return f"Job {exc.job_id} is {exc.current}; {exc.rule}."
 
 
+#: The endpoints that take filters (status or state, queue, type), and whose rows narrower ones would cut.
+FILTERED_ENDPOINTS = frozenset(
+    {"api.jobs.list_jobs", "api.jobs.requeue_many", "api.jobs.cancel_many", "dashboard.jobs"}
+)
+
+
 def timed_out_detail(filters: str) -> str:
     """What to do about a statement the statement timeout ended, for the API and the dashboard.
 
-    An action on one job or one queue reads one row: it ran out of time
-    waiting for a lock another transaction holds, and narrowing filters it
-    does not take is no advice. Listings and bulk actions read many rows.
+    Listings and bulk actions read many rows: narrower filters help. An
+    action on one job or one queue reads one row: it ran out of time waiting
+    for a lock another transaction holds. Anything else (/readyz, /metrics,
+    the overview) takes no filters either: a lock or a busy server held it.
     """
+    if request.endpoint in FILTERED_ENDPOINTS:
+        return f"The database gave up on this query; narrow the filters ({filters}) and try again."
     if request.view_args and ({"job_id", "queue"} & set(request.view_args)):
         return "The database gave up waiting: another transaction holds what this needs. Try again shortly."
-    return f"The database gave up on this query; narrow the filters ({filters}) and try again."
+    return "The database gave up on this query: a lock another transaction holds, or a busy server. Try again shortly."
 
 
 def _illegal(exc: IllegalTransition) -> Response:

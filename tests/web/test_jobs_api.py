@@ -12,6 +12,7 @@ import pytest
 
 from relay_core import Relay
 from relay_core.validation import QUEUE_NAME
+from relay_web.errors import FILTERED_ENDPOINTS
 
 from ..helpers import publish_handlers, wait_for
 from .conftest import AuthActions
@@ -590,6 +591,25 @@ def test_an_action_on_one_job_or_queue_held_up_by_a_lock_says_so(make_app, auth,
             assert "filters" not in body["detail"]
     assert relay.get_job(job_id).status == "queued"
     assert client.get("/api/admin/queues", headers=headers).get_json()["queues"][0]["paused"] is True
+
+
+@pytest.mark.parametrize(("path", "table"), [("/readyz", "relay.schema_migrations"), ("/metrics", "relay.job_counts")])
+def test_a_probe_or_scrape_held_up_by_a_lock_gets_no_listings_advice(make_app, dsn: str, path: str, table: str) -> None:
+    """/readyz and /metrics were told to "narrow the filters (status, queue, type)", which they do not take."""
+    client = make_app(RELAY_STATEMENT_TIMEOUT_MS=300).test_client()
+    with psycopg.connect(dsn) as holder:
+        holder.execute(f"LOCK {table} IN ACCESS EXCLUSIVE MODE")
+        body = assert_problem(client.get(path), 503, "query-timeout")
+    assert "filters" not in body["detail"], body
+    assert body["detail"] == (
+        "The database gave up on this query: a lock another transaction holds, or a busy server. Try again shortly."
+    )
+
+
+def test_the_endpoints_given_the_listings_advice_are_the_apps_own(make_app) -> None:
+    """Named by endpoint: a renamed view would silently lose its advice."""
+    endpoints = {rule.endpoint for rule in make_app().url_map.iter_rules()}
+    assert FILTERED_ENDPOINTS.issubset(endpoints)
 
 
 def test_bulk_bodies_are_validated(client, admin) -> None:

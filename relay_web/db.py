@@ -8,6 +8,10 @@ statement timeout so no admin query can run away with the database, and
 waits for each answer at most that long plus the connection wait: a server
 that stalls, or a network path that drops packets, keeps the socket open and
 sends nothing, so no server-side timeout can end the wait.
+
+An outage is logged once per process, not once per request that met it
+(every probe, scrape and dashboard refresh): as it begins, every 30 s while
+it lasts, and as the next connection comes (``outage``).
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from psycopg_pool import ConnectionPool
 from relay_core import Relay, monitor
 from relay_core.connect_options import connection_options
 from relay_core.jsonb import read_any_number
+from relay_core.outages import OutageLog, Wording
 from relay_core.pools import ReconnectingPool
 from relay_core.sessions import in_autocommit
 from relay_core.timestamps import read_any_timestamp
@@ -58,6 +63,12 @@ class BoundedConnection(psycopg.Connection):
             raise psycopg.OperationalError(f"the database did not answer within {self.answer_timeout:g} s") from None
 
 
+#: What the web app says of an outage (a request that meets one is answered 503).
+UNAVAILABLE = Wording(
+    "database unavailable; answering 503", "database still unavailable; answering 503", "database available again"
+)
+
+
 class Database:
     """A lazily opened, fork-aware connection pool and the Relay used to enqueue."""
 
@@ -66,6 +77,8 @@ class Database:
     ) -> None:
         self.dsn = dsn
         self.relay = Relay(dsn, db_wait=wait_seconds, max_payload_bytes=max_payload_bytes)
+        #: The requests that met the database away, said once (the error handlers report to it).
+        self.outage = OutageLog(wording=UNAVAILABLE)
         self._size = size
         self._wait = wait_seconds
         self._statement_timeout_ms = statement_timeout_ms
@@ -125,6 +138,7 @@ class Database:
     def connection(self) -> Iterator[psycopg.Connection]:
         """A connection for one unit of work: committed when the block ends, rolled back on error."""
         with self.pool().connection() as conn:
+            self.outage.succeeded()  # the pool checked it: the database answers (ends an outage, with a line)
             yield conn
 
     def close(self) -> None:

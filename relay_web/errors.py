@@ -17,6 +17,7 @@ from werkzeug.exceptions import HTTPException, MethodNotAllowed
 
 from relay_core import BulkActionStopped, IllegalTransition, InvalidJobError, JobNotFound, RelayError, monitor
 
+from .db import get_database
 from .health import missing_schema_problem
 from .problems import Problem
 
@@ -101,7 +102,7 @@ def _invalid_job(exc: InvalidJobError) -> Response:
 
 
 def _unavailable(exc: Exception) -> Response:
-    log.warning("database unavailable: %s", exc)
+    get_database().outage.failed(request.path, exc)
     return Problem(
         503,
         "Service unavailable",

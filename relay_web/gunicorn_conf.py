@@ -13,6 +13,11 @@ starts, and each gunicorn worker starts its own: a token one worker signed was
 refused by the others, so a session failed at random with two workers or more.
 The secret is made here, once, in the process the workers are forked from.
 
+Relay's log lines (the app's "database unavailable", its warnings at start)
+are written as a worker's are, key=value or, under ``RELAY_LOG_FORMAT=json``,
+JSON: without it they reached Python's fallback, message alone, the error's
+libpq text over three lines. gunicorn's own lines are its own.
+
 So are the app's own settings (a missing signing secret, an unreadable
 DATABASE_URL): read first in each worker, a bad one printed a traceback per
 worker and "Worker failed to boot". They are read as the factory will read
@@ -33,7 +38,7 @@ from typing import Any
 
 from gunicorn.config import Config
 
-from relay_core import ConfigurationError
+from relay_core import ConfigurationError, logs
 from relay_web.config import load, signing_secret_given
 
 #: More worker processes than this is a typo, not a plan (each holds its own database pool).
@@ -107,6 +112,11 @@ _web_host = os.environ.get("RELAY_WEB_HOST", "").strip()
 if _web_host:
     _interface = f"[{_web_host}]" if ":" in _web_host and not _web_host.startswith("[") else _web_host
     bind = [f"{_interface}:{_port if _port is not None else 8000}"]
+
+try:
+    logs.configure()
+except ConfigurationError as exc:
+    _refuse(str(exc))
 
 _app_settings = _relay_app_settings()
 if _app_settings is not None:

@@ -34,6 +34,7 @@ from relay_core import (
     monitor,
 )
 from relay_core.logs import POOL_CONNECT_WARNING, RepeatsFilter
+from relay_core.outages import OutageLog
 from relay_core.pools import all_in_use, make_pool
 from relay_core.queries import sql
 from relay_core.worker import executor, lease_watch, runtime, startup
@@ -43,7 +44,6 @@ from relay_core.worker.completer import Completer
 from relay_core.worker.config import WorkerConfig
 from relay_core.worker.ledger import NOT_BEGUN, Slot
 from relay_core.worker.maintenance import Maintenance, heartbeat_once, sweep_once
-from relay_core.worker.outage import OutageLog
 from relay_core.worker.outcome import Kind
 from relay_core.worker.retention import Retention
 from relay_core.worker.shutdown import HAND_BACK_GRACE_SECONDS

@@ -18,12 +18,13 @@ import psycopg
 from psycopg_pool import PoolTimeout
 
 from ..logs import event
+from ..outages import OutageLog
 from ..pools import RelayPool, outdated_plan
 from ..queries import sql
 from ..sessions import in_autocommit
 from ..stalls import cut_at
 from .one_message import run_as_one_message
-from .outage import OutageLog, PooledCallLog, next_retry_delay
+from .outage import PooledCallLog, next_retry_delay
 from .outcome import Kind, Outcome
 
 MAX_BATCH = 1000

@@ -14,7 +14,8 @@ from collections.abc import Callable
 import psycopg
 
 from ..connect_options import connection_options
-from .outage import OutageLog, next_retry_delay
+from ..outages import OutageLog
+from .outage import next_retry_delay
 
 CHANNEL = "relay_jobs"
 #: How long one wait for notifications lasts: a stop is heard within about this long.

@@ -25,10 +25,11 @@ from psycopg_pool import ConnectionPool, PoolTimeout
 from ..connect_options import connection_options, worker_application_name
 from ..logs import event
 from ..monitor import fold_counters
+from ..outages import REPEAT_SECONDS, OutageLog
 from ..queries import sql
 from ..sessions import configure_session, in_autocommit
 from .limits import forget_old_starts
-from .outage import REPEAT_SECONDS, OutageLog, PooledCallLog
+from .outage import PooledCallLog
 from .retention import hit_cap
 
 SWEEP_BATCH = 1000

@@ -1,36 +1,19 @@
-"""One account of a database outage per worker, instead of a warning per failed call.
+"""A worker's account of database outages: the calls that wait for a pooled connection, and the pace of retries.
 
-During an outage every thread of a worker fails at its own pace: the
-producer's claims, the completer's writes, a heartbeat each second, the
-maintenance duties, the listener's reconnects. A warning for each buried, in
-some 130 lines per worker for a 40 s outage, the two facts an operator needs:
-when the database stopped answering, and when it answered again. So the first
-failure is logged, then a reminder every REPEAT_SECONDS while it lasts, and
-one line when a call gets through again, with how long it lasted.
-
-A call that began before the outage ended and fails after it (a connection
-wait that started while the server was down, a session the restart broke)
-belongs to that outage, not to a new one: it is counted, not announced.
+Every thread of a worker fails at its own pace during an outage; each
+reports to one ``relay_core.outages.OutageLog``, which says it once. Calls
+waiting on a pool whose connections are all checked out are told apart
+(``POOL_EXHAUSTED``): the database is fine, the handlers hold them.
 """
 
 from __future__ import annotations
 
-import logging
-import threading
-import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
-import psycopg
 from psycopg_pool import PoolTimeout
 
-from ..logs import event
+from ..outages import OutageLog, Wording
 
-#: What a worker says of a statement the server cancelled, where it would say the database is unreachable.
-STATEMENT_CANCELLED = "statement cancelled by the server (its statement_timeout?); retrying"
-
-#: While an outage lasts, how often it is logged again.
-REPEAT_SECONDS = 30.0
 #: The longest a worker's thread waits before trying a database that did not answer again.
 RETRY_MAX_SECONDS = 1.0
 
@@ -45,19 +28,6 @@ def next_retry_delay(delay: float) -> float:
     return min(delay * 2, RETRY_MAX_SECONDS)
 
 
-@dataclass(frozen=True)
-class Wording:
-    """What an outage log says when calls begin to fail, while they still fail, and when one gets through."""
-
-    begins: str
-    lasts: str
-    ends: str
-
-
-#: The database did not answer (refused, broken or timed-out connections).
-UNREACHABLE = Wording(
-    "database unreachable; retrying", "database still unreachable; retrying", "database reachable again"
-)
 #: The database answers, but every connection of the worker's pool is checked
 #: out: handlers past their timeout that still hold theirs, as a rule. Told
 #: apart so that an operator looks at the handlers, not at the database.
@@ -93,93 +63,3 @@ class PooledCallLog:
         """A pooled call got through: the database answers and a connection was free."""
         self.outage.succeeded()
         self.exhaustion.succeeded()
-
-
-class OutageLog:
-    """Whether the worker's database calls fail now, since when, and what has been said of it."""
-
-    def __init__(self, clock: Callable[[], float] = time.monotonic, wording: Wording = UNREACHABLE) -> None:
-        self._clock = clock
-        self._wording = wording
-        self._lock = threading.Lock()
-        self._since: float | None = None
-        self._failures = 0
-        self._reported = 0.0
-        self._ended = float("-inf")
-        self._cancel_reported = float("-inf")
-        self._last_length = 0.0
-
-    def failed(self, during: str, error: BaseException | str, began: float | None = None) -> None:
-        """A call (``during``: the claim, a completion write, the heartbeat ...) could not reach the database.
-
-        ``began``: when the call started, on this log's clock; one that began
-        before the last outage ended is that outage's tail and says nothing.
-
-        A statement the server cancelled (``statement_timeout``; psycopg's
-        QueryCanceled is an OperationalError) reached the database: it is said
-        as what it is, at most once per REPEAT_SECONDS, and begins no outage.
-        Logged as "database unreachable" and then "reachable again", 529 of
-        them in 50 s sent an operator to look for an outage that was not there.
-        """
-        now = self._clock()
-        if isinstance(error, psycopg.errors.QueryCanceled):
-            with self._lock:
-                say = now - self._cancel_reported >= REPEAT_SECONDS
-                if say:
-                    self._cancel_reported = now
-            if say:
-                event(logging.WARNING, STATEMENT_CANCELLED, during=during, error=str(error))
-            return
-        with self._lock:
-            if self._since is None and began is not None and began < self._ended:
-                return
-            first = self._since is None
-            if first:
-                self._since, self._failures, self._reported = now, 0, now
-            self._failures += 1
-            again = not first and now - self._reported >= REPEAT_SECONDS
-            if again:
-                self._reported = now
-            since, failures = self._since, self._failures
-        if first:
-            event(logging.WARNING, self._wording.begins, during=during, error=str(error))
-        elif again:
-            event(
-                logging.WARNING,
-                self._wording.lasts,
-                for_s=round(now - since, 1),
-                failed_calls=failures,
-                during=during,
-                error=str(error),
-            )
-
-    def long_one_within(self, seconds: float, longer_than: float) -> bool:
-        """Whether an outage of ``longer_than`` s or more is under way, or ended less than ``seconds`` ago.
-
-        Only an outage that long can have let leases run out: a blip (a
-        listener's session ended by an idle-session timeout) is not one.
-        """
-        with self._lock:
-            now = self._clock()
-            if self._since is not None:
-                return now - self._since >= longer_than
-            return self._last_length >= longer_than and now - self._ended < seconds
-
-    def ended_long_one(self) -> None:
-        """Record, without a word, that an outage of unknown length ended now (the worker started during one)."""
-        with self._lock:
-            self._ended, self._last_length = self._clock(), float("inf")
-
-    def succeeded(self) -> None:
-        """A call got through: end the outage, if one was under way, with one line."""
-        if self._since is None:  # the usual case, without the lock
-            return
-        now = self._clock()
-        with self._lock:
-            since, failures = self._since, self._failures
-            self._since, self._failures = None, 0
-            if since is not None:
-                self._ended = now
-                self._last_length = now - since
-        if since is not None:
-            event(logging.WARNING, self._wording.ends, after_s=round(now - since, 1), failed_calls=failures)

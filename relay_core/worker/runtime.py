@@ -27,6 +27,7 @@ from ..errors import ConfigurationError
 from ..handlers import HandlerSpec
 from ..job import Job
 from ..logs import event
+from ..outages import OutageLog
 from ..pools import all_in_use, make_pool
 from ..queries import sql
 from ..sessions import in_autocommit
@@ -48,7 +49,7 @@ from .lease_watch import LeaseWatch
 from .ledger import Ledger, Slot
 from .listener import Listener
 from .maintenance import Maintenance
-from .outage import POOL_EXHAUSTED, OutageLog, PooledCallLog, next_retry_delay
+from .outage import POOL_EXHAUSTED, PooledCallLog, next_retry_delay
 from .outcome import Outcome
 from .retention import prune_once
 from .shutdown import SHUTDOWN_WRITES_SECONDS, WriteTime, hand_back, record_overdue, write_within

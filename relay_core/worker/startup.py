@@ -27,12 +27,13 @@ from ..connect_options import unusable_setting
 from ..errors import ConfigurationError
 from ..handlers import HandlerSpec
 from ..logs import event
+from ..outages import REPEAT_SECONDS
 from ..pools import RelayPool
 from ..queries import sql
 from . import limits, periodic
 from .config import WorkerConfig
 from .maintenance import Maintenance, register
-from .outage import REPEAT_SECONDS, next_retry_delay
+from .outage import next_retry_delay
 
 #: How long one try at registering waits for a connection before it logs and tries again.
 REGISTER_WAIT_SECONDS = 2.0

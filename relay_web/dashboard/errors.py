@@ -17,6 +17,7 @@ from werkzeug.exceptions import HTTPException, MethodNotAllowed, NotFound
 
 from relay_core import IllegalTransition, JobNotFound, RelayError, monitor
 
+from ..db import get_database
 from ..errors import http_problem, timed_out_detail, transition_detail
 from ..health import missing_schema_problem
 from ..problems import Problem
@@ -131,7 +132,7 @@ UNREACHABLE = (psycopg.OperationalError, psycopg.InterfaceError, PoolTimeout)
 
 
 def _unavailable(exc: Exception) -> Response:
-    log.warning("database unavailable: %s", exc)
+    get_database().outage.failed(request.path, exc)
     if request.method == "GET":
         detail = f"The database cannot be reached right now; this page tries again every {RETRY_SECONDS} seconds."
     else:

@@ -2,22 +2,17 @@
 
 from __future__ import annotations
 
-import logging
-
 from flask import Response, redirect, request, url_for
 
 from relay_core import users
 
 from .. import auth
-from ..db import connection
+from ..db import connection, get_database
 from ..problems import Problem
 from . import session
 from .blueprint import bp
 from .errors import RETRY_SECONDS, UNREACHABLE
 from .render import page
-
-log = logging.getLogger("relay.web")
-
 
 #: What the login form says to someone sent to it by a button pressed after their session ended.
 UNDONE = "Your session had ended, so what you pressed was not done. Log in, then press it again."
@@ -55,7 +50,7 @@ def login_submit() -> Response:
             user = auth.log_in(conn, username, password)
     except UNREACHABLE as exc:
         # The form again, with the name typed kept: the error page's reload sent the form again.
-        log.warning("database unavailable: %s", exc)
+        get_database().outage.failed(request.path, exc)
         response = _form(NO_DATABASE, 503, username)
         response.headers["Retry-After"] = str(RETRY_SECONDS)
         return response

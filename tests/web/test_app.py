@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import re
 import socket
@@ -15,11 +17,12 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+from psycopg import conninfo
 
 from relay_core import ConfigurationError, Relay, users
 from relay_web import create_app
 
-from ..helpers import call, wait_for
+from ..helpers import TcpProxy, call, wait_for
 from .conftest import SECRET
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -375,3 +378,59 @@ def test_gunicorn_workers_of_a_development_app_share_its_random_secret(dsn: str,
     finally:
         proc.terminate()
         proc.wait(10)
+
+
+def test_an_outage_is_logged_once_for_every_request_that_meets_it_and_once_as_it_ends(
+    clean_env, dsn: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Each request that met the outage (a probe, a scrape, a dashboard refresh) logged a warning of its own."""
+    caplog.set_level("INFO", logger="relay")
+    proxy = TcpProxy.in_front_of(dsn)
+    app = create_app({"RELAY_DATABASE_URL": proxy.dsn, "JWT_SECRET_KEY": SECRET, "RELAY_DB_WAIT_SECONDS": "0.3"})
+    client = app.test_client()
+    back = None
+    try:
+        assert client.get("/readyz").status_code == 200
+        proxy.close()
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", proxy.port), timeout=1):
+            pass  # the accept under way as it closed takes this one: refused from here on
+        assert [client.get(path).status_code for path in ("/readyz", "/metrics", "/readyz")] == [503] * 3
+        upstream = conninfo.conninfo_to_dict(dsn)
+        back = TcpProxy(
+            str(upstream.get("host") or "127.0.0.1"), int(upstream.get("port") or 5432), listen_port=proxy.port
+        )
+        wait_for(lambda: client.get("/readyz").status_code == 200, timeout=15, what="the database back")
+    finally:
+        app.extensions["relay.db"].close()
+        if back is not None:
+            back.close()
+    said = [r for r in caplog.records if r.name == "relay"]
+    assert [r.getMessage() for r in said] == ["database unavailable; answering 503", "database available again"]
+    assert said[0].during == "/readyz" and "after" in said[0].error and said[1].failed_calls >= 3
+
+
+def test_gunicorn_with_relays_settings_writes_relays_log_lines_as_json_when_asked(dsn: str) -> None:
+    """RELAY_LOG_FORMAT was a worker's setting only: the web process wrote Relay's lines through Python's
+    fallback, the message alone, with libpq's error over three lines."""
+    port = _free_port()
+    env = {k: v for k, v in os.environ.items() if k not in SETTINGS and k != "WEB_CONCURRENCY"}
+    refused = conninfo.make_conninfo(dsn, host="127.0.0.1", port=str(_free_port()))
+    env.update(DATABASE_URL=refused, JWT_SECRET_KEY=SECRET, RELAY_LOG_FORMAT="json", RELAY_DB_WAIT_SECONDS="0.3")
+    gunicorn = Path(sys.executable).with_name("gunicorn")
+    proc = subprocess.Popen(
+        [str(gunicorn), "-c", "python:relay_web.gunicorn_conf", "--no-control-socket",
+         "--bind", f"127.0.0.1:{port}", "--workers", "1", "relay_web:create_app()"],
+        cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        base = f"http://127.0.0.1:{port}"
+        wait_for(lambda: call("GET", f"{base}/healthz")[0] == 200, timeout=30, interval=0.2, what="gunicorn")
+        assert [call("GET", f"{base}/readyz")[0] for _ in range(3)] == [503] * 3
+    finally:
+        proc.terminate()
+        _, stderr = proc.communicate(timeout=20)
+    relays = [json.loads(line) for line in stderr.splitlines() if line.startswith("{")]
+    unavailable = [entry for entry in relays if entry["message"] == "database unavailable; answering 503"]
+    assert len(unavailable) == 1, stderr
+    assert unavailable[0]["logger"] == "relay" and unavailable[0]["during"] == "/readyz"
+    assert "database unavailable" not in "\n".join(line for line in stderr.splitlines() if not line.startswith("{"))

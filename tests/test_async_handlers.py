@@ -413,3 +413,38 @@ def test_progress_from_an_async_handler_leaves_its_event_loop_running(relay: Rel
     job = relay.get_job(job_id)
     assert job.progress == {"percent": 40.0, "message": "page 2 of 5"}
     assert job.result is True
+
+
+def test_an_async_handler_handed_back_at_shutdown_finishes_its_cleanup_before_the_worker_stops(
+    relay: Relay, dsn: str, db: psycopg.Connection
+) -> None:
+    """The hand-back cancelled the handler, and the worker stopped (the process exited) 12 ms later:
+    no handler's ``finally`` got past its first await, though the README promises that cleanup."""
+    cleaned: list[float] = []
+
+    @relay.handler("tidy_at_shutdown")
+    async def tidy(job: Job) -> None:
+        await record(dsn, job, "start")
+        try:
+            await asyncio.sleep(600)
+        finally:
+            await asyncio.sleep(0.2)
+            cleaned.append(time.monotonic())
+
+    job_id = relay.enqueue("tidy_at_shutdown")
+    worker = relay.worker(concurrency=1, shutdown_timeout=0.2, listen=False, poll_interval=0.1)
+    thread = threading.Thread(target=worker.run, kwargs={"install_signals": False}, daemon=True)
+    thread.start()
+    try:
+        wait_for(lambda: phases(db, job_id) == [(1, "start")], what="the handler to start")
+        worker.stop()
+        assert worker.stopped.wait(30), "the worker never stopped"
+        stopped_at = time.monotonic()
+    finally:
+        worker.stop()
+        thread.join(30)
+    assert cleaned and cleaned[0] <= stopped_at, "the worker stopped before the handler's cleanup ended"
+    assert db.execute("SELECT status::text, attempts FROM relay.jobs WHERE id = %s", (job_id,)).fetchone() == (
+        "queued",
+        0,
+    )

@@ -35,6 +35,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
+import threading
 from collections.abc import Awaitable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -48,6 +49,8 @@ class SlotLoop:
 
     def __init__(self) -> None:
         self._runner: asyncio.Runner | None = None
+        #: Set while a handler's awaitable runs here: a shutdown that cancelled it waits for its cleanup.
+        self.running = threading.Event()
 
     def run(self, job: Job, awaitable: Awaitable[Any]) -> Any:
         """Await ``awaitable`` (what ``job``'s handler returned) to its end; return its result or raise."""
@@ -55,6 +58,7 @@ class SlotLoop:
             self._runner = asyncio.Runner()
         threads = ThreadPoolExecutor(thread_name_prefix=f"relay-job-{job.id}")
         self._runner.get_loop().set_default_executor(threads)
+        self.running.set()
         try:
             # A context of its own per job: the runner would otherwise carry context
             # variables one job set (a tenant, a trace span) into the next job on this slot.
@@ -68,6 +72,7 @@ class SlotLoop:
             raise
         finally:
             threads.shutdown(wait=True)  # the job's work is over only when its threads are
+            self.running.clear()
 
     def close(self) -> None:
         """Close the loop (cancelling whatever the handlers left running on it)."""

@@ -67,13 +67,21 @@ STARTED_DURING_AN_OUTAGE_SECONDS = 1.0
 #: and each of the pool's threads (its three workers and its scheduler, joined one after another).
 THREADS_STOP_SECONDS = 0.25
 POOL_THREAD_STOP_SECONDS = 0.1
+#: After the hand-back cancelled the async handlers still running, how long their cleanup
+#: (a ``finally``, an ``except CancelledError``) may take before the worker stops and its
+#: process exits. Within the hand-back's grace: the job starts elsewhere only after it.
+ASYNC_CLEANUP_SECONDS = 0.4
 #: A worker stops at most this long after its shutdown timeout ends (counted from the stop),
 #: however the database behaves: the shared time of the last writes, the least each step
 #: (four before the in-flight wait, four after it) gets once that ran out, and the threads'
 #: stop. The platform's drain window must hold this beyond the timeout, and a moment more for
 #: the process's own exit: the docs promise 4 s.
 SHUTDOWN_OVERRUN_SECONDS = (
-    SHUTDOWN_WRITES_SECONDS + 8 * SHORTEST_CUT_SECONDS + THREADS_STOP_SECONDS + 4 * POOL_THREAD_STOP_SECONDS
+    SHUTDOWN_WRITES_SECONDS
+    + 8 * SHORTEST_CUT_SECONDS
+    + ASYNC_CLEANUP_SECONDS
+    + THREADS_STOP_SECONDS
+    + 4 * POOL_THREAD_STOP_SECONDS
 )
 #: Jobs on their last attempt a worker holds per slot beyond those its slots run (see ``last_attempt_room``).
 LAST_ATTEMPTS_AHEAD_PER_SLOT = 2
@@ -117,6 +125,8 @@ class Worker:
         self.handlers_left_running = 0
         self._inbox: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
         self._slots: list[Slot] = []
+        #: Each slot thread's event loop for async handlers (see ``_await_async_cleanup``).
+        self._slot_loops: list[SlotLoop] = []
         # Whether any job type has a limit: decides how the claim runs (see claim()).
         self.limits_exist = True
         self._next_limits_check = time.monotonic() + limits.REPUBLISH_CHECK_SECONDS  # the start published them
@@ -262,6 +272,7 @@ class Worker:
 
     def _slot_loop(self, slot: Slot) -> None:
         loop = SlotLoop()  # async handlers' event loop, this thread's alone
+        self._slot_loops.append(loop)
         try:
             while not slot.abandoned.is_set():
                 job = self._inbox.get()
@@ -273,6 +284,21 @@ class Worker:
                 self._finish(slot, job, outcome)
         finally:
             loop.close()
+
+    def _await_async_cleanup(self, end: float) -> None:
+        """Wait until ``end`` (monotonic) for the async handlers the hand-back cancelled to end.
+
+        Cancelled at their ``await``, they run their cleanup; the process's
+        exit right after the hand-back cut it off at its first await. A sync
+        handler cannot be stopped and is not waited for; a second signal ends
+        the wait.
+        """
+        while (
+            any(loop.running.is_set() for loop in self._slot_loops)
+            and time.monotonic() < end
+            and self._hurried_at is None
+        ):
+            time.sleep(0.01)
 
     def _bind(self, slot: Slot, job: Job) -> bool:
         """Mark ``job`` as running in ``slot``; its timeout starts now."""
@@ -612,6 +638,7 @@ class Worker:
         self.handlers_left_running = len(unfinished) + len(overdue)
         if unfinished:
             handed_back += hand_back(self.pool, self.ledger, unfinished, writes.next(), writes.left())
+            self._await_async_cleanup(time.monotonic() + ASYNC_CLEANUP_SECONDS)
         try:
             with write_within(self.pool, writes.next()) as conn:
                 conn.execute(sql("worker_stop"), {"id": self.id, "started_at": self.maintenance.registered_at})

@@ -105,6 +105,10 @@ class OutageLog:
                 error=str(error),
             )
 
+    def under_way(self) -> bool:
+        """Whether calls fail now: the last one failed and none got through since."""
+        return self._since is not None
+
     def long_one_within(self, seconds: float, longer_than: float) -> bool:
         """Whether an outage of ``longer_than`` s or more is under way, or ended less than ``seconds`` ago.
 

@@ -11,7 +11,13 @@ sends nothing, so no server-side timeout can end the wait.
 
 An outage is logged once per process, not once per request that met it
 (every probe, scrape and dashboard refresh): as it begins, every 30 s while
-it lasts, and as the next connection comes (``outage``).
+it lasts, and as the next connection comes (``outage``). While one is under
+way a request waits OUTAGE_WAIT_SECONDS for a connection, not the full
+RELAY_DB_WAIT_SECONDS: the web process has a few threads (four in the
+Procfile), and probes, scrapes and dashboard refreshes that each held one
+for 5 s left ``/healthz``, which needs no database, waiting behind them
+(3-4 s, 9.5 s against a silent one) until a platform's liveness check failed
+and restarted a process that was fine.
 """
 
 from __future__ import annotations
@@ -35,6 +41,8 @@ from relay_core.sessions import in_autocommit
 from relay_core.timestamps import read_any_timestamp
 
 EXTENSION = "relay.db"
+#: How long a request waits for a connection while an outage is under way (see the module's docstring).
+OUTAGE_WAIT_SECONDS = 0.5
 #: Counter deltas of each table a page folds before it reads (see monitor.fold_counters):
 #: a share, so a pile left while no worker ran never runs a page into its statement timeout.
 FOLD_ROWS_PER_READ = 50_000
@@ -137,7 +145,8 @@ class Database:
     @contextmanager
     def connection(self) -> Iterator[psycopg.Connection]:
         """A connection for one unit of work: committed when the block ends, rolled back on error."""
-        with self.pool().connection() as conn:
+        wait = min(OUTAGE_WAIT_SECONDS, self._wait) if self.outage.under_way() else None
+        with self.pool().connection(timeout=wait) as conn:
             self.outage.succeeded()  # the pool checked it: the database answers (ends an outage, with a line)
             yield conn
 

@@ -434,3 +434,37 @@ def test_gunicorn_with_relays_settings_writes_relays_log_lines_as_json_when_aske
     assert len(unavailable) == 1, stderr
     assert unavailable[0]["logger"] == "relay" and unavailable[0]["during"] == "/readyz"
     assert "database unavailable" not in "\n".join(line for line in stderr.splitlines() if not line.startswith("{"))
+
+
+def test_while_an_outage_is_under_way_a_request_waits_briefly_for_a_connection(clean_env, dsn: str) -> None:
+    """Each request waited RELAY_DB_WAIT_SECONDS (5 s) for a connection, outage or not: with the Procfile's
+    four threads, probes and refreshes held them all and /healthz, which needs no database, waited 3-4 s."""
+    proxy = TcpProxy.in_front_of(dsn)
+    app = create_app({"RELAY_DATABASE_URL": proxy.dsn, "JWT_SECRET_KEY": SECRET, "RELAY_DB_WAIT_SECONDS": "3"})
+    client = app.test_client()
+    back = None
+    try:
+        assert client.get("/readyz").status_code == 200
+        proxy.close()
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", proxy.port), timeout=1):
+            pass  # the accept under way as it closed takes this one: refused from here on
+
+        def timed(path: str) -> tuple[int, float]:
+            started = time.monotonic()
+            status = client.get(path).status_code
+            return status, time.monotonic() - started
+
+        first_status, first_wait = timed("/readyz")
+        assert first_status == 503 and first_wait >= 2.5  # the outage's first request: the whole wait
+        later = [timed(path) for path in ("/readyz", "/metrics", "/readyz")]
+        assert [status for status, _ in later] == [503] * 3
+        assert max(wait for _, wait in later) < 1.5, later
+        upstream = conninfo.conninfo_to_dict(dsn)
+        back = TcpProxy(
+            str(upstream.get("host") or "127.0.0.1"), int(upstream.get("port") or 5432), listen_port=proxy.port
+        )
+        wait_for(lambda: client.get("/readyz").status_code == 200, timeout=15, what="the database back")
+    finally:
+        app.extensions["relay.db"].close()
+        if back is not None:
+            back.close()

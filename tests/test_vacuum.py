@@ -17,6 +17,12 @@ from relay_core.worker.vacuum import VACUUM_THRESHOLD, vacuum_if_needed
 from .helpers import running_worker, wait_for
 
 
+@pytest.fixture(autouse=True)
+def no_naptime(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The tests share one database, where an earlier test's vacuum would otherwise hold the next one off."""
+    monkeypatch.setattr(vacuum, "VACUUM_NAPTIME_SECONDS", 0)
+
+
 @pytest.fixture
 def jobs_without_autovacuum(db: psycopg.Connection) -> Iterator[None]:
     """relay.jobs with autovacuum switched off for the table (the server's setting may be either)."""
@@ -147,3 +153,24 @@ def test_a_role_that_may_not_vacuum_says_so_instead_of_claiming_it_did(
     finally:
         db.execute(f"DROP OWNED BY {role}")
         db.execute(f"DROP ROLE {role}")
+
+
+@pytest.mark.usefixtures("jobs_without_autovacuum")
+def test_a_table_is_vacuumed_at_most_once_per_naptime(
+    relay: Relay, dsn: str, db: psycopg.Connection, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """While an old snapshot held its dead rows back, every worker vacuumed the table again every 15 s,
+    removing nothing, and logged that it had vacuumed: autovacuum waits a naptime (60 s) between passes."""
+    _leave_dead_rows(relay, dsn, VACUUM_THRESHOLD * 3)
+    wait_for(lambda: _jobs_stats(db)[0] >= VACUUM_THRESHOLD * 3, timeout=10, what="dead rows counted")
+    with psycopg.connect(dsn) as conn:
+        assert "jobs" in vacuum_if_needed(conn)
+    vacuums = _jobs_stats(db)[1]
+    monkeypatch.setattr(vacuum, "VACUUM_NAPTIME_SECONDS", 60)
+    _leave_dead_rows(relay, dsn, VACUUM_THRESHOLD * 3)
+    wait_for(lambda: _jobs_stats(db)[0] >= VACUUM_THRESHOLD * 3, timeout=10, what="dead rows counted")
+    with psycopg.connect(dsn) as conn:
+        assert "jobs" not in vacuum_if_needed(conn)  # within the naptime of the last vacuum
+        assert _jobs_stats(db)[1] == vacuums
+        monkeypatch.setattr(vacuum, "VACUUM_NAPTIME_SECONDS", 0)
+        assert "jobs" in vacuum_if_needed(conn)

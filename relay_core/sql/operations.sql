@@ -310,7 +310,8 @@ RETURNING id, cancel_requested_at IS NOT NULL AS cancel_requested;
 -- (dead rows over a threshold plus a fraction of the live rows). may_vacuum:
 -- whether this session's role may VACUUM the table (a superuser, a member of
 -- the table's or the database's owner role, or from PostgreSQL 17 a holder of
--- MAINTAIN); for any other role VACUUM only warns and skips the table.
+-- MAINTAIN); for any other role VACUUM only warns and skips the table. A table
+-- vacuumed less than a naptime ago waits, as it would for autovacuum.
 SELECT s.relname,
        pg_has_role(c.relowner, 'USAGE')
        OR pg_has_role((SELECT datdba FROM pg_database WHERE datname = current_database()), 'USAGE')
@@ -323,4 +324,6 @@ WHERE s.schemaname = 'relay'
        OR EXISTS (SELECT 1 FROM pg_options_to_table(c.reloptions) AS o  -- any spelling: off, false, no, 0
                   WHERE o.option_name = 'autovacuum_enabled' AND NOT o.option_value::boolean))
   AND s.n_dead_tup > %(threshold)s + %(scale_factor)s * s.n_live_tup
+  AND greatest(s.last_vacuum, s.last_autovacuum, '-infinity')
+      < now() - make_interval(secs => %(naptime)s)
 ORDER BY s.n_dead_tup DESC;

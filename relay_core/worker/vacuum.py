@@ -29,6 +29,10 @@ from ..sessions import in_autocommit
 VACUUM_THRESHOLD = 1000
 #: ... plus this fraction of its live rows (the jobs table's own autovacuum settings).
 VACUUM_SCALE_FACTOR = 0.05
+#: A table vacuumed (by anyone) less than this long ago waits, as autovacuum waits its
+#: naptime between passes: while an old snapshot held dead rows back, every worker vacuumed
+#: again each check, removing nothing.
+VACUUM_NAPTIME_SECONDS = 60
 
 
 #: Tables this process already warned it may not vacuum (the check repeats every few seconds).
@@ -43,7 +47,8 @@ def vacuum_if_needed(conn: psycopg.Connection) -> list[str]:
     process: VACUUM itself would only warn on the server and skip it.
     """
     rows = conn.execute(
-        sql("tables_needing_vacuum"), {"threshold": VACUUM_THRESHOLD, "scale_factor": VACUUM_SCALE_FACTOR}
+        sql("tables_needing_vacuum"),
+        {"threshold": VACUUM_THRESHOLD, "scale_factor": VACUUM_SCALE_FACTOR, "naptime": VACUUM_NAPTIME_SECONDS},
     ).fetchall()
     conn.commit()
     tables = [name for name, may_vacuum in rows if may_vacuum]

@@ -45,6 +45,10 @@ FOLD_LOCK_KEY = 7_265_108_722
 QUEUE_NAME_PATTERN = QUEUE_NAME.pattern
 
 
+#: The states a listing may filter on, as its error says them (the dashboard calls a claimed job running).
+STATUS_CHOICES = "one of " + ", ".join(f"{s.value} (running)" if s is JobStatus.CLAIMED else s.value for s in JobStatus)
+
+
 @dataclass(frozen=True)
 class JobFilter:
     """Which jobs a listing or bulk action means; None matches anything.
@@ -61,7 +65,7 @@ class JobFilter:
 
     def __post_init__(self) -> None:
         if self.status is not None and self.status not in {s.value for s in JobStatus}:
-            raise RelayError(f"unknown status {self.status!r}")
+            raise RelayError(f"unknown status {self.status!r}: {STATUS_CHOICES}")
         if self.queue is not None:
             check_queue(self.queue)
         for name in ("queue", "type", "q"):

@@ -174,6 +174,8 @@ def test_a_type_ending_in_a_space_is_its_own_filter_from_the_dead_view(
     ("query", "message"),
     [
         ("state=exploded", "unknown status"),
+        # The pages call a claimed job running; the URL's word for it was nowhere on the error page.
+        ("state=running", "one of queued, claimed (running), succeeded, dead, cancelled"),
         ("queue=Not%20A%20Queue", "queue"),
         ("before=abc", "cursor"),
         ("before=99999999999999999999", "cursor"),

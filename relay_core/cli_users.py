@@ -17,7 +17,7 @@ import click
 import psycopg
 
 from . import users
-from .connect_options import connection_options
+from .connect_options import connection_options, unusable_setting
 from .errors import ConfigurationError, RelayError
 from .jsonb import read_any_number
 from .migrate import MISSING_SCHEMA_ERRORS, MISSING_TABLES
@@ -56,11 +56,10 @@ def connect() -> psycopg.Connection:
         raise UnusableSetting(str(exc)) from None
     try:
         conn = psycopg.connect(dsn, autocommit=True, **options)
-    except psycopg.ProgrammingError as exc:
-        # A setting libpq cannot use, such as connect_timeout=abc.
-        raise UnusableSetting(f"cannot connect to the database: {exc}") from None
-    except psycopg.OperationalError as exc:
-        raise click.ClickException(f"cannot connect to the database: {exc}") from None
+    except (psycopg.OperationalError, psycopg.ProgrammingError) as exc:
+        # A setting libpq cannot use (connect_timeout=abc, sslmode=bogus) is no outage to retry.
+        unusable = UnusableSetting if unusable_setting(exc) else click.ClickException
+        raise unusable(f"cannot connect to the database: {exc}") from None
     # READ COMMITTED whatever the database's default, as every Relay connection: under a
     # stricter level a requeue that waited for a worker's row lock failed with a
     # serialization error. Asked for in each BEGIN (nothing stays behind a pooler).

@@ -71,6 +71,8 @@ def test_a_bad_setting_ends_the_command_with_one_line_naming_it(
         ({"RELAY_DATABASE_URL": None, "DATABASE_URL": ""}, "DATABASE_URL is empty"),
         ({"RELAY_DATABASE_URL": None, "DATABASE_URL": None}, "no database configured"),
         ({"RELAY_DATABASE_URL": "postgresql://postgres@127.0.0.1/test?connect_timeout=abc"}, "connect_timeout"),
+        ({"RELAY_DATABASE_URL": "postgresql://postgres@127.0.0.1/test?sslmode=bogus"}, "sslmode"),
+        ({"RELAY_DATABASE_URL": "postgresql://postgres@127.0.0.1/test?port=abc"}, "port"),
     ],
 )
 def test_relay_enqueue_exits_2_for_a_setting_it_cannot_use(

@@ -52,6 +52,7 @@ def error_page(
         retry_url=retry_url,
         retry_seconds=RETRY_SECONDS,
         fragment=is_htmx(),
+        action_answer=is_htmx() and request.method == "POST",
     )
     for name, value in (headers or {}).items():
         if name != "WWW-Authenticate":

@@ -29,6 +29,8 @@ from .session import require
 PAGE_SIZE = 50
 #: Seconds between refreshes of a queued or running job's status card.
 JOB_REFRESH_SECONDS = 2
+#: The answer to a stop request (a cancel of a running job).
+STOP_REQUESTED = "Stop requested: the worker stops the job at its next heartbeat."
 #: The filters a jobs URL may carry, in the order the form shows them.
 FILTERS = ("state", "queue", "type", "q")
 #: Statuses in the order a person triages them.
@@ -174,6 +176,8 @@ def _job_context(job: JobDetail, notice: str | None = None) -> dict[str, Any]:
         "actions": actions(job),
         "attempts": [Attempt.of(entry) for entry in reversed(job.errors or [])],
         "notice": notice,
+        # The answer to a stop request says what the card's own "Stop requested ... ago" line would.
+        "stop_answered": notice == STOP_REQUESTED,
         "polling": job.status in (JobStatus.QUEUED, JobStatus.CLAIMED),
         "refresh_seconds": JOB_REFRESH_SECONDS,
         "now": formatting.now(),
@@ -227,7 +231,7 @@ def _act(job_id: int, action: str) -> Response:
                 "cancel": "Cancelled: it will not run.",
             }[action]
             if action == "cancel" and changed.status == JobStatus.CLAIMED:
-                notice = "Stop requested: the worker stops the job at its next heartbeat."
+                notice = STOP_REQUESTED
     if not is_htmx():
         return answer_plain_form(notice, "dashboard.job", job_id=job_id)
     response = page("job", partial="job_status", status=status, **_job_context(changed, notice))

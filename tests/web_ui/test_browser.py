@@ -502,6 +502,30 @@ def test_a_pause_on_its_way_disables_its_button_and_its_answer_outlasts_the_refr
     assert shop.relay.paused_queues() == ["mail"]
 
 
+def test_a_pause_the_database_could_not_take_says_so_through_the_views_refreshes(
+    phone: Any, live_server: LiveServer, shop: Shop, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The 503's "reload the page in a moment and try again" was wiped by the queues view's next refresh:
+    its fragment had no element of the kept answer's id."""
+    monkeypatch.setattr(views_system, "REFRESH_SECONDS", 1)
+    make_user(shop.relay.dsn, "ops", "admin")
+    _dead(shop, shop.relay.enqueue("send_email", {"to": "n@example.com"}, queue="mail"))
+    _log_in(phone, live_server)
+    phone.goto(live_server.at("/queues"))
+
+    def database_gone(queue: str, paused: bool) -> Any:
+        raise psycopg.OperationalError("connection failed: the database went away")
+
+    monkeypatch.setattr(views_system, "_set_paused", database_gone)
+    phone.get_by_role("button", name="Pause mail").click()
+    answer = phone.get_by_text("reload the page in a moment and try again")
+    answer.wait_for(timeout=10_000)
+    phone.wait_for_timeout(2_500)  # two of the view's refreshes
+    assert answer.is_visible()
+    assert phone.get_by_role("button", name="Pause mail").is_visible()  # the view itself is back
+    assert shop.relay.paused_queues() == []
+
+
 def test_a_requeue_all_on_its_way_disables_its_button(phone: Any, live_server: LiveServer, shop: Shop) -> None:
     make_user(shop.relay.dsn, "ops", "admin")
     _dead(shop, shop.relay.enqueue("send_email", {"to": "l@example.com"}))
@@ -538,6 +562,34 @@ def test_a_stop_request_is_said_once_through_the_cards_refreshes(
     phone.wait_for_timeout(4_500)  # two of the card's refreshes
     visible = [said.nth(i).inner_text() for i in range(said.count()) if said.nth(i).is_visible()]
     assert visible == ["Stop requested: the worker stops the job at its next heartbeat."]
+
+
+def test_a_stop_requested_elsewhere_is_said_under_another_kept_answer(
+    phone: Any, live_server: LiveServer, shop: Shop
+) -> None:
+    """The card hid its "Stop requested ... ago" line behind whatever answer it kept: after a Requeue, a stop
+    another admin then asked for was not on the card at all."""
+    make_user(shop.relay.dsn, "ops", "admin")
+    job_id = shop.relay.enqueue("send_email", {"to": "o@example.com"}, queue="parked")  # no worker serves it
+    with psycopg.connect(shop.relay.dsn, autocommit=True) as conn:
+        conn.execute(
+            "UPDATE relay.jobs SET status = 'dead', attempts = 1, finished_at = now(), last_error = 'boom'"
+            " WHERE id = %s",
+            (job_id,),
+        )
+    _log_in(phone, live_server)
+    phone.goto(live_server.at(f"/jobs/{job_id}"))
+    phone.get_by_role("button", name="Requeue").click()
+    phone.locator("#job-notice", has_text="Requeued").wait_for(timeout=5_000)
+    with psycopg.connect(shop.relay.dsn, autocommit=True) as conn:  # a worker of its own takes it
+        conn.execute(
+            "UPDATE relay.jobs SET status = 'claimed', attempts = 1, claimed_by = 'elsewhere',"
+            " claimed_until = now() + interval '1 hour', started_at = now() WHERE id = %s",
+            (job_id,),
+        )
+    shop.relay.cancel(job_id)  # another admin asks it to stop
+    phone.locator(".stop-requested").wait_for(timeout=10_000)
+    assert phone.locator(".stop-requested").is_visible()
 
 
 def test_an_action_that_gets_no_answer_says_so(phone: Any, live_server: LiveServer, shop: Shop) -> None:

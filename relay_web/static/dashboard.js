@@ -51,25 +51,35 @@
   // A button disabled while its action is on its way (hx-disabled-elt, so that a second tap sends
   // nothing) loses the keyboard focus; htmx, which puts the focus back on the element of the same id
   // after a swap, then finds none to put back, and the focus fell to the top of the page (Pause pressed
-  // from the keyboard). It goes back to the element of the pressed one's id as the answer is swapped in
-  // (an answer's own autofocus, on its notice, takes it after that, as the swap settles).
+  // from the keyboard). It goes back to the element of the pressed one's id as the action's answer is
+  // swapped in (an answer's own autofocus, on its notice, takes it after that, as the swap settles).
+  // Only an action's own swap does it, and the id is forgotten as that action ends, answered or not:
+  // kept past an action that got no answer, it moved the focus in a later refresh.
   var pressedId = null;
-  document.addEventListener("htmx:beforeRequest", function (event) {
+
+  function isAction(event) {
     var config = event.detail ? event.detail.requestConfig : null;
+    return Boolean(config && config.verb !== "get");
+  }
+
+  document.addEventListener("htmx:beforeRequest", function (event) {
     var active = document.activeElement;
-    if (config && config.verb !== "get" && active && active.id && event.target.contains(active)) {
+    if (isAction(event) && active && active.id && event.target.contains(active)) {
       pressedId = active.id;
     }
   });
-  document.addEventListener("htmx:afterSwap", function () {
-    var id = pressedId;
-    pressedId = null;
+  document.addEventListener("htmx:afterSwap", function (event) {
     var active = document.activeElement;
-    if (id && (!active || active === document.body)) {
-      var again = document.getElementById(id);
+    if (isAction(event) && pressedId && (!active || active === document.body)) {
+      var again = document.getElementById(pressedId);
       if (again) {
-        again.focus();
+        again.focus({ preventScroll: true });
       }
+    }
+  });
+  document.addEventListener("htmx:afterRequest", function (event) {
+    if (isAction(event)) {
+      pressedId = null;
     }
   });
 

@@ -526,6 +526,28 @@ def test_a_pause_the_database_could_not_take_says_so_through_the_views_refreshes
     assert shop.relay.paused_queues() == []
 
 
+def test_a_pause_that_got_no_answer_leaves_no_focus_to_move_in_a_later_refresh(
+    phone: Any, live_server: LiveServer, shop: Shop, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The pressed button's id outlived an action that got no answer, and the view's first refresh once the
+    network was back moved the focus (and the page) to that button."""
+    monkeypatch.setattr(views_system, "REFRESH_SECONDS", 1)
+    make_user(shop.relay.dsn, "ops", "admin")
+    _dead(shop, shop.relay.enqueue("send_email", {"to": "p@example.com"}, queue="mail"))
+    _log_in(phone, live_server)
+    phone.goto(live_server.at("/queues"))
+    phone.context.set_offline(True)
+    try:
+        phone.get_by_role("button", name="Pause mail").focus()
+        phone.keyboard.press("Enter")
+        phone.get_by_role("alert").wait_for(timeout=5_000)
+    finally:
+        phone.context.set_offline(False)
+    phone.wait_for_timeout(2_500)  # the view refreshes: the note goes, and the focus with it
+    assert phone.get_by_role("alert").count() == 0
+    assert phone.evaluate("document.activeElement.id") != "queue:mail:toggle"
+
+
 def test_a_requeue_all_on_its_way_disables_its_button(phone: Any, live_server: LiveServer, shop: Shop) -> None:
     make_user(shop.relay.dsn, "ops", "admin")
     _dead(shop, shop.relay.enqueue("send_email", {"to": "l@example.com"}))

@@ -67,9 +67,10 @@ STARTED_DURING_AN_OUTAGE_SECONDS = 1.0
 #: and each of the pool's threads (its three workers and its scheduler, joined one after another).
 THREADS_STOP_SECONDS = 0.25
 POOL_THREAD_STOP_SECONDS = 0.1
-#: After the hand-back cancelled the async handlers still running, how long their cleanup
-#: (a ``finally``, an ``except CancelledError``) may take before the worker stops and its
-#: process exits. Within the hand-back's grace: the job starts elsewhere only after it.
+#: From the end of the in-flight wait, which cancels the async handlers still running, how long
+#: their cleanup (a ``finally``, an ``except CancelledError``) may take before the worker stops
+#: and its process exits: it runs beside the last writes, and only what is left of it once they
+#: are done holds up the stop. Within the hand-back's grace: the job starts elsewhere only after it.
 ASYNC_CLEANUP_SECONDS = 0.4
 #: A worker stops at most this long after its shutdown timeout ends (counted from the stop),
 #: however the database behaves: the shared time of the last writes, the least each step
@@ -77,11 +78,7 @@ ASYNC_CLEANUP_SECONDS = 0.4
 #: stop. The platform's drain window must hold this beyond the timeout, and a moment more for
 #: the process's own exit: the docs promise 4 s.
 SHUTDOWN_OVERRUN_SECONDS = (
-    SHUTDOWN_WRITES_SECONDS
-    + 8 * SHORTEST_CUT_SECONDS
-    + ASYNC_CLEANUP_SECONDS
-    + THREADS_STOP_SECONDS
-    + 4 * POOL_THREAD_STOP_SECONDS
+    SHUTDOWN_WRITES_SECONDS + 8 * SHORTEST_CUT_SECONDS + THREADS_STOP_SECONDS + 4 * POOL_THREAD_STOP_SECONDS
 )
 #: Jobs on their last attempt a worker holds per slot beyond those its slots run (see ``last_attempt_room``).
 LAST_ATTEMPTS_AHEAD_PER_SLOT = 2
@@ -286,12 +283,12 @@ class Worker:
             loop.close()
 
     def _await_async_cleanup(self, end: float) -> None:
-        """Wait until ``end`` (monotonic) for the async handlers the hand-back cancelled to end.
+        """Wait until ``end`` (monotonic) for the async handlers the shutdown cancelled to end.
 
-        Cancelled at their ``await``, they run their cleanup; the process's
-        exit right after the hand-back cut it off at its first await. A sync
-        handler cannot be stopped and is not waited for; a second signal ends
-        the wait.
+        Cancelled at their ``await`` as the in-flight wait ended, they run their
+        cleanup; the process's exit right after the hand-back cut it off at its
+        first await. A sync handler cannot be stopped and is not waited for; a
+        second signal ends the wait.
         """
         while (
             any(loop.running.is_set() for loop in self._slot_loops)
@@ -565,9 +562,10 @@ class Worker:
         """Finish in-flight jobs within the timeout, then return the rest with leases held to the end.
 
         A handler still running when the timeout ends keeps running until the
-        process exits, so its job goes back only once nothing but the
-        heartbeat thread is left to stop, with a short grace before another
-        worker may start it. Until then heartbeats keep every lease alive.
+        process exits, so its job goes back among the last writes, with a
+        grace before another worker may start it that outlasts everything
+        after them (an async handler's cleanup, the registry's stop, the
+        threads' stop). Until then heartbeats keep every lease alive.
 
         However long the database takes, the worker stops within the timeout
         and ``SHUTDOWN_OVERRUN_SECONDS``: the platform's SIGKILL
@@ -616,7 +614,8 @@ class Worker:
         while self.in_flight() and time.monotonic() < deadline and self._hurried_at is None:
             time.sleep(0.02)
         self.lease_watch.check_timeouts()  # a job past its deadline has its timeout recorded, not its attempt refunded
-        unfinished, overdue = self.ledger.close()
+        unfinished, overdue = self.ledger.close()  # tells their handlers to stop: async ones are cancelled
+        cleanup_end = time.monotonic() + ASYNC_CLEANUP_SECONDS
         for _ in self._slots:
             self._inbox.put(None)
         # The writes share what is left of their time; whatever came before took some of it
@@ -638,7 +637,7 @@ class Worker:
         self.handlers_left_running = len(unfinished) + len(overdue)
         if unfinished:
             handed_back += hand_back(self.pool, self.ledger, unfinished, writes.next(), writes.left())
-            self._await_async_cleanup(time.monotonic() + ASYNC_CLEANUP_SECONDS)
+            self._await_async_cleanup(cleanup_end)
         try:
             with write_within(self.pool, writes.next()) as conn:
                 conn.execute(sql("worker_stop"), {"id": self.id, "started_at": self.maintenance.registered_at})

@@ -34,11 +34,13 @@ REPEAT_SECONDS = 30.0
 
 @dataclass(frozen=True)
 class Wording:
-    """What an outage log says when calls begin to fail, while they still fail, and when one gets through."""
+    """What an outage log says when calls begin to fail, while they still fail, and when one gets through;
+    and of a statement the server cancelled, which is no outage."""
 
     begins: str
     lasts: str
     ends: str
+    cancelled: str = STATEMENT_CANCELLED
 
 
 #: The database did not answer (refused, broken or timed-out connections).
@@ -80,7 +82,7 @@ class OutageLog:
                 if say:
                     self._cancel_reported = now
             if say:
-                event(logging.WARNING, STATEMENT_CANCELLED, during=during, error=str(error))
+                event(logging.WARNING, self._wording.cancelled, during=during, error=str(error))
             return
         with self._lock:
             if self._since is None and began is not None and began < self._ended:

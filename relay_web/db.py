@@ -24,13 +24,14 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 import psycopg
-from flask import Flask, current_app
+from flask import Flask, current_app, g, has_request_context
 from psycopg.abc import RV, PQGen
-from psycopg_pool import ConnectionPool
+from psycopg_pool import ConnectionPool, PoolTimeout
 
 from relay_core import Relay, monitor
 from relay_core.connect_options import connection_options
@@ -73,7 +74,18 @@ class BoundedConnection(psycopg.Connection):
 
 #: What the web app says of an outage (a request that meets one is answered 503).
 UNAVAILABLE = Wording(
-    "database unavailable; answering 503", "database still unavailable; answering 503", "database available again"
+    "database unavailable; answering 503",
+    "database still unavailable; answering 503",
+    "database available again",
+    "statement cancelled by the server (its statement_timeout?); answering 503",
+)
+#: ... and of a pool whose every connection is in use while the database answers (more requests
+#: at once than RELAY_WEB_POOL_SIZE): no outage, and the wait for a connection stays whole.
+POOL_EXHAUSTED = Wording(
+    "no free database connection: every connection of this process's pool is in use (RELAY_WEB_POOL_SIZE); "
+    "answering 503",
+    "still no free database connection; answering 503",
+    "a database connection is free again",
 )
 
 
@@ -85,15 +97,16 @@ class Database:
     ) -> None:
         self.dsn = dsn
         self.relay = Relay(dsn, db_wait=wait_seconds, max_payload_bytes=max_payload_bytes)
-        #: The requests that met the database away, said once (the error handlers report to it).
+        #: The requests that met the database away, said once (the error handlers report through ``unavailable``).
         self.outage = OutageLog(wording=UNAVAILABLE)
+        self.exhaustion = OutageLog(wording=POOL_EXHAUSTED)
         self._size = size
         self._wait = wait_seconds
         self._statement_timeout_ms = statement_timeout_ms
         # The server cancels a statement at its timeout; past that plus the connection
         # wait, it is not answering at all. No statement timeout: no client bound either.
         self._answer_timeout = statement_timeout_ms / 1000 + wait_seconds if statement_timeout_ms else None
-        self._pool: ConnectionPool | None = None
+        self._pool: ReconnectingPool | None = None
         self._pid = 0
         self._lock = threading.Lock()
 
@@ -146,9 +159,26 @@ class Database:
     def connection(self) -> Iterator[psycopg.Connection]:
         """A connection for one unit of work: committed when the block ends, rolled back on error."""
         wait = min(OUTAGE_WAIT_SECONDS, self._wait) if self.outage.under_way() else None
+        if has_request_context():
+            g.relay_db_began = time.monotonic()  # a failure of a call begun before an outage ended is that outage's
         with self.pool().connection(timeout=wait) as conn:
-            self.outage.succeeded()  # the pool checked it: the database answers (ends an outage, with a line)
+            # The pool checked it: the database answers and a connection was free (ends either, with a line).
+            self.outage.succeeded()
+            self.exhaustion.succeeded()
             yield conn
+
+    def unavailable(self, during: str, error: BaseException) -> None:
+        """Tell the log of a request (``during``: its path) that met the database away, or every connection in use.
+
+        A pool timeout while the pool's last attempt to connect worked is no
+        outage: the connections are all held by other requests.
+        """
+        began = g.get("relay_db_began") if has_request_context() else None
+        pool = self._pool
+        if isinstance(error, PoolTimeout) and pool is not None and pool.last_connect_error is None:
+            self.exhaustion.failed(during, error, began=began)
+        else:
+            self.outage.failed(during, error, began=began)
 
     def close(self) -> None:
         """Close the pool (tests and shutdown)."""

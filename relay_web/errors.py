@@ -102,7 +102,7 @@ def _invalid_job(exc: InvalidJobError) -> Response:
 
 
 def _unavailable(exc: Exception) -> Response:
-    get_database().outage.failed(request.path, exc)
+    get_database().unavailable(request.path, exc)
     return Problem(
         503,
         "Service unavailable",

@@ -133,7 +133,7 @@ UNREACHABLE = (psycopg.OperationalError, psycopg.InterfaceError, PoolTimeout)
 
 
 def _unavailable(exc: Exception) -> Response:
-    get_database().outage.failed(request.path, exc)
+    get_database().unavailable(request.path, exc)
     if request.method == "GET":
         detail = f"The database cannot be reached right now; this page tries again every {RETRY_SECONDS} seconds."
     else:

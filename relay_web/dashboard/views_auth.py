@@ -50,7 +50,7 @@ def login_submit() -> Response:
             user = auth.log_in(conn, username, password)
     except UNREACHABLE as exc:
         # The form again, with the name typed kept: the error page's reload sent the form again.
-        get_database().outage.failed(request.path, exc)
+        get_database().unavailable(request.path, exc)
         response = _form(NO_DATABASE, 503, username)
         response.headers["Retry-After"] = str(RETRY_SECONDS)
         return response

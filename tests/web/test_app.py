@@ -468,3 +468,26 @@ def test_while_an_outage_is_under_way_a_request_waits_briefly_for_a_connection(c
         app.extensions["relay.db"].close()
         if back is not None:
             back.close()
+
+
+def test_a_pool_whose_every_connection_is_in_use_is_no_outage(
+    clean_env, dsn: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A request that found every connection held (more at once than RELAY_WEB_POOL_SIZE) was logged as the
+    database being away, and cut the next requests' wait for a connection to an outage's."""
+    caplog.set_level("INFO", logger="relay")
+    settings = {"RELAY_WEB_POOL_SIZE": "1", "RELAY_DB_WAIT_SECONDS": "0.3"}
+    app = create_app({"RELAY_DATABASE_URL": dsn, "JWT_SECRET_KEY": SECRET, **settings})
+    client = app.test_client()
+    database = app.extensions["relay.db"]
+    try:
+        assert client.get("/readyz").status_code == 200
+        with app.app_context(), database.connection():  # the pool's one connection, held
+            assert client.get("/readyz").status_code == 503
+        assert not database.outage.under_way()
+        assert client.get("/readyz").status_code == 200
+    finally:
+        database.close()
+    said = [r.getMessage() for r in caplog.records if r.name == "relay"]
+    assert len(said) == 2 and said[0].startswith("no free database connection") and "RELAY_WEB_POOL_SIZE" in said[0]
+    assert said[1] == "a database connection is free again"

@@ -1819,6 +1819,34 @@ def test_a_start_that_waits_says_so_at_first_then_every_repeat_seconds(
     assert said[1].tries > 1 and said[1].for_s >= 1.0
 
 
+def test_a_start_whose_tries_fail_for_alternating_reasons_says_each_once(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Any change of reason was said at once: tries alternating between a refusal (too many clients) and
+    an unreachable server logged a line each."""
+    monkeypatch.setattr(startup, "next_retry_delay", lambda delay: 0.01)
+    caplog.set_level("WARNING", logger="relay")
+    stopping, tries = threading.Event(), []
+    reasons = [
+        'connection to server at "db", port 5432 failed: Connection refused',
+        'connection to server at "db", port 5432 failed: FATAL:  sorry, too many clients already',
+    ]
+
+    def connect() -> None:
+        tries.append(1)
+        raise psycopg.OperationalError(reasons[len(tries) % 2])
+
+    timer = threading.Timer(1.0, stopping.set)
+    timer.start()
+    try:
+        startup.retry_until_stopped(connect, stopping, "postgresql://db/app")
+    finally:
+        timer.cancel()
+    said = sorted(r.getMessage() for r in caplog.records if r.name == "relay")
+    assert said == ["database refused the connection; retrying", "database unreachable; retrying"]
+    assert len(tries) > 10
+
+
 @pytest.mark.parametrize(
     ("error", "said"),
     [

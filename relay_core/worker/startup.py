@@ -27,7 +27,7 @@ from ..connect_options import unusable_setting
 from ..errors import ConfigurationError
 from ..handlers import HandlerSpec
 from ..logs import event
-from ..outages import REPEAT_SECONDS
+from ..outages import REPEAT_SECONDS, UNREACHABLE, Wording
 from ..pools import RelayPool
 from ..queries import sql
 from . import limits, periodic
@@ -82,7 +82,8 @@ def retry_until_stopped(action: Callable[[], None], stopping: threading.Event, d
     """
     delay = 0.1
     waited = False
-    said, said_at, began, tries = "", 0.0, time.monotonic(), 0
+    said_at: dict[str, float] = {}  # by what was said: each reason on its own clock
+    began, tries = time.monotonic(), 0
     while not stopping.is_set():
         try:
             action()
@@ -92,25 +93,30 @@ def retry_until_stopped(action: Callable[[], None], stopping: threading.Event, d
             tries += 1
             # The pool's timeout says only that it waited: a connection of its own says why.
             error = (connect_error(dsn) if isinstance(exc, PoolTimeout) else None) or str(exc)
-            message, now = retry_message(error), time.monotonic()
-            if message != said:
-                event(logging.WARNING, message, error=error, retry_in=delay)
-                said, said_at = message, now
-            elif now - said_at >= REPEAT_SECONDS:
+            wording, now = WORDINGS[retry_message(error)], time.monotonic()
+            last = said_at.get(wording.begins)
+            if last is None:
+                event(logging.WARNING, wording.begins, error=error, retry_in=delay)
+                said_at[wording.begins] = now
+            elif now - last >= REPEAT_SECONDS:
                 # A worker started against a database that never comes said so a line a try:
-                # about 1,200 an hour.
-                event(logging.WARNING, STILL[message], error=error, for_s=round(now - began, 1), tries=tries)
-                said_at = now
+                # about 1,200 an hour. Each reason keeps its own clock, so tries that alternate
+                # between two (refused, then unreachable) do not say each anew.
+                event(logging.WARNING, wording.lasts, error=error, for_s=round(now - began, 1), tries=tries)
+                said_at[wording.begins] = now
             stopping.wait(delay)
             delay = next_retry_delay(delay)
     return waited
 
 
-#: What the start says of a wait that goes on, for what it said as the wait began.
-STILL = {
-    "database refused the connection; retrying": "database still refuses the connection; retrying",
-    "database unreachable; retrying": "database still unreachable; retrying",
-}
+#: A database that answered and refused the worker (a wrong password, a database that does not exist).
+REFUSED = Wording(
+    "database refused the connection; retrying",
+    "database still refuses the connection; retrying",
+    "database answered",
+)
+#: What the start says as a wait begins and while it goes on, by what it said first.
+WORDINGS = {wording.begins: wording for wording in (UNREACHABLE, REFUSED)}
 
 
 def retry_message(error: str) -> str:
@@ -123,8 +129,8 @@ def retry_message(error: str) -> str:
     server's words.
     """
     if SERVER_REFUSAL_MARK in error and SERVER_NOT_READY_MARK not in error:
-        return "database refused the connection; retrying"
-    return "database unreachable; retrying"
+        return REFUSED.begins
+    return UNREACHABLE.begins
 
 
 def connect_error(dsn: str) -> str | None:

@@ -299,6 +299,9 @@ class TcpProxy:
         """
         self.flowing.set()
         self._released.set()
+        # Shut down first: a close alone leaves the accept under way to take one more connection.
+        with contextlib.suppress(OSError):
+            self.server.shutdown(socket.SHUT_RDWR)
         self.server.close()
         for sock in self.sockets:
             with contextlib.suppress(OSError):

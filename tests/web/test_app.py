@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
@@ -12,9 +11,10 @@ import sys
 import time
 import urllib.request
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
 from psycopg import conninfo
@@ -380,30 +380,38 @@ def test_gunicorn_workers_of_a_development_app_share_its_random_secret(dsn: str,
         proc.wait(10)
 
 
+@contextmanager
+def an_app_behind_a_proxy(dsn: str, **settings: str) -> Iterator[tuple[Any, TcpProxy, Callable[[], None]]]:
+    """A test client of an app that reaches its database through a proxy. Closing the proxy refuses every
+    connection; the callable opens another on the same port: the database is back."""
+    proxy = TcpProxy.in_front_of(dsn)
+    app = create_app({"RELAY_DATABASE_URL": proxy.dsn, "JWT_SECRET_KEY": SECRET, **settings})
+    reopened: list[TcpProxy] = []
+
+    def back() -> None:
+        upstream = conninfo.conninfo_to_dict(dsn)
+        host, port = str(upstream.get("host") or "127.0.0.1"), int(upstream.get("port") or 5432)
+        reopened.append(TcpProxy(host, port, listen_port=proxy.port))
+
+    try:
+        yield app.test_client(), proxy, back
+    finally:
+        app.extensions["relay.db"].close()
+        for opened in (*reopened, proxy):
+            opened.close()
+
+
 def test_an_outage_is_logged_once_for_every_request_that_meets_it_and_once_as_it_ends(
     clean_env, dsn: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     """Each request that met the outage (a probe, a scrape, a dashboard refresh) logged a warning of its own."""
     caplog.set_level("INFO", logger="relay")
-    proxy = TcpProxy.in_front_of(dsn)
-    app = create_app({"RELAY_DATABASE_URL": proxy.dsn, "JWT_SECRET_KEY": SECRET, "RELAY_DB_WAIT_SECONDS": "0.3"})
-    client = app.test_client()
-    back = None
-    try:
+    with an_app_behind_a_proxy(dsn, RELAY_DB_WAIT_SECONDS="0.3") as (client, proxy, back):
         assert client.get("/readyz").status_code == 200
-        proxy.close()
-        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", proxy.port), timeout=1):
-            pass  # the accept under way as it closed takes this one: refused from here on
+        proxy.close()  # refused from here on
         assert [client.get(path).status_code for path in ("/readyz", "/metrics", "/readyz")] == [503] * 3
-        upstream = conninfo.conninfo_to_dict(dsn)
-        back = TcpProxy(
-            str(upstream.get("host") or "127.0.0.1"), int(upstream.get("port") or 5432), listen_port=proxy.port
-        )
+        back()
         wait_for(lambda: client.get("/readyz").status_code == 200, timeout=15, what="the database back")
-    finally:
-        app.extensions["relay.db"].close()
-        if back is not None:
-            back.close()
     said = [r for r in caplog.records if r.name == "relay"]
     assert [r.getMessage() for r in said] == ["database unavailable; answering 503", "database available again"]
     assert said[0].during == "/readyz" and "after" in said[0].error and said[1].failed_calls >= 3
@@ -439,15 +447,9 @@ def test_gunicorn_with_relays_settings_writes_relays_log_lines_as_json_when_aske
 def test_while_an_outage_is_under_way_a_request_waits_briefly_for_a_connection(clean_env, dsn: str) -> None:
     """Each request waited RELAY_DB_WAIT_SECONDS (5 s) for a connection, outage or not: with the Procfile's
     four threads, probes and refreshes held them all and /healthz, which needs no database, waited 3-4 s."""
-    proxy = TcpProxy.in_front_of(dsn)
-    app = create_app({"RELAY_DATABASE_URL": proxy.dsn, "JWT_SECRET_KEY": SECRET, "RELAY_DB_WAIT_SECONDS": "3"})
-    client = app.test_client()
-    back = None
-    try:
+    with an_app_behind_a_proxy(dsn, RELAY_DB_WAIT_SECONDS="3") as (client, proxy, back):
         assert client.get("/readyz").status_code == 200
-        proxy.close()
-        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", proxy.port), timeout=1):
-            pass  # the accept under way as it closed takes this one: refused from here on
+        proxy.close()  # refused from here on
 
         def timed(path: str) -> tuple[int, float]:
             started = time.monotonic()
@@ -459,15 +461,8 @@ def test_while_an_outage_is_under_way_a_request_waits_briefly_for_a_connection(c
         later = [timed(path) for path in ("/readyz", "/metrics", "/readyz")]
         assert [status for status, _ in later] == [503] * 3
         assert max(wait for _, wait in later) < 1.5, later
-        upstream = conninfo.conninfo_to_dict(dsn)
-        back = TcpProxy(
-            str(upstream.get("host") or "127.0.0.1"), int(upstream.get("port") or 5432), listen_port=proxy.port
-        )
+        back()
         wait_for(lambda: client.get("/readyz").status_code == 200, timeout=15, what="the database back")
-    finally:
-        app.extensions["relay.db"].close()
-        if back is not None:
-            back.close()
 
 
 def test_a_pool_whose_every_connection_is_in_use_is_no_outage(

@@ -445,6 +445,26 @@ def test_an_action_pressed_while_the_card_refreshes_shows_its_own_answer(
     assert shop.relay.get_job(waiting).status == "cancelled"
 
 
+def _press_while_held(phone: Any, button: Any, held: list[Any]) -> None:
+    """Press ``button``, whose request ``held`` keeps back: it is disabled on its way; a second tap sends nothing."""
+    button.click()
+    wait_for(lambda: phone.wait_for_timeout(50) or held, 10, what="the action to be sent")
+    assert button.is_disabled()
+    with contextlib.suppress(PlaywrightError):
+        button.click(timeout=500)  # a second tap: the button takes none
+    phone.wait_for_timeout(300)
+    assert len(held) == 1
+
+
+def _queues_page_of_mail(phone: Any, live_server: LiveServer, shop: Shop, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Logged in as an admin on the Queues page, which refreshes every second, with the queue mail on it."""
+    monkeypatch.setattr(views_system, "REFRESH_SECONDS", 1)
+    make_user(shop.relay.dsn, "ops", "admin")
+    _dead(shop, shop.relay.enqueue("send_email", {"to": "k@example.com"}, queue="mail"))
+    _log_in(phone, live_server)
+    phone.goto(live_server.at("/queues"))
+
+
 def test_a_second_press_while_a_requeue_is_on_its_way_sends_nothing(
     phone: Any, live_server: LiveServer, shop: Shop
 ) -> None:
@@ -457,14 +477,8 @@ def test_a_second_press_while_a_requeue_is_on_its_way_sends_nothing(
     held: list[Any] = []
     phone.route(re.compile(r".*/requeue$"), lambda route: held.append(route))
     phone.goto(live_server.at(f"/jobs/{job_id}"))
-    requeue = phone.get_by_role("button", name="Requeue")
-    requeue.click()
-    wait_for(lambda: phone.wait_for_timeout(50) or held, 10, what="the requeue to be sent")
-    assert requeue.is_disabled()
-    with contextlib.suppress(PlaywrightError):
-        requeue.click(timeout=500)  # a second tap: the button takes none
-    phone.wait_for_timeout(300)
-    assert len(held) == 1 and len(phone.dialogs) == 1
+    _press_while_held(phone, phone.get_by_role("button", name="Requeue"), held)
+    assert len(phone.dialogs) == 1
     held[0].continue_()
     phone.locator("#job-notice", has_text="Requeued").wait_for(timeout=5_000)
     # The answer stays through the card's next refreshes (every 2 s); it was gone after the first.
@@ -478,21 +492,10 @@ def test_a_pause_on_its_way_disables_its_button_and_its_answer_outlasts_the_refr
 ) -> None:
     """The button stayed pressable with nothing on screen for as long as the POST took (5 s against a
     database that had gone), and the queues view's next refresh wiped the answer, a 503's "try again" too."""
-    monkeypatch.setattr(views_system, "REFRESH_SECONDS", 1)
-    make_user(shop.relay.dsn, "ops", "admin")
-    _dead(shop, shop.relay.enqueue("send_email", {"to": "k@example.com"}, queue="mail"))
-    _log_in(phone, live_server)
     held: list[Any] = []
     phone.route(re.compile(r".*/queues/mail/pause$"), lambda route: held.append(route))
-    phone.goto(live_server.at("/queues"))
-    pause = phone.get_by_role("button", name="Pause mail")
-    pause.click()
-    wait_for(lambda: phone.wait_for_timeout(50) or held, 10, what="the pause to be sent")
-    assert pause.is_disabled()
-    with contextlib.suppress(PlaywrightError):
-        pause.click(timeout=500)  # a second tap: the button takes none
-    phone.wait_for_timeout(300)
-    assert len(held) == 1
+    _queues_page_of_mail(phone, live_server, shop, monkeypatch)
+    _press_while_held(phone, phone.get_by_role("button", name="Pause mail"), held)
     held[0].continue_()
     notice = phone.get_by_text("Paused mail: workers claim nothing")
     notice.wait_for(timeout=5_000)
@@ -507,11 +510,7 @@ def test_a_pause_the_database_could_not_take_says_so_through_the_views_refreshes
 ) -> None:
     """The 503's "reload the page in a moment and try again" was wiped by the queues view's next refresh:
     its fragment had no element of the kept answer's id."""
-    monkeypatch.setattr(views_system, "REFRESH_SECONDS", 1)
-    make_user(shop.relay.dsn, "ops", "admin")
-    _dead(shop, shop.relay.enqueue("send_email", {"to": "n@example.com"}, queue="mail"))
-    _log_in(phone, live_server)
-    phone.goto(live_server.at("/queues"))
+    _queues_page_of_mail(phone, live_server, shop, monkeypatch)
 
     def database_gone(queue: str, paused: bool) -> Any:
         raise psycopg.OperationalError("connection failed: the database went away")
@@ -531,11 +530,7 @@ def test_a_pause_that_got_no_answer_leaves_no_focus_to_move_in_a_later_refresh(
 ) -> None:
     """The pressed button's id outlived an action that got no answer, and the view's first refresh once the
     network was back moved the focus (and the page) to that button."""
-    monkeypatch.setattr(views_system, "REFRESH_SECONDS", 1)
-    make_user(shop.relay.dsn, "ops", "admin")
-    _dead(shop, shop.relay.enqueue("send_email", {"to": "p@example.com"}, queue="mail"))
-    _log_in(phone, live_server)
-    phone.goto(live_server.at("/queues"))
+    _queues_page_of_mail(phone, live_server, shop, monkeypatch)
     phone.context.set_offline(True)
     try:
         phone.get_by_role("button", name="Pause mail").focus()
@@ -555,12 +550,19 @@ def test_a_requeue_all_on_its_way_disables_its_button(phone: Any, live_server: L
     held: list[Any] = []
     phone.route(re.compile(r".*/dead/requeue$"), lambda route: held.append(route))
     phone.goto(live_server.at("/dead"))
-    requeue_all = phone.get_by_role("button", name=re.compile("^Requeue all"))
-    requeue_all.click()
-    wait_for(lambda: phone.wait_for_timeout(50) or held, 10, what="the requeue to be sent")
-    assert requeue_all.is_disabled()
+    _press_while_held(phone, phone.get_by_role("button", name=re.compile("^Requeue all")), held)
     held[0].continue_()
     phone.locator(".dead-view .flash").wait_for(timeout=5_000)
+
+
+def _claimed_elsewhere(shop: Shop, job_id: int) -> None:
+    """Mark the job claimed, for an hour, by a worker the test does not run: nothing here finishes it."""
+    with psycopg.connect(shop.relay.dsn, autocommit=True) as conn:
+        conn.execute(
+            "UPDATE relay.jobs SET status = 'claimed', attempts = 1, claimed_by = 'elsewhere',"
+            " claimed_until = now() + interval '1 hour', started_at = now() WHERE id = %s",
+            (job_id,),
+        )
 
 
 def test_a_stop_request_is_said_once_through_the_cards_refreshes(
@@ -570,12 +572,7 @@ def test_a_stop_request_is_said_once_through_the_cards_refreshes(
     the card's own line ("Stop requested 31s ago; ...") stood one above the other."""
     make_user(shop.relay.dsn, "ops", "admin")
     job_id = shop.relay.enqueue("send_email", {"to": "m@example.com"}, run_at=datetime.now(UTC) + timedelta(days=1))
-    with psycopg.connect(shop.relay.dsn, autocommit=True) as conn:  # running on a worker of its own
-        conn.execute(
-            "UPDATE relay.jobs SET status = 'claimed', attempts = 1, claimed_by = 'elsewhere',"
-            " claimed_until = now() + interval '1 hour', started_at = now() WHERE id = %s",
-            (job_id,),
-        )
+    _claimed_elsewhere(shop, job_id)  # running on a worker of its own
     _log_in(phone, live_server)
     phone.goto(live_server.at(f"/jobs/{job_id}"))
     phone.get_by_role("button", name="Request stop").click()
@@ -603,12 +600,7 @@ def test_a_stop_requested_elsewhere_is_said_under_another_kept_answer(
     phone.goto(live_server.at(f"/jobs/{job_id}"))
     phone.get_by_role("button", name="Requeue").click()
     phone.locator("#job-notice", has_text="Requeued").wait_for(timeout=5_000)
-    with psycopg.connect(shop.relay.dsn, autocommit=True) as conn:  # a worker of its own takes it
-        conn.execute(
-            "UPDATE relay.jobs SET status = 'claimed', attempts = 1, claimed_by = 'elsewhere',"
-            " claimed_until = now() + interval '1 hour', started_at = now() WHERE id = %s",
-            (job_id,),
-        )
+    _claimed_elsewhere(shop, job_id)  # a worker of its own takes it
     shop.relay.cancel(job_id)  # another admin asks it to stop
     phone.locator(".stop-requested").wait_for(timeout=10_000)
     assert phone.locator(".stop-requested").is_visible()

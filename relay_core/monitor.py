@@ -46,7 +46,9 @@ QUEUE_NAME_PATTERN = QUEUE_NAME.pattern
 
 
 #: The states a listing may filter on, as its error says them (the dashboard calls a claimed job running).
-STATUS_CHOICES = "one of " + ", ".join(f"{s.value} (running)" if s is JobStatus.CLAIMED else s.value for s in JobStatus)
+STATUS_CHOICES = "one of " + ", ".join(
+    f"{s.value} (shown as running)" if s is JobStatus.CLAIMED else s.value for s in JobStatus
+)
 
 
 @dataclass(frozen=True)

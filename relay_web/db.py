@@ -22,6 +22,7 @@ and restarted a process that was fine.
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -36,7 +37,8 @@ from psycopg_pool import ConnectionPool, PoolTimeout
 from relay_core import Relay, monitor
 from relay_core.connect_options import connection_options
 from relay_core.jsonb import read_any_number
-from relay_core.outages import OutageLog, Wording
+from relay_core.logs import event
+from relay_core.outages import REPEAT_SECONDS, OutageLog, Wording
 from relay_core.pools import ReconnectingPool
 from relay_core.sessions import in_autocommit
 from relay_core.timestamps import read_any_timestamp
@@ -79,14 +81,35 @@ UNAVAILABLE = Wording(
     "database available again",
     "statement cancelled by the server (its statement_timeout?); answering 503",
 )
-#: ... and of a pool whose every connection is in use while the database answers (more requests
-#: at once than RELAY_WEB_POOL_SIZE): no outage, and the wait for a connection stays whole.
-POOL_EXHAUSTED = Wording(
-    "no free database connection: every connection of this process's pool is in use (RELAY_WEB_POOL_SIZE); "
-    "answering 503",
-    "still no free database connection; answering 503",
-    "a database connection is free again",
+#: What the web app says of a request that found every connection of its pool checked out by
+#: others (more requests at once than RELAY_WEB_POOL_SIZE): no outage, and the wait for a
+#: connection stays whole. Said at most once per REPEAT_SECONDS, with how often since: under
+#: such a load checkouts that fail and succeed take turns, and an account that ended at each
+#: success said it twice a second.
+POOL_EXHAUSTED = (
+    "no free database connection: every connection of this process's pool was in use (RELAY_WEB_POOL_SIZE); "
+    "answered 503"
 )
+
+
+class RepeatedWarning:
+    """A warning said at most once per REPEAT_SECONDS, with how many times it happened in between."""
+
+    def __init__(self, message: str) -> None:
+        self._message = message
+        self._lock = threading.Lock()
+        self._said_at = float("-inf")
+        self._unsaid = 0
+
+    def happened(self, **fields: object) -> None:
+        """It happened again: say so, unless it was said within REPEAT_SECONDS (then count it)."""
+        now = time.monotonic()
+        with self._lock:
+            if now - self._said_at < REPEAT_SECONDS:
+                self._unsaid += 1
+                return
+            times, self._said_at, self._unsaid = self._unsaid + 1, now, 0
+        event(logging.WARNING, self._message, times=times, **fields)
 
 
 class Database:
@@ -99,7 +122,10 @@ class Database:
         self.relay = Relay(dsn, db_wait=wait_seconds, max_payload_bytes=max_payload_bytes)
         #: The requests that met the database away, said once (the error handlers report through ``unavailable``).
         self.outage = OutageLog(wording=UNAVAILABLE)
-        self.exhaustion = OutageLog(wording=POOL_EXHAUSTED)
+        self.exhaustion = RepeatedWarning(POOL_EXHAUSTED)
+        #: Connections this process's requests hold now: all of them (the pool's size) held is a
+        #: full pool, not an outage, whatever the pool's own last attempt to connect did.
+        self._in_use = 0
         self._size = size
         self._wait = wait_seconds
         self._statement_timeout_ms = statement_timeout_ms
@@ -162,21 +188,26 @@ class Database:
         if has_request_context():
             g.relay_db_began = time.monotonic()  # a failure of a call begun before an outage ended is that outage's
         with self.pool().connection(timeout=wait) as conn:
-            # The pool checked it: the database answers and a connection was free (ends either, with a line).
-            self.outage.succeeded()
-            self.exhaustion.succeeded()
-            yield conn
+            self.outage.succeeded()  # the pool checked it: the database answers (ends an outage, with a line)
+            with self._lock:
+                self._in_use += 1
+            try:
+                yield conn
+            finally:
+                with self._lock:
+                    self._in_use -= 1
 
     def unavailable(self, during: str, error: BaseException) -> None:
         """Tell the log of a request (``during``: its path) that met the database away, or every connection in use.
 
-        A pool timeout while the pool's last attempt to connect worked is no
-        outage: the connections are all held by other requests.
+        A pool timeout while other requests hold every connection of the pool
+        is no outage. Told by what the requests hold, not by the pool's last
+        attempt to connect: against a database that stalled, that attempt
+        hangs for its connect timeout, and its last word was still a success.
         """
         began = g.get("relay_db_began") if has_request_context() else None
-        pool = self._pool
-        if isinstance(error, PoolTimeout) and pool is not None and pool.last_connect_error is None:
-            self.exhaustion.failed(during, error, began=began)
+        if isinstance(error, PoolTimeout) and self._in_use >= self._size:
+            self.exhaustion.happened(during=during)
         else:
             self.outage.failed(during, error, began=began)
 

@@ -78,7 +78,13 @@ ASYNC_CLEANUP_SECONDS = 0.4
 #: stop. The platform's drain window must hold this beyond the timeout, and a moment more for
 #: the process's own exit: the docs promise 4 s.
 SHUTDOWN_OVERRUN_SECONDS = (
-    SHUTDOWN_WRITES_SECONDS + 8 * SHORTEST_CUT_SECONDS + THREADS_STOP_SECONDS + 4 * POOL_THREAD_STOP_SECONDS
+    SHUTDOWN_WRITES_SECONDS
+    + 8 * SHORTEST_CUT_SECONDS
+    # What is left of the async handlers' cleanup once writes that had used up their time ran
+    # their two least (the completer's and the hand-back's) beside it.
+    + max(ASYNC_CLEANUP_SECONDS - 2 * SHORTEST_CUT_SECONDS, 0.0)
+    + THREADS_STOP_SECONDS
+    + 4 * POOL_THREAD_STOP_SECONDS
 )
 #: Jobs on their last attempt a worker holds per slot beyond those its slots run (see ``last_attempt_room``).
 LAST_ATTEMPTS_AHEAD_PER_SLOT = 2

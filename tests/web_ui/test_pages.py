@@ -175,7 +175,7 @@ def test_a_type_ending_in_a_space_is_its_own_filter_from_the_dead_view(
     [
         ("state=exploded", "unknown status"),
         # The pages call a claimed job running; the URL's word for it was nowhere on the error page.
-        ("state=running", "one of queued, claimed (running), succeeded, dead, cancelled"),
+        ("state=running", "one of queued, claimed (shown as running), succeeded, dead, cancelled"),
         ("queue=Not%20A%20Queue", "queue"),
         ("before=abc", "cursor"),
         ("before=99999999999999999999", "cursor"),

@@ -49,6 +49,27 @@ UNREACHABLE = Wording(
 )
 
 
+class RepeatedWarning:
+    """A warning said at most once per REPEAT_SECONDS, with how many times it happened since it was last said."""
+
+    def __init__(self, message: str, clock: Callable[[], float] = time.monotonic) -> None:
+        self._message = message
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._said_at = float("-inf")
+        self._unsaid = 0
+
+    def happened(self, **fields: object) -> None:
+        """It happened again: say so, unless it was said within REPEAT_SECONDS (then count it)."""
+        now = self._clock()
+        with self._lock:
+            if now - self._said_at < REPEAT_SECONDS:
+                self._unsaid += 1
+                return
+            times, self._said_at, self._unsaid = self._unsaid + 1, now, 0
+        event(logging.WARNING, self._message, times=times, **fields)
+
+
 class OutageLog:
     """Whether the worker's database calls fail now, since when, and what has been said of it."""
 
@@ -60,7 +81,7 @@ class OutageLog:
         self._failures = 0
         self._reported = 0.0
         self._ended = float("-inf")
-        self._cancel_reported = float("-inf")
+        self._cancelled = RepeatedWarning(wording.cancelled, clock)
         self._last_length = 0.0
 
     def failed(self, during: str, error: BaseException | str, began: float | None = None) -> None:
@@ -75,15 +96,10 @@ class OutageLog:
         Logged as "database unreachable" and then "reachable again", 529 of
         them in 50 s sent an operator to look for an outage that was not there.
         """
-        now = self._clock()
         if isinstance(error, psycopg.errors.QueryCanceled):
-            with self._lock:
-                say = now - self._cancel_reported >= REPEAT_SECONDS
-                if say:
-                    self._cancel_reported = now
-            if say:
-                event(logging.WARNING, self._wording.cancelled, during=during, error=str(error))
+            self._cancelled.happened(during=during, error=str(error))
             return
+        now = self._clock()
         with self._lock:
             if self._since is None and began is not None and began < self._ended:
                 return

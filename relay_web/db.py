@@ -22,7 +22,6 @@ and restarted a process that was fine.
 
 from __future__ import annotations
 
-import logging
 import os
 import threading
 import time
@@ -37,8 +36,7 @@ from psycopg_pool import ConnectionPool, PoolTimeout
 from relay_core import Relay, monitor
 from relay_core.connect_options import connection_options
 from relay_core.jsonb import read_any_number
-from relay_core.logs import event
-from relay_core.outages import REPEAT_SECONDS, OutageLog, Wording
+from relay_core.outages import OutageLog, RepeatedWarning, Wording
 from relay_core.pools import ReconnectingPool
 from relay_core.sessions import in_autocommit
 from relay_core.timestamps import read_any_timestamp
@@ -90,26 +88,6 @@ POOL_EXHAUSTED = (
     "no free database connection: every connection of this process's pool was in use (RELAY_WEB_POOL_SIZE); "
     "answered 503"
 )
-
-
-class RepeatedWarning:
-    """A warning said at most once per REPEAT_SECONDS, with how many times it happened in between."""
-
-    def __init__(self, message: str) -> None:
-        self._message = message
-        self._lock = threading.Lock()
-        self._said_at = float("-inf")
-        self._unsaid = 0
-
-    def happened(self, **fields: object) -> None:
-        """It happened again: say so, unless it was said within REPEAT_SECONDS (then count it)."""
-        now = time.monotonic()
-        with self._lock:
-            if now - self._said_at < REPEAT_SECONDS:
-                self._unsaid += 1
-                return
-            times, self._said_at, self._unsaid = self._unsaid + 1, now, 0
-        event(logging.WARNING, self._message, times=times, **fields)
 
 
 class Database:

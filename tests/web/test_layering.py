@@ -10,14 +10,12 @@ ROOT = Path(__file__).resolve().parents[2]
 #: pools: the connection pool that reconnects at a capped pace after an outage; connect_options: the time
 #: limits on a silent network path every connection gets; sessions: the session settings, and autocommit for
 #: a block; jsonb: how a connection reads numbers too long for int; timestamps: how it reads times no
-#: datetime holds; outages: one log line per outage rather than one per request that met it; logs: a line
-#: with its fields, as Relay's processes write them).
+#: datetime holds; outages: one log line per outage rather than one per request that met it).
 ALLOWED = {
     "relay_core",
     "relay_core.admin",
     "relay_core.connect_options",
     "relay_core.jsonb",
-    "relay_core.logs",
     "relay_core.monitor",
     "relay_core.outages",
     "relay_core.pools",

@@ -8,6 +8,7 @@ import re
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 import uuid
@@ -488,3 +489,26 @@ def test_a_pool_whose_every_connection_is_in_use_is_no_outage(
     assert len(said) == 1, [r.getMessage() for r in said]  # once per 30 s, not at each turn
     assert said[0].getMessage().startswith("no free database connection") and "RELAY_WEB_POOL_SIZE" in said[0].msg
     assert said[0].times == 1 and said[0].during == "/readyz"
+
+
+def test_a_database_that_stalls_is_an_outage_not_a_full_pool(
+    clean_env, dsn: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Against a database that keeps its sockets open and answers nothing, the pool's last attempt to
+    connect still read as a success, and the requests that met it were logged as a full pool."""
+    caplog.set_level("INFO", logger="relay")
+    settings = {"RELAY_WEB_POOL_SIZE": "1", "RELAY_DB_WAIT_SECONDS": "0.3", "RELAY_STATEMENT_TIMEOUT_MS": "300"}
+    with an_app_behind_a_proxy(dsn, **settings) as (client, proxy, _):
+        assert client.get("/readyz").status_code == 200
+        proxy.flowing.clear()  # every socket stays open; nothing passes
+        statuses: list[int] = []
+        requests = [threading.Thread(target=lambda: statuses.append(client.get("/readyz").status_code))]
+        requests.append(threading.Thread(target=lambda: statuses.append(client.get("/metrics").status_code)))
+        for request in requests:  # one checks the pool's connection and waits for its answer, one waits for it
+            request.start()
+        for request in requests:
+            request.join(30)
+        assert statuses == [503, 503]
+    said = [r.getMessage() for r in caplog.records if r.name == "relay"]
+    assert said and all(not message.startswith("no free database connection") for message in said), said
+    assert said[0] == "database unavailable; answering 503", said

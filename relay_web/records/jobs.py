@@ -8,6 +8,7 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import BeforeValidator, Field, JsonValue, StringConstraints, field_validator
 
 from relay_core import JobDetail
+from relay_core.jsonb import UnreadableJson
 from relay_core.monitor import MAX_PAGE, JobSummary
 
 from .common import (
@@ -40,6 +41,34 @@ Search = Annotated[text(1, 200), Field(description="Case-insensitive substring o
 #: A header arrives decoded as ISO-8859-1: "café" would be stored as "cafÃ©", and a
 #: control character as given. Printable ASCII is refused nothing on the way.
 IdempotencyKey = Annotated[str, StringConstraints(min_length=1, max_length=200, pattern=HEADER_TEXT)]
+
+
+#: The deepest nesting of a stored document (payload, progress, result) the API writes out.
+#: pydantic, which writes every answer, stops near 254 levels; a handler's return value
+#: may nest deeper (a payload the API or Relay.enqueue takes nests at most 100), and the
+#: job then answered 500 for as long as it was kept, a cancel of it after its commit.
+SHOWN_DEPTH = 200
+TOO_DEEP_TO_SHOW = str(UnreadableJson(f"nested deeper than the admin API writes ({SHOWN_DEPTH} levels)"))
+
+
+def nested_deeper_than(value: Any, limit: int) -> bool:
+    """Whether ``value`` holds arrays and objects nested more than ``limit`` levels (a loop, not a recursion)."""
+    containers = [(value, 1)] if isinstance(value, (dict, list)) else []
+    while containers:
+        container, depth = containers.pop()
+        if depth > limit:
+            return True
+        members = container.values() if isinstance(container, dict) else container
+        containers.extend((member, depth + 1) for member in members if isinstance(member, (dict, list)))
+    return False
+
+
+def _shown(value: Any) -> Any:
+    return TOO_DEEP_TO_SHOW if nested_deeper_than(value, SHOWN_DEPTH) else value
+
+
+#: A stored document as the API writes it: whole, or a note saying it nests too deeply to.
+StoredJson = Annotated[JsonValue, BeforeValidator(_shown)]
 
 
 class JobFilterFields(QueryRecord):
@@ -160,7 +189,7 @@ class JobRecord(Record):
     type: str
     queue: str
     priority: int
-    payload: JsonValue
+    payload: StoredJson
     status: StatusName
     attempts: int
     max_attempts: int
@@ -181,8 +210,8 @@ class JobRecord(Record):
     cancel_requested_at: datetime | None = Field(
         description="When an admin asked the running handler to stop; it becomes cancelled when it does."
     )
-    progress: JsonValue = Field(description="What the running handler last reported, if anything.")
-    result: JsonValue = Field(description="The handler's return value, stored with its success.")
+    progress: StoredJson = Field(description="What the running handler last reported, if anything.")
+    result: StoredJson = Field(description="The handler's return value, stored with its success.")
 
     @classmethod
     def of(cls, job: JobDetail) -> JobRecord:

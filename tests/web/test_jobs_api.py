@@ -9,6 +9,7 @@ from urllib.parse import quote
 
 import psycopg
 import pytest
+from psycopg.types.json import Jsonb
 
 from relay_core import Relay
 from relay_core.validation import QUEUE_NAME
@@ -684,6 +685,44 @@ def test_a_payload_nested_deeper_than_python_reads_is_shown_as_unreadable_not_a_
     assert shown.get_json()["payload"].startswith("(unreadable JSON: 6,000 characters nested deeper than Python reads")
     listed = client.get("/api/admin/jobs?type=deep", headers=admin)
     assert [job["id"] for job in listed.get_json()["jobs"]] == [job_id]
+
+
+@pytest.mark.parametrize("depth", [201, 254, 300, 900])
+def test_a_result_nested_deeper_than_the_api_writes_is_shown_as_unreadable_not_a_500(
+    client, admin, db, depth: int
+) -> None:
+    """A handler may return JSON nested 300 deep; Python reads it, the API's records stopped near 254 levels
+    (pydantic's own bound), and the job answered 500 for as long as it was kept. A cancel of a job whose
+    payload was that deep was committed and then answered 500."""
+    deep = "[" * depth + "]" * depth
+    (done,) = db.execute(
+        "INSERT INTO relay.jobs (type, status, attempts, finished_at, result) "
+        "VALUES ('deep', 'succeeded', 1, now(), %s::jsonb) RETURNING id",
+        (deep,),
+    ).fetchone()
+    shown = client.get(f"/api/admin/jobs/{done}", headers=admin)
+    assert shown.status_code == 200, shown.get_json()
+    assert shown.get_json()["result"] == "(unreadable JSON: nested deeper than the admin API writes (200 levels))"
+    assert shown.get_json()["payload"] == {}
+    (queued,) = db.execute(
+        "INSERT INTO relay.jobs (type, payload) VALUES ('deep', %s::jsonb) RETURNING id", (deep,)
+    ).fetchone()
+    cancelled = client.post(f"/api/admin/jobs/{queued}/cancel", headers=admin)
+    assert cancelled.status_code == 200, cancelled.get_json()
+    assert cancelled.get_json()["status"] == "cancelled"
+    assert cancelled.get_json()["payload"].startswith("(unreadable JSON:")
+
+
+def test_json_nested_as_deep_as_the_api_takes_is_shown_whole(client, admin, db) -> None:
+    """The bound on what the API writes leaves every payload the API itself accepts (100 levels) as it is."""
+    deep: object = {"leaf": True}
+    for _ in range(199):
+        deep = [deep]
+    (job_id,) = db.execute(
+        "INSERT INTO relay.jobs (type, payload) VALUES ('deep', %s) RETURNING id", (Jsonb(deep),)
+    ).fetchone()
+    shown = client.get(f"/api/admin/jobs/{job_id}", headers=admin)
+    assert shown.status_code == 200 and shown.get_json()["payload"] == deep
 
 
 def test_idempotency_key_returns_the_first_job(client, admin, db) -> None:

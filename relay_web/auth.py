@@ -78,19 +78,26 @@ def is_session_token(claims: dict[str, Any]) -> bool:
     return isinstance(claims.get("csrf"), str) and "auth_time" in claims
 
 
-def session_outlived(claims: dict[str, Any]) -> bool:
-    """Whether a dashboard session began longer ago than a session may last (a refresh token's lifetime).
+def login_time(claims: dict[str, Any]) -> float | None:
+    """A dashboard session token's login time, or None when it is no past moment Relay writes.
+
+    A NaN, an infinity or a login in the future would make a session that never ends.
+    """
+    began = claims.get("auth_time")
+    if not finite_real(began) or began > time.time() + LOGIN_CLOCK_LEEWAY_SECONDS:
+        return None
+    return float(began)
+
+
+def session_outlived(began: float) -> bool:
+    """Whether a dashboard session that began at ``began`` began longer ago than a session may
+    last (a refresh token's lifetime).
 
     Its tokens are renewed while it is used, but never past that: after it
     the person logs in again, whether the token comes as a cookie or as a
     bearer token.
     """
-    began, now = claims.get("auth_time"), time.time()
-    if not finite_real(began):
-        return True  # not a login time Relay writes: no session holds on it
-    if began > now + LOGIN_CLOCK_LEEWAY_SECONDS:
-        return True  # a login in the future would make a session that never ends
-    return now - began > int(current_app.config["RELAY_REFRESH_TOKEN_SECONDS"])
+    return time.time() - began > int(current_app.config["RELAY_REFRESH_TOKEN_SECONDS"])
 
 
 def session_ended(conn: psycopg.Connection, claims: dict[str, Any]) -> bool:
@@ -141,17 +148,11 @@ def require(role: str) -> dict[str, Any]:
     """
     verify_jwt_in_request(locations=["headers"])
     claims = get_jwt()
-    held = claims.get("role")
-    if is_session_token(claims):
-        # A dashboard cookie's token sent as a bearer token: checked as the dashboard checks
-        # it, so a logout, a deleted user, a changed password or role takes effect at once.
-        user = session_user(claims)
-        if user is None:
-            raise invalid_token()
-    else:
-        # An API access token too: a user removed, demoted or whose password changed lost
-        # what the token says at once, not one token lifetime (up to a year) later.
-        user = token_holder(claims)
+    # A dashboard cookie's token sent as a bearer token is checked as the dashboard checks it, so a
+    # logout, a deleted user, a changed password or role takes effect at once. An API access token
+    # too: a user removed, demoted or whose password changed lost what the token says at once, not
+    # one token lifetime (up to a year) later.
+    user = session_holder(claims) if is_session_token(claims) else token_holder(claims)
     held = user.role
     if held not in ROLES:
         raise unauthorized("The token carries no role Relay knows; log in again.", slug="token-invalid")
@@ -166,21 +167,44 @@ def require(role: str) -> dict[str, Any]:
 
 
 def session_user(claims: dict[str, Any]) -> User | None:
-    """The user of a dashboard session's token as stored now; None once the session no longer holds.
-
-    It no longer holds after a logout, once the user is deleted, or once their
-    password changed. The dashboard reads it on every request, and so does the
-    API for such a token sent as a bearer token, so both act with the current role.
-    """
-    account = user_id(claims)
-    if account is None or session_outlived(claims):
+    """The user of a dashboard session's token as stored now; None once the session no longer holds
+    (see :func:`session_holder`)."""
+    try:
+        return session_holder(claims)
+    except Problem as refused:
+        if refused.status != 401:
+            raise
         return None
+
+
+def session_holder(claims: dict[str, Any]) -> User:
+    """The user of a dashboard session's token as stored now, while the session holds.
+
+    It no longer holds after a logout, past its longest lifetime, once the
+    user is deleted, or once their password changed: a 401 problem saying the
+    session ended (one saying the token is invalid for a token that names no
+    user or login time Relay writes). The dashboard reads it on every request,
+    and so does the API for such a token sent as a bearer token, so both act
+    with the current role.
+    """
+    account, began = user_id(claims), login_time(claims)
+    if account is None or began is None:
+        raise invalid_token()
+    if session_outlived(began):
+        raise ended_session("it began longer ago than a session may last")
     with connection() as conn:
         # The logout check shares the user's read: one pooled connection per request.
-        user = None if session_ended(conn, claims) else users.get_user(conn, account)
+        if session_ended(conn, claims):
+            raise ended_session("logged out")
+        user = users.get_user(conn, account)
     if user is None or claims.get("pwd") != session_mark(user):
-        return None
+        raise ended_session("the user was removed or changed password")
     return user
+
+
+def ended_session(why: str) -> Problem:
+    """The 401 of a token whose session ended (``why``): valid, but no longer honoured."""
+    return unauthorized(f"This session has ended ({why}); log in again.", slug="session-ended", invalid_token=True)
 
 
 def token_holder(claims: dict[str, Any]) -> User:
@@ -196,11 +220,7 @@ def token_holder(claims: dict[str, Any]) -> User:
     with connection() as conn:
         user = users.get_user(conn, account)
     if user is None or claims.get("pwd") != session_mark(user):
-        raise unauthorized(
-            "This session has ended (the user was removed or changed password); log in again.",
-            slug="session-ended",
-            invalid_token=True,
-        )
+        raise ended_session("the user was removed or changed password")
     return user
 
 

@@ -465,10 +465,10 @@ def test_bulk_actions_walk_many_batches(client, admin, relay: Relay, db) -> None
 
 
 def _waiting_for_a_lock(db: psycopg.Connection, holder: psycopg.Connection) -> bool:
-    """Whether some session other than these two waits for a row lock (the bulk action)."""
+    """Whether some session waits for a lock ``holder`` holds (the bulk action): not any session of the
+    server that waits for a lock, which another database's may do."""
     row = db.execute(
-        "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND pid <> ALL(%s)",
-        ([db.info.backend_pid, holder.info.backend_pid],),
+        "SELECT count(*) FROM pg_stat_activity WHERE %s = ANY(pg_blocking_pids(pid))", (holder.info.backend_pid,)
     ).fetchone()
     return row[0] > 0
 

@@ -238,6 +238,8 @@ def test_a_copy_of_the_cookie_stops_working_when_its_session_logs_out(
     assert jobs.status(job_id) == "queued"
     api = app.test_client().get("/api/admin/jobs", headers={"Authorization": f"Bearer {cookie.value}"})
     assert api.status_code == 401 and api.mimetype == "application/problem+json"
+    assert api.get_json()["type"] == "urn:relay:problem:session-ended"
+    assert "(logged out)" in api.get_json()["detail"]
     again = DashboardClient(app.test_client(), dsn)
     assert again.login("admin").status_code == 303 and again.get("/").status_code == 200, "a new login works"
 
@@ -282,7 +284,10 @@ def test_a_demoted_admin_loses_the_buttons_and_the_actions_at_once(
     assert jobs.status(job_id) == "dead"
     with psycopg.connect(dsn, autocommit=True) as conn:
         users.delete_user(conn, "admin")
-    assert app.test_client().get("/api/admin/jobs", headers=bearer).status_code == 401
+    removed = app.test_client().get("/api/admin/jobs", headers=bearer)
+    assert removed.status_code == 401, removed.get_json()
+    # As an API token of a removed user is answered (docs/api.md), not as a token that is malformed.
+    assert removed.get_json()["type"] == "urn:relay:problem:session-ended"
 
 
 def _session_token(
@@ -345,6 +350,7 @@ def test_a_session_ends_after_the_refresh_lifetime_however_active(app: Flask, ds
     # The same token sent to the API as a bearer token: the session is over there too.
     api = app.test_client().get("/api/admin/jobs", headers={"Authorization": f"Bearer {token}"})
     assert api.status_code == 401, api.get_json()
+    assert api.get_json()["type"] == "urn:relay:problem:session-ended"
 
 
 @pytest.mark.parametrize(

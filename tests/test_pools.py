@@ -29,7 +29,7 @@ from relay_core.pools import (
 )
 from relay_core.queries import sql
 from relay_core.stalls import WATCHDOG, cut_after
-from relay_core.worker.completer import Completer
+from relay_core.worker.completer import MAX_BATCH_TEXT, Completer
 from relay_core.worker.outcome import Kind, Outcome
 
 from .helpers import TcpProxy, claim_params, running_worker, suppress_errors, wait_for
@@ -368,6 +368,53 @@ def test_a_completion_outdated_by_a_retyped_column_is_sent_again_not_left_to_its
         statuses = dict(db.execute("SELECT id, status::text FROM relay.jobs WHERE id = ANY(%s)", (list(expected),)))
     assert statuses == expected
     assert written == expected
+
+
+def test_a_completion_statement_carries_a_bounded_amount_of_text(unmigrated_dsn: str) -> None:
+    """Up to 1,000 outcomes went in one statement whatever their size: failures with long messages
+    and tracebacks (up to 12,000 characters each) made statements of megabytes, and libpq keeps each
+    connection's buffer at the size of the largest message it sent, so a worker whose jobs failed so
+    held about 110 MB at concurrency 8. A batch stops once its outcomes carry MAX_BATCH_TEXT."""
+    jobs = migrated_with_claimed_notes(unmigrated_dsn, 150)
+    message = "ValueError: " + "m" * 1900
+    outcomes = [
+        Outcome(
+            job,
+            Kind.DEAD if n % 2 else Kind.RETRY,
+            0.0,
+            delay=60.0,
+            message=message,
+            error={"attempt": 1, "type": "ValueError", "message": message, "traceback": "t" * 8000},
+        )
+        for n, job in enumerate(jobs)
+    ]
+    largest = max(outcome.text_size() for outcome in outcomes)
+    assert largest > 11_000
+    batches: list[list[Outcome]] = []
+    written: dict[int, str] = {}
+
+    def on_written(batch: list[Outcome], done: dict[int, str]) -> None:
+        batches.append(batch)
+        written.update(done)
+
+    pool = make_pool(unmigrated_dsn, name="completer-text", min_size=1, max_size=1)
+    pool.open(wait=True)
+    completer = Completer(pool, on_written)
+    try:
+        for outcome in outcomes:  # all queued before the thread starts: it could take them in one batch
+            completer.put(outcome)
+        completer.start()
+        completer.stop()
+    finally:
+        pool.close()
+    assert sorted(written) == sorted(job.id for job in jobs)
+    assert len(batches) > 1
+    assert all(sum(o.text_size() for o in batch) <= MAX_BATCH_TEXT + largest for batch in batches), [
+        sum(o.text_size() for o in batch) for batch in batches
+    ]
+    with psycopg.connect(unmigrated_dsn) as db:
+        statuses = dict(db.execute("SELECT status::text, count(*) FROM relay.jobs GROUP BY status").fetchall())
+    assert statuses == {"dead": 75, "queued": 75}
 
 
 def test_a_worker_frozen_right_after_its_first_send_of_a_mixed_completion_batch_leaves_no_rows_locked(

@@ -27,7 +27,13 @@ from .one_message import run_as_one_message
 from .outage import PooledCallLog, next_retry_delay
 from .outcome import Kind, Outcome
 
+#: Outcomes one completion statement records at most ...
 MAX_BATCH = 1000
+#: ... and the text they carry (results, error messages, tracebacks), in characters, past which a
+#: batch takes no more. libpq keeps each connection's buffers at the size of the largest message
+#: it sent or read, for as long as the connection lives: 1,000 failures with long tracebacks made
+#: a statement of megabytes, and a worker whose jobs failed so held about 110 MB at concurrency 8.
+MAX_BATCH_TEXT = 1 << 20
 #: How long stop() gives the outcomes still queued, unless told otherwise.
 STOP_GIVE_UP_SECONDS = 8.0
 #: How long one write waits for a pooled connection before it counts as failed and is retried:
@@ -101,25 +107,32 @@ class Completer:
 
     def _loop(self) -> None:
         stopping = False
-        while not stopping:
-            first = self._inbox.get()
-            batch: list[Outcome] = []
-            if first is None:
-                stopping = True
-            else:
-                batch.append(first)
-            while len(batch) < MAX_BATCH:
-                try:
-                    item = self._inbox.get_nowait()
-                except queue.Empty:
-                    break
-                if item is None:
-                    stopping = True
-                else:
-                    batch.append(item)
+        while True:
+            batch, asked_to_stop = self._take_batch(wait=not stopping)
+            stopping = stopping or asked_to_stop
             if batch:
                 self._write_until_done(batch)
+            elif stopping:
+                break  # everything queued before and after stop()'s marker is written
         self._stopped.set()
+
+    def _take_batch(self, wait: bool) -> tuple[list[Outcome], bool]:
+        """The next batch: the first outcome (waited for when ``wait``), then whatever else is queued,
+        up to MAX_BATCH outcomes or MAX_BATCH_TEXT of text; and whether stop()'s marker was taken."""
+        batch: list[Outcome] = []
+        text = 0
+        stopping = False
+        while len(batch) < MAX_BATCH and text < MAX_BATCH_TEXT:
+            try:
+                item = self._inbox.get() if wait and not batch and not stopping else self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            if item is None:
+                stopping = True
+            else:
+                batch.append(item)
+                text += item.text_size()
+        return batch, stopping
 
     def _time_left(self) -> float | None:
         """Seconds to the give-up deadline once stopping (None: no deadline, keep retrying)."""

@@ -46,6 +46,14 @@ class Outcome:
     #: its type's ``concurrency`` until then.
     runs_on: float = 0.0
 
+    def text_size(self) -> int:
+        """About how many characters this outcome adds to its completion statement: its result,
+        its message and its error-history entry (which repeats the message beside the traceback)."""
+        size = len(self.result or "") + len(self.message or "")
+        if self.error:
+            size += sum(len(value) for value in self.error.values() if isinstance(value, str))
+        return size
+
     def error_json(self) -> str:
         """The error-history entry as JSON text for ``job_fail_many``."""
         return json.dumps(self.error or {}, default=str)

@@ -20,6 +20,7 @@ import logging
 import re
 import time
 from dataclasses import dataclass
+from datetime import datetime
 from importlib import resources
 
 import psycopg
@@ -41,7 +42,8 @@ _FILENAME = re.compile(r"^(\d{4})_([a-z0-9_]+)\.sql$")
 LOCK_WAIT_SECONDS = 5.0
 #: How long ``migrate`` keeps trying to get a migration's locks before it gives up.
 LOCK_PATIENCE_SECONDS = 600.0
-#: The pause between a migration's tries, which lets the statements queued behind it through.
+#: The pause between a migration's tries, which lets the statements queued behind it through
+#: (the migration lock held, so no other migrator's try fills it).
 LOCK_RETRY_PAUSE_SECONDS = 1.0
 
 _CREATE_TABLE = """
@@ -52,12 +54,13 @@ CREATE TABLE IF NOT EXISTS relay.schema_migrations (
 )
 """
 
-#: Sessions holding a lock on one of Relay's tables: whom a migration waits for.
+#: Sessions whose transactions began before a migration's try (%(began)s) and hold a lock on one
+#: of Relay's tables: whom the try waited for, not the statements queued behind it.
 _LOCK_HOLDERS = """
 SELECT DISTINCT a.pid, a.state, left(a.query, 80) AS query
 FROM pg_locks AS l JOIN pg_stat_activity AS a ON a.pid = l.pid
 WHERE l.granted AND l.relation IN (SELECT c.oid FROM pg_class AS c WHERE c.relnamespace = to_regnamespace('relay'))
-  AND a.pid <> pg_backend_pid()
+  AND a.pid <> pg_backend_pid() AND a.xact_start < %(began)s
 ORDER BY a.pid
 """
 
@@ -238,59 +241,75 @@ def migrate(dsn: str, lock_wait: float = LOCK_WAIT_SECONDS, patience: float = LO
 def _apply_next(conn: psycopg.Connection, lock_wait: float, patience: float) -> str | None:
     """Apply the first pending migration in a transaction of its own; its name, or None when none is pending.
 
-    ``patience`` counts only the tries that waited for a table: the wait for
-    another migrator (whose index build may take long) is not bounded.
+    A try that waits ``lock_wait`` for a table lets go of it (the migration
+    runs under a savepoint, rolled back alone) and pauses, still holding the
+    migration lock: another migrator waiting for that lock (two services
+    that each run ``relay migrate`` before a deploy) took it the moment a
+    failed try's transaction ended and queued its own try for the table,
+    and the pause let nothing through. ``patience`` counts the tries and the
+    pauses between them: the wait for another migrator (whose index build may
+    take long) is not bounded.
     """
     waited = 0.0
     while True:
-        locked_at = None
-        try:
-            with conn.transaction():
-                # No timeout of a role's, a database's or PGOPTIONS' may cut short the wait for
-                # another migrator, nor an index build.
-                conn.execute("SELECT set_config('lock_timeout', '0', true), set_config('statement_timeout', '0', true)")
-                conn.execute("SELECT pg_advisory_xact_lock(%s)", (MIGRATION_LOCK_KEY,))
-                locked_at = time.monotonic()
-                conn.execute("SELECT set_config('lock_timeout', %s, true)", (f"{int(lock_wait * 1000)}ms",))
-                _create_table_if_missing(conn)
-                conflicts = replaced(applied(conn))
-                if conflicts:
-                    raise MigrationError(f"{'; '.join(conflicts)}: {FOREIGN_BUILD}, so nothing was applied. {RESTORE}")
-                todo = pending(conn)
-                if not todo:
-                    return None
-                migration = todo[0]
-                try:
+        with conn.transaction():
+            # No timeout of a role's, a database's or PGOPTIONS' may cut short the wait for
+            # another migrator, nor an index build.
+            conn.execute("SELECT set_config('lock_timeout', '0', true), set_config('statement_timeout', '0', true)")
+            conn.execute("SELECT pg_advisory_xact_lock(%s)", (MIGRATION_LOCK_KEY,))
+            conn.execute("SELECT set_config('lock_timeout', %s, true)", (f"{int(lock_wait * 1000)}ms",))
+            _create_table_if_missing(conn)
+            conflicts = replaced(applied(conn))
+            if conflicts:
+                raise MigrationError(f"{'; '.join(conflicts)}: {FOREIGN_BUILD}, so nothing was applied. {RESTORE}")
+            todo = pending(conn)
+            if not todo:
+                return None
+            migration = todo[0]
+            (began,) = conn.execute("SELECT clock_timestamp()").fetchone()
+            tried_at = time.monotonic()
+            try:
+                with conn.transaction():  # a savepoint: a try that waited too long lets go of the table alone
                     conn.execute(migration.sql)
-                except psycopg.errors.LockNotAvailable:
-                    raise  # waited for a table: tried again below
-                except psycopg.Error as exc:
-                    # Which one, and that those before it stay: the operator fixes the cause and runs it again.
-                    raise MigrationError(
-                        f"migration {migration.version:04d}_{migration.name} failed, and was rolled back "
-                        f"(the migrations before it are applied): {exc}"
-                    ) from exc
-                conn.execute(
-                    "INSERT INTO relay.schema_migrations (version, name) VALUES (%s, %s)",
-                    (migration.version, migration.name),
-                )
-                return f"{migration.version:04d}_{migration.name}"
-        except psycopg.errors.LockNotAvailable:
-            if locked_at is not None:  # a wait for a table, not for another migrator
-                waited += time.monotonic() - locked_at
-            holders = [f"pid {pid} ({state}: {query})" for pid, state, query in conn.execute(_LOCK_HOLDERS)]
-            if waited >= patience:
+            except psycopg.errors.LockNotAvailable:
+                waited += time.monotonic() - tried_at
+                _wait_for_the_queue(conn, began, waited, patience)
+                waited += LOCK_RETRY_PAUSE_SECONDS
+                continue  # this transaction ends, with the migration lock, and the next try takes it again
+            except psycopg.Error as exc:
+                # Which one, and that those before it stay: the operator fixes the cause and runs it again.
                 raise MigrationError(
-                    f"a migration could not get its locks in {patience:.0f} s; sessions holding locks on "
-                    f"Relay's tables: {', '.join(holders) or 'none now'}"
-                ) from None
-            event(
-                logging.WARNING,
-                "a migration waited for a lock on Relay's tables; letting the queue behind it through, then again",
-                holders="; ".join(holders) or "none now",
-                retry_in=LOCK_RETRY_PAUSE_SECONDS,
+                    f"migration {migration.version:04d}_{migration.name} failed, and was rolled back "
+                    f"(the migrations before it are applied): {exc}"
+                ) from exc
+            conn.execute(
+                "INSERT INTO relay.schema_migrations (version, name) VALUES (%s, %s)",
+                (migration.version, migration.name),
             )
-            time.sleep(LOCK_RETRY_PAUSE_SECONDS)
+            return f"{migration.version:04d}_{migration.name}"
+
+
+def _wait_for_the_queue(conn: psycopg.Connection, began: datetime, waited: float, patience: float) -> None:
+    """After a try that waited too long for a table: give up past ``patience``, naming who held
+    Relay's tables, else say so and pause while the statements queued behind the try go through.
+
+    Named are the sessions whose transactions began before the try (``began``)
+    and hold a lock on one of Relay's tables: those queued behind it, a
+    worker's claim or an enqueue, hold some too but came later.
+    """
+    holders = [f"pid {pid} ({state}: {query})" for pid, state, query in conn.execute(_LOCK_HOLDERS, {"began": began})]
+    if waited >= patience:
+        raise MigrationError(
+            f"a migration could not get its locks in {patience:.0f} s; sessions holding locks on "
+            f"Relay's tables: {', '.join(holders) or 'none now'}"
+        )
+    event(
+        logging.WARNING,
+        "a migration waited for a lock on Relay's tables; letting the queue behind it through, then again",
+        holders="; ".join(holders) or "none now",
+        retry_in=LOCK_RETRY_PAUSE_SECONDS,
+    )
+    time.sleep(LOCK_RETRY_PAUSE_SECONDS)
 
 
 def _create_table_if_missing(conn: psycopg.Connection) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 import subprocess
 import threading
+import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -286,6 +287,55 @@ def test_a_migration_waiting_for_a_lock_lets_the_statements_behind_it_through(da
         assert migrated == [pending_from(first)]
     finally:
         drop_database(dsn)
+
+
+def test_two_migrators_waiting_for_a_lock_still_let_the_statements_behind_them_through(
+    database_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Two `relay migrate` at once (Railway's two services each run it before a deploy). The one that
+    let go of its try released the migration lock with it, and the other, waiting for that lock, took
+    it at once and queued its own try: the pause between tries let nothing through, and every enqueue
+    waited out a whole try for as long as the slow request stayed open. The pause now holds the lock.
+    The warning named, as holding Relay's tables, the sessions queued behind the migration too."""
+    caplog.set_level("WARNING", logger="relay")
+    first = JOBS_TABLE_MIGRATIONS[-1]
+    dsn = fresh_database(database_url)
+    try:
+        migrate_to(dsn, first - 1)
+        migrated: list[object] = []
+        quick: list[float] = []
+        with psycopg.connect(dsn) as slow_request, psycopg.connect(dsn, autocommit=True) as enqueuer:
+            slow_request.execute("INSERT INTO relay.jobs (type) VALUES ('in_a_slow_request')")
+            deploys = [
+                # Each try outlasts the pause between two: the other migrator's try filled that pause.
+                threading.Thread(target=lambda: migrated.append(migrator.migrate(dsn, lock_wait=1.5)))
+                for _ in "ab"
+            ]
+            for deploy in deploys:
+                deploy.start()
+            enqueuer.execute("SET statement_timeout = '20s'")
+            until = time.monotonic() + 6
+            while time.monotonic() < until:
+                started = time.monotonic()
+                enqueuer.execute("INSERT INTO relay.jobs (type) VALUES ('meanwhile')")
+                if time.monotonic() - started < 0.1:
+                    quick.append(started)
+            assert not migrated and all(deploy.is_alive() for deploy in deploys)
+            slow_request.commit()
+            holder = slow_request.info.backend_pid
+            queued_behind = enqueuer.info.backend_pid
+        for deploy in deploys:
+            deploy.join(30)
+        assert len(migrated) == 2 and sorted(migrated[0] + migrated[1]) == pending_from(first)  # each once
+    finally:
+        drop_database(dsn)
+    # A pause of 1 s follows each try of 1.5 s, and enqueues meanwhile go straight through; before,
+    # every one but those that fell into the moment between two migrators' tries waited for a try.
+    assert len(quick) >= 100, len(quick)
+    named = [r.holders for r in caplog.records if r.getMessage().startswith("a migration waited for a lock")]
+    # (A try that ended as the slow request committed finds no one holding the table: "none now".)
+    assert sum(f"pid {holder} " in holders for holders in named) >= 2, named
+    assert not any(f"pid {queued_behind} " in holders for holders in named), named
 
 
 @contextmanager

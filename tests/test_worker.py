@@ -39,7 +39,7 @@ from relay_core.pools import all_in_use, make_pool
 from relay_core.queries import sql
 from relay_core.worker import executor, lease_watch, runtime, startup
 from relay_core.worker.aio import SlotLoop
-from relay_core.worker.claim import hand_back_unheld
+from relay_core.worker.claim import PREFETCH_PAYLOAD_BYTES, hand_back_unheld, prefetch_per_slot
 from relay_core.worker.completer import Completer
 from relay_core.worker.config import WorkerConfig
 from relay_core.worker.ledger import NOT_BEGUN, Slot
@@ -2542,6 +2542,25 @@ def test_a_busy_worker_holds_few_jobs_on_their_last_attempt_however_high_its_pre
         assert claimed <= 2 + 2 * 2, claimed
     finally:
         gate.set()
+
+
+def test_prefetch_holds_a_bounded_amount_of_payload(relay: Relay, db: psycopg.Connection) -> None:
+    """Prefetch was sized by run time alone: no-op jobs of 200 KB payloads (within the default
+    RELAY_MAX_PAYLOAD_BYTES) were held 16 a slot, and at concurrency 8 a worker held 136 of them,
+    80-120 MB. It now holds at most PREFETCH_PAYLOAD_BYTES of typical payloads; small ones, as many
+    as their run time asks for."""
+    blob = "x" * 200_000
+    relay.handler("big")(lambda job: None)
+    relay.handler("small")(lambda job: None)
+    relay.enqueue_many([{"type": "big", "payload": {"blob": blob}} for _ in range(150)])
+    with running_worker(relay, concurrency=2, poll_interval=0.05, listen=False) as worker:
+        wait_for(lambda: status_counts(db).get("succeeded") == 150, what="the big jobs")
+        held = worker.prefetch()
+        relay.enqueue_many([{"type": "small"} for _ in range(2000)])
+        wait_for(lambda: status_counts(db).get("succeeded") == 2150, what="the small jobs")
+        held_small = worker.prefetch()
+    assert 1 <= held <= PREFETCH_PAYLOAD_BYTES // 200_000 < prefetch_per_slot(0.0005) * 2, held
+    assert held_small > held, (held_small, held)
 
 
 def _quick_states(db: psycopg.Connection) -> dict[str, int]:

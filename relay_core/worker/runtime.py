@@ -37,7 +37,9 @@ from . import executor, limits, periodic
 from .aio import SlotLoop
 from .claim import (
     HAND_BACK_UNHELD_LIMIT_SECONDS,
+    PAYLOAD_BYTES,
     PREFETCH_BELOW_SECONDS,
+    PREFETCH_PAYLOAD_BYTES,
     ClaimInFlight,
     claim_rows,
     hand_back_unheld,
@@ -136,6 +138,8 @@ class Worker:
         self._checks_schedules = any(spec.cron for spec in self.handlers.values())
         # Moving average of handler run time; starts "long" so nothing is prefetched until jobs prove short.
         self._typical_run = PREFETCH_BELOW_SECONDS * 2
+        # Bytes of payload text a claimed job typically carries: what the prefetch holds in memory.
+        self._typical_payload = 0.0
         application_name = worker_application_name(self.id)
         self.pool = make_pool(
             dsn,
@@ -330,6 +334,10 @@ class Worker:
             "idle_slots": self.idle_slots(),
         }
         rows, sent = claim_rows(self.pool, params, self._claim_in_flight)
+        if rows:
+            claimed = sum(row.get(PAYLOAD_BYTES, 0) for row in rows) / len(rows)
+            # Up at once with larger payloads, down by halves: the prefetch never holds a run of them unawares.
+            self._typical_payload = max(claimed, (self._typical_payload + claimed) / 2)
         jobs = [Job.from_row(row) for row in rows]
         for job in jobs:
             job._report = self._report_progress
@@ -428,8 +436,9 @@ class Worker:
     def prefetch(self) -> int:
         """How many jobs to hold beyond the slots: the next few, while jobs are short (``prefetch_per_slot``).
 
-        None for a slot busy with a job that has run longer than short jobs
-        take: the typical run time learns of a long job only when it ends,
+        At most PREFETCH_PAYLOAD_BYTES of typical payloads: held jobs keep
+        theirs in memory. None for a slot busy with a job that has run longer
+        than short jobs take: the typical run time learns of a long job only when it ends,
         and until then the jobs held for that slot would wait behind it
         (and the ones ``LeaseWatch.hand_back_held`` gave back would be claimed again).
         """
@@ -437,7 +446,8 @@ class Worker:
         if not per_slot:
             return 0
         long_runs = self.ledger.long_runs(time.monotonic(), PREFETCH_BELOW_SECONDS)
-        return per_slot * max(self.config.concurrency - long_runs, 0)
+        by_run_time = per_slot * max(self.config.concurrency - long_runs, 0)
+        return min(by_run_time, int(PREFETCH_PAYLOAD_BYTES // max(self._typical_payload, 1.0)))
 
     def _produce(self) -> None:
         delay = 0.1

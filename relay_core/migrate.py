@@ -252,41 +252,65 @@ def _apply_next(conn: psycopg.Connection, lock_wait: float, patience: float) -> 
     """
     waited = 0.0
     while True:
-        with conn.transaction():
-            # No timeout of a role's, a database's or PGOPTIONS' may cut short the wait for
-            # another migrator, nor an index build.
-            conn.execute("SELECT set_config('lock_timeout', '0', true), set_config('statement_timeout', '0', true)")
-            conn.execute("SELECT pg_advisory_xact_lock(%s)", (MIGRATION_LOCK_KEY,))
-            conn.execute("SELECT set_config('lock_timeout', %s, true)", (f"{int(lock_wait * 1000)}ms",))
-            _create_table_if_missing(conn)
-            conflicts = replaced(applied(conn))
-            if conflicts:
-                raise MigrationError(f"{'; '.join(conflicts)}: {FOREIGN_BUILD}, so nothing was applied. {RESTORE}")
-            todo = pending(conn)
-            if not todo:
-                return None
-            migration = todo[0]
-            (began,) = conn.execute("SELECT clock_timestamp()").fetchone()
-            tried_at = time.monotonic()
-            try:
-                with conn.transaction():  # a savepoint: a try that waited too long lets go of the table alone
-                    conn.execute(migration.sql)
-            except psycopg.errors.LockNotAvailable:
-                waited += time.monotonic() - tried_at
-                _wait_for_the_queue(conn, began, waited, patience)
-                waited += LOCK_RETRY_PAUSE_SECONDS
-                continue  # this transaction ends, with the migration lock, and the next try takes it again
-            except psycopg.Error as exc:
-                # Which one, and that those before it stay: the operator fixes the cause and runs it again.
-                raise MigrationError(
-                    f"migration {migration.version:04d}_{migration.name} failed, and was rolled back "
-                    f"(the migrations before it are applied): {exc}"
-                ) from exc
-            conn.execute(
-                "INSERT INTO relay.schema_migrations (version, name) VALUES (%s, %s)",
-                (migration.version, migration.name),
-            )
-            return f"{migration.version:04d}_{migration.name}"
+        began = tried_at = None
+        try:
+            with conn.transaction():
+                # No timeout of a role's, a database's or PGOPTIONS' may cut short the wait for another
+                # migrator, nor an index build, nor end the session in the pause between two tries.
+                conn.execute(
+                    "SELECT set_config('lock_timeout', '0', true), set_config('statement_timeout', '0', true),"
+                    " set_config('idle_in_transaction_session_timeout', '0', true)"
+                )
+                conn.execute("SELECT pg_advisory_xact_lock(%s)", (MIGRATION_LOCK_KEY,))
+                (began,) = conn.execute("SELECT clock_timestamp()").fetchone()
+                tried_at = time.monotonic()
+                conn.execute("SELECT set_config('lock_timeout', %s, true)", (f"{int(lock_wait * 1000)}ms",))
+                try:
+                    return _apply_first_pending(conn)
+                except _TableWaitedFor:  # and let go of: the pause holds the migration lock
+                    waited += time.monotonic() - tried_at
+                    _wait_for_the_queue(conn, began, waited, patience)
+                    waited += LOCK_RETRY_PAUSE_SECONDS
+        except psycopg.errors.LockNotAvailable:
+            # Waited too long outside the migration itself (a VACUUM FULL of schema_migrations): the
+            # transaction, and the migration lock with it, is gone; pause all the same.
+            if tried_at is None:
+                raise  # not past the migration lock: lock_timeout was 0 there
+            waited += time.monotonic() - tried_at
+            _wait_for_the_queue(conn, began, waited, patience)
+            waited += LOCK_RETRY_PAUSE_SECONDS
+
+
+class _TableWaitedFor(Exception):
+    """A migration's try waited ``lock_wait`` for a table and was rolled back to before it."""
+
+
+def _apply_first_pending(conn: psycopg.Connection) -> str | None:
+    """Apply the first pending migration in the transaction under way: its name, None when none is
+    pending; _TableWaitedFor when it waited too long for a table (rolled back to its savepoint)."""
+    _create_table_if_missing(conn)
+    conflicts = replaced(applied(conn))
+    if conflicts:
+        raise MigrationError(f"{'; '.join(conflicts)}: {FOREIGN_BUILD}, so nothing was applied. {RESTORE}")
+    todo = pending(conn)
+    if not todo:
+        return None
+    migration = todo[0]
+    try:
+        with conn.transaction():  # a savepoint: a try that waited too long lets go of the table alone
+            conn.execute(migration.sql)
+    except psycopg.errors.LockNotAvailable:
+        raise _TableWaitedFor from None
+    except psycopg.Error as exc:
+        # Which one, and that those before it stay: the operator fixes the cause and runs it again.
+        raise MigrationError(
+            f"migration {migration.version:04d}_{migration.name} failed, and was rolled back "
+            f"(the migrations before it are applied): {exc}"
+        ) from exc
+    conn.execute(
+        "INSERT INTO relay.schema_migrations (version, name) VALUES (%s, %s)", (migration.version, migration.name)
+    )
+    return f"{migration.version:04d}_{migration.name}"
 
 
 def _wait_for_the_queue(conn: psycopg.Connection, began: datetime, waited: float, patience: float) -> None:

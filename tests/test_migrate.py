@@ -289,6 +289,26 @@ def test_a_migration_waiting_for_a_lock_lets_the_statements_behind_it_through(da
         drop_database(dsn)
 
 
+def test_a_migrator_that_waits_for_its_own_table_tries_again(database_url: str) -> None:
+    """A lock on relay.schema_migrations (a VACUUM FULL of it, say) held past the lock wait: only the
+    migration's own statements were tried again, and this failed the deploy outright."""
+    last = migrator.available()[-1].version
+    dsn = fresh_database(database_url)
+    try:
+        migrate_to(dsn, last - 1)
+        migrated: list[object] = []
+        with psycopg.connect(dsn) as maintenance:
+            maintenance.execute("LOCK TABLE relay.schema_migrations IN ACCESS EXCLUSIVE MODE")
+            deploy = threading.Thread(target=lambda: migrated.append(migrator.migrate(dsn, lock_wait=0.3)))
+            deploy.start()
+            deploy.join(1.5)
+            assert deploy.is_alive() and not migrated
+        deploy.join(30)
+        assert migrated == [pending_from(last)]
+    finally:
+        drop_database(dsn)
+
+
 def test_two_migrators_waiting_for_a_lock_still_let_the_statements_behind_them_through(
     database_url: str, caplog: pytest.LogCaptureFixture
 ) -> None:

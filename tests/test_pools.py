@@ -29,7 +29,7 @@ from relay_core.pools import (
 )
 from relay_core.queries import sql
 from relay_core.stalls import WATCHDOG, cut_after
-from relay_core.worker.completer import MAX_BATCH_TEXT, Completer
+from relay_core.worker.completer import MAX_BATCH_BYTES, Completer
 from relay_core.worker.outcome import Kind, Outcome
 
 from .helpers import TcpProxy, claim_params, running_worker, suppress_errors, wait_for
@@ -374,9 +374,10 @@ def test_a_completion_statement_carries_a_bounded_amount_of_text(unmigrated_dsn:
     """Up to 1,000 outcomes went in one statement whatever their size: failures with long messages
     and tracebacks (up to 12,000 characters each) made statements of megabytes, and libpq keeps each
     connection's buffer at the size of the largest message it sent, so a worker whose jobs failed so
-    held about 110 MB at concurrency 8. A batch stops once its outcomes carry MAX_BATCH_TEXT."""
+    held about 110 MB at concurrency 8. A batch stops once its outcomes carry MAX_BATCH_BYTES, counted
+    as sent: UTF-8, and the error entry's JSON no longer escapes each such character as six bytes."""
     jobs = migrated_with_claimed_notes(unmigrated_dsn, 150)
-    message = "ValueError: " + "m" * 1900
+    message = "ValueError: " + "値" * 1900  # three bytes each in UTF-8
     outcomes = [
         Outcome(
             job,
@@ -388,8 +389,12 @@ def test_a_completion_statement_carries_a_bounded_amount_of_text(unmigrated_dsn:
         )
         for n, job in enumerate(jobs)
     ]
-    largest = max(outcome.text_size() for outcome in outcomes)
-    assert largest > 11_000
+
+    def sent(batch: list[Outcome]) -> int:
+        return sum(len(o.message.encode()) + len(o.error_json().encode()) for o in batch)
+
+    largest = max(sent([outcome]) for outcome in outcomes)
+    assert largest > 19_000
     batches: list[list[Outcome]] = []
     written: dict[int, str] = {}
 
@@ -409,12 +414,12 @@ def test_a_completion_statement_carries_a_bounded_amount_of_text(unmigrated_dsn:
         pool.close()
     assert sorted(written) == sorted(job.id for job in jobs)
     assert len(batches) > 1
-    assert all(sum(o.text_size() for o in batch) <= MAX_BATCH_TEXT + largest for batch in batches), [
-        sum(o.text_size() for o in batch) for batch in batches
-    ]
+    assert all(sent(batch) <= MAX_BATCH_BYTES + largest for batch in batches), [sent(batch) for batch in batches]
     with psycopg.connect(unmigrated_dsn) as db:
         statuses = dict(db.execute("SELECT status::text, count(*) FROM relay.jobs GROUP BY status").fetchall())
+        stored = db.execute("SELECT last_error, errors -> 0 ->> 'message' FROM relay.jobs LIMIT 1").fetchone()
     assert statuses == {"dead": 75, "queued": 75}
+    assert stored == (message, message)
 
 
 def test_a_worker_frozen_right_after_its_first_send_of_a_mixed_completion_batch_leaves_no_rows_locked(

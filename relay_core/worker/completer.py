@@ -29,11 +29,11 @@ from .outcome import Kind, Outcome
 
 #: Outcomes one completion statement records at most ...
 MAX_BATCH = 1000
-#: ... and the text they carry (results, error messages, tracebacks), in characters, past which a
-#: batch takes no more. libpq keeps each connection's buffers at the size of the largest message
-#: it sent or read, for as long as the connection lives: 1,000 failures with long tracebacks made
-#: a statement of megabytes, and a worker whose jobs failed so held about 110 MB at concurrency 8.
-MAX_BATCH_TEXT = 1 << 20
+#: ... and the bytes of text they carry (results, error messages, tracebacks) past which a batch
+#: takes no more. libpq keeps each connection's buffers at the size of the largest message it
+#: sent or read, for as long as the connection lives: 1,000 failures with long tracebacks made a
+#: statement of megabytes, and a worker whose jobs failed so held about 110 MB at concurrency 8.
+MAX_BATCH_BYTES = 1 << 20
 #: How long stop() gives the outcomes still queued, unless told otherwise.
 STOP_GIVE_UP_SECONDS = 8.0
 #: How long one write waits for a pooled connection before it counts as failed and is retried:
@@ -118,11 +118,11 @@ class Completer:
 
     def _take_batch(self, wait: bool) -> tuple[list[Outcome], bool]:
         """The next batch: the first outcome (waited for when ``wait``), then whatever else is queued,
-        up to MAX_BATCH outcomes or MAX_BATCH_TEXT of text; and whether stop()'s marker was taken."""
+        up to MAX_BATCH outcomes or MAX_BATCH_BYTES of text; and whether stop()'s marker was taken."""
         batch: list[Outcome] = []
-        text = 0
+        size = 0
         stopping = False
-        while len(batch) < MAX_BATCH and text < MAX_BATCH_TEXT:
+        while len(batch) < MAX_BATCH and size < MAX_BATCH_BYTES:
             try:
                 item = self._inbox.get() if wait and not batch and not stopping else self._inbox.get_nowait()
             except queue.Empty:
@@ -131,7 +131,7 @@ class Completer:
                 stopping = True
             else:
                 batch.append(item)
-                text += item.text_size()
+                size += item.text_bytes()
         return batch, stopping
 
     def _time_left(self) -> float | None:

@@ -46,17 +46,19 @@ class Outcome:
     #: its type's ``concurrency`` until then.
     runs_on: float = 0.0
 
-    def text_size(self) -> int:
-        """About how many characters this outcome adds to its completion statement: its result,
-        its message and its error-history entry (which repeats the message beside the traceback)."""
-        size = len(self.result or "") + len(self.message or "")
+    def text_bytes(self) -> int:
+        """About how many bytes this outcome adds to its completion statement: its result, its
+        message and its error-history entry (which repeats the message beside the traceback), as
+        UTF-8 (``isascii`` costs nothing, so only other text is encoded to be measured)."""
+        texts = [self.result or "", self.message or ""]
         if self.error:
-            size += sum(len(value) for value in self.error.values() if isinstance(value, str))
-        return size
+            texts += [value for value in self.error.values() if isinstance(value, str)]
+        return sum(len(text) if text.isascii() else len(text.encode("utf-8", "surrogatepass")) for text in texts)
 
     def error_json(self) -> str:
-        """The error-history entry as JSON text for ``job_fail_many``."""
-        return json.dumps(self.error or {}, default=str)
+        """The error-history entry as JSON text for ``job_fail_many``, its text as UTF-8 rather
+        than escaped: ``\\uXXXX`` took six bytes for a character of two or three."""
+        return json.dumps(self.error or {}, default=str, ensure_ascii=False)
 
 
 def result_json(value: Any, limit: int = MAX_RESULT_BYTES) -> str | None:

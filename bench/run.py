@@ -135,7 +135,14 @@ def main() -> int:
     contestants = select(args.only)
     plan = workloads(args.quick, args.soak)
     if args.workloads:
-        wanted = {w.strip() for w in args.workloads.split(",")}
+        wanted = {w.strip().upper() for w in args.workloads.split(",") if w.strip()}
+        known = {w.id for w in workloads(args.quick, soak=True)}
+        if wanted - known:
+            print(f"unknown workloads: {', '.join(sorted(wanted - known))} (known: {', '.join(sorted(known))})")
+            return 2
+        if "W6" in wanted and not args.soak:
+            print("W6, the soak, runs only with --soak")
+            return 2
         plan = [w for w in plan if w.id in wanted]
     rounds = args.rounds or (1 if args.quick else 3)
     out = Path(args.out or (BENCH / "results" / "quick" if args.quick else BENCH / "results"))

@@ -91,3 +91,47 @@ def test_the_enqueue_breakdown_runs_and_reports_every_part(database_url: str, py
         assert float(cpu) >= 0 and int(wal) > 0, rows[name]
     with psycopg.connect(database_url) as conn:
         assert conn.execute("SELECT count(*) FROM pg_database WHERE datname = %s", (scratch,)).fetchone()[0] == 0
+
+
+def _harness(module: str):  # type: ignore[no-untyped-def]
+    """A module of bench/harness (the bench is scripts, not a package Relay installs)."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        return __import__(f"harness.{module}", fromlist=[module])
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+
+
+def _rate_run(contestant: str, workload: str, value: float | None, error: str | None = None) -> dict:
+    run = {"contestant": contestant, "workload": workload, "round": 1}
+    return {**run, "error": error} if error else {**run, "result": {"value": value}}
+
+
+def test_a_round_relay_failed_is_shown_and_fails_its_target() -> None:
+    """The table showed the median of the rounds that ran, and the target was met, while a round
+    Relay failed (its worker crashed) appeared nowhere but in the exit code and the JSON."""
+    report = _harness("report")
+    runs = [
+        _rate_run("relay", "W1", 18_000.0),
+        _rate_run("ceiling", "W1", 17_000.0),
+        _rate_run("relay", "W1", None, error="the worker stopped after 0 of 20000 handlers started"),
+        _rate_run("ceiling", "W1", 16_000.0),
+    ]
+    summary = report.summarize(runs)
+    table = report.markdown(summary, runs, {"W1": "drain"}, ["relay", "ceiling"], {})
+    assert "| relay: 1 round(s) failed | the worker stopped after 0 of 20000 handlers started |" in table
+    (w1,) = [check for check in report.targets(summary) if check[0].startswith("W1")]
+    assert w1[2] is False and "1 round(s) failed" in w1[1], w1
+
+
+def test_an_unknown_workload_is_refused_with_a_message(python: str, database_url: str, tmp_path: Path) -> None:
+    """W7 or W6 without --soak were dropped without a word: empty tables and exit code 1."""
+    for given, said in (("W1,W7", "unknown workloads: W7"), ("W6", "W6, the soak, runs only with --soak")):
+        result = subprocess.run(
+            [python, "bench/run.py", "--workloads", given, "--dsn", database_url, "--out", str(tmp_path)],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert (result.returncode, said in result.stdout) == (2, True), result.stdout + result.stderr

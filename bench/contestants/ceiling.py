@@ -118,6 +118,9 @@ class Ceiling(Contestant):
         for thread in self._threads:
             thread.join(10)
 
+    def worker_gone(self) -> bool:
+        return bool(self._threads) and not self._stop.is_set() and not any(t.is_alive() for t in self._threads)
+
     def close(self) -> None:
         if self._conn is not None:
             self._conn.close()

@@ -121,6 +121,13 @@ class Contestant:
         """Stop the worker gracefully and wait for it."""
         raise NotImplementedError
 
+    def worker_gone(self) -> bool:
+        """Whether the worker started by :meth:`start_worker` has stopped on its own (crashed).
+
+        Those that cannot tell say False, and a waiter waits out its time limit.
+        """
+        return False
+
     def close(self) -> None:
         """Release whatever the contestant holds (pools, event loops)."""
 
@@ -243,6 +250,17 @@ def percentile(values: list[float], pct: float) -> float:
     return ordered[rank - 1]
 
 
+def wait_for_starts(contestant: Contestant, recorder: Recorder, timeout: float) -> None:
+    """Wait until every handler ``recorder`` expects has started: TimeoutError past ``timeout``, and
+    RuntimeError as soon as the worker is gone, rather than the whole time limit (14 minutes in W1)."""
+    deadline = time.monotonic() + timeout
+    while not recorder.done.wait(min(1.0, max(deadline - time.monotonic(), 0.0))):
+        if contestant.worker_gone():
+            raise RuntimeError(f"the worker stopped after {recorder.count} of {recorder.target} handlers started")
+        if time.monotonic() >= deadline:
+            raise TimeoutError(f"{recorder.count} of {recorder.target} handlers started in {timeout}s")
+
+
 def drain(contestant: Contestant, jobs: int, timeout: float) -> dict[str, Any]:
     """W1: enqueue ``jobs`` (untimed), then time a worker draining them all.
 
@@ -262,8 +280,7 @@ def drain(contestant: Contestant, jobs: int, timeout: float) -> dict[str, Any]:
     recorder = Recorder(jobs)
     contestant.start_worker(recorder.hit)
     try:
-        if not recorder.done.wait(timeout):
-            raise TimeoutError(f"{recorder.count} of {jobs} handlers started in {timeout}s")
+        wait_for_starts(contestant, recorder, timeout)
         finished = wait_finished(contestant.dsn, contestant.finished_sql, jobs, timeout)
     finally:
         contestant.stop_worker()
@@ -305,8 +322,7 @@ def latency(contestant: Contestant, args: argparse.Namespace) -> dict[str, Any]:
         if produced.returncode != 0:
             raise RuntimeError(f"producer failed: {produced.stderr.strip()[-2000:]}")
         committed = {int(k): v for k, v in json.loads(produced.stdout.strip().splitlines()[-1]).items()}
-        if not recorder.done.wait(args.timeout):
-            raise TimeoutError(f"{recorder.count} of {args.jobs} handlers started")
+        wait_for_starts(contestant, recorder, args.timeout)
     finally:
         contestant.stop_worker()
     waits = [(recorder.starts[seq] - committed[seq]) * 1000 for seq in committed if seq in recorder.starts]
@@ -355,8 +371,7 @@ def claim_cost(contestant: Contestant, args: argparse.Namespace) -> dict[str, An
             recorder = Recorder(args.jobs)
             contestant.start_worker(recorder.hit)
             try:
-                if not recorder.done.wait(args.timeout):
-                    raise TimeoutError(f"{recorder.count} of {args.jobs} handlers started")
+                wait_for_starts(contestant, recorder, args.timeout)
             finally:
                 contestant.stop_worker()
             assert recorder.first is not None and recorder.last is not None

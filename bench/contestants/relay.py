@@ -67,6 +67,9 @@ class RelayContestant(Contestant):
         self._worker.stop()
         self._thread.join(60)
 
+    def worker_gone(self) -> bool:
+        return self._thread is not None and not self._thread.is_alive()
+
     def close(self) -> None:
         self.relay.close()
 

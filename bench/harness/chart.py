@@ -24,6 +24,10 @@ COLORS = {
 }
 
 
+#: The throughput panel's label of each workload it shows.
+THROUGHPUT_LABELS = {"W1": "W1 drain", "W2": "W2 single enqueue", "W3": "W3 bulk enqueue"}
+
+
 def _median(summary: dict, workload: str, name: str, key: str) -> float | None:
     try:
         return summary[workload][name][key]["median"]
@@ -48,7 +52,7 @@ def draw(results: dict, out: str) -> None:
         xs = [j + i * width for j in range(len(workloads))]
         ax.bar(xs, ratios, width, label=name, color=COLORS.get(name))
     ax.set_xticks([j + width * (len(names) - 1) / 2 for j in range(len(workloads))])
-    ax.set_xticklabels(["W1 drain", "W2 single enqueue", "W3 bulk enqueue"][: len(workloads)])
+    ax.set_xticklabels([THROUGHPUT_LABELS[w] for w in workloads])
     ax.set_ylabel("throughput ÷ ceiling (higher is better)")
     ax.axhline(1.0, color="#7f7f7f", linewidth=0.8, linestyle="--")
     ax.set_title("Throughput relative to the raw-SQL ceiling")

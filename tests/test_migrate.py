@@ -261,20 +261,35 @@ def test_the_newest_migrations_run_beside_a_transaction_that_reads_jobs_then_wri
         drop_database(dsn)
 
 
+@contextmanager
+def database_behind(database_url: str, version: int) -> Iterator[str]:
+    """A fresh database an older release migrated up to just before ``version``; dropped afterwards."""
+    dsn = fresh_database(database_url)
+    try:
+        migrate_to(dsn, version - 1)
+        yield dsn
+    finally:
+        drop_database(dsn)
+
+
+def deploying(dsn: str, migrated: list[object], lock_wait: float) -> threading.Thread:
+    """A started thread running ``relay migrate`` on ``dsn``; it appends what it applied to ``migrated``."""
+    deploy = threading.Thread(target=lambda: migrated.append(migrator.migrate(dsn, lock_wait=lock_wait)))
+    deploy.start()
+    return deploy
+
+
 def test_a_migration_waiting_for_a_lock_lets_the_statements_behind_it_through(database_url: str) -> None:
     """An enqueue left uncommitted in a slow request holds relay.jobs; the migration that needs the
     table to itself waits for it. Waiting, it queued every other statement on the table behind it
     (workers' claims, enqueues) until that request ended. It now waits a bounded time, lets go,
     and tries again: an enqueue meanwhile gets through, and the migration lands once the request ends."""
     first = JOBS_TABLE_MIGRATIONS[-1]
-    dsn = fresh_database(database_url)
-    try:
-        migrate_to(dsn, first - 1)
+    with database_behind(database_url, first) as dsn:
         migrated: list[object] = []
         with psycopg.connect(dsn) as slow_request:
             slow_request.execute("INSERT INTO relay.jobs (type) VALUES ('in_a_slow_request')")
-            deploy = threading.Thread(target=lambda: migrated.append(migrator.migrate(dsn, lock_wait=0.3)))
-            deploy.start()
+            deploy = deploying(dsn, migrated, lock_wait=0.3)
             with psycopg.connect(dsn, autocommit=True) as watch:
                 waiting = "SELECT count(*) FROM pg_locks WHERE relation = 'relay.jobs'::regclass AND NOT granted"
                 wait_for(lambda: watch.execute(waiting).fetchone()[0], what="the migration to wait for the table")
@@ -285,28 +300,21 @@ def test_a_migration_waiting_for_a_lock_lets_the_statements_behind_it_through(da
             slow_request.commit()
         deploy.join(30)
         assert migrated == [pending_from(first)]
-    finally:
-        drop_database(dsn)
 
 
 def test_a_migrator_that_waits_for_its_own_table_tries_again(database_url: str) -> None:
     """A lock on relay.schema_migrations (a VACUUM FULL of it, say) held past the lock wait: only the
     migration's own statements were tried again, and this failed the deploy outright."""
     last = migrator.available()[-1].version
-    dsn = fresh_database(database_url)
-    try:
-        migrate_to(dsn, last - 1)
+    with database_behind(database_url, last) as dsn:
         migrated: list[object] = []
         with psycopg.connect(dsn) as maintenance:
             maintenance.execute("LOCK TABLE relay.schema_migrations IN ACCESS EXCLUSIVE MODE")
-            deploy = threading.Thread(target=lambda: migrated.append(migrator.migrate(dsn, lock_wait=0.3)))
-            deploy.start()
+            deploy = deploying(dsn, migrated, lock_wait=0.3)
             deploy.join(1.5)
             assert deploy.is_alive() and not migrated
         deploy.join(30)
         assert migrated == [pending_from(last)]
-    finally:
-        drop_database(dsn)
 
 
 def test_two_migrators_waiting_for_a_lock_still_let_the_statements_behind_them_through(
@@ -319,20 +327,13 @@ def test_two_migrators_waiting_for_a_lock_still_let_the_statements_behind_them_t
     The warning named, as holding Relay's tables, the sessions queued behind the migration too."""
     caplog.set_level("WARNING", logger="relay")
     first = JOBS_TABLE_MIGRATIONS[-1]
-    dsn = fresh_database(database_url)
-    try:
-        migrate_to(dsn, first - 1)
+    with database_behind(database_url, first) as dsn:
         migrated: list[object] = []
         quick: list[float] = []
         with psycopg.connect(dsn) as slow_request, psycopg.connect(dsn, autocommit=True) as enqueuer:
             slow_request.execute("INSERT INTO relay.jobs (type) VALUES ('in_a_slow_request')")
-            deploys = [
-                # Each try outlasts the pause between two: the other migrator's try filled that pause.
-                threading.Thread(target=lambda: migrated.append(migrator.migrate(dsn, lock_wait=1.5)))
-                for _ in "ab"
-            ]
-            for deploy in deploys:
-                deploy.start()
+            # Each try outlasts the pause between two: the other migrator's try filled that pause.
+            deploys = [deploying(dsn, migrated, lock_wait=1.5) for _ in "ab"]
             enqueuer.execute("SET statement_timeout = '20s'")
             until = time.monotonic() + 6
             while time.monotonic() < until:
@@ -347,8 +348,6 @@ def test_two_migrators_waiting_for_a_lock_still_let_the_statements_behind_them_t
         for deploy in deploys:
             deploy.join(30)
         assert len(migrated) == 2 and sorted(migrated[0] + migrated[1]) == pending_from(first)  # each once
-    finally:
-        drop_database(dsn)
     # A pause of 1 s follows each try of 1.5 s, and enqueues meanwhile go straight through; before,
     # every one but those that fell into the moment between two migrators' tries waited for a try.
     assert len(quick) >= 100, len(quick)

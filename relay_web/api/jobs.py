@@ -219,7 +219,9 @@ def cancel_many(body: CancelFilter, claims: dict[str, Any]) -> BulkResultRecord:
     """Cancel every queued job matching the filters (e.g. everything queued in one queue).
 
     An empty object means every queued job, in every queue. Jobs enqueued
-    while the request runs are left alone. Answers how many jobs changed.
+    while the request runs are left alone (one enqueued in a transaction
+    still open as it begins may be included: see docs/api.md). Answers how
+    many jobs changed.
     """
     where = monitor.JobFilter(queue=body.queue, type=body.type, q=body.q)
     with connection() as conn:

@@ -201,6 +201,13 @@ class Relay:
         tick into ``queue``; ``catch_up=True`` enqueues the latest tick missed
         while no worker ran.
         """
+        if callable(job_type):
+            # ``@relay.handler`` with no type: the function came as the type, and the decorator
+            # returned in its place replaced it without registering anything.
+            name = getattr(job_type, "__name__", "the handler")
+            raise InvalidJobError(
+                "type", f"is missing: write @relay.handler({name!r}), naming the job type, not @relay.handler"
+            )
 
         def register(func: Callable[..., Any]) -> Callable[..., Any]:
             if job_type in self.handlers:

@@ -414,6 +414,19 @@ def test_a_failure_whose_classification_is_interrupted_is_still_a_failed_attempt
     assert entry["message"] == "SnoozeWhoseSecondsInterrupt (and classifying it raised KeyboardInterrupt)"
 
 
+def test_a_handler_decorator_written_without_its_job_type_is_refused(relay: Relay) -> None:
+    """``@relay.handler`` with no parentheses took the function as the type, put the decorator in its
+    place and registered nothing: the worker started on its other handlers, and the type's jobs failed
+    with "no handler" until they were dead."""
+    with pytest.raises(InvalidJobError, match=re.escape("write @relay.handler('send_email'), naming the job type")):
+
+        @relay.handler  # type: ignore[arg-type]
+        def send_email(job) -> None:  # type: ignore[no-untyped-def]
+            return None
+
+    assert relay.handlers == {}
+
+
 def test_a_backoff_that_is_no_backoff_is_refused_at_registration(relay: Relay) -> None:
     with pytest.raises(InvalidJobError, match=r"^backoff: must be a relay_core\.Backoff"):
         relay.handler("t", backoff=lambda n: 2**n)(lambda job: None)  # type: ignore[arg-type]

@@ -27,6 +27,7 @@ from relay_core import (
     ConfigurationError,
     InvalidJobError,
     Job,
+    JobCancelled,
     PermanentFailure,
     Relay,
     Snooze,
@@ -425,6 +426,22 @@ def test_a_handler_decorator_written_without_its_job_type_is_refused(relay: Rela
             return None
 
     assert relay.handlers == {}
+
+
+def test_a_job_cancelled_no_one_asked_for_is_a_failure_with_its_message(relay: Relay, db: psycopg.Connection) -> None:
+    """A handler raising JobCancelled when no admin asked ended its job cancelled, without its message
+    or an error in its history: a move the state machine keeps for an admin's stop."""
+
+    @relay.handler("gives_up", max_attempts=1)
+    def gives_up(job) -> None:  # type: ignore[no-untyped-def]
+        raise JobCancelled("the handler decided to give up")
+
+    job_id = relay.enqueue("gives_up")
+    with running_worker(relay):
+        wait_for(lambda: job_status(db, job_id) in ("dead", "cancelled"), what="the job to end")
+    job = relay.get_job(job_id)
+    assert (job.status, job.last_error) == ("dead", "JobCancelled: the handler decided to give up")
+    assert [entry["type"] for entry in job.errors] == ["JobCancelled"]
 
 
 def test_a_backoff_that_is_no_backoff_is_refused_at_registration(relay: Relay) -> None:

@@ -127,8 +127,11 @@ def _ended_by(exc: BaseException, job: Job, spec: HandlerSpec | None, worker_id:
                 return Outcome(job, Kind.SNOOZED, took, delay=float(seconds))  # type: ignore[arg-type]
             exc = RelayError(f"{type(exc).__name__} without a usable delay (seconds={seconds!r})")
         message, entry = describe(exc, job, worker_id)
-        if isinstance(exc, JobCancelled):
+        if isinstance(exc, JobCancelled) and job.cancel_requested:
             return Outcome(job, Kind.CANCELLED, took, message=message, error=entry)
+        # A JobCancelled no admin asked for (a handler's own, to give up) is a failure like any
+        # other: ended cancelled, its message was lost and the state machine broken (claimed ->
+        # cancelled is an admin's stop). PermanentFailure gives up for good.
         # Any other failure is recorded as one, also of a job asked to cancel: job_fail_many
         # then ends it cancelled, with this attempt's error in its history like every other.
         if isinstance(exc, PermanentFailure) or job.attempt >= job.max_attempts:

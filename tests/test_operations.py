@@ -1311,6 +1311,30 @@ def test_progress_is_visible_while_running_and_the_result_is_kept(relay: Relay, 
     assert relay.get_job(counts).result == {"by_status": {"200": 5, "404": 1}}
 
 
+def test_a_result_json_cannot_hold_says_why_and_an_error_type_name_is_bounded(relay: Relay, db) -> None:
+    """A result holding a NaN was stored as "not JSON-serializable: dict", the type of the whole value;
+    and an exception class's name was kept whole (3 MB in each attempt's entry) where the message and
+    traceback are cut to 2,000 and 8,000 characters."""
+    huge = type("E" * 5000, (Exception,), {})
+
+    @relay.handler("nan_result")
+    def nan_result(job: Job) -> object:
+        return {"ratio": [1.0, float("nan")]}
+
+    @relay.handler("odd_class", max_attempts=1)
+    def odd_class(job: Job) -> None:
+        raise huge("boom")
+
+    nan, odd = relay.enqueue("nan_result"), relay.enqueue("odd_class")
+    with running_worker(relay):
+        wait_for(lambda: (job_status(db, nan), job_status(db, odd)) == ("succeeded", "dead"))
+    # Python's own words, which later versions end with the value (": nan").
+    said = relay.get_job(nan).result["unstored_result"]
+    assert said.startswith("not storable as JSON: Out of range float values are not JSON compliant"), said
+    [entry] = relay.get_job(odd).errors
+    assert entry["type"] == "E" * 200 and relay.get_job(odd).last_error == "E" * 200 + ": boom"
+
+
 def test_a_result_with_a_backslash_before_u0000_is_kept_one_with_a_nul_is_not(
     relay: Relay, db: psycopg.Connection
 ) -> None:

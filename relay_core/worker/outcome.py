@@ -13,6 +13,7 @@ from ..validation import ESCAPED_NUL, colliding_keys, storable_text
 
 MAX_TRACEBACK_CHARS = 8000
 MAX_MESSAGE_CHARS = 2000
+MAX_ERROR_TYPE_CHARS = 200
 MAX_RESULT_BYTES = 64 * 1024
 
 
@@ -67,8 +68,12 @@ def result_json(value: Any, limit: int = MAX_RESULT_BYTES) -> str | None:
         return None
     try:
         text = json.dumps(value, allow_nan=False, ensure_ascii=False, separators=(",", ":"))
-    except (TypeError, ValueError):
+    except TypeError:
         return json.dumps({"unstored_result": f"not JSON-serializable: {type(value).__name__}"})
+    except ValueError as exc:
+        # NaN or an infinity anywhere in it, or an integer past the digits Python writes: say which,
+        # not the type of the whole value (a dict holding a NaN is JSON's but for the NaN).
+        return json.dumps({"unstored_result": f"not storable as JSON: {str(exc)[:200]}"})
     except RecursionError:
         return json.dumps({"unstored_result": "nested too deeply"})
     if "\\u0000" in text and ESCAPED_NUL.search(text):
@@ -86,7 +91,8 @@ def result_json(value: Any, limit: int = MAX_RESULT_BYTES) -> str | None:
 
 def describe(exc: BaseException, job: Job, worker_id: str) -> tuple[str, dict[str, Any]]:
     """A failed attempt's last_error line and its error-history entry."""
-    name = type(exc).__name__
+    # A class made at run time may have any name: kept to what a type's name reasonably is.
+    name = type(exc).__name__[:MAX_ERROR_TYPE_CHARS]
     try:
         text = str(exc)
     except BaseException:  # even a KeyboardInterrupt from __str__ must not end the slot

@@ -370,14 +370,20 @@ def test_a_completion_outdated_by_a_retyped_column_is_sent_again_not_left_to_its
     assert written == expected
 
 
-def test_a_completion_statement_carries_a_bounded_amount_of_text(unmigrated_dsn: str) -> None:
+@pytest.mark.parametrize(
+    "text",
+    ["値" * 1900, "\x01" * 1900],  # three bytes each in UTF-8; six each as JSON escapes them
+    ids=["non-ascii", "control-characters"],
+)
+def test_a_completion_statement_carries_a_bounded_amount_of_text(unmigrated_dsn: str, text: str) -> None:
     """Up to 1,000 outcomes went in one statement whatever their size: failures with long messages
     and tracebacks (up to 12,000 characters each) made statements of megabytes, and libpq keeps each
     connection's buffer at the size of the largest message it sent, so a worker whose jobs failed so
     held about 110 MB at concurrency 8. A batch stops once its outcomes carry MAX_BATCH_BYTES, counted
-    as sent: UTF-8, and the error entry's JSON no longer escapes each such character as six bytes."""
+    as sent: UTF-8 (the error entry's JSON no longer escapes each such character as six bytes), and
+    the escapes JSON cannot do without (control characters) counted as written."""
     jobs = migrated_with_claimed_notes(unmigrated_dsn, 150)
-    message = "ValueError: " + "値" * 1900  # three bytes each in UTF-8
+    message = "ValueError: " + text
     outcomes = [
         Outcome(
             job,

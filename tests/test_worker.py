@@ -444,6 +444,17 @@ def test_a_job_cancelled_no_one_asked_for_is_a_failure_with_its_message(relay: R
     assert [entry["type"] for entry in job.errors] == ["JobCancelled"]
 
 
+def test_an_attempt_whose_classifying_raised_keeps_the_error_type_name_bounded() -> None:
+    """The fallback for an attempt whose classifying raised (its Snooze's seconds interrupting) kept the
+    exception class's name whole, where every other path keeps 200 characters of it."""
+    long_named = type("S" * 5000, (SnoozeWhoseSecondsInterrupt,), {})
+    now = datetime.now(UTC)
+    job = Job(1, "t", "default", 0, {}, attempt=1, max_attempts=3, lease_token=1, run_at=now, created_at=now)
+    outcome = executor._ended_by(long_named(), job, None, "w", 0.0)
+    assert outcome.error is not None and outcome.error["type"] == "S" * 200
+    assert outcome.message == "S" * 200 + " (and classifying it raised KeyboardInterrupt)"
+
+
 def test_a_backoff_that_is_no_backoff_is_refused_at_registration(relay: Relay) -> None:
     with pytest.raises(InvalidJobError, match=r"^backoff: must be a relay_core\.Backoff"):
         relay.handler("t", backoff=lambda n: 2**n)(lambda job: None)  # type: ignore[arg-type]

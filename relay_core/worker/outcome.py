@@ -48,12 +48,12 @@ class Outcome:
     runs_on: float = 0.0
 
     def text_bytes(self) -> int:
-        """About how many bytes this outcome adds to its completion statement: its result, its
-        message and its error-history entry (which repeats the message beside the traceback), as
-        UTF-8 (``isascii`` costs nothing, so only other text is encoded to be measured)."""
+        """How many bytes this outcome adds to its completion statement: its result, its message and
+        its error-history entry as JSON (which repeats the message beside the traceback, and escapes
+        control characters in six bytes each), as UTF-8."""
         texts = [self.result or "", self.message or ""]
         if self.error:
-            texts += [value for value in self.error.values() if isinstance(value, str)]
+            texts.append(self.error_json())
         return sum(len(text) if text.isascii() else len(text.encode("utf-8", "surrogatepass")) for text in texts)
 
     def error_json(self) -> str:

@@ -121,7 +121,8 @@ class Ceiling(Contestant):
             thread.join(10)
 
     def worker_gone(self) -> bool:
-        return bool(self._threads) and not self._stop.is_set() and not any(t.is_alive() for t in self._threads)
+        workers = self._threads[1:]  # the first listens for wake-ups, and lives on while its workers crash
+        return bool(workers) and not self._stop.is_set() and not any(t.is_alive() for t in workers)
 
     def close(self) -> None:
         if self._conn is not None:

@@ -29,10 +29,9 @@ from pgqueuer.db import AsyncpgDriver  # noqa: E402
 from pgqueuer.models import Job  # noqa: E402
 from pgqueuer.queries import Queries  # noqa: E402
 
-#: The most jobs fetched and not yet finished: what a Relay worker at concurrency 8 holds claimed.
-MAX_CONCURRENT_TASKS = 136
-#: The largest batch PGQueuer accepts under that cap (at least twice the batch).
-BATCH_SIZE = MAX_CONCURRENT_TASKS // 2
+#: Jobs fetched and not yet finished per unit of concurrency: what a Relay worker holds claimed
+#: per slot at most, the one it runs and 16 prefetched (136 at concurrency 8).
+HELD_PER_SLOT = 17
 
 
 class PgQueuerContestant(Contestant):
@@ -97,7 +96,9 @@ class PgQueuerContestant(Contestant):
 
             self._pgq = pgq
             self._worker_conn = connection
-            run = pgq.run(batch_size=BATCH_SIZE, max_concurrent_tasks=MAX_CONCURRENT_TASKS)
+            cap = HELD_PER_SLOT * self.concurrency
+            # The largest batch PGQueuer accepts under that cap: it asks for at least twice the batch.
+            run = pgq.run(batch_size=cap // 2, max_concurrent_tasks=cap)
             return asyncio.create_task(run)
 
         self._worker = self.loop.run(start())

@@ -66,6 +66,7 @@ class RelayContestant(Contestant):
         assert self._worker is not None and self._thread is not None
         self._worker.stop()
         self._thread.join(60)
+        self._thread = None  # stopped as asked, not gone on its own (worker_gone)
 
     def worker_gone(self) -> bool:
         return self._thread is not None and not self._thread.is_alive()

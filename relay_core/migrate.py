@@ -268,17 +268,13 @@ def _apply_next(conn: psycopg.Connection, lock_wait: float, patience: float) -> 
                 try:
                     return _apply_first_pending(conn)
                 except _TableWaitedFor:  # and let go of: the pause holds the migration lock
-                    waited += time.monotonic() - tried_at
-                    _wait_for_the_queue(conn, began, waited, patience)
-                    waited += LOCK_RETRY_PAUSE_SECONDS
+                    waited = _wait_for_the_queue(conn, began, waited + time.monotonic() - tried_at, patience)
         except psycopg.errors.LockNotAvailable:
             # Waited too long outside the migration itself (a VACUUM FULL of schema_migrations): the
             # transaction, and the migration lock with it, is gone; pause all the same.
             if tried_at is None:
                 raise  # not past the migration lock: lock_timeout was 0 there
-            waited += time.monotonic() - tried_at
-            _wait_for_the_queue(conn, began, waited, patience)
-            waited += LOCK_RETRY_PAUSE_SECONDS
+            waited = _wait_for_the_queue(conn, began, waited + time.monotonic() - tried_at, patience)
 
 
 class _TableWaitedFor(Exception):
@@ -313,9 +309,10 @@ def _apply_first_pending(conn: psycopg.Connection) -> str | None:
     return f"{migration.version:04d}_{migration.name}"
 
 
-def _wait_for_the_queue(conn: psycopg.Connection, began: datetime, waited: float, patience: float) -> None:
-    """After a try that waited too long for a table: give up past ``patience``, naming who held
-    Relay's tables, else say so and pause while the statements queued behind the try go through.
+def _wait_for_the_queue(conn: psycopg.Connection, began: datetime, waited: float, patience: float) -> float:
+    """After a try that waited too long for a table: give up past ``patience`` (``waited``: the
+    tries and pauses so far), naming who held Relay's tables, else say so and pause while the
+    statements queued behind the try go through; what has been waited with the pause.
 
     Named are the sessions whose transactions began before the try (``began``)
     and hold a lock on one of Relay's tables: those queued behind it, a
@@ -334,6 +331,7 @@ def _wait_for_the_queue(conn: psycopg.Connection, began: datetime, waited: float
         retry_in=LOCK_RETRY_PAUSE_SECONDS,
     )
     time.sleep(LOCK_RETRY_PAUSE_SECONDS)
+    return waited + LOCK_RETRY_PAUSE_SECONDS
 
 
 def _create_table_if_missing(conn: psycopg.Connection) -> None:

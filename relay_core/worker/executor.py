@@ -129,11 +129,10 @@ def _ended_by(exc: BaseException, job: Job, spec: HandlerSpec | None, worker_id:
         message, entry = describe(exc, job, worker_id)
         if isinstance(exc, JobCancelled) and job.cancel_requested:
             return Outcome(job, Kind.CANCELLED, took, message=message, error=entry)
-        # A JobCancelled no admin asked for (a handler's own, to give up) is a failure like any
-        # other: ended cancelled, its message was lost and the state machine broken (claimed ->
-        # cancelled is an admin's stop). PermanentFailure gives up for good.
-        # Any other failure is recorded as one, also of a job asked to cancel: job_fail_many
-        # then ends it cancelled, with this attempt's error in its history like every other.
+        # Any other failure is recorded as one, also of a job asked to cancel (job_fail_many then
+        # ends it cancelled, with this attempt's error in its history like every other), and a
+        # JobCancelled no admin asked for (a handler's own, to give up): claimed -> cancelled is an
+        # admin's stop, and ended so its message was lost. PermanentFailure gives up for good.
         if isinstance(exc, PermanentFailure) or job.attempt >= job.max_attempts:
             return Outcome(job, Kind.DEAD, took, message=message, error=entry)
         delay, problem = retry_delay(spec.backoff if spec else DEFAULT_BACKOFF, job.attempt)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import traceback as tb
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
@@ -46,6 +46,8 @@ class Outcome:
     #: so a requeue does not start it beside that thread, and the claim counts it against
     #: its type's ``concurrency`` until then.
     runs_on: float = 0.0
+    #: ``error`` as JSON, made once: the completer measures it for its batch, then sends it.
+    _error_json: str | None = field(default=None, init=False, repr=False, compare=False)
 
     def text_bytes(self) -> int:
         """How many bytes this outcome adds to its completion statement: its result, its message and
@@ -59,7 +61,9 @@ class Outcome:
     def error_json(self) -> str:
         """The error-history entry as JSON text for ``job_fail_many``, its text as UTF-8 rather
         than escaped: ``\\uXXXX`` took six bytes for a character of two or three."""
-        return json.dumps(self.error or {}, default=str, ensure_ascii=False)
+        if self._error_json is None:
+            self._error_json = json.dumps(self.error or {}, default=str, ensure_ascii=False)
+        return self._error_json
 
 
 def result_json(value: Any, limit: int = MAX_RESULT_BYTES) -> str | None:

@@ -114,6 +114,8 @@ class ReconnectingPool(ConnectionPool):
         #: Why the pool's last attempt to connect failed, in the server's or libpq's words;
         #: None once one succeeds. A checkout that times out says it (see ``getconn``).
         self.last_connect_error: str | None = None
+        self._checked_out = 0
+        self._checked_out_lock = threading.Lock()
         super().__init__(*args, **kwargs)
 
     def _open(self, *args: Any, **kwargs: Any) -> None:
@@ -139,12 +141,26 @@ class ReconnectingPool(ConnectionPool):
         if self.inherited:
             raise PoolClosed(f"the pool {self.name!r} was opened by process {self.pid}; a forked process opens its own")
         try:
-            return super().getconn(timeout)
+            conn = super().getconn(timeout)
         except PoolTimeout as exc:
             cause = self.last_connect_error
             if cause is None:
                 raise
             raise PoolTimeout(f"{exc}; the pool's last attempt to connect failed: {cause}") from exc
+        with self._checked_out_lock:
+            self._checked_out += 1
+        return conn
+
+    def putconn(self, conn: psycopg.Connection) -> None:
+        """Return the connection (not counted out once the pool took it)."""
+        super().putconn(conn)  # refuses a connection that is not this pool's, or returned twice
+        with self._checked_out_lock:
+            self._checked_out -= 1
+
+    @property
+    def checked_out(self) -> int:
+        """Connections handed out and not yet returned."""
+        return self._checked_out
 
     def _connect(self, timeout: float | None = None) -> psycopg.Connection:
         # The pool's own hook for making a connection: remember why it failed, or that it worked.
@@ -212,13 +228,10 @@ class RelayConnection(psycopg.Connection[Any]):
 
 
 class RelayPool(ReconnectingPool):
-    """A pool that remembers when each connection came back, counts those checked out,
-    and reconnects at a capped pace."""
+    """A pool that remembers when each connection came back, and reconnects at a capped pace."""
 
     def __init__(self, *args: Any, transaction_pooling: bool = False, **kwargs: Any) -> None:
         self.returned_at: weakref.WeakKeyDictionary[psycopg.Connection, float] = weakref.WeakKeyDictionary()
-        self._checked_out = 0
-        self._checked_out_lock = threading.Lock()
         self._checkout = threading.local()  # when this thread's getconn gives up (monotonic)
         #: Whether the connections go through a pooler in transaction mode: a session's prepared
         #: statements do not last there (see ``worker.one_message``).
@@ -253,13 +266,8 @@ class RelayPool(ReconnectingPool):
         self.drain()  # idle ones now; those checked out when they come back
         return True
 
-    @property
-    def checked_out(self) -> int:
-        """Connections handed out and not yet returned."""
-        return self._checked_out
-
     def getconn(self, timeout: float | None = None) -> psycopg.Connection:
-        """A connection, counted as checked out until ``putconn``.
+        """A connection (counted as checked out until ``putconn``).
 
         A checkout that timed out while every connection was checked out says
         so: "couldn't get a connection" alone reads as a database that is down.
@@ -273,8 +281,6 @@ class RelayPool(ReconnectingPool):
             raise PoolTimeout(f"{exc}: all {self.max_size} of the pool's connections were in use") from exc
         finally:
             self._checkout.ends = None
-        with self._checked_out_lock:
-            self._checked_out += 1
         return conn
 
     def check_limit(self) -> float:
@@ -294,9 +300,7 @@ class RelayPool(ReconnectingPool):
         conn.row_factory = tuple_row
         conn.cursor_factory = psycopg.Cursor
         self.returned_at[conn] = time.monotonic()
-        super().putconn(conn)  # refuses a connection that is not this pool's, or returned twice
-        with self._checked_out_lock:
-            self._checked_out -= 1
+        super().putconn(conn)
 
 
 def outdated_plan(exc: BaseException) -> bool:
@@ -313,7 +317,7 @@ def outdated_plan(exc: BaseException) -> bool:
     )
 
 
-def all_in_use(pool: RelayPool) -> bool:
+def all_in_use(pool: ReconnectingPool) -> bool:
     """Whether every connection the pool may hold is checked out.
 
     A PoolTimeout then means the connections are held, not that the database

@@ -37,7 +37,7 @@ from relay_core import Relay, monitor
 from relay_core.connect_options import connection_options
 from relay_core.jsonb import read_any_number
 from relay_core.outages import OutageLog, RepeatedWarning, Wording
-from relay_core.pools import ReconnectingPool
+from relay_core.pools import ReconnectingPool, all_in_use
 from relay_core.sessions import in_autocommit
 from relay_core.timestamps import read_any_timestamp
 
@@ -101,9 +101,6 @@ class Database:
         #: The requests that met the database away, said once (the error handlers report through ``unavailable``).
         self.outage = OutageLog(wording=UNAVAILABLE)
         self.exhaustion = RepeatedWarning(POOL_EXHAUSTED)
-        #: Connections this process's requests hold now: all of them (the pool's size) held is a
-        #: full pool, not an outage, whatever the pool's own last attempt to connect did.
-        self._in_use = 0
         self._size = size
         self._wait = wait_seconds
         self._statement_timeout_ms = statement_timeout_ms
@@ -167,24 +164,20 @@ class Database:
             g.relay_db_began = time.monotonic()  # a failure of a call begun before an outage ended is that outage's
         with self.pool().connection(timeout=wait) as conn:
             self.outage.succeeded()  # the pool checked it: the database answers (ends an outage, with a line)
-            with self._lock:
-                self._in_use += 1
-            try:
-                yield conn
-            finally:
-                with self._lock:
-                    self._in_use -= 1
+            yield conn
 
     def unavailable(self, during: str, error: BaseException) -> None:
         """Tell the log of a request (``during``: its path) that met the database away, or every connection in use.
 
         A pool timeout while other requests hold every connection of the pool
-        is no outage. Told by what the requests hold, not by the pool's last
-        attempt to connect: against a database that stalled, that attempt
-        hangs for its connect timeout, and its last word was still a success.
+        is no outage. Told by the connections checked out (``all_in_use``), not
+        by the pool's last attempt to connect: against a database that stalled,
+        that attempt hangs for its connect timeout, and its last word was still
+        a success.
         """
         began = g.get("relay_db_began") if has_request_context() else None
-        if isinstance(error, PoolTimeout) and self._in_use >= self._size:
+        pool = self._pool
+        if isinstance(error, PoolTimeout) and pool is not None and all_in_use(pool):
             self.exhaustion.happened(during=during)
         else:
             self.outage.failed(during, error, began=began)

@@ -133,6 +133,45 @@ def test_snooze_and_permanent_failure_from_an_async_handler(relay: Relay, db: ps
     assert charged.attempts == 1 and charged.last_error == "PermanentFailure: card number is invalid"
 
 
+def test_a_task_group_whose_every_task_gave_up_ends_the_job_dead(relay: Relay, db: psycopg.Connection) -> None:
+    """asyncio.TaskGroup raises an ExceptionGroup of its tasks' errors: PermanentFailures alone give up;
+    a group holding any other error is a failed attempt, retried."""
+
+    async def refuse(reason: str) -> None:
+        await asyncio.sleep(0)
+        raise PermanentFailure(reason)
+
+    async def flake() -> None:
+        await asyncio.sleep(0)
+        raise ConnectionError("smtp down")
+
+    @relay.handler("charge_all", max_attempts=10)
+    async def charge_all(job: Job) -> None:
+        async with asyncio.TaskGroup() as tasks:
+            tasks.create_task(refuse("card 1 is invalid"))
+            tasks.create_task(refuse("card 2 is invalid"))
+
+    @relay.handler("charge_nested", max_attempts=10)
+    def charge_nested(job: Job) -> None:
+        raise ExceptionGroup("outer", [PermanentFailure("a"), ExceptionGroup("inner", [PermanentFailure("b")])])
+
+    @relay.handler("charge_mixed", max_attempts=2, backoff=FAST)
+    async def charge_mixed(job: Job) -> None:
+        async with asyncio.TaskGroup() as tasks:
+            tasks.create_task(refuse("card 1 is invalid"))
+            tasks.create_task(flake())
+
+    given_up = [relay.enqueue("charge_all"), relay.enqueue("charge_nested")]
+    mixed = relay.enqueue("charge_mixed")
+    with running_worker(relay, poll_interval=0.05):
+        wait_for(lambda: all(job_status(db, j) == "dead" for j in [*given_up, mixed]))
+    for job_id in given_up:
+        job = relay.get_job(job_id)
+        assert job.attempts == 1, job
+        assert job.errors[0]["type"] == "ExceptionGroup"
+    assert relay.get_job(mixed).attempts == 2
+
+
 def test_an_awaiting_async_handler_is_stopped_at_its_timeout_and_the_attempt_fails(
     relay: Relay, dsn: str, db: psycopg.Connection
 ) -> None:

@@ -133,7 +133,7 @@ def _ended_by(exc: BaseException, job: Job, spec: HandlerSpec | None, worker_id:
         # ends it cancelled, with this attempt's error in its history like every other), and a
         # JobCancelled no admin asked for (a handler's own, to give up): claimed -> cancelled is an
         # admin's stop, and ended so its message was lost. PermanentFailure gives up for good.
-        if isinstance(exc, PermanentFailure) or job.attempt >= job.max_attempts:
+        if gives_up(exc) or job.attempt >= job.max_attempts:
             return Outcome(job, Kind.DEAD, took, message=message, error=entry)
         delay, problem = retry_delay(spec.backoff if spec else DEFAULT_BACKOFF, job.attempt)
         if problem:
@@ -152,6 +152,21 @@ def _ended_by(exc: BaseException, job: Job, spec: HandlerSpec | None, worker_id:
         }
         kind = Kind.DEAD if job.attempt >= job.max_attempts else Kind.RETRY
         return Outcome(job, kind, took, delay=DEFAULT_BACKOFF.delay(job.attempt), message=message, error=entry)
+
+
+def gives_up(exc: BaseException) -> bool:
+    """Whether ``exc`` ends its job dead at once: a PermanentFailure, or a group of nothing else.
+
+    ``asyncio.TaskGroup`` (and ``except*``-style code) raises an exception
+    group of its tasks' errors, so a handler whose tasks all raised
+    PermanentFailure raised no PermanentFailure itself, and its job was
+    retried up to ``max_attempts`` though every part of it had given up. A
+    group holding any other error is a failed attempt like that error alone.
+    """
+    if isinstance(exc, BaseExceptionGroup):
+        _, rest = exc.split(PermanentFailure)
+        return rest is None
+    return isinstance(exc, PermanentFailure)
 
 
 #: Why a transactional handler's success failed to be written under REPEATABLE READ or SERIALIZABLE.

@@ -135,3 +135,24 @@ def test_an_unknown_workload_is_refused_with_a_message(python: str, database_url
             timeout=60,
         )
         assert (result.returncode, said in result.stdout) == (2, True), result.stdout + result.stderr
+
+
+def test_a_soak_too_short_for_a_drift_fails_rather_than_reading_as_none(python: str, database_url: str) -> None:
+    """With one window after the warm-up (or none), W6 reported a drift of 0%, and its target read as met."""
+    databases = _harness("databases")
+    scratch = f"relay_bench_soak_{uuid.uuid4().hex[:10]}"
+    dsn = databases.create(database_url, scratch)
+    try:
+        script = str(ROOT / "bench" / "contestants" / "ceiling.py")
+        common = ["--dsn", dsn, "--concurrency", "1"]
+        subprocess.run([python, script, "--workload", "setup", *common], check=True, timeout=60)
+        result = subprocess.run(
+            [python, script, "--workload", "W6", "--duration", "1", "--window", "0.5", "--rate", "50", *common],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    finally:
+        databases.drop(database_url, scratch)
+    assert result.returncode != 0 and result.stdout == "", result.stdout
+    assert "W6 cannot tell a drift" in result.stderr and "--duration at least 3 x --window" in result.stderr

@@ -421,8 +421,15 @@ def soak(contestant: Contestant, args: argparse.Namespace) -> dict[str, Any]:
         stop.set()
         thread.join(10)
         contestant.stop_worker()
-    rates = [w["jobs_per_s"] for w in windows[1:]] or [0.0]
-    drift = (rates[-1] - rates[0]) / rates[0] if rates[0] else 0.0
+    # Drift runs from the second window to the last: the first is the worker's warm-up. Without two
+    # such windows, or with none of the jobs run in the second, there is none to give, and 0% read as met.
+    rates = [w["jobs_per_s"] for w in windows[1:]]
+    if len(rates) < 2 or not rates[0]:
+        raise SystemExit(
+            f"W6 cannot tell a drift from jobs/s per window {[w['jobs_per_s'] for w in windows]}: it needs two "
+            "windows after the first (--duration at least 3 x --window), and jobs run in the second"
+        )
+    drift = (rates[-1] - rates[0]) / rates[0]
     return {"windows": windows, "value": drift, "unit": "throughput drift", "rate": args.rate}
 
 

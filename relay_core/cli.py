@@ -19,7 +19,7 @@ from .settings import database_url_set
 from .validation import new_job
 from .worker import require_handlers
 from .worker.config import MAX_CONCURRENCY
-from .worker.shutdown import exit_now
+from .worker.shutdown import end_owned_process
 
 
 def _dsn_or_embedded() -> str:
@@ -183,7 +183,7 @@ def worker(
 
     A flag wins over its variable. The other settings are variables only:
     RELAY_HEARTBEAT_INTERVAL, RELAY_POLL_INTERVAL, RELAY_SWEEP_INTERVAL,
-    RELAY_RETENTION_*, RELAY_PRUNE, RELAY_SELF_VACUUM, RELAY_TRANSACTION_POOLING
+    RELAY_RETENTION_*, RELAY_PRUNE, RELAY_MAX_STUCK_HANDLERS, RELAY_SELF_VACUUM, RELAY_TRANSACTION_POOLING
     (the README's "Workers" section says what each does).
     """
     app = load_app(app_spec)
@@ -205,8 +205,7 @@ def worker(
             running.run()
     except ConfigurationError as exc:
         raise click.ClickException(str(exc)) from None
-    if running.handlers_left_running:
-        exit_now()
+    end_owned_process(running)
 
 
 @main.command()

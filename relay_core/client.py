@@ -37,7 +37,7 @@ from .validation import (
     new_job,
 )
 from .worker import Worker, WorkerConfig, require_handlers
-from .worker.shutdown import exit_now
+from .worker.shutdown import end_owned_process
 
 T = TypeVar("T")
 
@@ -527,8 +527,7 @@ class Relay:
         worker = self.worker(**settings)
         require_handlers(worker.handlers)
         worker.run()
-        if worker.handlers_left_running:
-            exit_now()
+        end_owned_process(worker)
 
     def connection_options(self) -> dict[str, Any]:
         """psycopg options for the application's own connections to Relay's database.

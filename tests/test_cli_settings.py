@@ -160,6 +160,8 @@ def test_migrate_says_when_a_newer_relay_migrated_the_database(dsn: str, db: psy
         ({"RELAY_CONCURRENCY": "100000"}, "RELAY_CONCURRENCY: concurrency must be"),
         ({"RELAY_POLL_INTERVAL": "1e300"}, "RELAY_POLL_INTERVAL: poll_interval must be"),
         ({"RELAY_SHUTDOWN_TIMEOUT": "1e300"}, "RELAY_SHUTDOWN_TIMEOUT: shutdown_timeout must be"),
+        ({"RELAY_MAX_STUCK_HANDLERS": "-1"}, "RELAY_MAX_STUCK_HANDLERS: max_stuck_handlers must be between 0"),
+        ({"RELAY_MAX_STUCK_HANDLERS": "some"}, "RELAY_MAX_STUCK_HANDLERS must be an integer"),
         ({"RELAY_LEASE_SECONDS": "0.5"}, "RELAY_LEASE_SECONDS: lease_seconds must be at least 1"),
         # An idle worker ran empty claims back to back.
         ({"RELAY_POLL_INTERVAL": "0.000001"}, "RELAY_POLL_INTERVAL: poll_interval must be at least 0.01 s"),

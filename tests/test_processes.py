@@ -372,6 +372,40 @@ def test_run_worker_ends_its_process_when_a_handed_back_handler_runs_on(
     )
 
 
+@pytest.mark.parametrize("runner", ["relay worker", "Relay.run_worker"])
+def test_a_worker_whose_handlers_hang_past_their_timeouts_stops_and_exits_3_for_a_restart(
+    relay: Relay, db: psycopg.Connection, python: str, worker_env: dict, tmp_path: Path, runner: str
+) -> None:
+    """Each handler stuck past its timeout got a fresh slot thread, and kept its job claimed, for the
+    life of the process: a handler that hung on every job grew the worker a thread a job and held
+    every job it took. Past RELAY_MAX_STUCK_HANDLERS (here 1, at concurrency 1) the worker stops
+    itself, records the stuck runs' timeouts, and exits 3, which a supervisor restarts."""
+    env = dict(worker_env, RELAY_POLL_INTERVAL="0.05", RELAY_MAX_STUCK_HANDLERS="1")
+    log = tmp_path / "worker.log"
+    hanging = [relay.enqueue("hang") for _ in range(3)]
+    if runner == "relay worker":
+        worker = start_worker_process(python, env, "--concurrency", "1", "--shutdown-timeout", "0.5", log=log)
+    else:
+        code = "from tests.apps.worker_app import relay; relay.run_worker(concurrency=1, shutdown_timeout=0.5)"
+        with open(log, "ab") as out:
+            worker = subprocess.Popen([python, "-c", code], env=env, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        status = worker.wait(30)
+    finally:
+        stop_process(worker)
+    output = log.read_text()
+    assert status == 3, output
+    assert "too many handlers are stuck past their timeouts" in output
+    # Two stuck runs (one more than allowed), each recorded as its timeout; the third job never started.
+    started = [job_id for job_id in hanging if executions(db, job_id)]
+    assert started == hanging[:2], output
+    for job_id in started:
+        job = relay.get_job(job_id)
+        assert (job.status, job.attempts) == ("queued", 1), job
+        assert [e["type"] for e in job.errors] == ["JobTimeout"]
+    assert job_row(db, hanging[2])[:2] == ("queued", 0)
+
+
 def test_handlers_a_shutdown_left_running_count_against_their_type_limit_until_their_process_exits(
     relay: Relay, db: psycopg.Connection, python: str, worker_env: dict
 ) -> None:

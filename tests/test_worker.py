@@ -42,7 +42,7 @@ from relay_core.worker import executor, lease_watch, runtime, startup
 from relay_core.worker.aio import SlotLoop
 from relay_core.worker.claim import PREFETCH_PAYLOAD_BYTES, hand_back_unheld, prefetch_per_slot
 from relay_core.worker.completer import Completer
-from relay_core.worker.config import WorkerConfig
+from relay_core.worker.config import MAX_CONCURRENCY, WorkerConfig
 from relay_core.worker.ledger import NOT_BEGUN, Slot
 from relay_core.worker.maintenance import Maintenance, heartbeat_once, sweep_once
 from relay_core.worker.outcome import Kind
@@ -218,6 +218,21 @@ def test_the_heartbeat_follows_the_lease_it_is_given(monkeypatch: pytest.MonkeyP
     assert WorkerConfig.from_env(lease_seconds=15.0).heartbeat_interval == 4.0
     with pytest.raises(ConfigurationError, match="at least"):
         WorkerConfig(heartbeat_interval=0.001)
+
+
+def test_the_stuck_handlers_a_worker_allows_follow_its_concurrency(monkeypatch: pytest.MonkeyPatch) -> None:
+    """As many as the slots it was given, here or in the environment, unless set."""
+    monkeypatch.delenv("RELAY_CONCURRENCY", raising=False)
+    monkeypatch.delenv("RELAY_MAX_STUCK_HANDLERS", raising=False)
+    assert WorkerConfig().max_stuck_handlers == 8
+    assert WorkerConfig.from_env(concurrency=3).max_stuck_handlers == 3
+    monkeypatch.setenv("RELAY_CONCURRENCY", "5")
+    assert WorkerConfig.from_env().max_stuck_handlers == 5
+    monkeypatch.setenv("RELAY_MAX_STUCK_HANDLERS", "0")
+    assert WorkerConfig.from_env().max_stuck_handlers == 0
+    for bad in (-1, 1.5, True, "2", MAX_CONCURRENCY + 1):
+        with pytest.raises(ConfigurationError, match="max_stuck_handlers must be"):
+            WorkerConfig(max_stuck_handlers=bad)  # type: ignore[arg-type]
 
 
 def test_a_queue_named_twice_is_served_once() -> None:
@@ -1472,7 +1487,7 @@ def test_a_pool_held_by_handlers_past_their_timeout_is_not_called_a_database_out
     relay.handler("quick")(lambda job: None)
     hanging = [relay.enqueue("hangs") for _ in range(6)]
     try:
-        with running_worker(relay, concurrency=1) as worker:
+        with running_worker(relay, concurrency=1, max_stuck_handlers=10) as worker:
             pool_max = worker.pool.max_size
             wait_for(
                 lambda: any(r.getMessage().startswith("no free database connection") for r in caplog.records),

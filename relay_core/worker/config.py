@@ -39,6 +39,7 @@ ENV_SETTINGS = {
     "poll_interval": "RELAY_POLL_INTERVAL",
     "sweep_interval": "RELAY_SWEEP_INTERVAL",
     "shutdown_timeout": "RELAY_SHUTDOWN_TIMEOUT",
+    "max_stuck_handlers": "RELAY_MAX_STUCK_HANDLERS",
     "queues": "RELAY_QUEUES",
 }
 
@@ -62,6 +63,9 @@ class WorkerConfig:
     poll_interval: float = 0.5
     sweep_interval: float = 5.0
     shutdown_timeout: float = 25.0
+    #: How many handlers may run on past their timeouts before the worker stops, so that
+    #: its process (and their threads with it) ends and is started afresh. Default: concurrency.
+    max_stuck_handlers: int = None  # type: ignore[assignment]
     listen: bool = True
     #: Empty: one is made for this process (host:pid:random), which no other process shares.
     worker_id: str = ""
@@ -100,6 +104,16 @@ class WorkerConfig:
             raise ConfigurationError(f"concurrency must be a whole number of slots, got {self.concurrency!r}")
         if not 1 <= self.concurrency <= MAX_CONCURRENCY:
             raise ConfigurationError(f"concurrency must be between 1 and {MAX_CONCURRENCY}, got {self.concurrency}")
+        if self.max_stuck_handlers is None:
+            self.max_stuck_handlers = self.concurrency
+        if isinstance(self.max_stuck_handlers, bool) or not isinstance(self.max_stuck_handlers, int):
+            raise ConfigurationError(
+                f"max_stuck_handlers must be a whole number of handlers, got {self.max_stuck_handlers!r}"
+            )
+        if not 0 <= self.max_stuck_handlers <= MAX_CONCURRENCY:
+            raise ConfigurationError(
+                f"max_stuck_handlers must be between 0 and {MAX_CONCURRENCY}, got {self.max_stuck_handlers}"
+            )
         # The lease first: the heartbeat's default is a third of it.
         for name in ("lease_seconds", "heartbeat_interval", "poll_interval", "sweep_interval"):
             if name == "heartbeat_interval" and self.heartbeat_interval is None:
@@ -156,6 +170,8 @@ class WorkerConfig:
             "poll_interval": lambda: env_float(named["poll_interval"], default["poll_interval"]),
             "sweep_interval": lambda: env_float(named["sweep_interval"], default["sweep_interval"]),
             "shutdown_timeout": lambda: env_float(named["shutdown_timeout"], default["shutdown_timeout"]),
+            # None: as many as the worker has slots, the concurrency given here or in the environment.
+            "max_stuck_handlers": lambda: env_int(named["max_stuck_handlers"], None),
             # A transaction pooler delivers no notifications: poll unless told otherwise.
             "listen": lambda: env_bool("RELAY_LISTEN", not transaction_pooling()),
             "retention": lambda: Retention.from_env() if env_bool("RELAY_PRUNE", True) else None,

@@ -128,6 +128,9 @@ class Worker:
         #: Handlers still running when shutdown ended (their jobs handed back or timed out):
         #: they stop only when the process exits, which must come within the hand-back grace.
         self.handlers_left_running = 0
+        #: How many handlers ran on past their timeouts when that made the worker stop; 0 if it
+        #: did not. ``relay worker`` then exits with STUCK_EXIT_STATUS, for its supervisor to restart it.
+        self.stopped_for_stuck_handlers = 0
         self._inbox: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
         self._slots: list[Slot] = []
         #: Each slot thread's event loop for async handlers (see ``_await_async_cleanup``).
@@ -158,7 +161,15 @@ class Worker:
         self.pooled_calls = PooledCallLog(self.outage, OutageLog(wording=POOL_EXHAUSTED), self._exhaustion_cause)
         self.completer = Completer(self.pool, self._on_written, self.pooled_calls)
         self.ledger = Ledger(self.completer)
-        self.lease_watch = LeaseWatch(self.ledger, self.handlers, self.id, self._start_slot, self.stopped)
+        self.lease_watch = LeaseWatch(
+            self.ledger,
+            self.handlers,
+            self.id,
+            self._start_slot,
+            self.stopped,
+            self._too_many_stuck,
+            self.config.max_stuck_handlers,
+        )
         self.maintenance = Maintenance(
             self.pool,
             dsn=dsn,
@@ -565,6 +576,20 @@ class Worker:
         self.stopping.set()
         self._wake.set()
         self._claim_in_flight.cancel()
+
+    def _too_many_stuck(self, stuck: int) -> None:
+        """More handlers run on past their timeouts than ``max_stuck_handlers``: stop (see ``check_timeouts``)."""
+        if self.stopping.is_set():
+            return
+        self.stopped_for_stuck_handlers = stuck
+        event(
+            logging.ERROR,
+            "too many handlers are stuck past their timeouts; stopping the worker, so that its process "
+            "ends with their threads and their jobs are retried",
+            stuck=stuck,
+            max_stuck_handlers=self.config.max_stuck_handlers,
+        )
+        self.stop()
 
     def _on_signal(self, signum: int) -> None:
         """SIGTERM/SIGINT (on the signal watcher's thread): stop; a second one hands back in-flight jobs now."""

@@ -16,6 +16,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import psycopg
 from psycopg_pool import PoolTimeout
@@ -181,8 +182,14 @@ def record_overdue(
     on_written(decided, written)
 
 
-def exit_now() -> None:
-    """End the process at once, without waiting for its threads.
+#: ``relay worker``'s exit status when it stopped itself because too many handlers were stuck
+#: past their timeouts (``max_stuck_handlers``): not 0, so a supervisor that restarts failed
+#: processes only (systemd's Restart=on-failure) starts it again.
+STUCK_EXIT_STATUS = 3
+
+
+def exit_now(status: int = 0) -> None:
+    """End the process at once with ``status``, without waiting for its threads.
 
     Handlers still running at the end of a shutdown had their jobs handed back
     (or their timeouts recorded), and another worker may start those jobs
@@ -193,4 +200,18 @@ def exit_now() -> None:
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    os._exit(status)
+
+
+def end_owned_process(worker: Any) -> None:
+    """After ``worker.run()`` returned in a process the worker owns (``relay worker``, ``Relay.run_worker``).
+
+    A worker that stopped itself for handlers stuck past their timeouts ends
+    the process with STUCK_EXIT_STATUS, to be started again; one that left
+    handlers running ends it at once (see ``exit_now``). Otherwise the
+    process goes on to its own end.
+    """
+    if worker.stopped_for_stuck_handlers:
+        exit_now(STUCK_EXIT_STATUS)
+    if worker.handlers_left_running:
+        exit_now()

@@ -63,6 +63,14 @@ def app_logs_run(job: Job) -> None:
     warnings.warn("the v1 export format is deprecated\nuse v2", UserWarning, stacklevel=1)
 
 
+@relay.handler("hang", max_attempts=5, timeout=0.3)
+def hang_run(job: Job) -> None:
+    """Record start, then block past its timeout, ignoring ``job.lease_lost``, as a network call
+    without a timeout of its own does; it returns only after ``payload.sleep`` seconds (60)."""
+    record(job, "start")
+    time.sleep(float((job.payload or {}).get("sleep", 60)))
+
+
 @relay.handler("noop", max_attempts=5)
 def noop_run(job: Job) -> None:
     """Do nothing: the shortest job there is, which the worker prefetches most of."""

@@ -191,6 +191,7 @@ def worker(
         "concurrency": concurrency,
         "lease_seconds": lease_seconds,
         "shutdown_timeout": shutdown_timeout,
+        "owns_process": True,
     }
     if queues is not None:
         settings["queues"] = queues

@@ -524,7 +524,7 @@ class Relay:
         elsewhere after a short grace), the process ends at once rather than
         return and let them run on beside their next attempt.
         """
-        worker = self.worker(**settings)
+        worker = self.worker(owns_process=True, **settings)
         require_handlers(worker.handlers)
         worker.run()
         end_owned_process(worker)

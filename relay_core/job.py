@@ -113,7 +113,8 @@ class Job:
             raise JobCancelled(f"job {self.id} was cancelled while running")
 
     def progress(self, percent: float | None = None, message: str | None = None) -> bool:
-        """Report progress (shown on the job's admin page); False if the job is no longer ours.
+        """Report progress (shown on the job's admin page); False if the job is no longer ours,
+        or the handler was told to stop (``lease_lost``: past its timeout, say), and then nothing is written.
 
         Each call is one fenced UPDATE, so report per step, not per item.
         While the database cannot be reached the report is dropped, and the

@@ -378,8 +378,9 @@ def test_a_worker_whose_handlers_hang_past_their_timeouts_stops_and_exits_3_for_
 ) -> None:
     """Each handler stuck past its timeout got a fresh slot thread, and kept its job claimed, for the
     life of the process: a handler that hung on every job grew the worker a thread a job and held
-    every job it took. Past RELAY_MAX_STUCK_HANDLERS (here 1, at concurrency 1) the worker stops
-    itself, records the stuck runs' timeouts, and exits 3, which a supervisor restarts."""
+    every job it took. Past RELAY_MAX_STUCK_HANDLERS (here 1, at concurrency 1) handlers stuck for
+    over STUCK_AFTER_SECONDS, the worker stops itself, records their timeouts, and exits 3, which
+    a supervisor restarts."""
     env = dict(worker_env, RELAY_POLL_INTERVAL="0.05", RELAY_MAX_STUCK_HANDLERS="1")
     log = tmp_path / "worker.log"
     hanging = [relay.enqueue("hang") for _ in range(3)]
@@ -396,14 +397,37 @@ def test_a_worker_whose_handlers_hang_past_their_timeouts_stops_and_exits_3_for_
     output = log.read_text()
     assert status == 3, output
     assert "too many handlers are stuck past their timeouts" in output
-    # Two stuck runs (one more than allowed), each recorded as its timeout; the third job never started.
-    started = [job_id for job_id in hanging if executions(db, job_id)]
-    assert started == hanging[:2], output
-    for job_id in started:
+    # Each started on a fresh slot as the one before timed out, and each timeout is recorded.
+    for job_id in hanging:
+        assert [row[4] for row in executions(db, job_id)] == ["start"], output
         job = relay.get_job(job_id)
         assert (job.status, job.attempts) == ("queued", 1), job
         assert [e["type"] for e in job.errors] == ["JobTimeout"]
-    assert job_row(db, hanging[2])[:2] == ("queued", 0)
+
+
+def test_a_sigterm_while_a_worker_stops_itself_is_its_first_signal(
+    relay: Relay, db: psycopg.Connection, python: str, worker_env: dict, tmp_path: Path
+) -> None:
+    """A platform's SIGTERM after the worker began to stop for stuck handlers was taken as a second
+    signal, and the healthy jobs in flight were handed back at once rather than given their
+    shutdown timeout."""
+    env = dict(worker_env, RELAY_POLL_INTERVAL="0.05", RELAY_MAX_STUCK_HANDLERS="0")
+    log = tmp_path / "worker.log"
+    healthy = relay.enqueue("record", {"sleep": 9})
+    worker = start_worker_process(python, env, "--concurrency", "2", "--shutdown-timeout", "15", log=log)
+    try:
+        wait_for(lambda: executions(db, healthy), what="the healthy job to start")
+        stuck = relay.enqueue("hang")
+        wait_for(lambda: "too many handlers are stuck" in log.read_text(), timeout=20, what="the worker to stop itself")
+        worker.send_signal(signal.SIGTERM)
+        status = worker.wait(30)
+    finally:
+        stop_process(worker)
+    output = log.read_text()
+    assert status == 3, output
+    assert "second signal" not in output
+    assert job_row(db, healthy)[:2] == ("succeeded", 1), output
+    assert [e["type"] for e in relay.get_job(stuck).errors] == ["JobTimeout"]
 
 
 def test_handlers_a_shutdown_left_running_count_against_their_type_limit_until_their_process_exits(

@@ -220,16 +220,23 @@ def test_the_heartbeat_follows_the_lease_it_is_given(monkeypatch: pytest.MonkeyP
         WorkerConfig(heartbeat_interval=0.001)
 
 
-def test_the_stuck_handlers_a_worker_allows_follow_its_concurrency(monkeypatch: pytest.MonkeyPatch) -> None:
-    """As many as the slots it was given, here or in the environment, unless set."""
+def test_the_stuck_handlers_a_worker_allows_follow_its_concurrency_where_it_owns_its_process(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """As many as the slots it was given, here or in the environment, unless set; a worker in a
+    process of the application's, which a stop it did not ask for would leave without one, has no
+    limit unless given one."""
     monkeypatch.delenv("RELAY_CONCURRENCY", raising=False)
     monkeypatch.delenv("RELAY_MAX_STUCK_HANDLERS", raising=False)
-    assert WorkerConfig().max_stuck_handlers == 8
-    assert WorkerConfig.from_env(concurrency=3).max_stuck_handlers == 3
+    assert WorkerConfig().max_stuck_handlers is None
+    assert WorkerConfig(owns_process=True).max_stuck_handlers == 8
+    assert WorkerConfig.from_env(concurrency=3, owns_process=True).max_stuck_handlers == 3
     monkeypatch.setenv("RELAY_CONCURRENCY", "5")
-    assert WorkerConfig.from_env().max_stuck_handlers == 5
+    assert WorkerConfig.from_env(owns_process=True).max_stuck_handlers == 5
+    assert WorkerConfig.from_env().max_stuck_handlers is None
     monkeypatch.setenv("RELAY_MAX_STUCK_HANDLERS", "0")
     assert WorkerConfig.from_env().max_stuck_handlers == 0
+    assert WorkerConfig.from_env(owns_process=True).max_stuck_handlers == 0
     for bad in (-1, 1.5, True, "2", MAX_CONCURRENCY + 1):
         with pytest.raises(ConfigurationError, match="max_stuck_handlers must be"):
             WorkerConfig(max_stuck_handlers=bad)  # type: ignore[arg-type]
@@ -337,6 +344,99 @@ def test_handler_past_its_timeout_is_a_failed_attempt(relay: Relay, db: psycopg.
     job = relay.get_job(job_id)
     assert job.last_error.startswith("JobTimeout") and job.attempts == 1
     assert [e["type"] for e in job.errors] == ["JobTimeout"]
+
+
+def test_async_handlers_cancelled_at_their_timeouts_are_not_stuck_nor_leave_slots_behind(
+    relay: Relay, db: psycopg.Connection, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The count of stuck handlers was taken as the timeouts were decided, before a cancelled async
+    handler could return: a batch timing out at once stopped the worker though no thread was stuck.
+    And each timeout left its slot and event loop in the worker's lists for good."""
+    monkeypatch.setattr(runtime, "STUCK_AFTER_SECONDS", 0.5)
+
+    @relay.handler("waits", timeout=0.1, max_attempts=1)
+    async def waits(job: Job) -> None:
+        await asyncio.sleep(60)
+
+    jobs = [relay.enqueue("waits") for _ in range(20)]
+    with running_worker(relay, concurrency=2, max_stuck_handlers=0, poll_interval=0.05) as worker:
+        wait_for(lambda: all(job_status(db, j) == "dead" for j in jobs), timeout=30, what="every job to time out")
+        time.sleep(1.5)  # past STUCK_AFTER_SECONDS of the last timeout, with the lease watch's checks between
+        assert not worker.stopping.is_set() and worker.stopped_for_stuck_handlers == 0
+        assert worker.stuck_handlers(time.monotonic()) == 0
+        assert len(worker._slots) == 2 and len(worker._slot_loops) == 2
+    assert {relay.get_job(j).last_error.split(":")[0] for j in jobs} == {"JobTimeout"}
+
+
+def test_a_stuck_handler_whose_job_was_taken_over_still_counts_as_stuck(
+    relay: Relay, db: psycopg.Connection, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Stuck handlers were counted from the jobs the worker still held past their timeouts, so one
+    whose job another worker took over (its lease lost in an outage) was forgotten while its
+    thread ran on, and the limit came back after every outage."""
+    monkeypatch.setattr(runtime, "STUCK_AFTER_SECONDS", 0.5)
+    release = threading.Event()
+
+    @relay.handler("hangs", timeout=0.2, max_attempts=5)
+    def hangs(job: Job) -> None:
+        release.wait(60)
+
+    first = relay.enqueue("hangs")
+    try:
+        with running_worker(
+            relay, concurrency=1, max_stuck_handlers=1, lease_seconds=3.0, heartbeat_interval=0.3
+        ) as worker:
+            wait_for(lambda: first in worker.ledger.overdue, timeout=15, what="the first timeout")
+            # Taken over: another claim of the job (its lease token moved on), which the next heartbeat finds.
+            db.execute(
+                "UPDATE relay.jobs SET lease_token = lease_token + 1, claimed_by = 'other' WHERE id = %s", (first,)
+            )
+            wait_for(lambda: first not in worker.ledger.overdue, timeout=15, what="the heartbeat to find it lost")
+            second = relay.enqueue("hangs")
+            wait_for(lambda: worker.stopping.is_set(), timeout=15, what="the worker to stop itself")
+            assert worker.stopped_for_stuck_handlers == 2
+    finally:
+        release.set()
+    assert [e["type"] for e in relay.get_job(second).errors] == ["JobTimeout"]
+
+
+def test_progress_after_the_timeout_tells_the_handler_to_stop_and_writes_nothing(
+    relay: Relay, db: psycopg.Connection
+) -> None:
+    """It answered True past the timeout, renewing the lease: a handler that went on while its
+    reports were taken ran on as if its attempt were still open."""
+    answers: list[bool] = []
+
+    @relay.handler("reports", timeout=0.3, max_attempts=1)
+    def reports(job: Job) -> None:
+        while not job.lease_lost:
+            time.sleep(0.02)
+        answers.append(job.progress(50, "after the timeout"))
+
+    job_id = relay.enqueue("reports")
+    with running_worker(relay, concurrency=1):
+        wait_for(lambda: job_status(db, job_id) == "dead", timeout=15)
+    assert answers == [False]
+    job = relay.get_job(job_id)
+    assert job.progress is None and job.last_error.startswith("JobTimeout")
+
+
+def test_a_handler_registered_after_the_worker_was_made_runs_on_it(relay: Relay, db: psycopg.Connection) -> None:
+    """The worker kept the handlers registered when it was made: an app that built it first and
+    imported its handler modules after had each of their jobs fail as "no handler" until dead."""
+    job_id = relay.enqueue("late")
+    worker = relay.worker(concurrency=1, poll_interval=0.05)
+    relay.handler("late")(lambda job: "ran")
+    thread = threading.Thread(target=worker.run, kwargs={"install_signals": False}, daemon=True)
+    thread.start()
+    try:
+        wait_for(lambda: job_status(db, job_id) != "queued", timeout=15, what="the job to run")
+        wait_for(lambda: job_status(db, job_id) != "claimed", timeout=15, what="the job to end")
+    finally:
+        worker.stop()
+        thread.join(30)
+    job = relay.get_job(job_id)
+    assert (job.status, job.result, job.errors) == ("succeeded", "ran", []), job
 
 
 def test_retry_after_a_timeout_waits_for_the_stuck_run_to_end(relay: Relay, db: psycopg.Connection) -> None:
@@ -1487,7 +1587,7 @@ def test_a_pool_held_by_handlers_past_their_timeout_is_not_called_a_database_out
     relay.handler("quick")(lambda job: None)
     hanging = [relay.enqueue("hangs") for _ in range(6)]
     try:
-        with running_worker(relay, concurrency=1, max_stuck_handlers=10) as worker:
+        with running_worker(relay, concurrency=1) as worker:
             pool_max = worker.pool.max_size
             wait_for(
                 lambda: any(r.getMessage().startswith("no free database connection") for r in caplog.records),

@@ -63,9 +63,15 @@ class WorkerConfig:
     poll_interval: float = 0.5
     sweep_interval: float = 5.0
     shutdown_timeout: float = 25.0
-    #: How many handlers may run on past their timeouts before the worker stops, so that
-    #: its process (and their threads with it) ends and is started afresh. Default: concurrency.
-    max_stuck_handlers: int = None  # type: ignore[assignment]
+    #: How many handlers may run on long after they were told to stop (past their timeouts)
+    #: before the worker stops itself, for its process, their threads with it, to end and be
+    #: started afresh (see ``Worker.check_stuck``). None: no limit, unless ``owns_process``.
+    max_stuck_handlers: int | None = None
+    #: Whether the worker's process is its own (``relay worker``, ``Relay.run_worker``), which
+    #: ends when the worker stops: then ``max_stuck_handlers`` defaults to the concurrency. A
+    #: worker run in a process of the application's has no such limit unless given one, since a
+    #: stop it did not ask for would leave the process running without a worker.
+    owns_process: bool = False
     listen: bool = True
     #: Empty: one is made for this process (host:pid:random), which no other process shares.
     worker_id: str = ""
@@ -92,7 +98,7 @@ class WorkerConfig:
                 check_queue(queue)
             except InvalidJobError as exc:
                 raise ConfigurationError(f"queues must be queue names: {exc.message}") from None
-        for name in ("listen", "self_vacuum"):
+        for name in ("listen", "self_vacuum", "owns_process"):
             # "false" is a true value: a string here would turn on what it means to turn off.
             if not isinstance(getattr(self, name), bool):
                 raise ConfigurationError(f"{name} must be True or False, got {getattr(self, name)!r}")
@@ -104,16 +110,13 @@ class WorkerConfig:
             raise ConfigurationError(f"concurrency must be a whole number of slots, got {self.concurrency!r}")
         if not 1 <= self.concurrency <= MAX_CONCURRENCY:
             raise ConfigurationError(f"concurrency must be between 1 and {MAX_CONCURRENCY}, got {self.concurrency}")
-        if self.max_stuck_handlers is None:
+        if self.max_stuck_handlers is None and self.owns_process:
             self.max_stuck_handlers = self.concurrency
-        if isinstance(self.max_stuck_handlers, bool) or not isinstance(self.max_stuck_handlers, int):
-            raise ConfigurationError(
-                f"max_stuck_handlers must be a whole number of handlers, got {self.max_stuck_handlers!r}"
-            )
-        if not 0 <= self.max_stuck_handlers <= MAX_CONCURRENCY:
-            raise ConfigurationError(
-                f"max_stuck_handlers must be between 0 and {MAX_CONCURRENCY}, got {self.max_stuck_handlers}"
-            )
+        stuck = self.max_stuck_handlers
+        if stuck is not None and (isinstance(stuck, bool) or not isinstance(stuck, int)):
+            raise ConfigurationError(f"max_stuck_handlers must be a whole number of handlers, got {stuck!r}")
+        if stuck is not None and not 0 <= stuck <= MAX_CONCURRENCY:
+            raise ConfigurationError(f"max_stuck_handlers must be between 0 and {MAX_CONCURRENCY}, got {stuck}")
         # The lease first: the heartbeat's default is a third of it.
         for name in ("lease_seconds", "heartbeat_interval", "poll_interval", "sweep_interval"):
             if name == "heartbeat_interval" and self.heartbeat_interval is None:
@@ -170,7 +173,7 @@ class WorkerConfig:
             "poll_interval": lambda: env_float(named["poll_interval"], default["poll_interval"]),
             "sweep_interval": lambda: env_float(named["sweep_interval"], default["sweep_interval"]),
             "shutdown_timeout": lambda: env_float(named["shutdown_timeout"], default["shutdown_timeout"]),
-            # None: as many as the worker has slots, the concurrency given here or in the environment.
+            # None: as many as the worker has slots when it owns its process, else no limit.
             "max_stuck_handlers": lambda: env_int(named["max_stuck_handlers"], None),
             # A transaction pooler delivers no notifications: poll unless told otherwise.
             "listen": lambda: env_bool("RELAY_LISTEN", not transaction_pooling()),

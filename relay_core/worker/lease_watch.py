@@ -38,8 +38,7 @@ class LeaseWatch:
         worker_id: str,
         start_slot: Callable[[], None],
         stopped: threading.Event,
-        too_many_stuck: Callable[[int], None],
-        max_stuck: int,
+        check_stuck: Callable[[float], None],
     ) -> None:
         self.ledger = ledger
         self.handlers = handlers
@@ -47,15 +46,15 @@ class LeaseWatch:
         #: Starts a fresh slot thread in place of one a timed-out handler still holds.
         self.start_slot = start_slot
         self.stopped = stopped
-        #: Told how many handlers run on past their timeouts once there are more than ``max_stuck``.
-        self.too_many_stuck = too_many_stuck
-        self.max_stuck = max_stuck
+        #: Looks, at each check, for handlers that run on long after they were told to stop.
+        self.check_stuck = check_stuck
 
     def run(self) -> None:
         """The watch's thread: tell handlers whose leases ran out unrenewed, or whose timeouts passed, to stop."""
         while not self.stopped.wait(LEASE_WATCH_SECONDS):
             try:
                 self.check_timeouts()
+                self.check_stuck(time.monotonic())
                 self.flag_unrenewed(time.monotonic())
                 self.hand_back_held(time.monotonic())
             except Exception as exc:  # this thread stops handlers that must stop: it must outlive any bug
@@ -91,16 +90,9 @@ class LeaseWatch:
         now and written when the handler returns; meanwhile the lease is
         heartbeated like any running job's and a fresh slot takes the stuck
         one's place. A handler that never returns holds its job until the
-        worker stops.
-
-        Each stuck thread stays, and so would its job, for the life of the
-        process: a handler that hangs on every job (a network call without a
-        timeout) would grow the worker by a thread a job and hold every job it
-        took. Once more than ``max_stuck`` handlers run on, the worker is told
-        to stop, which records their timeouts and ends the process.
+        worker stops (or stops itself: see ``Worker.check_stuck``).
         """
-        timed_out = self.ledger.take_timed_out(time.monotonic(), self.timed_out)
-        for running in timed_out:
+        for running in self.ledger.take_timed_out(time.monotonic(), self.timed_out):
             job = running.job
             self.start_slot()  # the stuck thread keeps its slot object; the worker gets a fresh one
             event(
@@ -110,10 +102,6 @@ class LeaseWatch:
                 type=job.type,
                 attempt=job.attempt,
             )
-        if timed_out:
-            stuck = self.ledger.overdue_count()
-            if stuck > self.max_stuck:
-                self.too_many_stuck(stuck)
 
     def timed_out(self, running: Running, now: float) -> Outcome:
         """The outcome of a run past its handler's timeout at ``now``: a failed attempt (JobTimeout)."""

@@ -45,6 +45,14 @@ class Slot:
 
     index: int
     abandoned: threading.Event = field(default_factory=threading.Event)
+    #: When it was abandoned (monotonic): its handler was told to stop then, and runs on only if it ignores that.
+    abandoned_at: float | None = None
+
+    def abandon(self) -> None:
+        """Leave the thread to its handler, told to stop; the worker runs its jobs on a fresh slot."""
+        if self.abandoned_at is None:
+            self.abandoned_at = time.monotonic()
+        self.abandoned.set()
 
 
 @dataclass
@@ -133,7 +141,7 @@ class Ledger:
         event(logging.WARNING, "lease taken over by a new claim of the same job", job_id=job.id, type=job.type)
         if earlier.slot is None:
             return 0
-        earlier.slot.abandoned.set()
+        earlier.slot.abandon()
         return 1
 
     def bind(self, slot: Slot, job: Job, now: float, timeout: float | None) -> bool:
@@ -206,7 +214,7 @@ class Ledger:
                     expired.append(running)
                     del self.running[jid]
                     self.overdue[jid] = (running, decided)
-                    running.slot.abandoned.set()
+                    running.slot.abandon()
                     running.job._lease_lost.set()  # tells a cooperative handler to stop
         return expired
 
@@ -351,7 +359,7 @@ class Ledger:
         """Hold these runs' leases in closing, their handlers (if started) told to stop; called with the lock held."""
         for running in runs:
             if running.slot is not None:
-                running.slot.abandoned.set()
+                running.slot.abandon()
             running.job._lease_lost.set()
             self.closing[running.job.id] = running.job.lease_token
 

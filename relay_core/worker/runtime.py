@@ -11,6 +11,7 @@ cron; the listener turns NOTIFY into wake-ups. How a worker starts is
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import queue
@@ -63,6 +64,10 @@ from .vacuum import vacuum_if_needed
 CLAIM_COALESCE_SECONDS = 0.002
 #: At shutdown, the pause between tries to return the jobs of a claim whose answer was lost.
 RETURN_UNHELD_RETRY_SECONDS = 0.1
+#: How long a handler told to stop (its timeout passed, or its job was taken over) may run on
+#: before it counts as stuck (see ``Worker.check_stuck``): a cancelled async handler, or a sync
+#: one that checks ``job.lease_lost``, returns well within it.
+STUCK_AFTER_SECONDS = 5.0
 #: A registration that took longer than this waited for a database that was not answering.
 STARTED_DURING_AN_OUTAGE_SECONDS = 1.0
 #: At the end of a shutdown, how long the heartbeat and listener threads get to stop (together),
@@ -116,6 +121,8 @@ class Worker:
         self.handlers = dict(handlers)
         self.config = config or WorkerConfig()
         self.id = self.config.worker_id
+        #: The app's registry, read again as the worker starts (see ``_run``).
+        self._registry = handlers
         self.counters = Counters()
         self.stopping = threading.Event()
         self._stop_asked_at: float | None = None  # time.monotonic() of the first stop(): the drain window's start
@@ -132,7 +139,12 @@ class Worker:
         #: did not. ``relay worker`` then exits with STUCK_EXIT_STATUS, for its supervisor to restart it.
         self.stopped_for_stuck_handlers = 0
         self._inbox: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
+        #: The slots whose threads still run (a stuck one's too), under ``_slots_lock``.
         self._slots: list[Slot] = []
+        self._slots_lock = threading.Lock()
+        self._slot_numbers = itertools.count()
+        #: Whether a signal asked for the stop: a second one hurries it (see ``_on_signal``).
+        self._signalled = False
         #: Each slot thread's event loop for async handlers (see ``_await_async_cleanup``).
         self._slot_loops: list[SlotLoop] = []
         # Whether any job type has a limit: decides how the claim runs (see claim()).
@@ -167,8 +179,7 @@ class Worker:
             self.id,
             self._start_slot,
             self.stopped,
-            self._too_many_stuck,
-            self.config.max_stuck_handlers,
+            self.check_stuck,
         )
         self.maintenance = Maintenance(
             self.pool,
@@ -250,7 +261,15 @@ class Worker:
         take says nothing of whose the job is: the answer is then the lease as
         this worker counts it (``job.lease_lost``), not False, which a handler
         reads as "stop, the job is no longer yours".
+
+        A handler told to stop (``job.lease_lost``: past its timeout, or its
+        lease ran out or was taken over) gets False and writes nothing: its
+        attempt is decided, and a handler that reads the answer as "go on"
+        ran on past its timeout, its reports renewing a lease it held only
+        until it returned.
         """
+        if job.lease_lost:
+            return False
         params = {
             "id": job.id,
             "token": job.lease_token,
@@ -284,13 +303,15 @@ class Worker:
     # -- slots -------------------------------------------------------------
 
     def _start_slot(self) -> None:
-        slot = Slot(len(self._slots))
-        self._slots.append(slot)
+        slot = Slot(next(self._slot_numbers))
+        with self._slots_lock:
+            self._slots.append(slot)
         threading.Thread(target=self._slot_loop, args=(slot,), name=f"relay-slot-{slot.index}", daemon=True).start()
 
     def _slot_loop(self, slot: Slot) -> None:
         loop = SlotLoop()  # async handlers' event loop, this thread's alone
-        self._slot_loops.append(loop)
+        with self._slots_lock:
+            self._slot_loops.append(loop)
         try:
             while not slot.abandoned.is_set():
                 job = self._inbox.get()
@@ -302,6 +323,49 @@ class Worker:
                 self._finish(slot, job, outcome)
         finally:
             loop.close()
+            # Gone with its thread: kept, every timeout of a long-lived worker left a slot and a loop behind.
+            with self._slots_lock:
+                self._slots.remove(slot)
+                self._slot_loops.remove(loop)
+
+    def stuck_handlers(self, now: float) -> int:
+        """Handlers told to stop (past their timeouts, or their jobs taken over) over STUCK_AFTER_SECONDS
+        before ``now`` (monotonic) whose threads still run them."""
+        with self._slots_lock:
+            return sum(
+                1
+                for slot in self._slots
+                if slot.abandoned_at is not None and now - slot.abandoned_at > STUCK_AFTER_SECONDS
+            )
+
+    def check_stuck(self, now: float) -> None:
+        """Stop once more handlers are stuck than ``max_stuck_handlers``, for the process to end with them.
+
+        Python cannot stop a thread: each stuck handler keeps its thread, and
+        its job's lease, for the life of the process, while a fresh slot takes
+        its place. A handler that hangs on every job (a network call without a
+        timeout of its own) grew the worker a thread a job and held every job
+        it took. The stop records their timeouts, and the process that owns
+        the worker exits (STUCK_EXIT_STATUS) for its supervisor to start it
+        afresh. A handler that returns soon after it was told to stop (a
+        cancelled async one, a sync one that checks ``job.lease_lost``) is not
+        stuck.
+        """
+        limit = self.config.max_stuck_handlers
+        if limit is None or self.stopping.is_set():
+            return
+        stuck = self.stuck_handlers(now)
+        if stuck <= limit:
+            return
+        self.stopped_for_stuck_handlers = stuck
+        event(
+            logging.ERROR,
+            "too many handlers are stuck past their timeouts; stopping the worker, so that its process "
+            "ends with their threads and their jobs are retried",
+            stuck=stuck,
+            max_stuck_handlers=limit,
+        )
+        self.stop()
 
     def _await_async_cleanup(self, end: float) -> None:
         """Wait until ``end`` (monotonic) for the async handlers the shutdown cancelled to end.
@@ -311,12 +375,12 @@ class Worker:
         first await. A sync handler cannot be stopped and is not waited for; a
         second signal ends the wait.
         """
-        while (
-            any(loop.running.is_set() for loop in self._slot_loops)
-            and time.monotonic() < end
-            and self._hurried_at is None
-        ):
+        while self._async_handler_running() and time.monotonic() < end and self._hurried_at is None:
             time.sleep(0.01)
+
+    def _async_handler_running(self) -> bool:
+        with self._slots_lock:
+            return any(loop.running.is_set() for loop in self._slot_loops)
 
     def _bind(self, slot: Slot, job: Job) -> bool:
         """Mark ``job`` as running in ``slot``; its timeout starts now."""
@@ -392,6 +456,11 @@ class Worker:
         says how many. ``relay worker`` and :meth:`Relay.run_worker`, which own
         their process, then end it at once (:func:`exit_now`); a caller that
         goes on after ``run`` returns should do the same when that is not zero.
+
+        Given ``max_stuck_handlers``, it also returns once more handlers than
+        that are stuck past their timeouts (``stopped_for_stuck_handlers``
+        says how many): ``relay worker`` and ``Relay.run_worker`` then exit
+        with status 3, for their supervisor to start them again.
         """
         signals = ShutdownSignals(self._on_signal) if install_signals else None
         try:
@@ -401,6 +470,10 @@ class Worker:
                 signals.close()
 
     def _run(self) -> None:
+        # The handlers registered by now, not only by the worker's making: an app that builds its worker
+        # first and imports its handler modules after had every job of their types fail as "no handler".
+        self.handlers.update(self._registry)
+        self._checks_schedules = any(spec.cron for spec in self.handlers.values())
         # Not open(wait=True): a worker started while the database is down (a deploy
         # during a failover) would give up after that wait and exit. Registration
         # retries instead, until the database answers or the worker is told to stop.
@@ -577,25 +650,14 @@ class Worker:
         self._wake.set()
         self._claim_in_flight.cancel()
 
-    def _too_many_stuck(self, stuck: int) -> None:
-        """More handlers run on past their timeouts than ``max_stuck_handlers``: stop (see ``check_timeouts``)."""
-        if self.stopping.is_set():
-            return
-        self.stopped_for_stuck_handlers = stuck
-        event(
-            logging.ERROR,
-            "too many handlers are stuck past their timeouts; stopping the worker, so that its process "
-            "ends with their threads and their jobs are retried",
-            stuck=stuck,
-            max_stuck_handlers=self.config.max_stuck_handlers,
-        )
-        self.stop()
-
     def _on_signal(self, signum: int) -> None:
         """SIGTERM/SIGINT (on the signal watcher's thread): stop; a second one hands back in-flight jobs now."""
-        if self.stopping.is_set():
+        # Second to a signal, not to a stop of the worker's own (check_stuck), which a platform's
+        # SIGTERM then joins: that one still gives in-flight jobs their shutdown timeout.
+        if self._signalled:
             event(logging.WARNING, "second signal: handing back in-flight jobs now", signal=signum)
             self._hurried_at = time.monotonic()
+        self._signalled = True
         event(logging.INFO, "shutdown requested", signal=signal.Signals(signum).name)
         self.stop()
 
@@ -657,7 +719,9 @@ class Worker:
         self.lease_watch.check_timeouts()  # a job past its deadline has its timeout recorded, not its attempt refunded
         unfinished, overdue = self.ledger.close()  # tells their handlers to stop: async ones are cancelled
         cleanup_end = time.monotonic() + ASYNC_CLEANUP_SECONDS
-        for _ in self._slots:
+        with self._slots_lock:
+            slots = len(self._slots)
+        for _ in range(slots):
             self._inbox.put(None)
         # The writes share what is left of their time; whatever came before took some of it
         # only when the database held it up, and then these cannot be written either.

@@ -522,7 +522,9 @@ class Relay:
         The worker owns the process, as ``relay worker``'s does: if handlers
         still run when its shutdown ends (their jobs handed back, to start
         elsewhere after a short grace), the process ends at once rather than
-        return and let them run on beside their next attempt.
+        return and let them run on beside their next attempt. A worker that
+        stopped itself for handlers stuck past their timeouts
+        (``RELAY_MAX_STUCK_HANDLERS``) ends it with status 3, to be started again.
         """
         worker = self.worker(owns_process=True, **settings)
         require_handlers(worker.handlers)

@@ -368,6 +368,33 @@ def test_async_handlers_cancelled_at_their_timeouts_are_not_stuck_nor_leave_slot
     assert {relay.get_job(j).last_error.split(":")[0] for j in jobs} == {"JobTimeout"}
 
 
+def test_a_slot_whose_event_loop_failed_to_close_is_not_left_counted_as_stuck(
+    relay: Relay, db: psycopg.Connection, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A slot left the worker's list only after its loop closed: a close that raised kept an
+    abandoned slot there with no thread behind it, counted as stuck for good."""
+    monkeypatch.setattr(runtime, "STUCK_AFTER_SECONDS", 0.3)
+    monkeypatch.setattr(threading, "excepthook", lambda args: None)  # the slot thread's own failure, expected here
+    closing = SlotLoop.close
+
+    def close_then_raise(self: SlotLoop) -> None:
+        closing(self)
+        raise RuntimeError("a task left on the loop would not cancel")
+
+    monkeypatch.setattr(SlotLoop, "close", close_then_raise)
+
+    @relay.handler("waits", timeout=0.1, max_attempts=1)
+    async def waits(job: Job) -> None:
+        await asyncio.sleep(60)
+
+    job_id = relay.enqueue("waits")
+    with running_worker(relay, concurrency=1, max_stuck_handlers=0) as worker:
+        wait_for(lambda: job_status(db, job_id) == "dead", timeout=15, what="the timeout")
+        time.sleep(1.0)
+        assert worker.stuck_handlers(time.monotonic()) == 0
+        assert not worker.stopping.is_set()
+
+
 def test_a_stuck_handler_whose_job_was_taken_over_still_counts_as_stuck(
     relay: Relay, db: psycopg.Connection, monkeypatch: pytest.MonkeyPatch
 ) -> None:

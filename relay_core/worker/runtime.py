@@ -142,6 +142,8 @@ class Worker:
         #: The slots whose threads still run (a stuck one's too), under ``_slots_lock``.
         self._slots: list[Slot] = []
         self._slots_lock = threading.Lock()
+        #: Set once the shutdown has sent every slot its end (a None in the inbox): no slot starts after.
+        self._slots_ended = False
         self._slot_numbers = itertools.count()
         #: Whether a signal asked for the stop: a second one hurries it (see ``_on_signal``).
         self._signalled = False
@@ -305,6 +307,8 @@ class Worker:
     def _start_slot(self) -> None:
         slot = Slot(next(self._slot_numbers))
         with self._slots_lock:
+            if self._slots_ended:
+                return  # the shutdown has sent each slot its end: one started now would wait for good
             self._slots.append(slot)
         threading.Thread(target=self._slot_loop, args=(slot,), name=f"relay-slot-{slot.index}", daemon=True).start()
 
@@ -322,11 +326,14 @@ class Worker:
                 outcome = executor.run(job, self.handlers, self.pool, self.id, loop, self.config.lease_seconds)
                 self._finish(slot, job, outcome)
         finally:
-            loop.close()
-            # Gone with its thread: kept, every timeout of a long-lived worker left a slot and a loop behind.
-            with self._slots_lock:
-                self._slots.remove(slot)
-                self._slot_loops.remove(loop)
+            try:
+                loop.close()
+            finally:
+                # Gone with its thread: kept, every timeout of a long-lived worker left a slot and a loop
+                # behind. Removed whatever closing the loop raised, or it would count as stuck for good.
+                with self._slots_lock:
+                    self._slots.remove(slot)
+                    self._slot_loops.remove(loop)
 
     def stuck_handlers(self, now: float) -> int:
         """Handlers told to stop (past their timeouts, or their jobs taken over) over STUCK_AFTER_SECONDS
@@ -352,7 +359,7 @@ class Worker:
         stuck.
         """
         limit = self.config.max_stuck_handlers
-        if limit is None or self.stopping.is_set():
+        if limit is None or self.stopping.is_set() or self.stopped_for_stuck_handlers:
             return
         stuck = self.stuck_handlers(now)
         if stuck <= limit:
@@ -365,7 +372,9 @@ class Worker:
             stuck=stuck,
             max_stuck_handlers=limit,
         )
-        self.stop()
+        # On a thread of its own: stop() cancels a claim in flight, a round trip, and the lease
+        # watch calling this waits on nothing but the ledger's lock (see lease_watch).
+        threading.Thread(target=self.stop, name="relay-stuck-stop", daemon=True).start()
 
     def _await_async_cleanup(self, end: float) -> None:
         """Wait until ``end`` (monotonic) for the async handlers the shutdown cancelled to end.
@@ -720,6 +729,7 @@ class Worker:
         unfinished, overdue = self.ledger.close()  # tells their handlers to stop: async ones are cancelled
         cleanup_end = time.monotonic() + ASYNC_CLEANUP_SECONDS
         with self._slots_lock:
+            self._slots_ended = True
             slots = len(self._slots)
         for _ in range(slots):
             self._inbox.put(None)

@@ -43,7 +43,7 @@ from relay_core.worker.aio import SlotLoop
 from relay_core.worker.claim import PREFETCH_PAYLOAD_BYTES, hand_back_unheld, prefetch_per_slot
 from relay_core.worker.completer import Completer
 from relay_core.worker.config import MAX_CONCURRENCY, WorkerConfig
-from relay_core.worker.ledger import NOT_BEGUN, Slot
+from relay_core.worker.ledger import NOT_BEGUN, Ledger, Slot
 from relay_core.worker.maintenance import Maintenance, heartbeat_once, sweep_once
 from relay_core.worker.outcome import Kind
 from relay_core.worker.retention import Retention
@@ -2985,6 +2985,47 @@ def test_a_heartbeat_whose_own_connection_is_refused_renews_on_a_pooled_one(
         db.execute(f"ALTER ROLE {role} LOGIN")
         release.set()
         wait_for(lambda: job_status(db, job_id) == "succeeded", 10, what="the job to succeed")
+
+
+def test_a_transactional_run_whose_timeout_passed_while_no_connection_came_goes_back_unspent(
+    relay: Relay, dsn: str, db: psycopg.Connection
+) -> None:
+    """Its deadline ran while it waited for a connection for its transaction (a pool held by stuck
+    handlers), so the run was past its timeout when it came back not begun: the timeout decided
+    then was recorded, and a job with max_attempts=1 ended dead without its handler ever starting."""
+    ran: list[int] = []
+
+    @relay.handler("tx", transactional=True, max_attempts=1, timeout=0.1)
+    def tx(job: Job, conn: psycopg.Connection) -> None:
+        ran.append(job.id)
+
+    job_id = relay.enqueue("tx")
+    with psycopg.connect(dsn, autocommit=True, row_factory=dict_row) as claimer:
+        (job,) = [Job.from_row(row) for row in claimer.execute(sql("job_claim"), claim_params(limit=1))]
+    pool = make_pool(dsn, name="no-connection", min_size=1, max_size=1, timeout=0.5)
+    pool.open(wait=True)
+    completer = Completer(pool, lambda batch, done: None)
+    ledger = Ledger(completer)
+    watch = lease_watch.LeaseWatch(ledger, relay.handlers, "w", lambda: None, threading.Event(), lambda now: None)
+    try:
+        ledger.claimed([job], time.monotonic() + 30)
+        slot = Slot(0)
+        assert ledger.bind(slot, job, time.monotonic(), 0.1)
+        held = pool.getconn()  # the pool's only connection: none comes for the transaction
+        try:
+            outcome = executor.run(job, relay.handlers, pool, "w", SlotLoop(), 30.0)  # waits out the pool's 0.5 s
+        finally:
+            pool.putconn(held)
+        watch.check_timeouts()  # as the lease watch did during that wait: 0.1 s had passed
+        assert job.id in ledger.overdue
+        ledger.finished(slot, job, outcome)
+        completer.start()
+        completer.stop()
+    finally:
+        pool.close()
+    assert ran == []
+    row = db.execute("SELECT status::text, attempts, errors FROM relay.jobs WHERE id = %s", (job_id,)).fetchone()
+    assert row == ("queued", 0, [])
 
 
 @pytest.mark.parametrize("lease_lost", [False, True], ids=["lease-held", "lease-flagged-lost-during-the-wait"])

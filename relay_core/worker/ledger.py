@@ -185,12 +185,19 @@ class Ledger:
     def _finish_overdue(self, job: Job, outcome: Outcome, decided: Outcome) -> None:
         """A handler past its timeout has returned: record the timeout, now that it cannot run on.
 
-        Called with the lock held. What the handler returned does not count:
+        Called with the lock held. What the handler returned does not count
+        (unless it never started: then there was no run to time out):
         it was told to stop (``lease_lost``), and a cooperative handler that
         stops early returns as if it had finished. A transactional handler
         that committed its success anyway has already recorded it.
         """
         del self.overdue[job.id]
+        if not outcome.handler_started:
+            # Not begun (NOT_BEGUN): the deadline ran while its transaction waited for a connection
+            # that never came, so the handler never ran and the job goes back with its attempt.
+            self.awaiting_write[job.id] = job.lease_token
+            self._completer.put(outcome)
+            return
         if outcome.kind is Kind.COMMITTED:
             event(logging.INFO, "job past its timeout committed its success", job_id=job.id, type=job.type)
             return

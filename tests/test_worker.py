@@ -20,7 +20,7 @@ import psycopg
 import pytest
 from psycopg import conninfo
 from psycopg.rows import dict_row
-from psycopg_pool import PoolTimeout
+from psycopg_pool import ConnectionPool, PoolTimeout
 
 from relay_core import (
     Backoff,
@@ -45,7 +45,7 @@ from relay_core.worker.completer import Completer
 from relay_core.worker.config import MAX_CONCURRENCY, WorkerConfig
 from relay_core.worker.ledger import NOT_BEGUN, Ledger, Slot
 from relay_core.worker.maintenance import Maintenance, heartbeat_once, sweep_once
-from relay_core.worker.outcome import Kind
+from relay_core.worker.outcome import Kind, Outcome
 from relay_core.worker.retention import Retention
 from relay_core.worker.shutdown import HAND_BACK_GRACE_SECONDS
 
@@ -2987,21 +2987,36 @@ def test_a_heartbeat_whose_own_connection_is_refused_renews_on_a_pooled_one(
         wait_for(lambda: job_status(db, job_id) == "succeeded", 10, what="the job to succeed")
 
 
+def claim_a_transactional_job(relay: Relay, dsn: str, **options: Any) -> tuple[Job, list[int]]:
+    """A claimed job of a transactional handler ("tx", max_attempts=1, ``options``), and the ids it ran."""
+    ran: list[int] = []
+
+    @relay.handler("tx", transactional=True, max_attempts=1, **options)
+    def tx(job: Job, conn: psycopg.Connection) -> None:
+        ran.append(job.id)
+
+    relay.enqueue("tx")
+    with psycopg.connect(dsn, autocommit=True, row_factory=dict_row) as claimer:
+        (job,) = [Job.from_row(row) for row in claimer.execute(sql("job_claim"), claim_params(limit=1))]
+    return job, ran
+
+
+def run_while_no_connection_comes(relay: Relay, job: Job, pool: ConnectionPool) -> Outcome:
+    """Run ``job`` on ``pool`` (of one connection, a 0.5 s wait) with that connection held meanwhile."""
+    held = pool.getconn()
+    try:
+        return executor.run(job, relay.handlers, pool, "w", SlotLoop(), 30.0)
+    finally:
+        pool.putconn(held)
+
+
 def test_a_transactional_run_whose_timeout_passed_while_no_connection_came_goes_back_unspent(
     relay: Relay, dsn: str, db: psycopg.Connection
 ) -> None:
     """Its deadline ran while it waited for a connection for its transaction (a pool held by stuck
     handlers), so the run was past its timeout when it came back not begun: the timeout decided
     then was recorded, and a job with max_attempts=1 ended dead without its handler ever starting."""
-    ran: list[int] = []
-
-    @relay.handler("tx", transactional=True, max_attempts=1, timeout=0.1)
-    def tx(job: Job, conn: psycopg.Connection) -> None:
-        ran.append(job.id)
-
-    job_id = relay.enqueue("tx")
-    with psycopg.connect(dsn, autocommit=True, row_factory=dict_row) as claimer:
-        (job,) = [Job.from_row(row) for row in claimer.execute(sql("job_claim"), claim_params(limit=1))]
+    job, ran = claim_a_transactional_job(relay, dsn, timeout=0.1)
     pool = make_pool(dsn, name="no-connection", min_size=1, max_size=1, timeout=0.5)
     pool.open(wait=True)
     completer = Completer(pool, lambda batch, done: None)
@@ -3011,11 +3026,7 @@ def test_a_transactional_run_whose_timeout_passed_while_no_connection_came_goes_
         ledger.claimed([job], time.monotonic() + 30)
         slot = Slot(0)
         assert ledger.bind(slot, job, time.monotonic(), 0.1)
-        held = pool.getconn()  # the pool's only connection: none comes for the transaction
-        try:
-            outcome = executor.run(job, relay.handlers, pool, "w", SlotLoop(), 30.0)  # waits out the pool's 0.5 s
-        finally:
-            pool.putconn(held)
+        outcome = run_while_no_connection_comes(relay, job, pool)
         watch.check_timeouts()  # as the lease watch did during that wait: 0.1 s had passed
         assert job.id in ledger.overdue
         ledger.finished(slot, job, outcome)
@@ -3024,7 +3035,7 @@ def test_a_transactional_run_whose_timeout_passed_while_no_connection_came_goes_
     finally:
         pool.close()
     assert ran == []
-    row = db.execute("SELECT status::text, attempts, errors FROM relay.jobs WHERE id = %s", (job_id,)).fetchone()
+    row = db.execute("SELECT status::text, attempts, errors FROM relay.jobs WHERE id = %s", (job.id,)).fetchone()
     assert row == ("queued", 0, [])
 
 
@@ -3036,35 +3047,23 @@ def test_a_transactional_job_that_gets_no_connection_goes_back_with_the_attempt_
     attempt's failure: a job with max_attempts=1 ended dead with PoolTimeout, its handler never started.
     A lease flagged lost during the wait (a short lease, an outage) still hands it back: the write is
     fenced by the lease token, so it changes nothing if another worker has the job."""
-    ran: list[int] = []
-
-    @relay.handler("tx", transactional=True, max_attempts=1)
-    def tx(job: Job, conn: psycopg.Connection) -> None:
-        ran.append(job.id)
-
-    job_id = relay.enqueue("tx")
-    with psycopg.connect(dsn, autocommit=True, row_factory=dict_row) as claimer:
-        (job,) = [Job.from_row(row) for row in claimer.execute(sql("job_claim"), claim_params(limit=1))]
+    job, ran = claim_a_transactional_job(relay, dsn)
     pool = make_pool(dsn, name="no-connection", min_size=1, max_size=1, timeout=0.5)
     pool.open(wait=True)
     try:
-        held = pool.getconn()  # the pool's only connection: none comes for the transaction
         if lease_lost:
             job._lease_lost.set()  # as the lease watch flags a lease that ran out unrenewed
-        try:
-            outcome = executor.run(job, relay.handlers, pool, "w", SlotLoop(), 30.0)
-        finally:
-            pool.putconn(held)
+        outcome = run_while_no_connection_comes(relay, job, pool)
         assert (outcome.kind, outcome.message, outcome.handler_started) == (Kind.SNOOZED, NOT_BEGUN, False)
         Completer(pool, lambda batch, done: None)._write_until_done([outcome])
     finally:
         pool.close()
     assert ran == []
-    row = db.execute("SELECT status::text, attempts, errors FROM relay.jobs WHERE id = %s", (job_id,)).fetchone()
+    row = db.execute("SELECT status::text, attempts, errors FROM relay.jobs WHERE id = %s", (job.id,)).fetchone()
     assert row == ("queued", 0, [])
     with running_worker(relay):
-        wait_for(lambda: job_status(db, job_id) == "succeeded")
-    assert ran == [job_id]
+        wait_for(lambda: job_status(db, job.id) == "succeeded")
+    assert ran == [job.id]
 
 
 def test_a_statement_the_server_cancelled_is_said_as_such_not_as_an_outage(caplog: pytest.LogCaptureFixture) -> None:

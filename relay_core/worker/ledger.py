@@ -192,18 +192,16 @@ class Ledger:
         that committed its success anyway has already recorded it.
         """
         del self.overdue[job.id]
-        if not outcome.handler_started:
-            # Not begun (NOT_BEGUN): the deadline ran while its transaction waited for a connection
-            # that never came, so the handler never ran and the job goes back with its attempt.
-            self.awaiting_write[job.id] = job.lease_token
-            self._completer.put(outcome)
-            return
         if outcome.kind is Kind.COMMITTED:
             event(logging.INFO, "job past its timeout committed its success", job_id=job.id, type=job.type)
             return
+        # Not begun (NOT_BEGUN): the deadline ran while its transaction waited for a connection that
+        # never came, so the handler never ran and the job goes back with its attempt.
+        recorded = decided if outcome.handler_started else outcome
         self.awaiting_write[job.id] = job.lease_token
-        self._completer.put(decided)
-        event(logging.INFO, "job past its timeout returned; its timeout is recorded", job_id=job.id, type=job.type)
+        self._completer.put(recorded)
+        if recorded is decided:
+            event(logging.INFO, "job past its timeout returned; its timeout is recorded", job_id=job.id, type=job.type)
 
     def take_timed_out(self, now: float, decide: Callable[[Running, float], Outcome]) -> list[Running]:
         """Move runs past their deadline at ``now`` to overdue, their outcome ``decide``d; those runs.

@@ -152,7 +152,8 @@ class Worker:
         # Whether any job type has a limit: decides how the claim runs (see claim()).
         self.limits_exist = True
         self._next_limits_check = time.monotonic() + limits.REPUBLISH_CHECK_SECONDS  # the start published them
-        self._checks_schedules = any(spec.cron for spec in self.handlers.values())
+        #: Whether any handler has a schedule to check: decided as the worker starts (see ``_run``).
+        self._checks_schedules = False
         # Moving average of handler run time; starts "long" so nothing is prefetched until jobs prove short.
         self._typical_run = PREFETCH_BELOW_SECONDS * 2
         # Bytes of payload text a claimed job typically carries: what the prefetch holds in memory.
@@ -704,7 +705,7 @@ class Worker:
         if self.listener:
             self.listener.stop(timeout=0)
         # Before waiting for a duty in progress (a long prune, a vacuum): no check comes after it.
-        if any(spec.cron for spec in self.handlers.values()):
+        if self._checks_schedules:
             self._record_schedules_stopped(before_deadline())
         # Jobs waiting for a slot go back first: another worker can run them now, while this
         # one waits for its running jobs, and a SIGKILL at the end of that wait would spend

@@ -16,7 +16,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING
 
 import psycopg
 from psycopg_pool import PoolTimeout
@@ -28,6 +28,9 @@ from ..stalls import SHORTEST_CUT_SECONDS, cut_at, seconds_until
 from .completer import Completer
 from .ledger import Ledger, Running
 from .outcome import Outcome
+
+if TYPE_CHECKING:
+    from .runtime import Worker
 
 #: A job handed back at shutdown while its handler thread still ran waits this
 #: long after the shutdown's last write ends before another worker may start
@@ -203,7 +206,7 @@ def exit_now(status: int = 0) -> None:
     os._exit(status)
 
 
-def end_owned_process(worker: Any) -> None:
+def end_owned_process(worker: Worker) -> None:
     """After ``worker.run()`` returned in a process the worker owns (``relay worker``, ``Relay.run_worker``).
 
     A worker that stopped itself for handlers stuck past their timeouts ends

@@ -300,6 +300,9 @@ class Relay:
         except psycopg.errors.FeatureNotSupported as exc:
             if not pool.replace_if_outdated(exc):
                 raise
+        except psycopg.errors.ReadOnlySqlTransaction:
+            pool.replace_for_read_only()  # a failover left it on a server that refuses writes
+            raise
         finally:
             pool.putconn(own)
         return self._run_on_fresh_connection(inserts.enqueue_one(job, unresolved, self.notify))

@@ -22,11 +22,41 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import psycopg
+from psycopg_pool import PoolTimeout
 
 from .logs import event
 
 #: What a worker says of a statement the server cancelled, where it would say the database is unreachable.
 STATEMENT_CANCELLED = "statement cancelled by the server (its statement_timeout?); retrying"
+
+#: What a worker says when the database refuses its writes for being read-only, where it would say unreachable.
+READ_ONLY = "database refuses writes (read-only: a failover or a standby?); retrying"
+
+#: Errors after which a worker's call is tried again: the database could not be
+#: reached, no connection came in time, or the session is on a server that
+#: refuses writes (SQLSTATE 25006). That last one is what a worker meets during
+#: a failover, on a connection to the demoted primary or on a standby an old
+#: DNS answer still names, and during a cutover that sets
+#: ``default_transaction_read_only``: it wrote nothing and passes, so a
+#: completion or a heartbeat refused that way must wait and try again, not be
+#: dropped as one refused for good. The pool replaces its connections when one
+#: meets it (``pools.ReconnectingPool``).
+RETRYABLE: tuple[type[BaseException], ...] = (
+    psycopg.OperationalError,
+    psycopg.InterfaceError,
+    PoolTimeout,
+    psycopg.errors.ReadOnlySqlTransaction,
+)
+
+
+def answer_may_be_lost(exc: BaseException) -> bool:
+    """Whether a statement that failed with ``exc`` (one of RETRYABLE) may have committed unseen.
+
+    No connection came (PoolTimeout), or the server refused it for being
+    read-only: it ran nothing. Any other break may have come after the commit.
+    """
+    return not isinstance(exc, (PoolTimeout, psycopg.errors.ReadOnlySqlTransaction))
+
 
 #: While an outage lasts, how often it is logged again.
 REPEAT_SECONDS = 30.0
@@ -35,12 +65,14 @@ REPEAT_SECONDS = 30.0
 @dataclass(frozen=True)
 class Wording:
     """What an outage log says when calls begin to fail, while they still fail, and when one gets through;
-    and of a statement the server cancelled, which is no outage."""
+    of a statement the server cancelled, which is no outage; and of a server that refuses writes
+    (said as calls begin to fail, and again while they do)."""
 
     begins: str
     lasts: str
     ends: str
     cancelled: str = STATEMENT_CANCELLED
+    read_only: str = READ_ONLY
 
 
 #: The database did not answer (refused, broken or timed-out connections).
@@ -78,6 +110,7 @@ class OutageLog:
         self._wording = wording
         self._lock = threading.Lock()
         self._since: float | None = None
+        self._refusing_writes = False  # the last failure was a write refused as read-only
         self._failures = 0
         self._reported = 0.0
         self._ended = float("-inf")
@@ -99,24 +132,35 @@ class OutageLog:
         if isinstance(error, psycopg.errors.QueryCanceled):
             self._cancelled.happened(during=during, error=str(error))
             return
+        # A server that refuses writes answered: it is no less an outage for a worker, whose
+        # leases cannot be renewed, but "unreachable" would send the operator to the network.
+        wording = self._wording
+        begins, lasts = wording.begins, wording.lasts
+        refusing_writes = isinstance(error, psycopg.errors.ReadOnlySqlTransaction)
+        if refusing_writes:
+            begins = lasts = wording.read_only
         now = self._clock()
         with self._lock:
             if self._since is None and began is not None and began < self._ended:
                 return
             first = self._since is None
+            # An outage that began unreachable and goes on read-only (the server came back as a
+            # standby, or the sessions reconnected to the demoted primary) says so as it turns.
+            turned = not first and refusing_writes and not self._refusing_writes
+            self._refusing_writes = refusing_writes
             if first:
                 self._since, self._failures, self._reported = now, 0, now
             self._failures += 1
-            again = not first and now - self._reported >= REPEAT_SECONDS
+            again = not first and (turned or now - self._reported >= REPEAT_SECONDS)
             if again:
                 self._reported = now
             since, failures = self._since, self._failures
         if first:
-            event(logging.WARNING, self._wording.begins, during=during, error=str(error))
+            event(logging.WARNING, begins, during=during, error=str(error))
         elif again:
             event(
                 logging.WARNING,
-                self._wording.lasts,
+                lasts,
                 for_s=round(now - since, 1),
                 failed_calls=failures,
                 during=during,
@@ -144,12 +188,20 @@ class OutageLog:
         with self._lock:
             self._ended, self._last_length = self._clock(), float("inf")
 
-    def succeeded(self) -> None:
-        """A call got through: end the outage, if one was under way, with one line."""
+    def succeeded(self, wrote: bool = True) -> None:
+        """A call got through: end the outage, if one was under way, with one line.
+
+        A call that may only have read (``wrote=False``: a LISTEN, maintenance
+        that found nothing to change) does not end one in which the last call
+        failed for writing to a server that refuses writes: it gets through
+        there too, and each one ended and began that outage anew.
+        """
         if self._since is None:  # the usual case, without the lock
             return
         now = self._clock()
         with self._lock:
+            if self._refusing_writes and not wrote:
+                return
             since, failures = self._since, self._failures
             self._since, self._failures = None, 0
             if since is not None:

@@ -90,6 +90,10 @@ def close_open_pools() -> None:
                 pool.close(timeout=EXIT_CLOSE_SECONDS)
 
 
+#: How often, at most, a pool replaces its connections for a server that refuses writes.
+READ_ONLY_REPLACE_SECONDS = 1.0
+
+
 class ReconnectingPool(ConnectionPool):
     """A psycopg pool that tries to reconnect at least every RECONNECT_MAX_DELAY_SECONDS,
     and hands out the idle connection returned last.
@@ -116,7 +120,35 @@ class ReconnectingPool(ConnectionPool):
         self.last_connect_error: str | None = None
         self._checked_out = 0
         self._checked_out_lock = threading.Lock()
+        self._replaced_for_read_only_at = float("-inf")  # monotonic
         super().__init__(*args, **kwargs)
+
+    @contextmanager
+    def connection(self, timeout: float | None = None) -> Iterator[psycopg.Connection]:
+        """``ConnectionPool.connection``, replacing the connections once one meets a server that refuses writes."""
+        with super().connection(timeout) as conn:
+            try:
+                yield conn
+            except psycopg.errors.ReadOnlySqlTransaction:
+                self.replace_for_read_only()
+                raise
+
+    def replace_for_read_only(self) -> None:
+        """Replace every connection, at most once a second: one of them met a server that refuses writes.
+
+        After a failover the pool's sessions may still be on the demoted
+        primary, or on a standby an old DNS answer named, and stay there for
+        their whole lifetime (an hour): every claim and completion was refused
+        until then, long after the new primary took writes. New connections
+        go where the address leads now; a session a handler left read-only
+        (``SET SESSION CHARACTERISTICS``) is replaced too. Those checked out
+        are closed when they come back.
+        """
+        now = time.monotonic()
+        if now - self._replaced_for_read_only_at < READ_ONLY_REPLACE_SECONDS:
+            return
+        self._replaced_for_read_only_at = now
+        self.drain()
 
     def _open(self, *args: Any, **kwargs: Any) -> None:
         # The pool's own hook for opening (open(), or open=True when it is made).

@@ -78,6 +78,7 @@ UNAVAILABLE = Wording(
     "database still unavailable; answering 503",
     "database available again",
     "statement cancelled by the server (its statement_timeout?); answering 503",
+    "database refuses writes (read-only: a failover or a standby?); answering 503",
 )
 #: What the web app says of a request that found every connection of its pool checked out by
 #: others (more requests at once than RELAY_WEB_POOL_SIZE): no outage, and the wait for a

@@ -103,10 +103,14 @@ def _invalid_job(exc: InvalidJobError) -> Response:
 
 def _unavailable(exc: Exception) -> Response:
     get_database().unavailable(request.path, exc)
+    if isinstance(exc, psycopg.errors.ReadOnlySqlTransaction):
+        detail = "The database refuses writes right now (read-only: a failover under way?); try again shortly."
+    else:
+        detail = "The database cannot be reached right now; try again shortly."
     return Problem(
         503,
         "Service unavailable",
-        "The database cannot be reached right now; try again shortly.",
+        detail,
         slug="unavailable",
         headers={"Retry-After": "5"},
     ).response()
@@ -178,4 +182,5 @@ def register(app: Flask) -> None:
     app.register_error_handler(psycopg.OperationalError, _unavailable)
     app.register_error_handler(psycopg.InterfaceError, _unavailable)
     app.register_error_handler(PoolTimeout, _unavailable)
+    app.register_error_handler(psycopg.errors.ReadOnlySqlTransaction, _unavailable)
     app.register_error_handler(Exception, _internal)

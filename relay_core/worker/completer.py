@@ -18,7 +18,7 @@ import psycopg
 from psycopg_pool import PoolTimeout
 
 from ..logs import event
-from ..outages import OutageLog
+from ..outages import RETRYABLE, OutageLog, answer_may_be_lost
 from ..pools import RelayPool, outdated_plan
 from ..queries import sql
 from ..sessions import in_autocommit
@@ -156,8 +156,8 @@ class Completer:
             try:
                 wait = CONNECTION_WAIT_SECONDS if left is None else min(max(left, 0.1), CONNECTION_WAIT_SECONDS)
                 written = self.write(batch, timeout=wait)
-            except (psycopg.OperationalError, psycopg.InterfaceError, PoolTimeout) as exc:
-                answer_lost = answer_lost or not isinstance(exc, PoolTimeout)
+            except RETRYABLE as exc:
+                answer_lost = answer_lost or answer_may_be_lost(exc)
                 left = self._time_left()
                 if left is not None and left <= 0:
                     event(

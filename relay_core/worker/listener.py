@@ -75,7 +75,7 @@ class Listener:
                     conn.execute(f"LISTEN {CHANNEL}")
                     listened = time.monotonic()
                     self.connected.set()
-                    self._outage.succeeded()
+                    self._outage.succeeded(wrote=False)
                     self._wake()  # anything enqueued while we were not listening
                     delay = 0.1
                     while not self._stop.is_set():

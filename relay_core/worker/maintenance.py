@@ -25,7 +25,7 @@ from psycopg_pool import ConnectionPool, PoolTimeout
 from ..connect_options import connection_options, worker_application_name
 from ..logs import event
 from ..monitor import fold_counters
-from ..outages import REPEAT_SECONDS, OutageLog
+from ..outages import REPEAT_SECONDS, RETRYABLE, OutageLog
 from ..queries import sql
 from ..sessions import configure_session, in_autocommit
 from .limits import forget_old_starts
@@ -439,7 +439,7 @@ class Maintenance:
             try:
                 self.heartbeat()
                 self._outage.succeeded()
-            except (psycopg.OperationalError, psycopg.InterfaceError, PoolTimeout) as exc:
+            except RETRYABLE as exc:
                 self._outage.failed("heartbeat", exc, began=now)
                 next_heartbeat = now + 1.0
             except Exception as exc:  # a bug, not an outage: keep the worker alive and say so
@@ -486,8 +486,8 @@ class Maintenance:
                     next_vacuum = now + VACUUM_CHECK_INTERVAL
                     self.vacuum()
                 if due:
-                    self._pooled_calls.succeeded()
-            except (psycopg.OperationalError, psycopg.InterfaceError, PoolTimeout) as exc:
+                    self._pooled_calls.succeeded(wrote=False)  # its duties may have found nothing to write
+            except RETRYABLE as exc:
                 self._pooled_calls.failed("maintenance", exc, began=now)
             except psycopg.Error as exc:  # a bug, not an outage: keep the worker alive and say so
                 event(logging.ERROR, "maintenance statement failed", error=str(exc))

@@ -59,7 +59,7 @@ class PooledCallLog:
         else:
             self.outage.failed(during, error, began=began)
 
-    def succeeded(self) -> None:
-        """A pooled call got through: the database answers and a connection was free."""
-        self.outage.succeeded()
+    def succeeded(self, wrote: bool = True) -> None:
+        """A pooled call got through: the database answers and a connection was free (``wrote``: as OutageLog's)."""
+        self.outage.succeeded(wrote)
         self.exhaustion.succeeded()

@@ -28,7 +28,7 @@ from ..errors import ConfigurationError
 from ..handlers import HandlerSpec
 from ..job import Job
 from ..logs import event
-from ..outages import OutageLog
+from ..outages import RETRYABLE, OutageLog, answer_may_be_lost
 from ..pools import all_in_use, make_pool
 from ..queries import sql
 from ..sessions import in_autocommit
@@ -288,7 +288,7 @@ class Worker:
                 break
             except PoolTimeout:  # an OperationalError too: no connection came, none to try again
                 return not job.lease_lost
-            except (psycopg.OperationalError, psycopg.InterfaceError):
+            except RETRYABLE:
                 if not tries_left:
                     return not job.lease_lost
         if row is None:
@@ -565,18 +565,18 @@ class Worker:
                 jobs, sent = self._claim(free)
                 delay = 0.1
                 self.pooled_calls.succeeded()
-            except (psycopg.OperationalError, psycopg.InterfaceError, PoolTimeout) as exc:
+            except RETRYABLE as exc:
                 if isinstance(exc, psycopg.errors.QueryCanceled) and self.stopping.is_set():
                     break  # the stop cancelled a claim the database held up: it claimed nothing
-                # A PoolTimeout sent nothing; anything else may have lost a committed claim's answer.
-                self._unanswered_claim = self._unanswered_claim or not isinstance(exc, PoolTimeout)
+                # No connection, or a refusal, claimed nothing; anything else may have lost a committed claim's answer.
+                self._unanswered_claim = self._unanswered_claim or answer_may_be_lost(exc)
                 self.pooled_calls.failed("claim", exc, began=began)
                 self.stopping.wait(delay)
                 delay = next_retry_delay(delay)
                 continue
             except psycopg.Error as exc:
-                # Refused, not cut off (a read-only session a handler left on a pooled connection, a
-                # permission revoked): the statement claimed nothing. Say so and try again, rather than
+                # Refused, not cut off (a permission revoked, a table a migration has not made yet):
+                # the statement claimed nothing. Say so and try again, rather than
                 # stop the worker with every job it holds.
                 event(logging.ERROR, "claim failed", error=str(exc))
                 self.stopping.wait(delay)

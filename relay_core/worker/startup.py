@@ -27,7 +27,7 @@ from ..connect_options import unusable_setting
 from ..errors import ConfigurationError
 from ..handlers import HandlerSpec
 from ..logs import event
-from ..outages import REPEAT_SECONDS, UNREACHABLE, Wording
+from ..outages import REPEAT_SECONDS, RETRYABLE, UNREACHABLE, Wording
 from ..pools import RelayPool
 from ..queries import sql
 from . import limits, periodic
@@ -88,7 +88,7 @@ def retry_until_stopped(action: Callable[[], None], stopping: threading.Event, d
         try:
             action()
             return waited
-        except (psycopg.OperationalError, psycopg.InterfaceError, PoolTimeout) as exc:
+        except RETRYABLE as exc:
             waited = True
             tries += 1
             # The pool's timeout says only that it waited: a connection of its own says why.

@@ -128,17 +128,22 @@ def _too_slow(exc: psycopg.errors.QueryCanceled) -> Response:
     return error_page(503, "Query took too long", timed_out_detail("state, queue, type"), {"Retry-After": "1"})
 
 
-#: What a dashboard request meets when the database cannot be reached (PoolTimeout: no connection came in time).
-UNREACHABLE = (psycopg.OperationalError, psycopg.InterfaceError, PoolTimeout)
+#: What a dashboard request meets when the database cannot be reached (PoolTimeout: no connection came in
+#: time), or refuses writes for now (read-only, as during a failover).
+UNREACHABLE = (psycopg.OperationalError, psycopg.InterfaceError, PoolTimeout, psycopg.errors.ReadOnlySqlTransaction)
 
 
 def _unavailable(exc: Exception) -> Response:
     get_database().unavailable(request.path, exc)
-    if request.method == "GET":
-        detail = f"The database cannot be reached right now; this page tries again every {RETRY_SECONDS} seconds."
+    if isinstance(exc, psycopg.errors.ReadOnlySqlTransaction):
+        title, state = "Database refuses writes", "The database refuses writes right now (read-only: a failover?)"
     else:
-        detail = "The database cannot be reached right now; reload the page in a moment and try again."
-    return error_page(503, "Database unreachable", detail, {"Retry-After": str(RETRY_SECONDS)}, retry=True)
+        title, state = "Database unreachable", "The database cannot be reached right now"
+    if request.method == "GET":
+        detail = f"{state}; this page tries again every {RETRY_SECONDS} seconds."
+    else:
+        detail = f"{state}; reload the page in a moment and try again."
+    return error_page(503, title, detail, {"Retry-After": str(RETRY_SECONDS)}, retry=True)
 
 
 for _unreachable in UNREACHABLE:

@@ -33,6 +33,7 @@ from .validation import (
     check_job_id,
     check_max_attempts,
     check_payload,
+    check_queue,
     check_seconds,
     new_job,
 )
@@ -112,6 +113,10 @@ class Relay:
         #: PostgreSQL serialises the commits of all notifying transactions, so
         #: many concurrent producers may prefer to let workers poll instead.
         self.notify = env_bool("RELAY_NOTIFY", True) if notify is None else notify
+        if not isinstance(self.notify, bool):
+            # It goes into every insert as a boolean: 0 or 1 failed each enqueue there (leaving a
+            # caller's transaction aborted), and "false" would be a true value.
+            raise ConfigurationError(f"notify must be True or False, got {notify!r}")
         #: Whether connections go through a pooler in transaction mode
         #: (``RELAY_TRANSACTION_POOLING``): nothing prepared, no session settings left behind.
         self.transaction_pooling = transaction_pooling()
@@ -478,13 +483,15 @@ class Relay:
 
     def get_job(self, job_id: int) -> admin.JobDetail:
         """One job with its error history; raises JobNotFound (InvalidJobError for what is no job id)."""
+        job_id = check_job_id(job_id)  # before any wait for a connection: bad input is refused at once
         with migrator.SchemaNeeded(), self.pool.connection() as conn:
-            return admin.get_job(conn, check_job_id(job_id))
+            return admin.get_job(conn, job_id)
 
     def requeue(self, job_id: int) -> admin.JobDetail:
         """Run a dead or cancelled job again now, with fresh attempts."""
+        job_id = check_job_id(job_id)
         with migrator.SchemaNeeded(), self.pool.connection() as conn:
-            return admin.requeue(conn, check_job_id(job_id))
+            return admin.requeue(conn, job_id)
 
     def cancel(self, job_id: int) -> admin.JobDetail:
         """Cancel a job: a queued one never runs; a running one is asked to stop.
@@ -492,16 +499,19 @@ class Relay:
         A running job's worker sees the request at its next heartbeat; the job
         ends ``cancelled`` when its handler stops (see ``Job.cancel_requested``).
         """
+        job_id = check_job_id(job_id)
         with migrator.SchemaNeeded(), self.pool.connection() as conn:
-            return admin.cancel(conn, check_job_id(job_id))
+            return admin.cancel(conn, job_id)
 
     def pause_queue(self, queue: str) -> None:
         """Stop every worker from claiming from ``queue`` (survives restarts)."""
+        check_queue(queue)
         with migrator.SchemaNeeded(), self.pool.connection() as conn:
             admin.set_queue_paused(conn, queue, True)
 
     def resume_queue(self, queue: str) -> None:
         """Let workers claim from ``queue`` again."""
+        check_queue(queue)
         with migrator.SchemaNeeded(), self.pool.connection() as conn:
             admin.set_queue_paused(conn, queue, False)
 

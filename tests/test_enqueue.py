@@ -740,6 +740,15 @@ def test_a_malformed_relay_notify_is_refused_clearly(monkeypatch: pytest.MonkeyP
         Relay("postgresql://unused")
 
 
+@pytest.mark.parametrize("bad", [0, 1, "false", "maybe"])
+def test_a_notify_that_is_no_bool_is_refused_when_the_relay_is_made(bad: object, db: psycopg.Connection) -> None:
+    """It went into every insert as a boolean: 0 or 1 failed each enqueue (a caller's transaction
+    left aborted, its own writes lost with it), and "false" was a true value."""
+    with pytest.raises(ConfigurationError, match=r"notify must be True or False, got "):
+        Relay("postgresql://unused", notify=bad)  # type: ignore[arg-type]
+    assert job_count(db) == 0
+
+
 def test_the_wait_for_a_connection_comes_from_the_environment_and_is_checked(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("RELAY_DB_WAIT_SECONDS", raising=False)
     assert Relay("postgresql://unused").db_wait == 5.0

@@ -1720,3 +1720,26 @@ def test_a_limits_check_that_meets_a_held_row_lets_go_and_keeps_what_the_same_ch
         operator.rollback()
     assert job_status(db, tick) == "queued", "the tick was rolled back with the check"
     assert db.execute("SELECT max_running FROM relay.type_limits WHERE type = 'pay'").fetchone() == (3,)
+
+
+def test_admin_calls_refuse_bad_input_at_once_even_with_no_database() -> None:
+    """They checked it only once a connection came: with the database down, what is no job id
+    waited out the whole connection wait and raised PoolTimeout, not InvalidJobError."""
+    from relay_core import InvalidJobError
+
+    nowhere = Relay("postgresql://postgres@127.0.0.1:1/nowhere?connect_timeout=1", db_wait=5.0)
+    try:
+        calls = [
+            lambda: nowhere.get_job("abc"),  # type: ignore[arg-type]
+            lambda: nowhere.requeue(0),
+            lambda: nowhere.cancel(-3),
+            lambda: nowhere.pause_queue("BAD QUEUE"),
+            lambda: nowhere.resume_queue(""),
+        ]
+        for call in calls:
+            began = time.monotonic()
+            with pytest.raises(InvalidJobError):
+                call()
+            assert time.monotonic() - began < 1.0, "it waited for a connection first"
+    finally:
+        nowhere.close()

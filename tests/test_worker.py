@@ -47,7 +47,7 @@ from relay_core.worker.ledger import NOT_BEGUN, Ledger, Slot
 from relay_core.worker.maintenance import Maintenance, heartbeat_once, sweep_once
 from relay_core.worker.outcome import Kind, Outcome
 from relay_core.worker.retention import Retention
-from relay_core.worker.shutdown import HAND_BACK_GRACE_SECONDS
+from relay_core.worker.shutdown import HAND_BACK_GRACE_SECONDS, hand_back
 
 from .helpers import (
     AT_COMMIT_SETTINGS,
@@ -3217,3 +3217,32 @@ def test_a_listening_session_the_server_ended_is_replaced_without_calling_it_an_
         assert ran.wait(5), "the new session did not wake the worker (it polls only every 60 s)"
     said = [r.getMessage() for r in caplog.records]
     assert not [m for m in said if "unreachable" in m or "reachable again" in m], said
+
+
+def test_a_shutdown_hand_back_that_meets_a_broken_connection_tries_another(
+    relay: Relay, dsn: str, db: psycopg.Connection
+) -> None:
+    """A stop just after the database ended the worker's sessions (a restart during a deploy): the
+    pool handed out its connection unchecked (returned within the last second), the one try failed
+    on it, and the jobs waiting for a slot were left to the sweeper, which spent their one attempt:
+    dead, never run."""
+    relay.handler("once", max_attempts=1)(lambda job: None)
+    relay.enqueue_many([{"type": "once"}, {"type": "once"}])
+    with psycopg.connect(dsn, autocommit=True, row_factory=dict_row) as claimer:
+        jobs = [Job.from_row(row) for row in claimer.execute(sql("job_claim"), claim_params(limit=2))]
+    assert len(jobs) == 2
+    pool = make_pool(dsn, name="broken-at-stop", min_size=1, max_size=1, timeout=2.0)
+    pool.open(wait=True)
+    ledger = Ledger(Completer(pool, lambda batch, done: None))
+    try:
+        with pool.connection() as conn:  # used and returned just now: handed out again unchecked
+            pid = conn.info.backend_pid
+        db.execute("SELECT pg_terminate_backend(%s, 5000)", (pid,))
+        ledger.claimed(jobs, time.monotonic() + 30)
+        unstarted = ledger.close_unstarted()
+        assert hand_back(pool, ledger, unstarted, 3.0) == 2
+    finally:
+        pool.close()
+    rows = db.execute("SELECT status, attempts FROM relay.jobs ORDER BY id").fetchall()
+    assert rows == [("queued", 0), ("queued", 0)]
+    assert not ledger.closing, "their leases are let go of"

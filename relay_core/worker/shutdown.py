@@ -22,6 +22,7 @@ import psycopg
 from psycopg_pool import PoolTimeout
 
 from ..logs import event
+from ..outages import RETRYABLE
 from ..pools import RelayPool
 from ..queries import sql
 from ..stalls import SHORTEST_CUT_SECONDS, cut_at, seconds_until
@@ -49,6 +50,8 @@ CUT_GRACE_SECONDS = 0.5
 #: a write needs a connection and several round trips, and across a network of 60 ms each
 #: way the 0.05 s a write was kept (``SHORTEST_CUT_SECONDS``) never got a connection.
 WRITE_RESERVE_SECONDS = 0.5
+#: The pause before a hand-back that met a broken connection or an outage tries again.
+HAND_BACK_RETRY_SECONDS = 0.1
 
 
 class WriteTime:
@@ -130,24 +133,33 @@ def hand_back(
     # A job that never left the prefetch can run elsewhere at once; one whose thread still runs waits.
     still_running = still_running_delay(timeout if writes_left is None else max(writes_left, timeout))
     delays = [0.0 if r.slot is None else still_running for r in unfinished]
+    params = {"ids": [j.id for j in jobs], "tokens": [j.lease_token for j in jobs], "delays": delays}
+    end = time.monotonic() + timeout
     try:
-        with write_within(pool, timeout) as conn:
-            returned = conn.execute(
-                sql("job_hand_back_many"),
-                {"ids": [j.id for j in jobs], "tokens": [j.lease_token for j in jobs], "delays": delays},
-            ).fetchall()
-        rows = returned  # counted once committed: a COMMIT that failed handed nothing back
-        event(logging.WARNING, "handed back unfinished jobs", job_ids=sorted(r[0] for r in rows))
-    except (psycopg.Error, PoolTimeout) as exc:
-        event(
-            logging.ERROR,
-            "hand-back failed; the sweeper will return these jobs when their leases expire",
-            error=str(exc),
-            job_ids=[j.id for j in jobs],
-        )
+        while True:
+            try:
+                with write_within(pool, seconds_until(end)) as conn:
+                    returned = conn.execute(sql("job_hand_back_many"), params).fetchall()
+                rows = returned  # counted once committed: a COMMIT that failed handed nothing back
+                event(logging.WARNING, "handed back unfinished jobs", job_ids=sorted(r[0] for r in rows))
+                return len(rows)
+            except (psycopg.Error, PoolTimeout) as exc:
+                # Tried again while there is time, on another connection: the pool hands out one
+                # returned within the last second unchecked, and one an outage or a restart broke
+                # failed the only try, leaving the sweeper to spend attempts no handler used.
+                # Fenced, a try again hands back nothing a lost answer's try already did.
+                if isinstance(exc, RETRYABLE) and seconds_until(end) > HAND_BACK_RETRY_SECONDS * 2:
+                    time.sleep(HAND_BACK_RETRY_SECONDS)
+                    continue
+                event(
+                    logging.ERROR,
+                    "hand-back failed; the sweeper will return these jobs when their leases expire",
+                    error=str(exc),
+                    job_ids=[j.id for j in jobs],
+                )
+                return 0
     finally:
         ledger.release(jobs)
-    return len(rows)
 
 
 def record_overdue(

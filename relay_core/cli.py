@@ -107,7 +107,7 @@ def _show_version(ctx: click.Context, _param: click.Parameter, value: bool) -> N
 )
 @click.option(
     "--log-format",
-    type=click.Choice(["text", "json"]),
+    type=click.Choice(["text", "json"], case_sensitive=False),  # as RELAY_LOG_FORMAT is read
     default=None,
     help="Log line format (default: RELAY_LOG_FORMAT or text).",
 )
@@ -116,7 +116,8 @@ def main(log_level: str, log_format: str | None) -> None:
     try:
         logs.configure(log_level, log_format)
     except ConfigurationError as exc:
-        raise click.ClickException(str(exc)) from None
+        # RELAY_LOG_FORMAT mistyped: a setting refused before anything ran, as --log-format's own typo is.
+        raise RefusedInput(str(exc)) from None
 
 
 @main.command()

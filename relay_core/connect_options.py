@@ -224,7 +224,8 @@ def unusable_setting(exc: psycopg.Error) -> bool:
     psycopg raises ProgrammingError for a connect_timeout that is no number,
     and "connection is bad" when libpq refuses the options outright (an
     unknown sslmode, a port out of range, a keepalives that is no integer),
-    each saying what is "invalid". A server that cannot be reached over TCP
+    each saying what is "invalid", or a connection service (``service=``,
+    ``PGSERVICE``) that no service file defines. A server that cannot be reached over TCP
     fails later, as "connection failed"; over a Unix socket libpq may call
     that connection bad at once too ("No such file or directory" while the
     server is down), which is an outage to wait out, not a setting.
@@ -232,4 +233,8 @@ def unusable_setting(exc: psycopg.Error) -> bool:
     if isinstance(exc, psycopg.ProgrammingError):
         return True
     text = str(exc)
-    return isinstance(exc, psycopg.OperationalError) and text.startswith("connection is bad:") and "invalid " in text
+    return (
+        isinstance(exc, psycopg.OperationalError)
+        and text.startswith("connection is bad:")
+        and ("invalid " in text or ("definition of service " in text and text.endswith(" not found")))
+    )

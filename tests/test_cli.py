@@ -211,15 +211,32 @@ def test_a_statement_the_database_refuses_is_one_line_not_a_traceback(
 def test_an_unknown_log_format_is_refused_before_anything_runs(dsn: str, spelling: str) -> None:
     """A log pipeline that expects JSON must not be fed text because of a typo in RELAY_LOG_FORMAT."""
     result = CliRunner().invoke(main, ["migrate"], env={"RELAY_DATABASE_URL": dsn, "RELAY_LOG_FORMAT": spelling})
-    assert result.exit_code == 1, result.output
+    # 2, as for --log-format's own typo: a script that retries on 1 (a database away) retried this for good.
+    assert result.exit_code == 2, result.output
     assert f"RELAY_LOG_FORMAT must be text or json, got {spelling!r}" in result.output
     assert "schema" not in result.output, "the command ran anyway"
 
 
-def test_log_format_is_read_in_any_case(dsn: str) -> None:
-    result = CliRunner().invoke(main, ["migrate"], env={"RELAY_DATABASE_URL": dsn, "RELAY_LOG_FORMAT": "JSON"})
+@pytest.mark.parametrize("given", [{"RELAY_LOG_FORMAT": "JSON"}, {"flag": "JSON"}])
+def test_log_format_is_read_in_any_case(dsn: str, given: dict[str, str]) -> None:
+    """The variable was read in any case and the flag in lower case only: JSON there was a usage error."""
+    flag = ["--log-format", given["flag"]] if "flag" in given else []
+    env = {"RELAY_DATABASE_URL": dsn, **{k: v for k, v in given.items() if k != "flag"}}
+    result = CliRunner().invoke(main, [*flag, "migrate"], env=env)
     assert result.exit_code == 0, result.output
     assert isinstance(logging.getLogger("relay").handlers[0].formatter, logs.JsonFormatter)
+
+
+def test_a_connection_service_no_file_defines_is_a_setting_relay_enqueue_refuses(
+    dsn: str, db: psycopg.Connection
+) -> None:
+    """libpq calls it a bad connection, as it does a bad sslmode (exit 2); it exited 1, an outage to retry."""
+    missing = conninfo.make_conninfo(dsn, service="relay_no_such_service")
+    command = ["enqueue", "t", "{}"]
+    result = CliRunner().invoke(main, command, env={"RELAY_DATABASE_URL": missing}, catch_exceptions=False)
+    assert result.exit_code == 2, result.output
+    assert 'definition of service "relay_no_such_service" not found' in result.output
+    assert job_count(db) == 0
 
 
 @pytest.mark.parametrize(

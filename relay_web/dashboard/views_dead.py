@@ -20,7 +20,7 @@ from datetime import datetime
 import psycopg
 from flask import Response, request
 
-from relay_core import BulkActionStopped, RelayError, monitor
+from relay_core import BulkActionStopped, RelayError, admin, monitor
 
 from ..db import connection
 from . import formatting
@@ -104,10 +104,12 @@ def requeue_dead() -> Response:
         raise RelayError("say which type of dead jobs to requeue")
     finished_by = _page_time(request.form.get("finished_by"))
     stopped: BulkActionStopped | None = None
+    paused: list[str] = []
     try:
         with connection() as conn:
             where = monitor.JobFilter(status="dead", type=job_type, finished_by=finished_by)
             changed = monitor.requeue_matching(conn, where)
+            paused = admin.paused_queues(conn)
     except BulkActionStopped as exc:
         log.warning("requeue of dead %s jobs stopped after %d: %s", job_type, exc.changed, exc.__cause__)
         stopped, changed = exc, exc.changed
@@ -121,6 +123,8 @@ def requeue_dead() -> Response:
         notice = f"Nothing requeued: no dead {job_type} jobs are left."
     else:
         notice = f"Requeued {formatting.number(changed)} dead {job_type} {noun}; {they} again now."
+        if paused:
+            notice = notice[:-1] + f", but in a paused queue ({', '.join(paused)}) only once it is resumed."
     if not is_htmx():
         return answer_plain_form(notice, "dashboard.dead")
     return _render(notice)

@@ -230,6 +230,12 @@ def _act(job_id: int, action: str) -> Response:
                 "requeue": "Requeued: it runs again now, with fresh attempts.",
                 "cancel": "Cancelled: it will not run.",
             }[action]
+            if action == "requeue" and changed.queue in admin.paused_queues(conn):
+                # "Now" sent on-call to watch a job that waits for a queue someone paused.
+                notice = (
+                    f"Requeued, with fresh attempts; its queue {changed.queue} is paused, "
+                    "so it runs once the queue is resumed."
+                )
             if action == "cancel" and changed.status == JobStatus.CLAIMED:
                 notice = STOP_REQUESTED
     if not is_htmx():

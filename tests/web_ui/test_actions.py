@@ -209,6 +209,23 @@ def test_actions_are_never_gets(admin: DashboardClient, jobs: Jobs) -> None:
     assert jobs.status(job_id) == "dead"
 
 
+def test_a_requeue_into_a_paused_queue_says_it_waits_for_the_queue(
+    admin: DashboardClient, jobs: Jobs, relay: Relay
+) -> None:
+    """It said "it runs again now" while the job sat queued behind a pause nothing on the page named."""
+    job_id = jobs.dead(jobs.add(queue="reports"))
+    other = jobs.dead(jobs.add())
+    relay.pause_queue("reports")
+    html = _text(admin.post(f"/jobs/{job_id}/requeue"))
+    assert "Requeued, with fresh attempts; its queue reports is paused, so it runs once the queue is resumed." in html
+    assert "runs again now" not in html
+    assert jobs.status(job_id) == "queued"
+    assert "Requeued: it runs again now, with fresh attempts." in _text(admin.post(f"/jobs/{other}/requeue"))
+    jobs.dead(jobs.add("send_email", queue="reports"))
+    html = _text(admin.post("/dead/requeue", {"type": "send_email"}))
+    assert "Requeued 1 dead send_email job; it runs again now, but in a paused queue (reports) only once" in html
+
+
 def test_dead_view_offers_requeue_all_of_a_type_and_does_it(admin: DashboardClient, jobs: Jobs) -> None:
     mails = [jobs.dead(jobs.add("send_email")) for _ in range(3)]
     image = jobs.dead(jobs.add("resize_image"))

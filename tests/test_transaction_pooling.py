@@ -312,3 +312,32 @@ def test_a_malformed_transaction_pooling_setting_fails_when_relay_is_built(monke
     monkeypatch.setenv("RELAY_TRANSACTION_POOLING", "transaction")
     with pytest.raises(ConfigurationError, match="RELAY_TRANSACTION_POOLING must be true or false"):
         Relay("postgresql://127.0.0.1:1/nowhere")
+
+
+def test_a_claim_held_up_by_a_lock_when_the_worker_stops_claims_nothing_after_it_is_gone(
+    dsn: str, db: psycopg.Connection, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Behind a pooler no cancel is sent at a stop, and cutting the claim's connection does not end
+    its statement on the server: waiting for a lock, it claimed once the lock was let go, after the
+    worker had returned what it thought the claim took and exited. Its jobs stayed claimed by a
+    worker that was gone until their leases ran out, an attempt spent on each (the last one: dead)."""
+    jobs = "INSERT INTO relay.jobs (type, payload, max_attempts) SELECT 'ping', '{}', 1 FROM generate_series(1, 3)"
+    waiting_claims = (  # the claim's text, in a message of its own or after its time limit
+        "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE '%WITH clock AS %'"
+    )
+    with pgbouncer(dsn, "default_pool_size = 4\n") as pooler:
+        monkeypatch.setenv("RELAY_TRANSACTION_POOLING", "true")
+        relay = Relay(pooler.dsn)
+        relay.handler("ping", max_attempts=1)(lambda job: None)
+        with psycopg.connect(dsn) as locker:
+            with running_worker(relay, listen=False, poll_interval=0.2, shutdown_timeout=0.5):
+                wait_for(lambda: db.execute("SELECT count(*) FROM relay.workers").fetchone()[0], what="its start")
+                locker.execute(jobs)  # committed as the lock is let go: no claim sees them before
+                locker.execute("LOCK TABLE relay.jobs IN ACCESS EXCLUSIVE MODE")
+                wait_for(lambda: db.execute(waiting_claims).fetchone()[0], what="a claim waiting for the lock")
+            # The worker has stopped (its claim's connection cut); the lock is let go after.
+            db.execute("SELECT pg_sleep(0.5)")
+        db.execute("SELECT pg_sleep(1.0)")  # time for a claim still on the server to take them
+        relay.close()
+    rows = db.execute("SELECT status::text, attempts, claimed_by FROM relay.jobs ORDER BY id").fetchall()
+    assert rows == [("queued", 0, None)] * 3

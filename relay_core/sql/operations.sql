@@ -11,6 +11,14 @@
 -- advisory-lock key Relay takes is listed at relay_core.migrate.MIGRATION_LOCK_KEY.)
 SELECT pg_advisory_xact_lock(7265108723);
 
+-- name: claim_time_limit
+-- Behind a transaction pooler, each statement of the claim's transaction ends
+-- within %(ms)s milliseconds on the server (statement_timeout, till COMMIT; a
+-- message of several statements times each one): no cancel is sent there at
+-- a stop, and a claim whose connection was cut ran on, waiting for a lock,
+-- and claimed after its worker had exited (see claim.POOLED_CLAIM_STATEMENT_SECONDS).
+SELECT set_config('statement_timeout', %(ms)s, true);
+
 -- name: session_server_keepalives
 -- The server's keepalives on this session, where the server's configuration
 -- leaves them to the operating system's defaults (source 'default'): a client

@@ -87,6 +87,15 @@ HAND_BACK_UNHELD_LIMIT_SECONDS = 3.0
 #: How long after a stop a claim still running has its connection cut (see ``stalls``): past
 #: the wait for the cancel request, so a cancel the server took ends the claim first.
 CUT_AFTER_STOP_SECONDS = 1.5
+#: Behind a transaction pooler, how long each statement of a claim may run on the server.
+#: No cancel is sent there (``ClaimInFlight``), and cutting a connection does not end its
+#: statement on the server: a claim waiting for a lock (an index build, a migration) ran on
+#: after the cut and claimed once the lock was let go, after its worker had returned what
+#: it thought the claim took and exited. Its jobs waited for the sweeper, an attempt spent.
+POOLED_CLAIM_STATEMENT_SECONDS = 1.0
+#: Behind a transaction pooler, how long after its connection broke a claim may still commit
+#: on the server: its two statements (the limits lock, the claim) each within their limit.
+POOLED_CLAIM_ENDS_WITHIN_SECONDS = 2 * POOLED_CLAIM_STATEMENT_SECONDS + 0.2
 
 
 class ClaimInFlight:
@@ -163,8 +172,10 @@ def claim_rows(pool: RelayPool, params: dict[str, Any], in_flight: ClaimInFlight
     """
     with pool.connection(timeout=CLAIM_CONNECTION_WAIT_SECONDS) as conn, in_flight.running_on(conn):
         sent = time.monotonic()
-        if params["locked"]:
-            rows = claim_under_limits_lock(conn, params, prepared=not pool.transaction_pooling)
+        if pool.transaction_pooling:
+            rows = claim_within_time_limit(conn, params)
+        elif params["locked"]:
+            rows = claim_under_limits_lock(conn, params)
         else:
             with in_autocommit(conn), conn.cursor(row_factory=sized_rows) as cur:
                 rows = cur.execute(sql("job_claim"), params, prepare=True).fetchall()
@@ -183,6 +194,21 @@ def claim_under_limits_lock(conn: psycopg.Connection, params: dict[str, Any], pr
         conn, [("claim_limits_lock", {}), ("job_claim", params)], prepared=prepared, row_factory=sized_rows
     )
     return rows
+
+
+def claim_within_time_limit(conn: psycopg.Connection, params: dict[str, Any]) -> list[dict]:
+    """The claim behind a transaction pooler: its statements, written out, each bounded on the server.
+
+    One message, as ``claim_under_limits_lock``: the time limit
+    (``claim_time_limit``), the limits lock when limits exist, the claim.
+    """
+    statements: list[tuple[str, dict[str, Any]]] = [
+        ("claim_time_limit", {"ms": str(int(POOLED_CLAIM_STATEMENT_SECONDS * 1000))})
+    ]
+    if params["locked"]:
+        statements.append(("claim_limits_lock", {}))
+    statements.append(("job_claim", params))
+    return run_as_one_message(conn, statements, prepared=False, row_factory=sized_rows)[-1]
 
 
 def hand_back_unheld(

@@ -39,6 +39,7 @@ from .aio import SlotLoop
 from .claim import (
     HAND_BACK_UNHELD_LIMIT_SECONDS,
     PAYLOAD_BYTES,
+    POOLED_CLAIM_ENDS_WITHIN_SECONDS,
     PREFETCH_BELOW_SECONDS,
     PREFETCH_PAYLOAD_BYTES,
     ClaimInFlight,
@@ -132,6 +133,8 @@ class Worker:
         #: A claim failed on a broken connection and may have committed: its jobs are claimed
         #: under this worker's id, and the worker never saw them (see ``_return_unheld``).
         self._unanswered_claim = False
+        #: When the last claim whose answer may be lost failed (monotonic), or None.
+        self._unanswered_claim_at: float | None = None
         #: Handlers still running when shutdown ended (their jobs handed back or timed out):
         #: they stop only when the process exits, which must come within the hand-back grace.
         self.handlers_left_running = 0
@@ -569,7 +572,8 @@ class Worker:
                 if isinstance(exc, psycopg.errors.QueryCanceled) and self.stopping.is_set():
                     break  # the stop cancelled a claim the database held up: it claimed nothing
                 # No connection, or a refusal, claimed nothing; anything else may have lost a committed claim's answer.
-                self._unanswered_claim = self._unanswered_claim or answer_may_be_lost(exc)
+                if answer_may_be_lost(exc):
+                    self._unanswered_claim, self._unanswered_claim_at = True, time.monotonic()
                 self.pooled_calls.failed("claim", exc, began=began)
                 self.stopping.wait(delay)
                 delay = next_retry_delay(delay)
@@ -596,6 +600,7 @@ class Worker:
         """
         if not self.config.owns_worker_id:
             return
+        self._wait_out_unanswered_claim()
         returned = hand_back_unheld(self.pool, self.id, self.ledger.held_leases(), seconds)
         if returned:
             event(logging.WARNING, "returned jobs a claim took whose answer was lost", job_ids=sorted(returned))
@@ -615,10 +620,22 @@ class Worker:
         except (psycopg.Error, PoolTimeout) as exc:
             event(logging.WARNING, "could not record that schedule checks stopped", error=str(exc))
 
+    def _wait_out_unanswered_claim(self) -> None:
+        """Behind a transaction pooler, wait until the claim whose answer was lost has surely ended on the server.
+
+        No cancel was sent there, and a cut connection does not end a statement
+        on the server: the claim may still run (waiting for a lock) and commit
+        after the return of its jobs found none. Its own time limit ends it
+        first (see ``claim.POOLED_CLAIM_STATEMENT_SECONDS``).
+        """
+        if self.pool.transaction_pooling and self._unanswered_claim_at is not None:
+            time.sleep(seconds_until(self._unanswered_claim_at + POOLED_CLAIM_ENDS_WITHIN_SECONDS))
+
     def _return_unheld_while_stopping(self, seconds: float) -> None:
         """``_return_unheld``, tried again for up to ``seconds``: the connection the claim's answer
         was lost on is seldom the only pooled one that broke, and the pool hands out one returned
-        within the last second unchecked."""
+        within the last second unchecked. Its time counts from when that claim has surely ended."""
+        self._wait_out_unanswered_claim()
         end = time.monotonic() + seconds
         while True:
             try:

@@ -143,6 +143,11 @@ def set_queue_paused(conn: psycopg.Connection, queue: str, paused: bool) -> None
     conn.commit()
 
 
+def paused_queues_holding_dead(conn: psycopg.Connection, job_type: str) -> list[str]:
+    """The paused queues that hold dead jobs of ``job_type``."""
+    return [row[0] for row in conn.execute(sql("queue_paused_holding_dead"), {"type": job_type}).fetchall()]
+
+
 def paused_queues(conn: psycopg.Connection) -> list[str]:
     """The queues paused now."""
     return [row[0] for row in conn.execute(sql("queue_paused_list")).fetchall()]

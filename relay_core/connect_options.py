@@ -225,7 +225,8 @@ def unusable_setting(exc: psycopg.Error) -> bool:
     and "connection is bad" when libpq refuses the options outright (an
     unknown sslmode, a port out of range, a keepalives that is no integer),
     each saying what is "invalid", or a connection service (``service=``,
-    ``PGSERVICE``) that no service file defines. A server that cannot be reached over TCP
+    ``PGSERVICE``) that no service file defines, or a service file
+    (``PGSERVICEFILE``) that is not there. A server that cannot be reached over TCP
     fails later, as "connection failed"; over a Unix socket libpq may call
     that connection bad at once too ("No such file or directory" while the
     server is down), which is an outage to wait out, not a setting.
@@ -236,5 +237,5 @@ def unusable_setting(exc: psycopg.Error) -> bool:
     return (
         isinstance(exc, psycopg.OperationalError)
         and text.startswith("connection is bad:")
-        and ("invalid " in text or ("definition of service " in text and text.endswith(" not found")))
+        and ("invalid " in text or (" service " in f" {text}" and text.endswith(" not found")))
     )

@@ -110,7 +110,7 @@ class OutageLog:
         self._wording = wording
         self._lock = threading.Lock()
         self._since: float | None = None
-        self._refusing_writes = False  # the last failure was a write refused as read-only
+        self._refusing_writes = False  # the outage under way has met a write refused as read-only
         self._failures = 0
         self._reported = 0.0
         self._ended = float("-inf")
@@ -145,9 +145,11 @@ class OutageLog:
                 return
             first = self._since is None
             # An outage that began unreachable and goes on read-only (the server came back as a
-            # standby, or the sessions reconnected to the demoted primary) says so as it turns.
+            # standby, or the sessions reconnected to the demoted primary) says so as it turns,
+            # once: from then on it is one that only a write ends.
             turned = not first and refusing_writes and not self._refusing_writes
-            self._refusing_writes = refusing_writes
+            if first or refusing_writes:
+                self._refusing_writes = refusing_writes
             if first:
                 self._since, self._failures, self._reported = now, 0, now
             self._failures += 1
@@ -202,6 +204,7 @@ class OutageLog:
         with self._lock:
             if self._refusing_writes and not wrote:
                 return
+            self._refusing_writes = False
             since, failures = self._since, self._failures
             self._since, self._failures = None, 0
             if since is not None:

@@ -121,6 +121,7 @@ class ReconnectingPool(ConnectionPool):
         self._checked_out = 0
         self._checked_out_lock = threading.Lock()
         self._replaced_for_read_only_at = float("-inf")  # monotonic
+        self._replacing_lock = threading.Lock()
         super().__init__(*args, **kwargs)
 
     @contextmanager
@@ -144,10 +145,11 @@ class ReconnectingPool(ConnectionPool):
         (``SET SESSION CHARACTERISTICS``) is replaced too. Those checked out
         are closed when they come back.
         """
-        now = time.monotonic()
-        if now - self._replaced_for_read_only_at < READ_ONLY_REPLACE_SECONDS:
-            return
-        self._replaced_for_read_only_at = now
+        with self._replacing_lock:
+            now = time.monotonic()
+            if now - self._replaced_for_read_only_at < READ_ONLY_REPLACE_SECONDS:
+                return
+            self._replaced_for_read_only_at = now
         self.drain()
 
     def _open(self, *args: Any, **kwargs: Any) -> None:

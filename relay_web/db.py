@@ -78,8 +78,9 @@ UNAVAILABLE = Wording(
     "database still unavailable; answering 503",
     "database available again",
     "statement cancelled by the server (its statement_timeout?); answering 503",
-    "database refuses writes (read-only: a failover or a standby?); answering 503",
 )
+#: What the web app says of a write the database refused for being read-only (a failover, a standby).
+REFUSING_WRITES = "database refuses writes (read-only: a failover or a standby?); answering 503"
 #: What the web app says of a request that found every connection of its pool checked out by
 #: others (more requests at once than RELAY_WEB_POOL_SIZE): no outage, and the wait for a
 #: connection stays whole. Said at most once per REPEAT_SECONDS, with how often since: under
@@ -102,6 +103,7 @@ class Database:
         #: The requests that met the database away, said once (the error handlers report through ``unavailable``).
         self.outage = OutageLog(wording=UNAVAILABLE)
         self.exhaustion = RepeatedWarning(POOL_EXHAUSTED)
+        self.refusing_writes = RepeatedWarning(REFUSING_WRITES)
         self._size = size
         self._wait = wait_seconds
         self._statement_timeout_ms = statement_timeout_ms
@@ -178,6 +180,11 @@ class Database:
         """
         began = g.get("relay_db_began") if has_request_context() else None
         pool = self._pool
+        if isinstance(error, psycopg.errors.ReadOnlySqlTransaction):
+            # The database answers, and reads go on: no outage (every page's checkout would end it
+            # and the next write begin it anew), but a warning at most once per REPEAT_SECONDS.
+            self.refusing_writes.happened(during=during, error=str(error))
+            return
         if isinstance(error, PoolTimeout) and pool is not None and all_in_use(pool):
             self.exhaustion.happened(during=during)
         else:

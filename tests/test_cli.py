@@ -227,15 +227,20 @@ def test_log_format_is_read_in_any_case(dsn: str, given: dict[str, str]) -> None
     assert isinstance(logging.getLogger("relay").handlers[0].formatter, logs.JsonFormatter)
 
 
+@pytest.mark.parametrize(
+    ("service_file", "said"),
+    [(None, 'definition of service "relay_no_such_service" not found'), ("/nonexistent", "/nonexistent")],
+)
 def test_a_connection_service_no_file_defines_is_a_setting_relay_enqueue_refuses(
-    dsn: str, db: psycopg.Connection
+    dsn: str, db: psycopg.Connection, service_file: str | None, said: str
 ) -> None:
-    """libpq calls it a bad connection, as it does a bad sslmode (exit 2); it exited 1, an outage to retry."""
+    """libpq calls it a bad connection, as it does a bad sslmode (exit 2); it exited 1, an outage to retry.
+    So is a PGSERVICEFILE that is not there."""
     missing = conninfo.make_conninfo(dsn, service="relay_no_such_service")
-    command = ["enqueue", "t", "{}"]
-    result = CliRunner().invoke(main, command, env={"RELAY_DATABASE_URL": missing}, catch_exceptions=False)
+    env = {"RELAY_DATABASE_URL": missing, **({"PGSERVICEFILE": service_file} if service_file else {})}
+    result = CliRunner().invoke(main, ["enqueue", "t", "{}"], env=env, catch_exceptions=False)
     assert result.exit_code == 2, result.output
-    assert 'definition of service "relay_no_such_service" not found' in result.output
+    assert said in result.output and "not found" in result.output
     assert job_count(db) == 0
 
 

@@ -24,7 +24,9 @@ from psycopg import conninfo
 
 from relay_core import Relay, users
 from relay_core.migrate import migrate
+from relay_core.outages import OutageLog
 from relay_web import create_app
+from relay_web.db import Database
 
 from .helpers import running_worker, wait_for
 from .web.conftest import FAST_HASH, PASSWORD, SECRET
@@ -156,8 +158,11 @@ def test_a_worker_claims_again_once_writes_are_taken_not_when_its_sessions_expir
         assert handled.wait(15), "the job was not claimed after writes were taken again"
 
 
-def test_a_worker_started_while_writes_are_refused_waits_then_works(switch: ReadOnlySwitch, relay: Relay) -> None:
+def test_a_worker_started_while_writes_are_refused_waits_then_works(
+    switch: ReadOnlySwitch, relay: Relay, caplog: pytest.LogCaptureFixture
+) -> None:
     """Its start (registering itself is a write) failed, and the worker stopped, where an outage is waited out."""
+    caplog.set_level("WARNING", logger="relay")
     handled = threading.Event()
     relay.handler("ping")(lambda job: handled.set())
     switch.refuse_writes()
@@ -166,6 +171,7 @@ def test_a_worker_started_while_writes_are_refused_waits_then_works(switch: Read
         assert not worker.stopped_for_stuck_handlers
         registered = switch.writer.execute("SELECT count(*) FROM relay.workers").fetchone()
         assert registered == (0,)
+        assert said(caplog) == [REFUSING], "said as what it is, not as a database unreachable"
         switch.take_writes()
         switch.writer.execute("INSERT INTO relay.jobs (type, payload) VALUES ('ping', '{}')")
         assert handled.wait(20), "the worker never got past its start"
@@ -186,7 +192,7 @@ def test_an_enqueue_refused_as_read_only_raises_and_the_next_one_after_writes_ar
         except psycopg.errors.ReadOnlySqlTransaction:
             return None
 
-    # Within the pool's one replacement a second, not the sessions' hour.
+    # Within a second or so (the pool replaces its sessions at most once a second), not the sessions' hour.
     job_id = wait_for(enqueued, timeout=5, what="an enqueue taken")
     assert switch.job(int(job_id))["type"] == "after"  # type: ignore[arg-type]
     types = [row[0] for row in switch.writer.execute("SELECT type FROM relay.jobs ORDER BY id")]
@@ -233,3 +239,65 @@ def test_an_admin_write_refused_as_read_only_is_a_503_that_says_so(
 
     wait_for(requeued, timeout=5, what="the requeue taken")
     assert switch.job(job_id)["status"] == "queued"
+
+
+def refused() -> psycopg.errors.ReadOnlySqlTransaction:
+    return psycopg.errors.ReadOnlySqlTransaction("cannot execute UPDATE in a read-only transaction")
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_an_outage_that_met_a_refused_write_ends_only_with_a_write_whatever_failed_last(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """It was ended by a read getting through whenever another failure (a connection the pool was
+    replacing) came after the refusal: reachable again, then refuses writes, a pair each time."""
+    caplog.set_level("WARNING", logger="relay")
+    clock = Clock()
+    log = OutageLog(clock=clock)
+    log.failed("completion write", refused())
+    clock.now += 1
+    log.failed("claim", psycopg.OperationalError("server closed the connection unexpectedly"))
+    clock.now += 1
+    log.succeeded(wrote=False)  # a LISTEN, maintenance that read only
+    assert log.under_way()
+    log.failed("completion write", refused())
+    log.succeeded(wrote=True)
+    assert not log.under_way()
+    assert said(caplog) == [REFUSING, "database reachable again"]
+    log.failed("claim", psycopg.OperationalError("server closed the connection unexpectedly"))
+    log.succeeded(wrote=False)  # an outage that met no refused write: a read ends it
+    assert not log.under_way()
+
+
+def test_an_outage_that_turns_read_only_says_so_once_not_at_every_turn(caplog: pytest.LogCaptureFixture) -> None:
+    """Failures alternating between unreachable and read-only (a failover by DNS) said "refuses writes"
+    at each turn, past the once-per-30-s limit."""
+    caplog.set_level("WARNING", logger="relay")
+    clock = Clock()
+    log = OutageLog(clock=clock)
+    for _ in range(5):
+        log.failed("claim", psycopg.OperationalError("connection refused"))
+        clock.now += 0.5
+        log.failed("completion write", refused())
+        clock.now += 0.5
+    assert said(caplog) == ["database unreachable", REFUSING]
+
+
+def test_the_web_apps_log_warns_of_refused_writes_without_an_outage(caplog: pytest.LogCaptureFixture) -> None:
+    """Each page's checkout ended the outage a refused write began, and the next refusal, begun before
+    that end, was taken for its tail and not said: an outage log that swung and dropped every other one."""
+    caplog.set_level("WARNING", logger="relay")
+    database = Database("postgresql://unused", size=1, wait_seconds=1.0, statement_timeout_ms=0, max_payload_bytes=1)
+    for _ in range(3):
+        database.unavailable("/api/admin/jobs/1/requeue", refused())
+        database.outage.succeeded()
+    assert not database.outage.under_way()
+    messages = [r.getMessage() for r in caplog.records]
+    assert messages == ["database refuses writes (read-only: a failover or a standby?); answering 503"]

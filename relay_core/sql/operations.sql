@@ -55,6 +55,14 @@ RETURNING name, paused, paused_at;
 -- Queues that are paused now.
 SELECT name, paused_at FROM relay.queues WHERE paused ORDER BY name;
 
+-- name: queue_paused_holding_dead
+-- The paused queues that hold dead jobs of a type: those a requeue of them all
+-- sends to wait until the queue is resumed.
+SELECT q.name FROM relay.queues AS q
+WHERE q.paused
+  AND EXISTS (SELECT 1 FROM relay.jobs AS j WHERE j.status = 'dead' AND j.type = %(type)s AND j.queue = q.name)
+ORDER BY q.name;
+
 -- name: type_limit_upsert
 -- A worker publishes the limits its handler declares for a type, as their publisher.
 INSERT INTO relay.type_limits (type, max_running, rate_limit, rate_period_seconds, updated_at, published_by)

@@ -506,7 +506,11 @@ class Worker:
             self.pool.close()  # stopped before the database ever answered: nothing claimed, nothing to hand back
             self.stopped.set()
             # Its last line, as every stop has one: a log that ended at "database unreachable" read as a hang.
-            event(logging.INFO, "worker stopped before it started: the database never answered", worker_id=self.id)
+            event(
+                logging.INFO,
+                "worker stopped before it started: the database never answered, or never took writes",
+                worker_id=self.id,
+            )
             return
         for _ in range(self.config.concurrency):
             self._start_slot()

@@ -27,7 +27,7 @@ from ..connect_options import unusable_setting
 from ..errors import ConfigurationError
 from ..handlers import HandlerSpec
 from ..logs import event
-from ..outages import REPEAT_SECONDS, RETRYABLE, UNREACHABLE, Wording
+from ..outages import READ_ONLY, REPEAT_SECONDS, RETRYABLE, UNREACHABLE, Wording
 from ..pools import RelayPool
 from ..queries import sql
 from . import limits, periodic
@@ -93,7 +93,9 @@ def retry_until_stopped(action: Callable[[], None], stopping: threading.Event, d
             tries += 1
             # The pool's timeout says only that it waited: a connection of its own says why.
             error = (connect_error(dsn) if isinstance(exc, PoolTimeout) else None) or str(exc)
-            wording, now = WORDINGS[retry_message(error)], time.monotonic()
+            refusing_writes = isinstance(exc, psycopg.errors.ReadOnlySqlTransaction)
+            wording = REFUSING_WRITES if refusing_writes else WORDINGS[retry_message(error)]
+            now = time.monotonic()
             last = said_at.get(wording.begins)
             if last is None:
                 event(logging.WARNING, wording.begins, error=error, retry_in=delay)
@@ -115,6 +117,8 @@ REFUSED = Wording(
     "database still refuses the connection; retrying",
     "database answered",
 )
+#: A database that answered and refuses writes (read-only: a failover, a standby): the start writes the registry.
+REFUSING_WRITES = Wording(READ_ONLY, "database still refuses writes (read-only); retrying", "database takes writes")
 #: What the start says as a wait begins and while it goes on, by what it said first.
 WORDINGS = {wording.begins: wording for wording in (UNREACHABLE, REFUSED)}
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import psycopg
 from flask import Response, redirect, request, url_for
 
 from relay_core import users
@@ -19,6 +20,8 @@ UNDONE = "Your session had ended, so what you pressed was not done. Log in, then
 
 #: What the login form says when the database cannot be reached to check a password.
 NO_DATABASE = "Relay cannot reach its database right now, so nobody can log in. Try again in a moment."
+#: ... and when it refuses writes (a login records itself): read-only, as during a failover.
+NO_WRITES = "Relay's database refuses writes right now (a failover?), so nobody can log in. Try again in a moment."
 
 
 def _form(error: str | None = None, status: int = 200, username: str = "") -> Response:
@@ -51,7 +54,8 @@ def login_submit() -> Response:
     except UNREACHABLE as exc:
         # The form again, with the name typed kept: the error page's reload sent the form again.
         get_database().unavailable(request.path, exc)
-        response = _form(NO_DATABASE, 503, username)
+        refusing_writes = isinstance(exc, psycopg.errors.ReadOnlySqlTransaction)
+        response = _form(NO_WRITES if refusing_writes else NO_DATABASE, 503, username)
         response.headers["Retry-After"] = str(RETRY_SECONDS)
         return response
     except users.LoginThrottled as throttled:

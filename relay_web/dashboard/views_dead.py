@@ -104,12 +104,14 @@ def requeue_dead() -> Response:
         raise RelayError("say which type of dead jobs to requeue")
     finished_by = _page_time(request.form.get("finished_by"))
     stopped: BulkActionStopped | None = None
-    paused: list[str] = []
     try:
+        # Read first, on its own: once the requeue has committed, a failed read must not answer an error
+        # page, and the requeue commits batch by batch, not within a transaction the read began.
+        with connection() as conn:
+            paused = admin.paused_queues_holding_dead(conn, job_type)
         with connection() as conn:
             where = monitor.JobFilter(status="dead", type=job_type, finished_by=finished_by)
             changed = monitor.requeue_matching(conn, where)
-            paused = admin.paused_queues(conn)
     except BulkActionStopped as exc:
         log.warning("requeue of dead %s jobs stopped after %d: %s", job_type, exc.changed, exc.__cause__)
         stopped, changed = exc, exc.changed

@@ -224,6 +224,9 @@ def test_a_requeue_into_a_paused_queue_says_it_waits_for_the_queue(
     jobs.dead(jobs.add("send_email", queue="reports"))
     html = _text(admin.post("/dead/requeue", {"type": "send_email"}))
     assert "Requeued 1 dead send_email job; it runs again now, but in a paused queue (reports) only once" in html
+    jobs.dead(jobs.add("resize_image"))  # in the default queue: the paused one is no concern of it
+    html = _text(admin.post("/dead/requeue", {"type": "resize_image"}))
+    assert "Requeued 1 dead resize_image job; it runs again now." in html
 
 
 def test_dead_view_offers_requeue_all_of_a_type_and_does_it(admin: DashboardClient, jobs: Jobs) -> None:

@@ -13,6 +13,7 @@ is over.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import uuid
 from collections.abc import Callable, Iterator
@@ -83,16 +84,14 @@ def said(caplog: pytest.LogCaptureFixture) -> list[str]:
 
 @pytest.fixture
 def switch(database_url: str) -> Iterator[ReadOnlySwitch]:
-    made = ReadOnlySwitch(database_url)
-    yield made
-    made.close()
+    with contextlib.closing(ReadOnlySwitch(database_url)) as made:
+        yield made
 
 
 @pytest.fixture
-def relay(switch: ReadOnlySwitch) -> Iterator[Relay]:
-    app = Relay(switch.dsn)
-    yield app
-    app.close()
+def dsn(switch: ReadOnlySwitch) -> str:
+    """The scratch database: conftest's ``relay`` is bound to it."""
+    return switch.dsn
 
 
 def test_a_success_refused_as_read_only_is_written_once_writes_are_taken_again(

@@ -19,6 +19,13 @@ SELECT pg_advisory_xact_lock(7265108723);
 -- and claimed after its worker had exited (see claim.POOLED_CLAIM_STATEMENT_SECONDS).
 SELECT set_config('statement_timeout', %(ms)s, true);
 
+-- name: session_read_only_source
+-- Whether the server is in recovery (a standby), whether this session's
+-- default_transaction_read_only is on, and where that comes from (client,
+-- user, database user: the connection's own settings; database,
+-- configuration file: the server's).
+SELECT pg_is_in_recovery(), setting = 'on', source FROM pg_settings WHERE name = 'default_transaction_read_only';
+
 -- name: session_server_keepalives
 -- The server's keepalives on this session, where the server's configuration
 -- leaves them to the operating system's defaults (source 'default'): a client

@@ -89,6 +89,8 @@ def retry_until_stopped(action: Callable[[], None], stopping: threading.Event, d
             action()
             return waited
         except RETRYABLE as exc:
+            if isinstance(exc, psycopg.errors.ReadOnlySqlTransaction) and read_only_by_own_settings(dsn):
+                raise  # no failover to wait out: the worker's own settings forbid its writes
             waited = True
             tries += 1
             # The pool's timeout says only that it waited: a connection of its own says why.
@@ -135,6 +137,28 @@ def retry_message(error: str) -> str:
     if SERVER_REFUSAL_MARK in error and SERVER_NOT_READY_MARK not in error:
         return REFUSED.begins
     return UNREACHABLE.begins
+
+
+def read_only_by_own_settings(dsn: str) -> bool:
+    """Whether the worker's sessions refuse writes because of its own settings, not the server's state now.
+
+    ``default_transaction_read_only`` set by the connection's options (the
+    DSN, PGOPTIONS), its role, or its role in this database is how a
+    deployment gives a worker a role that may only read: that is fixed by
+    changing the deployment, and the worker stops with the server's words.
+    A server in recovery (a standby, which a failover may leave an old
+    address naming), or one read-only by its own or the database's
+    configuration (a cutover), takes writes again by itself: that is waited
+    out. If it cannot be told, it is waited out too.
+    """
+    given = "connect_timeout" in conninfo_to_dict(dsn) or os.environ.get("PGCONNECT_TIMEOUT")
+    wait = {} if given else {"connect_timeout": REGISTER_WAIT_SECONDS}
+    try:
+        with psycopg.connect(dsn, **wait) as conn:
+            row = conn.execute(sql("session_read_only_source")).fetchone()
+    except psycopg.Error:
+        return False
+    return row is not None and not row[0] and row[1] and row[2] in {"client", "user", "database user"}
 
 
 def connect_error(dsn: str) -> str | None:

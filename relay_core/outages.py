@@ -52,10 +52,12 @@ RETRYABLE: tuple[type[BaseException], ...] = (
 def answer_may_be_lost(exc: BaseException) -> bool:
     """Whether a statement that failed with ``exc`` (one of RETRYABLE) may have committed unseen.
 
-    No connection came (PoolTimeout), or the server refused it for being
-    read-only: it ran nothing. Any other break may have come after the commit.
+    No connection came (PoolTimeout), the server refused it for being
+    read-only, or the server cancelled it (its statement_timeout, or a cancel
+    request): it committed nothing. Any other break may have come after the
+    commit.
     """
-    return not isinstance(exc, (PoolTimeout, psycopg.errors.ReadOnlySqlTransaction))
+    return not isinstance(exc, (PoolTimeout, psycopg.errors.ReadOnlySqlTransaction, psycopg.errors.QueryCanceled))
 
 
 #: While an outage lasts, how often it is logged again.
@@ -194,9 +196,9 @@ class OutageLog:
         """A call got through: end the outage, if one was under way, with one line.
 
         A call that may only have read (``wrote=False``: a LISTEN, maintenance
-        that found nothing to change) does not end one in which the last call
-        failed for writing to a server that refuses writes: it gets through
-        there too, and each one ended and began that outage anew.
+        that found nothing to change) does not end one that has met a write
+        refused as read-only: reads get through there too, and each one ended
+        that outage and the next refused write began it anew.
         """
         if self._since is None:  # the usual case, without the lock
             return

@@ -341,3 +341,31 @@ def test_a_claim_held_up_by_a_lock_when_the_worker_stops_claims_nothing_after_it
         relay.close()
     rows = db.execute("SELECT status::text, attempts, claimed_by FROM relay.jobs ORDER BY id").fetchall()
     assert rows == [("queued", 0, None)] * 3
+
+
+def test_a_claim_its_time_limit_ended_is_not_taken_for_one_whose_answer_was_lost(
+    dsn: str, db: psycopg.Connection, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A statement the server cancelled committed nothing. Taken for an answer lost, each claim a lock
+    held past its time limit sent a return of "unheld" jobs after it, which the same lock held up and
+    whose connection was then cut: a statement left on the server, to return whatever this worker
+    had claimed by the time the lock was let go."""
+    caplog.set_level("INFO", logger="relay")
+    with pgbouncer(dsn, "default_pool_size = 4\n") as pooler:
+        monkeypatch.setenv("RELAY_TRANSACTION_POOLING", "true")
+        relay = Relay(pooler.dsn)
+        ran: list[int] = []
+        relay.handler("ping")(lambda job: ran.append(job.id))
+        with running_worker(relay, listen=False, poll_interval=0.2) as worker:
+            wait_for(lambda: db.execute("SELECT count(*) FROM relay.workers").fetchone()[0], what="its start")
+            with psycopg.connect(dsn) as locker:
+                locker.execute("LOCK TABLE relay.jobs IN ACCESS EXCLUSIVE MODE")
+                wait_for(
+                    lambda: any("statement cancelled by the server" in r.getMessage() for r in caplog.records),
+                    what="a claim ended by its time limit",
+                )
+                assert not worker._unanswered_claim
+            job_id = relay.enqueue("ping")
+            wait_for(lambda: ran == [job_id], what="the job to run once the lock is let go")
+        relay.close()
+    assert not [r for r in caplog.records if "whose answer was lost" in r.getMessage()]

@@ -575,7 +575,8 @@ class Worker:
             except RETRYABLE as exc:
                 if isinstance(exc, psycopg.errors.QueryCanceled) and self.stopping.is_set():
                     break  # the stop cancelled a claim the database held up: it claimed nothing
-                # No connection, or a refusal, claimed nothing; anything else may have lost a committed claim's answer.
+                # No connection, a refusal or a cancel claimed nothing; any other break may have lost
+                # a committed claim's answer.
                 if answer_may_be_lost(exc):
                     self._unanswered_claim, self._unanswered_claim_at = True, time.monotonic()
                 self.pooled_calls.failed("claim", exc, began=began)

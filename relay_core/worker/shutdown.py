@@ -128,7 +128,6 @@ def hand_back(
     writes: nothing but those writes, which end within ``writes_left`` seconds
     (``timeout`` when none follow), and the process's exit come after it.
     """
-    rows: list[tuple[int]] = []
     jobs = [r.job for r in unfinished]
     # A job that never left the prefetch can run elsewhere at once; one whose thread still runs waits.
     still_running = still_running_delay(timeout if writes_left is None else max(writes_left, timeout))
@@ -139,8 +138,8 @@ def hand_back(
         while True:
             try:
                 with write_within(pool, seconds_until(end)) as conn:
-                    returned = conn.execute(sql("job_hand_back_many"), params).fetchall()
-                rows = returned  # counted once committed: a COMMIT that failed handed nothing back
+                    rows = conn.execute(sql("job_hand_back_many"), params).fetchall()
+                # Counted once committed: a COMMIT that failed handed nothing back.
                 event(logging.WARNING, "handed back unfinished jobs", job_ids=sorted(r[0] for r in rows))
                 return len(rows)
             except (psycopg.Error, PoolTimeout) as exc:

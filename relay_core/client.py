@@ -22,7 +22,7 @@ from .connections import run, run_async
 from .errors import ConfigurationError, InvalidJobError, RelayError
 from .handlers import DEFAULT_MAX_ATTEMPTS, HandlerSpec, make_spec
 from .pools import RelayConnection, RelayPool, make_pool, outdated_plan
-from .settings import database_url, env_bool, env_float, env_int, transaction_pooling
+from .settings import check_dsn_type, database_url, env_bool, env_float, env_int, transaction_pooling
 from .validation import (
     BATCH_JOB_OVERHEAD_CHARS,
     DEFAULT_MAX_PAYLOAD_BYTES,
@@ -88,6 +88,7 @@ class Relay:
         notify: bool | None = None,
         db_wait: float | None = None,
     ) -> None:
+        check_dsn_type(dsn)  # when the Relay is made, not at its first enqueue
         self._dsn = dsn
         if max_payload_bytes is None:
             max_payload_bytes = env_int("RELAY_MAX_PAYLOAD_BYTES", DEFAULT_MAX_PAYLOAD_BYTES)

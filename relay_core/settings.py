@@ -25,8 +25,18 @@ def database_url_set() -> bool:
     return bool(os.environ.get("RELAY_DATABASE_URL") or os.environ.get("DATABASE_URL"))
 
 
+def check_dsn_type(dsn: object) -> None:
+    """Refuse a DSN that is no string (bytes, a port number): it failed later, on first use, with a
+    bare TypeError or AttributeError from deep in the parsing."""
+    if dsn is not None and not isinstance(dsn, str):
+        raise ConfigurationError(
+            f"the DSN must be a string (a database URL or key=value settings), got {type(dsn).__name__}"
+        )
+
+
 def database_url(explicit: str | None = None) -> str:
     """The DSN to use: an explicit one, else RELAY_DATABASE_URL, else DATABASE_URL."""
+    check_dsn_type(explicit)
     # An explicit "" is the caller's blank DSN, not a request for the environment's.
     dsn = explicit if explicit is not None else os.environ.get("RELAY_DATABASE_URL") or os.environ.get("DATABASE_URL")
     if dsn is None or (explicit is None and not dsn):

@@ -749,6 +749,13 @@ def test_a_notify_that_is_no_bool_is_refused_when_the_relay_is_made(bad: object,
     assert job_count(db) == 0
 
 
+@pytest.mark.parametrize("bad", [b"postgresql://localhost/db", 5432])
+def test_a_dsn_that_is_no_string_is_refused_when_the_relay_is_made(bad: object) -> None:
+    """It was taken, and the first enqueue raised a bare TypeError (bytes) or AttributeError (a number)."""
+    with pytest.raises(ConfigurationError, match=r"the DSN must be a string .*, got (bytes|int)"):
+        Relay(bad)  # type: ignore[arg-type]
+
+
 def test_the_wait_for_a_connection_comes_from_the_environment_and_is_checked(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("RELAY_DB_WAIT_SECONDS", raising=False)
     assert Relay("postgresql://unused").db_wait == 5.0

@@ -12,10 +12,10 @@ import logging
 
 import psycopg
 from flask import Flask, Response, request
-from psycopg_pool import PoolTimeout
 from werkzeug.exceptions import HTTPException, MethodNotAllowed
 
 from relay_core import BulkActionStopped, IllegalTransition, InvalidJobError, JobNotFound, RelayError, monitor
+from relay_core.outages import RETRYABLE
 
 from .db import get_database
 from .health import missing_schema_problem
@@ -179,8 +179,6 @@ def register(app: Flask) -> None:
     app.register_error_handler(psycopg.errors.QueryCanceled, _too_slow)
     for missing in monitor.MISSING_SCHEMA_ERRORS:
         app.register_error_handler(missing, _missing_schema)
-    app.register_error_handler(psycopg.OperationalError, _unavailable)
-    app.register_error_handler(psycopg.InterfaceError, _unavailable)
-    app.register_error_handler(PoolTimeout, _unavailable)
-    app.register_error_handler(psycopg.errors.ReadOnlySqlTransaction, _unavailable)
+    for unavailable in RETRYABLE:  # the database away, or refusing writes for now
+        app.register_error_handler(unavailable, _unavailable)
     app.register_error_handler(Exception, _internal)

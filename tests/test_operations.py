@@ -24,7 +24,7 @@ from relay_core import Backoff, IllegalTransition, Job, Relay, RelayError, Snooz
 from relay_core.connect_options import worker_application_name
 from relay_core.pools import make_pool
 from relay_core.queries import sql
-from relay_core.worker.claim import ClaimInFlight, claim_rows, claim_under_limits_lock
+from relay_core.worker.claim import ClaimInFlight, claim_rows, claim_under_limits_lock, claim_within_time_limit
 from relay_core.worker.maintenance import sweep_once
 from relay_core.worker.periodic import enqueue_due, publish
 from relay_core.worker.retention import Retention, prune_once
@@ -202,11 +202,11 @@ def test_a_claim_that_waited_for_the_limits_lock_takes_a_job_that_fell_due_meanw
     waited for the next claim. Its start and lease were counted from the transaction's beginning,
     before the job's run_at."""
     claimed: list[list[dict]] = []
+    # Written out, with each statement's time limit: the claim behind a transaction pooler.
+    claim = claim_under_limits_lock if prepared else claim_within_time_limit
     with psycopg.connect(dsn) as other_claim, psycopg.connect(dsn) as waiting:
         other_claim.execute(sql("claim_limits_lock"))
-        claimer = threading.Thread(
-            target=lambda: claimed.append(claim_under_limits_lock(waiting, claim_params(limit=5), prepared))
-        )
+        claimer = threading.Thread(target=lambda: claimed.append(claim(waiting, claim_params(limit=5))))
         claimer.start()
         wait_for(lambda: [row for row in db.execute(LIMITS_LOCK).fetchall() if not row[1]], what="the claim waiting")
         job_id = relay.enqueue("noop")

@@ -364,7 +364,7 @@ def test_a_claim_its_time_limit_ended_is_not_taken_for_one_whose_answer_was_lost
                     lambda: any("statement cancelled by the server" in r.getMessage() for r in caplog.records),
                     what="a claim ended by its time limit",
                 )
-                assert not worker._unanswered_claim
+                assert worker._unanswered_claim_at is None
             job_id = relay.enqueue("ping")
             wait_for(lambda: ran == [job_id], what="the job to run once the lock is let go")
         relay.close()

@@ -182,16 +182,15 @@ def claim_rows(pool: RelayPool, params: dict[str, Any], in_flight: ClaimInFlight
     return rows, sent
 
 
-def claim_under_limits_lock(conn: psycopg.Connection, params: dict[str, Any], prepared: bool = True) -> list[dict]:
-    """The limits lock and the claim in one transaction, sent as one message (see ``one_message``).
+def claim_under_limits_lock(conn: psycopg.Connection, params: dict[str, Any]) -> list[dict]:
+    """The limits lock and the claim in one transaction, sent as one message (see ``one_message``),
+    by the session's prepared statements (behind a transaction pooler: ``claim_within_time_limit``).
 
     A worker frozen while its claim waited for the lock, or ran, would
     otherwise hold the lock every limited claim, on every queue, waits for.
-    ``prepared``: by the session's prepared statements (not behind a
-    transaction pooler).
     """
     _lock, rows = run_as_one_message(
-        conn, [("claim_limits_lock", {}), ("job_claim", params)], prepared=prepared, row_factory=sized_rows
+        conn, [("claim_limits_lock", {}), ("job_claim", params)], prepared=True, row_factory=sized_rows
     )
     return rows
 

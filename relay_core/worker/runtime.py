@@ -130,10 +130,8 @@ class Worker:
         self._hurried_at: float | None = None  # time.monotonic() of a second signal: nothing more is waited for
         self.stopped = threading.Event()
         self._wake = threading.Event()
-        #: A claim failed on a broken connection and may have committed: its jobs are claimed
-        #: under this worker's id, and the worker never saw them (see ``_return_unheld``).
-        self._unanswered_claim = False
-        #: When the last claim whose answer may be lost failed (monotonic), or None.
+        #: When a claim failed on a broken connection (monotonic), None once its jobs were looked for:
+        #: it may have committed, its jobs claimed under this worker's id unseen (see ``_return_unheld``).
         self._unanswered_claim_at: float | None = None
         #: Handlers still running when shutdown ended (their jobs handed back or timed out):
         #: they stop only when the process exits, which must come within the hand-back grace.
@@ -566,9 +564,9 @@ class Worker:
             self._wake.clear()
             began = time.monotonic()
             try:
-                if self._unanswered_claim:
+                if self._unanswered_claim_at is not None:
                     self._return_unheld()
-                    self._unanswered_claim = False
+                    self._unanswered_claim_at = None
                 jobs, sent = self._claim(free)
                 delay = 0.1
                 self.pooled_calls.succeeded()
@@ -578,7 +576,7 @@ class Worker:
                 # No connection, a refusal or a cancel claimed nothing; any other break may have lost
                 # a committed claim's answer.
                 if answer_may_be_lost(exc):
-                    self._unanswered_claim, self._unanswered_claim_at = True, time.monotonic()
+                    self._unanswered_claim_at = time.monotonic()
                 self.pooled_calls.failed("claim", exc, began=began)
                 self.stopping.wait(delay)
                 delay = next_retry_delay(delay)
@@ -742,7 +740,7 @@ class Worker:
         duties_end = min(max(deadline, time.monotonic() + 0.5), final())
         while self.maintenance.duties_running() and time.monotonic() < duties_end and self._hurried_at is None:
             time.sleep(0.02)
-        if self._unanswered_claim:
+        if self._unanswered_claim_at is not None:
             # A stop between a lost claim answer and the next claim: nothing else would return
             # those jobs before their leases ran out, and the sweeper would spend their attempt.
             self._return_unheld_while_stopping(before_deadline())

@@ -139,6 +139,13 @@ def retry_message(error: str) -> str:
     return UNREACHABLE.begins
 
 
+def probe_wait(dsn: str) -> dict[str, int]:
+    """The connect_timeout of a connection the start makes to look at the database: REGISTER_WAIT_SECONDS,
+    unless the DSN (or PGCONNECT_TIMEOUT) gives its own, which overriding would hide were it a bad one."""
+    given = "connect_timeout" in conninfo_to_dict(dsn) or os.environ.get("PGCONNECT_TIMEOUT")
+    return {} if given else {"connect_timeout": REGISTER_WAIT_SECONDS}
+
+
 def read_only_by_own_settings(dsn: str) -> bool:
     """Whether the worker's sessions refuse writes because of its own settings, not the server's state now.
 
@@ -151,10 +158,8 @@ def read_only_by_own_settings(dsn: str) -> bool:
     configuration (a cutover), takes writes again by itself: that is waited
     out. If it cannot be told, it is waited out too.
     """
-    given = "connect_timeout" in conninfo_to_dict(dsn) or os.environ.get("PGCONNECT_TIMEOUT")
-    wait = {} if given else {"connect_timeout": REGISTER_WAIT_SECONDS}
     try:
-        with psycopg.connect(dsn, **wait) as conn:
+        with psycopg.connect(dsn, **probe_wait(dsn)) as conn:
             row = conn.execute(sql("session_read_only_source")).fetchone()
     except psycopg.Error:
         return False
@@ -169,11 +174,8 @@ def connect_error(dsn: str) -> str | None:
     A setting libpq cannot use (``sslmode=bogus``, ``connect_timeout=abc``)
     is no outage to wait out: it raises ConfigurationError.
     """
-    # The DSN's (or PGCONNECT_TIMEOUT's) own connect_timeout, if there is one: overriding it would hide a bad one.
-    given = "connect_timeout" in conninfo_to_dict(dsn) or os.environ.get("PGCONNECT_TIMEOUT")
-    wait = {} if given else {"connect_timeout": REGISTER_WAIT_SECONDS}
     try:
-        psycopg.connect(dsn, **wait).close()
+        psycopg.connect(dsn, **probe_wait(dsn)).close()
     except psycopg.Error as exc:
         if unusable_setting(exc):
             raise ConfigurationError(f"the database URL has a setting libpq cannot use: {exc}") from None

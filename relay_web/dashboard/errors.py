@@ -12,10 +12,10 @@ import logging
 
 import psycopg
 from flask import Response, request, url_for
-from psycopg_pool import PoolTimeout
 from werkzeug.exceptions import HTTPException, MethodNotAllowed, NotFound
 
 from relay_core import IllegalTransition, JobNotFound, RelayError, monitor
+from relay_core.outages import RETRYABLE
 
 from ..db import get_database
 from ..errors import http_problem, timed_out_detail, transition_detail
@@ -130,7 +130,7 @@ def _too_slow(exc: psycopg.errors.QueryCanceled) -> Response:
 
 #: What a dashboard request meets when the database cannot be reached (PoolTimeout: no connection came in
 #: time), or refuses writes for now (read-only, as during a failover).
-UNREACHABLE = (psycopg.OperationalError, psycopg.InterfaceError, PoolTimeout, psycopg.errors.ReadOnlySqlTransaction)
+UNREACHABLE = RETRYABLE
 
 
 def _unavailable(exc: Exception) -> Response:

@@ -8,10 +8,11 @@ One transaction for every pending migration held each one's table locks to
 the end, so a later migration asking for a stronger lock on a table an
 earlier one had locked deadlocked with an application transaction that read
 the table first and wrote it afterwards. A migration waits at most
-``lock_wait`` seconds for its locks, then lets go and tries again: while it
-waits, every statement on that table (workers' claims, enqueues, the
-dashboard's reads) queues behind it, and an application transaction left
-open would stall them all for as long as it stays open.
+``lock_wait`` seconds for its locks, then lets go and tries again once the
+transactions that held it up have ended: while it waits, every statement on
+that table (workers' claims, enqueues, the dashboard's reads) queues behind
+it, and an application transaction left open would stall them all for as
+long as it stays open.
 """
 
 from __future__ import annotations
@@ -42,9 +43,11 @@ _FILENAME = re.compile(r"^(\d{4})_([a-z0-9_]+)\.sql$")
 LOCK_WAIT_SECONDS = 5.0
 #: How long ``migrate`` keeps trying to get a migration's locks before it gives up.
 LOCK_PATIENCE_SECONDS = 600.0
-#: The pause between a migration's tries, which lets the statements queued behind it through
+#: The least pause between a migration's tries, which lets the statements queued behind it through
 #: (the migration lock held, so no other migrator's try fills it).
 LOCK_RETRY_PAUSE_SECONDS = 1.0
+#: How often a pause looks whether the transactions that held up the try have ended.
+LOCK_HOLDERS_POLL_SECONDS = 0.25
 
 _CREATE_TABLE = """
 CREATE TABLE IF NOT EXISTS relay.schema_migrations (
@@ -55,13 +58,37 @@ CREATE TABLE IF NOT EXISTS relay.schema_migrations (
 """
 
 #: Sessions whose transactions began before a migration's try (%(began)s) and hold a lock on one
-#: of Relay's tables: whom the try waited for, not the statements queued behind it.
+#: of Relay's tables (pg_locks shows every database's: a table of another may have the same oid):
+#: whom the try waited for, not the statements queued behind it.
 _LOCK_HOLDERS = """
 SELECT DISTINCT a.pid, a.state, left(a.query, 80) AS query
 FROM pg_locks AS l JOIN pg_stat_activity AS a ON a.pid = l.pid
-WHERE l.granted AND l.relation IN (SELECT c.oid FROM pg_class AS c WHERE c.relnamespace = to_regnamespace('relay'))
+WHERE l.granted AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+  AND l.relation IN (SELECT c.oid FROM pg_class AS c WHERE c.relnamespace = to_regnamespace('relay'))
   AND a.pid <> pg_backend_pid() AND a.xact_start < %(began)s
 ORDER BY a.pid
+"""
+
+#: Whether a session still holds more than a read's lock on one of Relay's tables in a transaction
+#: that began before %(before)s (the end of a try): one the next try would wait for again. Not
+#: readers: a pg_dump holds its AccessShareLock for hours, and a new index does not wait for it.
+_HOLDER_REMAINS = """
+SELECT EXISTS (
+    SELECT FROM pg_locks AS l JOIN pg_stat_activity AS a ON a.pid = l.pid
+    WHERE l.granted AND l.mode <> 'AccessShareLock'
+      AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+      AND l.relation IN (SELECT c.oid FROM pg_class AS c WHERE c.relnamespace = to_regnamespace('relay'))
+      AND a.pid <> pg_backend_pid() AND a.xact_start < %(before)s
+)
+"""
+
+
+#: Lifts, for a migration's transaction, every timeout a role, a database or PGOPTIONS may set:
+#: PostgreSQL 17's transaction_timeout too, where the server has it (15 and 16 do not know the name).
+_NO_TIMEOUTS = """
+SELECT set_config('lock_timeout', '0', true), set_config('statement_timeout', '0', true),
+       set_config('idle_in_transaction_session_timeout', '0', true),
+       (SELECT set_config(name, '0', true) FROM pg_settings WHERE name = 'transaction_timeout')
 """
 
 
@@ -257,10 +284,7 @@ def _apply_next(conn: psycopg.Connection, lock_wait: float, patience: float) -> 
             with conn.transaction():
                 # No timeout of a role's, a database's or PGOPTIONS' may cut short the wait for another
                 # migrator, nor an index build, nor end the session in the pause between two tries.
-                conn.execute(
-                    "SELECT set_config('lock_timeout', '0', true), set_config('statement_timeout', '0', true),"
-                    " set_config('idle_in_transaction_session_timeout', '0', true)"
-                )
+                conn.execute(_NO_TIMEOUTS)
                 conn.execute("SELECT pg_advisory_xact_lock(%s)", (MIGRATION_LOCK_KEY,))
                 (began,) = conn.execute("SELECT clock_timestamp()").fetchone()
                 tried_at = time.monotonic()
@@ -314,6 +338,14 @@ def _wait_for_the_queue(conn: psycopg.Connection, began: datetime, waited: float
     tries and pauses so far), naming who held Relay's tables, else say so and pause while the
     statements queued behind the try go through; what has been waited with the pause.
 
+    The pause lasts until the sessions that were writing Relay's tables when
+    the try ended have ended their transactions (``_HOLDER_REMAINS``), and at
+    least ``LOCK_RETRY_PAUSE_SECONDS``. A fixed pause tried again while an
+    application transaction left open still held the table, so every
+    statement on it waited out try after try: enqueues and claims stalled 5 s
+    of every 6 for as long as that transaction stayed open, up to the
+    patience. Now a transaction left open stalls them for one try.
+
     Named are the sessions whose transactions began before the try (``began``)
     and hold a lock on one of Relay's tables: those queued behind it, a
     worker's claim or an enqueue, hold some too but came later.
@@ -326,12 +358,26 @@ def _wait_for_the_queue(conn: psycopg.Connection, began: datetime, waited: float
         )
     event(
         logging.WARNING,
-        "a migration waited for a lock on Relay's tables; letting the queue behind it through, then again",
+        "a migration waited for a lock on Relay's tables; letting the statements queued behind it through,"
+        " and trying again once the transactions writing those tables before it have ended",
         holders="; ".join(holders) or "none now",
-        retry_in=LOCK_RETRY_PAUSE_SECONDS,
     )
+    (ended,) = conn.execute("SELECT clock_timestamp()").fetchone()
+    paused_from = time.monotonic()
     time.sleep(LOCK_RETRY_PAUSE_SECONDS)
-    return waited + LOCK_RETRY_PAUSE_SECONDS
+    while waited + time.monotonic() - paused_from < patience and _holder_remains(conn, ended):
+        time.sleep(LOCK_HOLDERS_POLL_SECONDS)
+    return waited + time.monotonic() - paused_from
+
+
+def _holder_remains(conn: psycopg.Connection, before: datetime) -> bool:
+    """Whether a transaction that began before ``before`` still writes one of Relay's tables."""
+    # pg_stat_activity is read once per transaction and kept, and the pause runs in the migration's
+    # transaction: without a fresh read, a session that ended its transaction and began another
+    # would still show the old one's start.
+    conn.execute("SELECT pg_stat_clear_snapshot()")
+    (remains,) = conn.execute(_HOLDER_REMAINS, {"before": before}).fetchone()
+    return bool(remains)
 
 
 def _create_table_if_missing(conn: psycopg.Connection) -> None:

@@ -72,7 +72,7 @@ def check_cron(expression: str, timezone: str) -> None:
         )
     try:
         ZoneInfo(timezone)
-    except (ZoneInfoNotFoundError, ValueError):
+    except (ZoneInfoNotFoundError, ValueError, OSError):  # OSError: a region's directory ("America"), a name too long
         raise InvalidJobError("timezone", f"{timezone!r} is not a known IANA time zone name") from None
     if timezone not in _iana_zones():
         # A file the zone database directory also holds (posixrules, right/UTC, posix/Europe/Berlin):

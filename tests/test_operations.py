@@ -685,6 +685,92 @@ def test_ticks_passed_between_two_late_checks_are_logged_and_only_the_latest_run
     assert scheduled == [(first.isoformat(),), (later.isoformat(),)]
 
 
+def test_ticks_passed_over_are_counted_after_the_tick_commits_not_while_its_row_is_held(
+    dsn: str, db: psycopg.Connection, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An every-second schedule three hours behind: counting its passed ticks (a thousand, the cap) ran
+    inside the tick's transaction, under its idle limit. On a worker whose handlers kept the interpreter
+    busy that took seconds, the server ended the session, the advance rolled back, and every later
+    check did the same. The count here is made slow by hand, past a shortened idle limit."""
+    from relay_core.worker import periodic
+
+    counted = periodic.ticks_between
+
+    def counted_on_a_busy_worker(*args, **kwargs):  # type: ignore[no-untyped-def]
+        time.sleep(1.0)
+        return counted(*args, **kwargs)
+
+    monkeypatch.setattr(periodic, "TICK_IDLE_LIMIT_MS", 300)
+    monkeypatch.setattr(periodic, "ticks_between", counted_on_a_busy_worker)
+    app = Relay(dsn)
+    app.handler("each_second", cron="* * * * * *")(lambda job: None)
+    (spec,) = app.handlers.values()
+    publish(db, [spec])
+    db.execute("UPDATE relay.schedules SET last_tick = last_tick - interval '3 hours'")
+    with psycopg.connect(dsn) as conn, caplog.at_level("WARNING", logger="relay"):
+        conn.execute("SELECT 1")  # the worker's own check reads first, in a transaction
+        enqueued = enqueue_due(conn, [spec])
+        assert not conn.broken
+    assert len(enqueued) == 1
+    assert db.execute("SELECT count(*) FROM relay.jobs WHERE type = 'each_second'").fetchone() == (1,)
+    (last_tick,) = db.execute("SELECT last_tick FROM relay.schedules").fetchone()
+    assert last_tick.isoformat() == datetime.fromisoformat(enqueued[0][1]).isoformat()
+    passed = [r for r in caplog.records if r.getMessage().startswith("periodic ticks passed")]
+    assert [r.passed for r in passed] == ["1000 or more"]
+
+
+def test_each_schedule_tick_commits_on_its_own_after_the_checks_first_read(
+    dsn: str, db: psycopg.Connection, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A worker's check reads first (periodic_check) on a connection outside autocommit, so the ticks'
+    transactions were savepoints of the one that read opened: a tick stayed uncommitted until every
+    schedule after it was checked, and a schedule whose session the server ended took it back, logged
+    as enqueued."""
+    from relay_core.worker import periodic
+
+    app = Relay(dsn)
+    for name in ("first", "second"):
+        app.handler(name, cron="* * * * * *")(lambda job: None)
+    specs = list(app.handlers.values())
+    publish(db, specs)
+    db.execute("UPDATE relay.schedules SET last_tick = last_tick - interval '1 second'")
+    seen_after_each: list[int] = []
+    enqueue_one = periodic._enqueue_latest_tick
+
+    def then_look(conn, spec, *args):  # type: ignore[no-untyped-def]
+        tick = enqueue_one(conn, spec, *args)
+        seen_after_each.append(db.execute("SELECT count(*) FROM relay.jobs").fetchone()[0])
+        return tick
+
+    monkeypatch.setattr(periodic, "_enqueue_latest_tick", then_look)
+    with psycopg.connect(dsn) as conn:
+        conn.execute(sql("periodic_check")).fetchone()
+        assert len(enqueue_due(conn, specs)) == 2
+    assert seen_after_each == [1, 2]
+
+
+def _scans_of(plan: dict, relation: str) -> list[dict]:
+    """The nodes of an EXPLAIN (FORMAT JSON) plan that read ``relation``."""
+    found = [plan] if plan.get("Relation Name") == relation else []
+    for child in plan.get("Plans", []):
+        found += _scans_of(child, relation)
+    return found
+
+
+def test_a_schedule_published_as_the_worker_has_it_does_not_read_the_worker_registry(db: psycopg.Connection) -> None:
+    """Every check of every schedule read the whole registry (a week of workers, a killed one's schedules
+    matched as JSON), needed only for a schedule published differently: 8,000 rows took a second."""
+    db.execute("INSERT INTO relay.schedules (type, cron, last_tick) VALUES ('each_second', '* * * * * *', now())")
+    schedule = {"type": "each_second", "timezone": "UTC", "queue": "default", "worker_id": "w"}
+    ticks = {"tick": datetime(2030, 1, 1, tzinfo=UTC), "next_tick": datetime(2030, 1, 1, 0, 0, 1, tzinfo=UTC)}
+    explain = "EXPLAIN (ANALYZE, FORMAT JSON) " + sql("schedule_advance")
+    loops = {}
+    for cron in ("* * * * * *", "*/5 * * * * *"):  # as published, then another release's
+        ((plan,),) = db.execute(explain, {**schedule, **ticks, "cron": cron}).fetchall()
+        loops[cron] = sum(node["Actual Loops"] for node in _scans_of(plan[0]["Plan"], "workers"))
+    assert loops == {"* * * * * *": 0, "*/5 * * * * *": 1}
+
+
 def test_a_schedule_another_transaction_holds_is_skipped_then_moves_on_from_its_latest_tick(
     dsn: str, db: psycopg.Connection
 ) -> None:
@@ -947,6 +1033,10 @@ def test_invalid_cron_or_timezone_is_refused(relay: Relay) -> None:
     for name in ("posixrules", "right/UTC", "posix/Europe/Berlin"):
         with pytest.raises(InvalidJobError, match=r"is not an? (known )?IANA time zone name"):
             relay.handler("bad_file", cron="@daily", timezone=name)(lambda job: None)
+    # A region's directory, and a name longer than a file's: ZoneInfo raised an OSError of its own there.
+    for name in ("America", "Etc", "Europe/" + "x" * 300):
+        with pytest.raises(InvalidJobError, match=r"^timezone: .* IANA time zone name"):
+            relay.handler("bad_dir", cron="@daily", timezone=name)(lambda job: None)
     relay.handler("good_zone", cron="@daily", timezone="US/Eastern")(lambda job: None)
     with pytest.raises(InvalidJobError, match="never fires"):
         relay.handler("bad3", cron="0 0 30 2 *")(lambda job: None)  # February 30th

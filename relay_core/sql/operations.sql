@@ -178,12 +178,16 @@ RETURNING type, cron, timezone, queue, last_tick, next_tick;
 -- named as the publisher of a schedule not its own did not publish it: a
 -- Relay older than migration 0021, restarted mid-deploy, wrote its schedule
 -- back and left published_by as it was, and that worker left the ticks to
--- itself for as long as it ran. No row: the schedule is not in
--- relay.schedules (deleted by hand).
+-- itself for as long as it ran. The registry is read only for a schedule
+-- published differently (NULL otherwise): it holds every worker of the last
+-- days, each killed one's schedules matched as JSON, and read on every
+-- check of every schedule, 8,000 rows took a second, an every-second
+-- schedule's whole slot. No row: the schedule is not in relay.schedules
+-- (deleted by hand).
 WITH published AS (
     SELECT s.type, s.cron, s.timezone, s.queue,
            (s.cron, s.timezone, s.queue) = (%(cron)s, %(timezone)s, %(queue)s) AS current,
-           EXISTS (
+           CASE WHEN (s.cron, s.timezone, s.queue) <> (%(cron)s, %(timezone)s, %(queue)s) THEN EXISTS (
                SELECT FROM relay.workers w
                WHERE (w.id = s.published_by
                       OR w.schedule_definitions @> jsonb_build_array(jsonb_build_object(
@@ -191,7 +195,7 @@ WITH published AS (
                  AND w.id IS DISTINCT FROM %(worker_id)s
                  AND relay.worker_state(w.stopped_at, w.last_seen_at, w.heartbeat_seconds, 60) = 'alive'
                  AND (w.schedules_stopped_at IS NULL OR w.schedules_stopped_at < w.started_at)
-           ) AS publisher_checks
+           ) END AS publisher_checks
     FROM relay.schedules s WHERE s.type = %(type)s
 ), held AS (
     SELECT s.type, s.last_tick

@@ -14,6 +14,7 @@ import json
 import logging
 from collections.abc import Iterable
 from datetime import datetime
+from typing import NamedTuple
 
 import psycopg
 
@@ -163,6 +164,10 @@ def enqueue_due(
     """
     serving = frozenset(queues)
     enqueued: list[tuple[str, str]] = []
+    # Each schedule's tick is a transaction of its own. On a connection already in one (the
+    # worker's check reads first, outside autocommit) they were savepoints of that one: a schedule
+    # whose session the server ended took back the ticks of those before it, logged as enqueued.
+    conn.commit()
     for spec in specs:
         if not spec.cron:
             continue
@@ -182,6 +187,15 @@ def enqueue_due(
     return enqueued
 
 
+class _Advance(NamedTuple):
+    """What one schedule's check did: the tick it enqueued, if any, and the tick it moved on from when
+    it moved ``last_tick`` on (whose passed ticks are then told)."""
+
+    enqueued: datetime | None
+    moved_from: datetime | None
+    tick: datetime
+
+
 def _enqueue_latest_tick(
     conn: psycopg.Connection,
     spec: HandlerSpec,
@@ -191,84 +205,107 @@ def _enqueue_latest_tick(
 ) -> datetime | None:
     """Enqueue ``spec``'s latest due tick if nobody has and it is not missed, in one transaction; that tick.
 
+    The ticks passed over are counted once that transaction has ended. Counted
+    inside it, with the schedule's row locked and the tick's idle limit on,
+    a thousand of them (an every-second schedule after a 17-minute outage)
+    took seconds on a worker whose handlers kept the interpreter busy: the
+    server ended the session, the advance rolled back, and the next check
+    did the same, for as long as the load lasted.
+    """
+    with conn.transaction():
+        advance = _advance(conn, spec, clock, checker_since, worker_id)
+    if advance.moved_from is not None:
+        _report_passed_ticks(spec, advance.moved_from, advance.tick)
+    if advance.enqueued is not None:
+        event(logging.INFO, "periodic job enqueued", type=spec.type, tick=advance.enqueued.isoformat())
+    return advance.enqueued
+
+
+def _advance(
+    conn: psycopg.Connection,
+    spec: HandlerSpec,
+    clock: datetime | None,
+    checker_since: datetime | None,
+    worker_id: str | None,
+) -> _Advance:
+    """The statements of ``_enqueue_latest_tick``'s transaction.
+
     ``checker_since``: when the worker checking, which serves the schedule's queue, registered.
     A schedule published differently is left alone while the worker that
     published it checks it, and taken over (``spec`` published, starting from
     now) once it does not.
     """
-    with conn.transaction():
-        db_now = conn.execute(sql("tick_begin"), {"idle_ms": str(TICK_IDLE_LIMIT_MS)}).fetchone()[0]
-        now = clock or db_now
-        tick = previous_tick(spec.cron, spec.timezone, now)
-        following = next_tick(spec.cron, spec.timezone, now)
-        advance = {
-            "type": spec.type,
-            "cron": spec.cron,
-            "timezone": spec.timezone,
-            "queue": spec.queue,
-            "tick": tick,
-            "next_tick": following,
-            "worker_id": worker_id,
-        }
-        row = conn.execute(sql("schedule_advance"), advance).fetchone()
-        if row is None:
-            # Deleted by hand while this worker still has the schedule: it stopped on every worker,
-            # silently, until one restarted and published it again.
-            _publish_one(conn, spec, now, worker_id)
-            event(
-                logging.WARNING,
-                "published again a periodic schedule missing from relay.schedules, starting from now; "
-                "to remove a schedule, remove it from the handler, deploy, then delete its row",
-                type=spec.type,
-                schedule=f"{spec.cron} ({spec.timezone}, queue {spec.queue})",
-            )
-            return None
-        won, previous, current, publisher_checks, *published = row
-        if not current:
-            if publisher_checks:
-                _report_outdated(spec, published)
-                return None
-            if conn.execute(sql("schedule_take_over_lock"), {"type": spec.type}).fetchone() is None:
-                return None  # held by another transaction: the next check tries again
-            _publish_one(conn, spec, now, worker_id)
-            event(
-                logging.WARNING,
-                "took over a periodic schedule whose publisher no longer checks it",
-                type=spec.type,
-                **_both_schedules(spec, published),
-            )
-            return None
-        if not won:
-            return None
-        _report_passed_ticks(spec, previous, tick)
-        if (
-            is_missed(tick, now)
-            and not spec.catch_up
-            and not (checker_since is not None and checker_since <= tick)
-            and not _worker_was_running(conn, spec, tick)
-        ):
-            event(
-                logging.WARNING,
-                "skipped a periodic tick missed while no worker ran",
-                type=spec.type,
-                tick=tick.isoformat(),
-            )
-            return None
-        key = f"cron:{spec.type}:{tick.isoformat()}"
-        conn.execute(
-            sql("job_insert_keyed"),
-            {
-                "type": spec.type,
-                "payload": json.dumps({"scheduled_for": tick.isoformat()}),
-                "queue": spec.queue,
-                "priority": 0,
-                "run_at": None,
-                "max_attempts": spec.max_attempts,
-                "idempotency_key": key,
-                "notify": True,
-                "published": False,
-            },
+    db_now = conn.execute(sql("tick_begin"), {"idle_ms": str(TICK_IDLE_LIMIT_MS)}).fetchone()[0]
+    now = clock or db_now
+    tick = previous_tick(spec.cron, spec.timezone, now)
+    nothing = _Advance(None, None, tick)
+    following = next_tick(spec.cron, spec.timezone, now)
+    advance = {
+        "type": spec.type,
+        "cron": spec.cron,
+        "timezone": spec.timezone,
+        "queue": spec.queue,
+        "tick": tick,
+        "next_tick": following,
+        "worker_id": worker_id,
+    }
+    row = conn.execute(sql("schedule_advance"), advance).fetchone()
+    if row is None:
+        # Deleted by hand while this worker still has the schedule: it stopped on every worker,
+        # silently, until one restarted and published it again.
+        _publish_one(conn, spec, now, worker_id)
+        event(
+            logging.WARNING,
+            "published again a periodic schedule missing from relay.schedules, starting from now; "
+            "to remove a schedule, remove it from the handler, deploy, then delete its row",
+            type=spec.type,
+            schedule=f"{spec.cron} ({spec.timezone}, queue {spec.queue})",
         )
-        conn.execute(sql("schedule_record_run"), {"type": spec.type, "tick": tick, "idempotency_key": key})
-    event(logging.INFO, "periodic job enqueued", type=spec.type, tick=tick.isoformat())
-    return tick
+        return nothing
+    won, previous, current, publisher_checks, *published = row
+    if not current:
+        if publisher_checks:
+            _report_outdated(spec, published)
+            return nothing
+        if conn.execute(sql("schedule_take_over_lock"), {"type": spec.type}).fetchone() is None:
+            return nothing  # held by another transaction: the next check tries again
+        _publish_one(conn, spec, now, worker_id)
+        event(
+            logging.WARNING,
+            "took over a periodic schedule whose publisher no longer checks it",
+            type=spec.type,
+            **_both_schedules(spec, published),
+        )
+        return nothing
+    if not won:
+        return nothing
+    if (
+        is_missed(tick, now)
+        and not spec.catch_up
+        and not (checker_since is not None and checker_since <= tick)
+        and not _worker_was_running(conn, spec, tick)
+    ):
+        event(
+            logging.WARNING,
+            "skipped a periodic tick missed while no worker ran",
+            type=spec.type,
+            tick=tick.isoformat(),
+        )
+        return _Advance(None, previous, tick)
+    key = f"cron:{spec.type}:{tick.isoformat()}"
+    conn.execute(
+        sql("job_insert_keyed"),
+        {
+            "type": spec.type,
+            "payload": json.dumps({"scheduled_for": tick.isoformat()}),
+            "queue": spec.queue,
+            "priority": 0,
+            "run_at": None,
+            "max_attempts": spec.max_attempts,
+            "idempotency_key": key,
+            "notify": True,
+            "published": False,
+        },
+    )
+    conn.execute(sql("schedule_record_run"), {"type": spec.type, "tick": tick, "idempotency_key": key})
+    return _Advance(tick, previous, tick)

@@ -13,6 +13,7 @@ import ipaddress
 import math
 import re
 import secrets
+from contextlib import suppress
 from dataclasses import dataclass
 from datetime import datetime
 from functools import lru_cache
@@ -138,9 +139,8 @@ def _decoy_like(typical_hash: str | None, hasher: PasswordHasher) -> str:
     from a shell without the web service's settings, a decoy made with
     ``hasher`` would take longer or shorter than a real user's wrong password,
     and the time of a login would tell who exists. So the decoy is made like
-    the hash most users have (``typical_hash``), and like ``hasher``'s only
-    when there are no users, or that hash is no Argon2id within
-    ``ARGON2_BOUNDS``.
+    a stored hash (``typical_hash``), and like ``hasher``'s only when there
+    are no users, or that hash is no Argon2id within ``ARGON2_BOUNDS``.
     """
     try:
         typical = extract_parameters(typical_hash) if typical_hash else None
@@ -211,7 +211,7 @@ def _rows(conn: psycopg.Connection, name: str, params: dict[str, Any]) -> list[d
 
 
 def _user(row: dict[str, Any]) -> User:
-    return User(**{k: v for k, v in row.items() if k not in ("password_hash", "typical_hash")})
+    return User(**{k: v for k, v in row.items() if k not in ("password_hash", "kind_hashes")})
 
 
 def create_user(
@@ -232,8 +232,15 @@ def authenticate(
 ) -> User | None:
     """The user whose name and password these are, or None.
 
-    Unknown names cost one hash verification too. A hash made with other
-    parameters than ``hasher``'s is replaced by a fresh one on success.
+    Every refusal verifies as much as any other, whoever the name: a decoy
+    like each set of parameters the stored hashes have (``_decoy_like``;
+    the four most common), the user's own hash standing in for its own set.
+    With one decoy, made like the most common hash, a wrong password of a
+    user whose hash had other parameters (made before ``RELAY_ARGON2_*``
+    changed and not upgraded since, or from a shell without the web
+    service's settings) took measurably longer or shorter than an unknown
+    name's, which told that user exists. A hash made with other parameters
+    than ``hasher``'s is replaced by a fresh one on success.
     """
     hasher = hasher or make_hasher()
     try:
@@ -241,19 +248,37 @@ def authenticate(
     except InvalidUserError:
         name = None
     (found,) = _rows(conn, "user_get_for_login", {"username": name})
-    row = [found] if found["id"] is not None else []
-    stored = found["password_hash"] if row else _decoy_like(found["typical_hash"], hasher)
+    decoys = list(dict.fromkeys(_decoy_like(kind, hasher) for kind in found["kind_hashes"] or [None]))
     if not isinstance(password, str) or len(password) > MAX_PASSWORD_LENGTH:
         password = ""
-    try:
-        hasher.verify(stored, password)
-    except (VerificationError, InvalidHashError):
+    if found["id"] is None:
+        _verify_each(hasher, decoys, password)
         return None
-    if not row:
+    stored = found["password_hash"]
+    if not _verify_each(hasher, [stored], password):
+        _verify_each(hasher, [decoy for decoy in decoys if _cost(decoy) != _cost(stored)], password)
         return None
     new_hash = hasher.hash(password) if hasher.check_needs_rehash(stored) else None
-    _rows(conn, "user_logged_in", {"id": row[0]["id"], "verified_hash": stored, "new_hash": new_hash})
-    return _user(row[0])
+    _rows(conn, "user_logged_in", {"id": found["id"], "verified_hash": stored, "new_hash": new_hash})
+    return _user(found)
+
+
+def _verify_each(hasher: PasswordHasher, hashes: list[str], password: str) -> bool:
+    """Verify ``password`` against each of ``hashes``; whether any matched."""
+    matched = False
+    for stored in hashes:
+        with suppress(VerificationError, InvalidHashError):
+            matched = hasher.verify(stored, password) or matched
+    return matched
+
+
+def _cost(stored: str) -> tuple[int, int, int] | None:
+    """The Argon2 time cost, memory cost and parallelism ``stored`` is verified with; None if it is no Argon2 hash."""
+    try:
+        parameters = extract_parameters(stored)
+    except InvalidHashError:
+        return None
+    return parameters.time_cost, parameters.memory_cost, parameters.parallelism
 
 
 def get_user(conn: psycopg.Connection, user_id: int) -> User | None:

@@ -10,14 +10,17 @@ RETURNING id, username, role, created_at, password_changed_at, last_login_at;
 
 -- name: user_get_for_login
 -- The user a login names (all NULL when there is none, or no name) with the
--- hash to verify a password against, and one hash made with the Argon2
--- parameters most users' hashes have (split_part's fourth field is
--- "m=...,t=...,p="), which an unknown name's decoy copies. One row always, so
--- an unknown name costs the same round trip as a known one.
+-- hash to verify a password against, and one stored hash for each set of
+-- Argon2 parameters the users' hashes have (split_part's fourth field is
+-- "m=...,t=...,p="), the most common first, at most four: a refused login
+-- verifies a decoy like each (see users.authenticate). One row always, so an
+-- unknown name costs the same round trip as a known one.
 SELECT u.id, u.username, u.role, u.password_hash, u.created_at, u.password_changed_at, u.last_login_at,
-       (SELECT password_hash FROM relay.users
-        ORDER BY count(*) OVER (PARTITION BY split_part(password_hash, '$', 4)) DESC, id
-        LIMIT 1) AS typical_hash
+       (SELECT array_agg(kind_hash ORDER BY users DESC, first_id) FROM (
+            SELECT min(password_hash) AS kind_hash, count(*) AS users, min(id) AS first_id
+            FROM relay.users GROUP BY split_part(password_hash, '$', 4)
+            ORDER BY users DESC, first_id LIMIT 4
+        ) AS kinds) AS kind_hashes
 FROM (SELECT) AS one
 LEFT JOIN relay.users AS u ON u.username = %(username)s;
 

@@ -250,6 +250,36 @@ def test_an_unknown_name_is_verified_like_the_stored_hashes_not_like_the_setting
     assert verified == [(2, 2048), (1, 1024), (1, 1024), (1, 1024)]
 
 
+def test_a_refused_login_verifies_as_much_whoever_it_names(
+    auth: AuthActions, db: psycopg.Connection, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Users whose hashes have other Argon2 parameters than most (made before RELAY_ARGON2_* changed, or
+    from a shell without the web service's settings): an unknown name was verified like the most common
+    hash only, so such a user's wrong password took measurably longer (115 ms against 4 ms), which told
+    that the user exists. Every refusal now verifies a hash of each set of parameters stored."""
+    verified: list[tuple[int, int]] = []
+    verify = PasswordHasher.verify
+
+    def recording_verify(self: PasswordHasher, stored: str, password: str) -> bool:
+        parameters = extract_parameters(stored)
+        verified.append((parameters.time_cost, parameters.memory_cost))
+        return verify(self, stored, password)
+
+    monkeypatch.setattr(PasswordHasher, "verify", recording_verify)
+    for name in ("olga", "pete"):
+        auth.create_user(name, "admin")  # m=1024, t=1: the most common
+    users.create_user(db, "quinn", PASSWORD, "viewer", hasher=users.make_hasher(2, 2048, 1))
+    work = {}
+    for name in ("olga", "quinn", "nobody", "Not A Name!"):
+        verified.clear()
+        assert_problem(auth.login(name, "not the password"), 401, "login-failed")
+        work[name] = sorted(verified)
+    assert work == {name: [(1, 1024), (2, 2048)] for name in work}
+    verified.clear()
+    assert auth.login("quinn").status_code == 200
+    assert verified == [(2, 2048)], "a password that matches costs its own hash alone"
+
+
 @pytest.mark.parametrize(
     "edited_hash",
     [

@@ -180,11 +180,12 @@ def _asks_for_another_job(job: JobDetail, body: EnqueueBody) -> bool:
 
     ``max_attempts`` and ``run_at`` count when the request gives them: one
     asking for a job in 2031 was answered with the key's job that runs now.
-    ``run_at`` only while the job waits for its first claim (its lease token,
-    which no requeue resets, is still 0): a retry moves it on, and a client
-    repeating its request after that asks for the same job. A job an admin
-    cancelled before it ever ran and then requeued cannot be told apart, and
-    a repeat giving the original ``run_at`` is answered 409 with the job's id.
+    ``run_at`` only while the job was never claimed (its lease token, which
+    no requeue resets, is still 0), queued or cancelled before it ran: a
+    retry moves it on, and a client repeating its request after that asks
+    for the same job. A job an admin cancelled before it ever ran and then
+    requeued cannot be told apart, and a repeat giving the original
+    ``run_at`` is answered 409 with the job's id.
     """
     if (job.type, job.queue, job.priority, _as_stored(job.payload)) != (
         body.type,
@@ -195,8 +196,8 @@ def _asks_for_another_job(job: JobDetail, body: EnqueueBody) -> bool:
         return True
     if body.max_attempts is not None and body.max_attempts != job.max_attempts:
         return True
-    not_yet_claimed = job.status == "queued" and job.lease_token == 0
-    return body.run_at is not None and not_yet_claimed and body.run_at != job.run_at
+    never_claimed = job.lease_token == 0
+    return body.run_at is not None and never_claimed and body.run_at != job.run_at
 
 
 @bp.post("/jobs/requeue")

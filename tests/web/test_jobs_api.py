@@ -756,6 +756,19 @@ def test_a_used_key_with_a_run_at_or_max_attempts_the_first_job_was_not_given_is
     assert db.execute("SELECT count(*), min(max_attempts) FROM relay.jobs").fetchone() == (1, 20)
 
 
+def test_a_used_key_with_another_run_at_is_409_after_its_job_was_cancelled_before_it_ran(client, admin, db) -> None:
+    """The key's job cancelled before any claim still has the run_at it was asked for: a request for
+    another time was answered 200 with that cancelled job, where the API promises 409."""
+    headers = {**admin, "Idempotency-Key": "launch-mail"}
+    body = {"type": "mail", "run_at": "2030-01-01T00:00:00Z"}
+    first = client.post("/api/admin/jobs", headers=headers, json=body).get_json()
+    assert client.post(f"/api/admin/jobs/{first['id']}/cancel", headers=admin).status_code == 200
+    clash = client.post("/api/admin/jobs", headers=headers, json={**body, "run_at": "2031-06-01T00:00:00Z"})
+    assert assert_problem(clash, 409, "idempotency-key-reused")["job_id"] == first["id"]
+    again = client.post("/api/admin/jobs", headers=headers, json=body)
+    assert again.status_code == 200 and again.get_json()["status"] == "cancelled"
+
+
 def test_a_repeated_request_giving_run_at_is_still_the_same_job_after_a_retry_moved_it(
     client, admin, db, relay: Relay
 ) -> None:

@@ -217,9 +217,9 @@ def test_a_tick_frozen_mid_transaction_frees_its_schedule(
     since = tick - timedelta(hours=1)
     monkeypatch.setattr(periodic, "TICK_IDLE_LIMIT_MS", 300, raising=False)
     during_freeze: list[Any] = []
-    report_passed_ticks = periodic._report_passed_ticks
+    is_missed = periodic.is_missed
 
-    def frozen(*args: Any) -> None:
+    def frozen(*args: Any) -> bool:
         # The worker froze here, between its statements, the schedule's row locked by its tick.
         threading.Event().wait(1.5)
         try:
@@ -228,15 +228,15 @@ def test_a_tick_frozen_mid_transaction_frees_its_schedule(
             during_freeze.append("free")
         except psycopg.errors.LockNotAvailable:
             during_freeze.append("held")
-        report_passed_ticks(*args)
+        return is_missed(*args)
 
-    monkeypatch.setattr(periodic, "_report_passed_ticks", frozen)
+    monkeypatch.setattr(periodic, "is_missed", frozen)
     with psycopg.connect(dsn, autocommit=True) as worker_conn:
         with pytest.raises(psycopg.errors.IdleInTransactionSessionTimeout):
             enqueue_due(worker_conn, specs, clock=late, running_since=since, queues=["default"])
         assert worker_conn.broken
     assert during_freeze == ["free"]
-    monkeypatch.setattr(periodic, "_report_passed_ticks", report_passed_ticks)
+    monkeypatch.setattr(periodic, "is_missed", is_missed)
     assert enqueue_due(db, specs, clock=late, running_since=since, queues=["default"]) == [
         ("hourly_rollup", tick.isoformat())
     ]

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import psycopg
 import pytest
+from psycopg import conninfo
 
 from relay_core import Backoff, IllegalTransition, Job, Relay, RelayError, Snooze, admin, monitor
 from relay_core.connect_options import worker_application_name
@@ -1454,6 +1455,28 @@ def test_workers_fold_the_admin_counters_so_they_stay_small(relay: Relay, db: ps
     rows = db.execute("SELECT queue, state::text, n FROM relay.job_counts WHERE n <> 0").fetchall()
     assert rows == [("folding", "queued", 40)]
     assert db.execute("SELECT count(*) FROM relay.job_counts").fetchone()[0] == 1
+
+
+def test_a_worker_folds_a_pile_of_counter_deltas_whatever_the_statement_timeout(
+    dsn: str, db: psycopg.Connection
+) -> None:
+    """Deltas piled up while no worker ran (producers enqueueing overnight, workers scaled to zero): the
+    worker folded them all in one statement, under its sessions' statement_timeout, which cancelled it
+    every 30 s while new deltas kept coming, so the pile only grew. It now folds in chunks, untimed."""
+    db.execute(
+        "INSERT INTO relay.job_counts (queue, state, n) "
+        "SELECT 'mail', 'queued', CASE WHEN g % 2 = 0 THEN 1 ELSE -1 END FROM generate_series(1, 300001) AS g"
+    )
+    timed = Relay(conninfo.make_conninfo(dsn, options="-c statement_timeout=100"))
+    try:
+        with running_worker(timed, queues=("other",)) as worker:
+            for _ in range(5):  # each fold goes on for FOLD_CHUNK_SECONDS, then leaves the rest to the next
+                assert worker.maintenance.fold()
+                if db.execute("SELECT count(*) FROM relay.job_counts").fetchone()[0] == 1:
+                    break
+    finally:
+        timed.close()
+    assert db.execute("SELECT queue, state::text, n FROM relay.job_counts").fetchall() == [("mail", "queued", -1)]
 
 
 def test_the_unlocked_claim_takes_nothing_once_any_type_has_a_limit(relay: Relay, db: psycopg.Connection) -> None:

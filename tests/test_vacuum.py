@@ -174,3 +174,17 @@ def test_a_table_is_vacuumed_at_most_once_per_naptime(
         assert _jobs_stats(db)[1] == vacuums
         monkeypatch.setattr(vacuum, "VACUUM_NAPTIME_SECONDS", 0)
         assert "jobs" in vacuum_if_needed(conn)
+
+
+@pytest.mark.usefixtures("jobs_without_autovacuum")
+def test_a_statement_timeout_of_the_role_or_database_does_not_cut_the_vacuum_short(
+    relay: Relay, dsn: str, db: psycopg.Connection
+) -> None:
+    """Autovacuum ignores statement_timeout; the worker's vacuum ran under the one its sessions had, and a
+    table grown past the timeout's worth of work was cancelled every time, left to grow for good."""
+    _leave_dead_rows(relay, dsn, VACUUM_THRESHOLD * 100)
+    wait_for(lambda: _jobs_stats(db)[0] >= VACUUM_THRESHOLD * 100, timeout=10, what="dead rows counted")
+    with psycopg.connect(conninfo.make_conninfo(dsn, options="-c statement_timeout=25")) as conn:
+        assert vacuum_if_needed(conn) == ["jobs"]
+        assert conn.execute("SHOW statement_timeout").fetchone() == ("25ms",), "the session's own timeout again"
+    wait_for(lambda: _jobs_stats(db)[0] == 0, timeout=10, what="the vacuum counted")

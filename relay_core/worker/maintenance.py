@@ -24,7 +24,7 @@ from psycopg_pool import ConnectionPool, PoolTimeout
 
 from ..connect_options import connection_options, worker_application_name
 from ..logs import event
-from ..monitor import fold_counters
+from ..monitor import fold_counters_in_chunks
 from ..outages import REPEAT_SECONDS, RETRYABLE, OutageLog
 from ..queries import sql
 from ..sessions import configure_session, in_autocommit
@@ -188,7 +188,7 @@ class Maintenance:
         periodic: Callable[[psycopg.Connection], object] | None = None,
         prune: Callable[[psycopg.Connection], dict[str, int]] | None = None,
         prune_interval: float = 60.0,
-        vacuum: Callable[[psycopg.Connection], list[str]] | None = None,
+        vacuum: Callable[..., list[str]] | None = None,
         outage: OutageLog | None = None,
         pooled_calls: OutageLog | PooledCallLog | None = None,
     ) -> None:
@@ -413,12 +413,12 @@ class Maintenance:
         if self._vacuum is None:
             return []
         with self._pool.connection() as conn:
-            return self._vacuum(conn)
+            return self._vacuum(conn, untimed=not self._pool.transaction_pooling)
 
     def fold(self) -> bool:
         """Fold the admin counters' change rows so they never pile up while nobody reads them."""
         with self._pool.connection() as conn:
-            return fold_counters(conn)
+            return fold_counters_in_chunks(conn)
 
     def _heartbeat_loop(self) -> None:
         try:

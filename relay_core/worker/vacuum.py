@@ -39,12 +39,19 @@ VACUUM_NAPTIME_SECONDS = 60
 _warned_not_allowed: set[str] = set()
 
 
-def vacuum_if_needed(conn: psycopg.Connection) -> list[str]:
+def vacuum_if_needed(conn: psycopg.Connection, *, untimed: bool = True) -> list[str]:
     """Vacuum every Relay table autovacuum should vacuum but will not; name those vacuumed.
 
     A table this session's role may not vacuum (it does not own it: migrations
     ran as another role) is not vacuumed but named in a warning, once per
     process: VACUUM itself would only warn on the server and skip it.
+
+    ``untimed``: with no statement timeout, as autovacuum runs. Under the
+    role's or the database's (meant for the application's statements), a
+    vacuum of a table grown past a few seconds' work was cancelled every
+    time, and the table it was there to keep in bounds grew for good. Not
+    behind a transaction pooler, where a session setting would stay on a
+    server connection other clients use next.
     """
     rows = conn.execute(
         sql("tables_needing_vacuum"),
@@ -63,8 +70,14 @@ def vacuum_if_needed(conn: psycopg.Connection) -> list[str]:
         )
     if not tables:
         return []
-    with in_autocommit(conn):  # VACUUM cannot run inside a transaction
-        for table in tables:
-            conn.execute(pgsql.SQL("VACUUM (SKIP_LOCKED, ANALYZE) {}").format(pgsql.Identifier("relay", table)))
+    with in_autocommit(conn):  # VACUUM cannot run inside a transaction, so neither can a SET LOCAL before it
+        if untimed:
+            conn.execute("SET statement_timeout = 0")
+        try:
+            for table in tables:
+                conn.execute(pgsql.SQL("VACUUM (SKIP_LOCKED, ANALYZE) {}").format(pgsql.Identifier("relay", table)))
+        finally:
+            if untimed and not conn.broken:
+                conn.execute("RESET statement_timeout")
     event(logging.INFO, "vacuumed tables autovacuum does not reach", tables=",".join(tables))
     return tables

@@ -1812,6 +1812,40 @@ def test_limits_whose_publisher_is_gone_are_published_again_by_a_live_worker(
     assert limits.republish_unheld(db, specs(), "newest") == [], "no row and no limit: nothing to write"
 
 
+@pytest.mark.parametrize("row_before", ["gone publisher", "none"])
+def test_a_limits_check_writes_only_over_the_row_it_read(
+    relay: Relay, db: psycopg.Connection, dsn: str, monkeypatch: pytest.MonkeyPatch, row_before: str
+) -> None:
+    """An old release's worker read a row nobody live held, then a new release's worker started and
+    published its limit, then the old one's check wrote its own over it: the new worker left the row to
+    that live publisher, and the old limit held for as long as the old worker ran."""
+    from relay_core.worker import limits
+    from relay_core.worker.maintenance import register
+
+    def release(concurrency: int) -> list:
+        app = Relay(relay.dsn)
+        app.handler("pay", concurrency=concurrency)(lambda job: None)
+        return list(app.handlers.values())
+
+    for worker_id in ("old", "new"):
+        register(db, worker_id, ("default",), 8, 5.0)
+    if row_before == "gone publisher":
+        db.execute("INSERT INTO relay.type_limits (type, max_running, published_by) VALUES ('pay', 4, 'gone')")
+    db.commit()
+    publish_one = limits._publish_one
+
+    def new_worker_starts_first(*args, **kwargs):  # type: ignore[no-untyped-def]
+        monkeypatch.setattr(limits, "_publish_one", publish_one)  # once, as the old worker's check writes
+        with psycopg.connect(dsn) as starting:
+            limits.publish(starting, release(5), published_by="new")
+        return publish_one(*args, **kwargs)
+
+    monkeypatch.setattr(limits, "_publish_one", new_worker_starts_first)
+    assert limits.republish_unheld(db, release(3), "old") == []
+    db.commit()
+    assert db.execute("SELECT max_running, published_by FROM relay.type_limits").fetchall() == [(5, "new")]
+
+
 def test_a_limits_check_that_meets_a_held_row_lets_go_and_keeps_what_the_same_check_did_before(
     relay: Relay, db: psycopg.Connection, dsn: str
 ) -> None:

@@ -72,19 +72,28 @@ ORDER BY q.name;
 
 -- name: type_limit_upsert
 -- A worker publishes the limits its handler declares for a type, as their publisher.
+-- With %(if_seen)s, only over the row as type_limits_held saw it (%(seen_published)s:
+-- whether there was one; %(seen_by)s: its publisher): a new release's worker that
+-- published in between (at its start) was written over by an old one's check, and
+-- then left the row to that old worker for as long as it ran.
 INSERT INTO relay.type_limits (type, max_running, rate_limit, rate_period_seconds, updated_at, published_by)
-VALUES (%(type)s, %(max_running)s, %(rate_limit)s, %(rate_period_seconds)s, now(), %(published_by)s)
+SELECT %(type)s, %(max_running)s, %(rate_limit)s, %(rate_period_seconds)s, now(), %(published_by)s
+WHERE NOT %(if_seen)s OR %(seen_published)s
+   OR NOT EXISTS (SELECT FROM relay.type_limits WHERE type = %(type)s)
 ON CONFLICT (type) DO UPDATE
 SET max_running = excluded.max_running, rate_limit = excluded.rate_limit,
     rate_period_seconds = excluded.rate_period_seconds, updated_at = now(), published_by = excluded.published_by
 WHERE (relay.type_limits.max_running, relay.type_limits.rate_limit, relay.type_limits.rate_period_seconds,
        relay.type_limits.published_by)
       IS DISTINCT FROM (excluded.max_running, excluded.rate_limit, excluded.rate_period_seconds,
-                        excluded.published_by);
+                        excluded.published_by)
+  AND (NOT %(if_seen)s OR (%(seen_published)s AND relay.type_limits.published_by IS NOT DISTINCT FROM %(seen_by)s));
 
 -- name: type_limit_delete
--- A worker's handler for a type declares no limits any more.
-DELETE FROM relay.type_limits WHERE type = %(type)s;
+-- A worker's handler for a type declares no limits any more (with %(if_seen)s,
+-- only the row type_limits_held saw, as in type_limit_upsert).
+DELETE FROM relay.type_limits
+WHERE type = %(type)s AND (NOT %(if_seen)s OR published_by IS NOT DISTINCT FROM %(seen_by)s);
 
 -- name: set_lock_timeout
 -- Bound every lock wait for the rest of the transaction (a duration as text, '1s').
@@ -102,7 +111,7 @@ SELECT set_config('lock_timeout', %(timeout)s, true);
 -- names this worker but holds other values was written over by a release
 -- before migration 0024, whose upsert left published_by as it was.
 SELECT t.type, l.type IS NOT NULL AS published, l.max_running, l.rate_limit, l.rate_period_seconds,
-       l.published_by IS NOT DISTINCT FROM %(worker_id)s AS mine,
+       l.published_by, l.published_by IS NOT DISTINCT FROM %(worker_id)s AS mine,
        EXISTS (
            SELECT FROM relay.workers AS w
            WHERE w.id = l.published_by AND w.id <> %(worker_id)s

@@ -50,14 +50,15 @@ def republish_unheld(conn: psycopg.Connection, specs: Iterable[HandlerSpec], wor
     try:
         conn.execute(sql("set_lock_timeout"), {"timeout": REPUBLISH_LOCK_WAIT})
         rows = conn.execute(sql("type_limits_held"), {"types": sorted(by_type), "worker_id": worker_id}).fetchall()
-        for job_type, published, max_running, rate_limit, period, mine, held_by_another in rows:
+        for job_type, published, max_running, rate_limit, period, published_by, mine, held_by_another in rows:
             spec = by_type[job_type]
             if held_by_another or (not published and not spec.has_limits):
                 continue
             if published and mine and (max_running, rate_limit, period) == _declared(spec):
                 continue
-            _publish_one(conn, spec, worker_id)
-            written.append(job_type)
+            # Over the row as it was read only: a worker that published meanwhile keeps it.
+            if _publish_one(conn, spec, worker_id, seen=(published, published_by)):
+                written.append(job_type)
         conn.commit()
     except psycopg.errors.LockNotAvailable:
         conn.rollback()
@@ -73,13 +74,19 @@ def _declared(spec: HandlerSpec) -> tuple[int | None, int | None, float | None]:
     return spec.concurrency, starts, seconds
 
 
-def _publish_one(conn: psycopg.Connection, spec: HandlerSpec, published_by: str | None) -> None:
-    """Write ``spec``'s limits for its type, or delete the type's row where it declares none."""
+def _publish_one(
+    conn: psycopg.Connection,
+    spec: HandlerSpec,
+    published_by: str | None,
+    seen: tuple[bool, str | None] | None = None,
+) -> bool:
+    """Write ``spec``'s limits for its type, or delete the type's row where it declares none; whether
+    a row changed. ``seen``: (whether a row was there, its publisher) when read, and only over that."""
+    guard = {"if_seen": seen is not None, "seen_published": bool(seen and seen[0]), "seen_by": seen and seen[1]}
     if not spec.has_limits:
-        conn.execute(sql("type_limit_delete"), {"type": spec.type})
-        return
+        return conn.execute(sql("type_limit_delete"), {"type": spec.type, **guard}).rowcount > 0
     max_running, starts, seconds = _declared(spec)
-    conn.execute(
+    cursor = conn.execute(
         sql("type_limit_upsert"),
         {
             "type": spec.type,
@@ -87,8 +94,10 @@ def _publish_one(conn: psycopg.Connection, spec: HandlerSpec, published_by: str 
             "rate_limit": starts,
             "rate_period_seconds": seconds,
             "published_by": published_by,
+            **guard,
         },
     )
+    return cursor.rowcount > 0
 
 
 def publish_max_attempts(conn: psycopg.Connection, specs: Iterable[HandlerSpec]) -> None:

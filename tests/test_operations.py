@@ -1812,17 +1812,26 @@ def test_limits_whose_publisher_is_gone_are_published_again_by_a_live_worker(
     assert limits.republish_unheld(db, specs(), "newest") == [], "no row and no limit: nothing to write"
 
 
-@pytest.mark.parametrize("row_before", ["gone publisher", "none"])
+@pytest.mark.parametrize(
+    ("row_before", "new_limit", "row_after"),
+    [("gone publisher", 5, [(5, "new")]), ("none", 5, [(5, "new")]), ("gone publisher", None, [])],
+)
 def test_a_limits_check_writes_only_over_the_row_it_read(
-    relay: Relay, db: psycopg.Connection, dsn: str, monkeypatch: pytest.MonkeyPatch, row_before: str
+    relay: Relay,
+    db: psycopg.Connection,
+    dsn: str,
+    monkeypatch: pytest.MonkeyPatch,
+    row_before: str,
+    new_limit: int | None,
+    row_after: list,
 ) -> None:
     """An old release's worker read a row nobody live held, then a new release's worker started and
-    published its limit, then the old one's check wrote its own over it: the new worker left the row to
-    that live publisher, and the old limit held for as long as the old worker ran."""
+    published its limit (or removed it), then the old one's check wrote its own over it: the new worker
+    left the row to that live publisher, and the old limit held for as long as the old worker ran."""
     from relay_core.worker import limits
     from relay_core.worker.maintenance import register
 
-    def release(concurrency: int) -> list:
+    def release(concurrency: int | None) -> list:
         app = Relay(relay.dsn)
         app.handler("pay", concurrency=concurrency)(lambda job: None)
         return list(app.handlers.values())
@@ -1837,13 +1846,13 @@ def test_a_limits_check_writes_only_over_the_row_it_read(
     def new_worker_starts_first(*args, **kwargs):  # type: ignore[no-untyped-def]
         monkeypatch.setattr(limits, "_publish_one", publish_one)  # once, as the old worker's check writes
         with psycopg.connect(dsn) as starting:
-            limits.publish(starting, release(5), published_by="new")
+            limits.publish(starting, release(new_limit), published_by="new")
         return publish_one(*args, **kwargs)
 
     monkeypatch.setattr(limits, "_publish_one", new_worker_starts_first)
     assert limits.republish_unheld(db, release(3), "old") == []
     db.commit()
-    assert db.execute("SELECT max_running, published_by FROM relay.type_limits").fetchall() == [(5, "new")]
+    assert db.execute("SELECT max_running, published_by FROM relay.type_limits").fetchall() == row_after
 
 
 def test_a_limits_check_that_meets_a_held_row_lets_go_and_keeps_what_the_same_check_did_before(

@@ -72,28 +72,45 @@ ORDER BY q.name;
 
 -- name: type_limit_upsert
 -- A worker publishes the limits its handler declares for a type, as their publisher.
--- With %(if_seen)s, only over the row as type_limits_held saw it (%(seen_published)s:
--- whether there was one; %(seen_by)s: its publisher): a new release's worker that
--- published in between (at its start) was written over by an old one's check, and
--- then left the row to that old worker for as long as it ran.
 INSERT INTO relay.type_limits (type, max_running, rate_limit, rate_period_seconds, updated_at, published_by)
-SELECT %(type)s, %(max_running)s, %(rate_limit)s, %(rate_period_seconds)s, now(), %(published_by)s
-WHERE NOT %(if_seen)s OR %(seen_published)s
-   OR NOT EXISTS (SELECT FROM relay.type_limits WHERE type = %(type)s)
+VALUES (%(type)s, %(max_running)s, %(rate_limit)s, %(rate_period_seconds)s, now(), %(published_by)s)
 ON CONFLICT (type) DO UPDATE
 SET max_running = excluded.max_running, rate_limit = excluded.rate_limit,
     rate_period_seconds = excluded.rate_period_seconds, updated_at = now(), published_by = excluded.published_by
 WHERE (relay.type_limits.max_running, relay.type_limits.rate_limit, relay.type_limits.rate_period_seconds,
        relay.type_limits.published_by)
       IS DISTINCT FROM (excluded.max_running, excluded.rate_limit, excluded.rate_period_seconds,
-                        excluded.published_by)
-  AND (NOT %(if_seen)s OR (%(seen_published)s AND relay.type_limits.published_by IS NOT DISTINCT FROM %(seen_by)s));
+                        excluded.published_by);
+
+-- name: type_limit_insert_unless_published
+-- A worker's check publishes the limits of a type that had none when it read
+-- (type_limits_held): unless another worker has published some since (a new
+-- release's, at its start), which it keeps.
+INSERT INTO relay.type_limits (type, max_running, rate_limit, rate_period_seconds, updated_at, published_by)
+VALUES (%(type)s, %(max_running)s, %(rate_limit)s, %(rate_period_seconds)s, now(), %(published_by)s)
+ON CONFLICT (type) DO NOTHING;
+
+-- name: type_limit_update_as_read
+-- A worker's check writes its limits over a type's row only as it read it
+-- (type_limits_held; %(seen_by)s: its publisher then). A new release's worker
+-- that published meanwhile, or removed the row, was written over by an old
+-- one's check, and then left the row to that live publisher for as long as it
+-- ran.
+UPDATE relay.type_limits
+SET max_running = %(max_running)s, rate_limit = %(rate_limit)s, rate_period_seconds = %(rate_period_seconds)s,
+    updated_at = now(), published_by = %(published_by)s
+WHERE type = %(type)s AND published_by IS NOT DISTINCT FROM %(seen_by)s
+  AND (max_running, rate_limit, rate_period_seconds, published_by)
+      IS DISTINCT FROM (%(max_running)s::integer, %(rate_limit)s::integer, %(rate_period_seconds)s::float8,
+                        %(published_by)s::text);
 
 -- name: type_limit_delete
--- A worker's handler for a type declares no limits any more (with %(if_seen)s,
--- only the row type_limits_held saw, as in type_limit_upsert).
-DELETE FROM relay.type_limits
-WHERE type = %(type)s AND (NOT %(if_seen)s OR published_by IS NOT DISTINCT FROM %(seen_by)s);
+-- A worker's handler for a type declares no limits any more.
+DELETE FROM relay.type_limits WHERE type = %(type)s;
+
+-- name: type_limit_delete_as_read
+-- A worker's check removes a type's limits only as it read them (as in type_limit_update_as_read).
+DELETE FROM relay.type_limits WHERE type = %(type)s AND published_by IS NOT DISTINCT FROM %(seen_by)s;
 
 -- name: set_lock_timeout
 -- Bound every lock wait for the rest of the transaction (a duration as text, '1s').

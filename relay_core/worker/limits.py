@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
+from typing import Any
 
 import psycopg
 
@@ -82,22 +83,19 @@ def _publish_one(
 ) -> bool:
     """Write ``spec``'s limits for its type, or delete the type's row where it declares none; whether
     a row changed. ``seen``: (whether a row was there, its publisher) when read, and only over that."""
-    guard = {"if_seen": seen is not None, "seen_published": bool(seen and seen[0]), "seen_by": seen and seen[1]}
-    if not spec.has_limits:
-        return conn.execute(sql("type_limit_delete"), {"type": spec.type, **guard}).rowcount > 0
-    max_running, starts, seconds = _declared(spec)
-    cursor = conn.execute(
-        sql("type_limit_upsert"),
-        {
-            "type": spec.type,
-            "max_running": max_running,
-            "rate_limit": starts,
-            "rate_period_seconds": seconds,
-            "published_by": published_by,
-            **guard,
-        },
-    )
-    return cursor.rowcount > 0
+    values: dict[str, Any] = {"type": spec.type, "published_by": published_by}
+    if spec.has_limits:
+        max_running, starts, seconds = _declared(spec)
+        values.update(max_running=max_running, rate_limit=starts, rate_period_seconds=seconds)
+    if seen is None:
+        statement = "type_limit_upsert" if spec.has_limits else "type_limit_delete"
+    else:
+        published, values["seen_by"] = seen
+        if not spec.has_limits:
+            statement = "type_limit_delete_as_read"
+        else:
+            statement = "type_limit_update_as_read" if published else "type_limit_insert_unless_published"
+    return conn.execute(sql(statement), values).rowcount > 0
 
 
 def publish_max_attempts(conn: psycopg.Connection, specs: Iterable[HandlerSpec]) -> None:

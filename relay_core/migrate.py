@@ -9,10 +9,10 @@ the end, so a later migration asking for a stronger lock on a table an
 earlier one had locked deadlocked with an application transaction that read
 the table first and wrote it afterwards. A migration waits at most
 ``lock_wait`` seconds for its locks, then lets go and tries again once the
-transactions that held it up have ended: while it waits, every statement on
-that table (workers' claims, enqueues, the dashboard's reads) queues behind
-it, and an application transaction left open would stall them all for as
-long as it stays open.
+transactions that held it up have ended (``lock_waits``): while it waits,
+every statement on that table (workers' claims, enqueues, the dashboard's
+reads) queues behind it, and an application transaction left open would
+stall them all for as long as it stays open.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ import psycopg
 
 from .connect_options import connection_options
 from .errors import ConfigurationError, MigrationError
+from .lock_waits import BlockerWatch, wait_until_ended
 from .logs import event
 
 #: Advisory-lock key shared by every migrator ("relay" as digits, arbitrary but fixed).
@@ -43,11 +44,10 @@ _FILENAME = re.compile(r"^(\d{4})_([a-z0-9_]+)\.sql$")
 LOCK_WAIT_SECONDS = 5.0
 #: How long ``migrate`` keeps trying to get a migration's locks before it gives up.
 LOCK_PATIENCE_SECONDS = 600.0
-#: The least pause between a migration's tries, which lets the statements queued behind it through
-#: (the migration lock held, so no other migrator's try fills it).
+#: The pause after a try that waited too long, which lets the statements queued behind it through
+#: (the migration lock held, so no other migrator's try fills it); the next try then waits for the
+#: transactions that held this one up to end (``lock_waits``).
 LOCK_RETRY_PAUSE_SECONDS = 1.0
-#: How often a pause looks whether the transactions that held up the try have ended.
-LOCK_HOLDERS_POLL_SECONDS = 0.25
 
 _CREATE_TABLE = """
 CREATE TABLE IF NOT EXISTS relay.schema_migrations (
@@ -68,20 +68,6 @@ WHERE l.granted AND l.database = (SELECT oid FROM pg_database WHERE datname = cu
   AND a.pid <> pg_backend_pid() AND a.xact_start < %(began)s
 ORDER BY a.pid
 """
-
-#: Whether a session still holds more than a read's lock on one of Relay's tables in a transaction
-#: that began before %(before)s (the end of a try): one the next try would wait for again. Not
-#: readers: a pg_dump holds its AccessShareLock for hours, and a new index does not wait for it.
-_HOLDER_REMAINS = """
-SELECT EXISTS (
-    SELECT FROM pg_locks AS l JOIN pg_stat_activity AS a ON a.pid = l.pid
-    WHERE l.granted AND l.mode <> 'AccessShareLock'
-      AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
-      AND l.relation IN (SELECT c.oid FROM pg_class AS c WHERE c.relnamespace = to_regnamespace('relay'))
-      AND a.pid <> pg_backend_pid() AND a.xact_start < %(before)s
-)
-"""
-
 
 #: Lifts, for a migration's transaction, every timeout a role, a database or PGOPTIONS may set:
 #: PostgreSQL 17's transaction_timeout too, where the server has it (15 and 16 do not know the name).
@@ -258,14 +244,14 @@ def migrate(dsn: str, lock_wait: float = LOCK_WAIT_SECONDS, patience: float = LO
             # (0003 counts the jobs once CREATE TRIGGER's lock waited out their writers) must read
             # after that wait, not from a snapshot taken before it.
             conn.isolation_level = psycopg.IsolationLevel.READ_COMMITTED
-            while (name := _apply_next(conn, lock_wait, patience)) is not None:
+            while (name := _apply_next(conn, dsn, lock_wait, patience)) is not None:
                 done.append(name)
     except psycopg.Error as exc:
         raise MigrationError(f"migration failed: {exc}") from exc
     return done
 
 
-def _apply_next(conn: psycopg.Connection, lock_wait: float, patience: float) -> str | None:
+def _apply_next(conn: psycopg.Connection, dsn: str, lock_wait: float, patience: float) -> str | None:
     """Apply the first pending migration in a transaction of its own; its name, or None when none is pending.
 
     A try that waits ``lock_wait`` for a table lets go of it (the migration
@@ -273,13 +259,16 @@ def _apply_next(conn: psycopg.Connection, lock_wait: float, patience: float) -> 
     migration lock: another migrator waiting for that lock (two services
     that each run ``relay migrate`` before a deploy) took it the moment a
     failed try's transaction ended and queued its own try for the table,
-    and the pause let nothing through. ``patience`` counts the tries and the
-    pauses between them: the wait for another migrator (whose index build may
-    take long) is not bounded.
+    and the pause let nothing through. Then, its transaction ended, it waits
+    for the transactions that held the try up (a ``BlockerWatch`` noted
+    them) to end before it tries again. ``patience`` counts the tries and
+    the waits between them: the wait for another migrator (whose index
+    build may take long) is not bounded.
     """
     waited = 0.0
     while True:
         began = tried_at = None
+        watch = BlockerWatch(dsn, conn.info.backend_pid)
         try:
             with conn.transaction():
                 # No timeout of a role's, a database's or PGOPTIONS' may cut short the wait for another
@@ -290,7 +279,8 @@ def _apply_next(conn: psycopg.Connection, lock_wait: float, patience: float) -> 
                 tried_at = time.monotonic()
                 conn.execute("SELECT set_config('lock_timeout', %s, true)", (f"{int(lock_wait * 1000)}ms",))
                 try:
-                    return _apply_first_pending(conn)
+                    with watch:
+                        return _apply_first_pending(conn)
                 except _TableWaitedFor:  # and let go of: the pause holds the migration lock
                     waited = _wait_for_the_queue(conn, began, waited + time.monotonic() - tried_at, patience)
         except psycopg.errors.LockNotAvailable:
@@ -299,6 +289,10 @@ def _apply_next(conn: psycopg.Connection, lock_wait: float, patience: float) -> 
             if tried_at is None:
                 raise  # not past the migration lock: lock_timeout was 0 there
             waited = _wait_for_the_queue(conn, began, waited + time.monotonic() - tried_at, patience)
+        # Outside the transaction: one left open through a long wait would hold back every vacuum.
+        waited_from = time.monotonic()
+        wait_until_ended(conn, watch.blockers, until=waited_from + max(patience - waited, 0.0))
+        waited += time.monotonic() - waited_from
 
 
 class _TableWaitedFor(Exception):
@@ -338,14 +332,6 @@ def _wait_for_the_queue(conn: psycopg.Connection, began: datetime, waited: float
     tries and pauses so far), naming who held Relay's tables, else say so and pause while the
     statements queued behind the try go through; what has been waited with the pause.
 
-    The pause lasts until the sessions that were writing Relay's tables when
-    the try ended have ended their transactions (``_HOLDER_REMAINS``), and at
-    least ``LOCK_RETRY_PAUSE_SECONDS``. A fixed pause tried again while an
-    application transaction left open still held the table, so every
-    statement on it waited out try after try: enqueues and claims stalled 5 s
-    of every 6 for as long as that transaction stayed open, up to the
-    patience. Now a transaction left open stalls them for one try.
-
     Named are the sessions whose transactions began before the try (``began``)
     and hold a lock on one of Relay's tables: those queued behind it, a
     worker's claim or an enqueue, hold some too but came later.
@@ -359,25 +345,11 @@ def _wait_for_the_queue(conn: psycopg.Connection, began: datetime, waited: float
     event(
         logging.WARNING,
         "a migration waited for a lock on Relay's tables; letting the statements queued behind it through,"
-        " and trying again once the transactions writing those tables before it have ended",
+        " and trying again once the transactions it waited for have ended",
         holders="; ".join(holders) or "none now",
     )
-    (ended,) = conn.execute("SELECT clock_timestamp()").fetchone()
-    paused_from = time.monotonic()
     time.sleep(LOCK_RETRY_PAUSE_SECONDS)
-    while waited + time.monotonic() - paused_from < patience and _holder_remains(conn, ended):
-        time.sleep(LOCK_HOLDERS_POLL_SECONDS)
-    return waited + time.monotonic() - paused_from
-
-
-def _holder_remains(conn: psycopg.Connection, before: datetime) -> bool:
-    """Whether a transaction that began before ``before`` still writes one of Relay's tables."""
-    # pg_stat_activity is read once per transaction and kept, and the pause runs in the migration's
-    # transaction: without a fresh read, a session that ended its transaction and began another
-    # would still show the old one's start.
-    conn.execute("SELECT pg_stat_clear_snapshot()")
-    (remains,) = conn.execute(_HOLDER_REMAINS, {"before": before}).fetchone()
-    return bool(remains)
+    return waited + LOCK_RETRY_PAUSE_SECONDS
 
 
 def _create_table_if_missing(conn: psycopg.Connection) -> None:

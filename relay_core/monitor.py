@@ -44,6 +44,8 @@ FOLD_LOCK_KEY = 7_265_108_722
 FOLD_CHUNK_ROWS = 50_000
 #: ... and how long one fold goes on chunk after chunk (the worker's next fold goes on from there).
 FOLD_CHUNK_SECONDS = 2.0
+#: How long a worker's fold waits for a lock on a counter table before it lets go (lock_timeout).
+FOLD_LOCK_WAIT = "1s"
 
 
 #: What a queue name may look like (for clients that validate filters up front).
@@ -380,17 +382,32 @@ def fold_counters_in_chunks(
 
 def _fold(conn: psycopg.Connection, rows: int | None, *, untimed: bool) -> int | None:
     """Fold up to ``rows`` deltas of each counter table in a transaction of its own; the most folded of
-    either table, None when it could not fold now. ``untimed``: with no statement timeout."""
+    either table, None when it could not fold now.
+
+    ``untimed``: with no statement timeout, and lock waits bounded instead
+    (``FOLD_LOCK_WAIT``): a table lock held long (a TRUNCATE or an ALTER in a
+    transaction left open) would otherwise hold up the worker's thread of
+    duties, the sweeper's among them, for as long as it is held.
+    """
     if conn.info.transaction_status != psycopg.pq.TransactionStatus.IDLE:
         return None
-    with conn.transaction():
-        conn.execute("SET TRANSACTION ISOLATION LEVEL READ COMMITTED")
-        if untimed:
-            conn.execute("SELECT set_config('statement_timeout', '0', true)")
-        if not _rows(conn, "job_counts_fold_lock", {"key": FOLD_LOCK_KEY})[0]["locked"]:
-            return None
-        counts = _rows(conn, "job_counts_fold", {"rows": rows})[0]["folded"]
-        outcomes = _rows(conn, "job_outcomes_fold", {"rows": rows, "keep_minutes": OUTCOME_MINUTES_KEPT})[0]["folded"]
+    try:
+        with conn.transaction():
+            conn.execute("SET TRANSACTION ISOLATION LEVEL READ COMMITTED")
+            if untimed:
+                conn.execute(
+                    "SELECT set_config('statement_timeout', '0', true), set_config('lock_timeout', %s, true)",
+                    (FOLD_LOCK_WAIT,),
+                )
+            if not _rows(conn, "job_counts_fold_lock", {"key": FOLD_LOCK_KEY})[0]["locked"]:
+                return None
+            counts = _rows(conn, "job_counts_fold", {"rows": rows})[0]["folded"]
+            keep = {"rows": rows, "keep_minutes": OUTCOME_MINUTES_KEPT}
+            outcomes = _rows(conn, "job_outcomes_fold", keep)[0]["folded"]
+    except psycopg.errors.LockNotAvailable:
+        if not untimed:
+            raise
+        return None  # rolled back: the next fold tries again
     return max(counts, outcomes)
 
 

@@ -232,15 +232,18 @@ def authenticate(
 ) -> User | None:
     """The user whose name and password these are, or None.
 
-    Every refusal verifies as much as any other, whoever the name: a decoy
-    like each set of parameters the stored hashes have (``_decoy_like``;
-    the four most common), the user's own hash standing in for its own set.
-    With one decoy, made like the most common hash, a wrong password of a
-    user whose hash had other parameters (made before ``RELAY_ARGON2_*``
-    changed and not upgraded since, or from a shell without the web
-    service's settings) took measurably longer or shorter than an unknown
-    name's, which told that user exists. A hash made with other parameters
-    than ``hasher``'s is replaced by a fresh one on success.
+    A refusal verifies a decoy like each set of parameters the stored
+    hashes have (``_decoy_like``; the four most common), the user's own
+    hash standing in for its own set: as much work whoever the name. With
+    one decoy, made like the most common hash, a wrong password of a user
+    whose hash had other parameters (made before ``RELAY_ARGON2_*`` changed
+    and not upgraded since, or from a shell without the web service's
+    settings) took measurably longer or shorter than an unknown name's,
+    which told that user exists. Two kinds of user still verify one hash
+    more than an unknown name: one whose parameters are the fifth set or
+    rarer, and one whose hash no decoy can be made like (no Argon2id within
+    ``ARGON2_BOUNDS``). A hash made with other parameters than ``hasher``'s
+    is replaced by a fresh one on success.
     """
     hasher = hasher or make_hasher()
     try:

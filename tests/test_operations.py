@@ -1479,6 +1479,24 @@ def test_a_worker_folds_a_pile_of_counter_deltas_whatever_the_statement_timeout(
     assert db.execute("SELECT queue, state::text, n FROM relay.job_counts").fetchall() == [("mail", "queued", -1)]
 
 
+def test_a_workers_fold_lets_go_of_a_counter_table_another_transaction_holds(
+    relay: Relay, dsn: str, db: psycopg.Connection
+) -> None:
+    """The worker's fold runs with no statement timeout: a lock on a counter table held in a transaction
+    left open (a TRUNCATE, an ALTER) would hold up its thread of duties, the sweeper's among them, for as
+    long as it stayed open. It waits a bounded time for the lock, then leaves the fold to the next one."""
+    relay.enqueue("fold_me")
+    with running_worker(relay, queues=("other",)) as worker, psycopg.connect(dsn) as holder:
+        holder.execute("LOCK TABLE relay.job_counts IN ACCESS EXCLUSIVE MODE")
+        outcome: list[bool] = []
+        fold = threading.Thread(target=lambda: outcome.append(worker.maintenance.fold()), daemon=True)
+        fold.start()
+        fold.join(10)
+        assert outcome == [False], "the fold waited on for the lock"
+        holder.rollback()
+        assert worker.maintenance.fold()
+
+
 def test_the_unlocked_claim_takes_nothing_once_any_type_has_a_limit(relay: Relay, db: psycopg.Connection) -> None:
     from relay_core.queries import sql
 

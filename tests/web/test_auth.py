@@ -225,22 +225,28 @@ def test_hash_is_upgraded_when_parameters_change(make_app, auth: AuthActions, db
     assert stronger.post("/api/auth/login", json={"username": "heidi", "password": PASSWORD}).status_code == 200
 
 
+@pytest.fixture
+def verified(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
+    """(time cost, memory cost) of each hash a password is verified against from now on, in order."""
+    seen: list[tuple[int, int]] = []
+    verify = PasswordHasher.verify
+
+    def recording_verify(self: PasswordHasher, stored: str, password: str) -> bool:
+        parameters = extract_parameters(stored)
+        seen.append((parameters.time_cost, parameters.memory_cost))
+        return verify(self, stored, password)
+
+    monkeypatch.setattr(PasswordHasher, "verify", recording_verify)
+    return seen
+
+
 def test_an_unknown_name_is_verified_like_the_stored_hashes_not_like_the_settings(
-    make_app, auth: AuthActions, monkeypatch: pytest.MonkeyPatch
+    make_app, auth: AuthActions, verified: list[tuple[int, int]]
 ) -> None:
     """Verifying runs with the parameters written in the stored hash. After RELAY_ARGON2_* changed, a
     decoy made with the new settings took 3.5x as long as a known name's wrong password, which told
     the names apart; the decoy is made like the hash most users have, and like the settings only
     when there are no users."""
-    verified: list[tuple[int, int]] = []
-    verify = PasswordHasher.verify
-
-    def recording_verify(self: PasswordHasher, stored: str, password: str) -> bool:
-        parameters = extract_parameters(stored)
-        verified.append((parameters.time_cost, parameters.memory_cost))
-        return verify(self, stored, password)
-
-    monkeypatch.setattr(PasswordHasher, "verify", recording_verify)
     stronger = make_app(RELAY_ARGON2_TIME_COST=2, RELAY_ARGON2_MEMORY_COST=2048).test_client()
     wrong = {"password": "not the password"}
     assert stronger.post("/api/auth/login", json={"username": "nobody", **wrong}).status_code == 401
@@ -251,21 +257,12 @@ def test_an_unknown_name_is_verified_like_the_stored_hashes_not_like_the_setting
 
 
 def test_a_refused_login_verifies_as_much_whoever_it_names(
-    auth: AuthActions, db: psycopg.Connection, monkeypatch: pytest.MonkeyPatch
+    auth: AuthActions, db: psycopg.Connection, verified: list[tuple[int, int]]
 ) -> None:
     """Users whose hashes have other Argon2 parameters than most (made before RELAY_ARGON2_* changed, or
     from a shell without the web service's settings): an unknown name was verified like the most common
     hash only, so such a user's wrong password took measurably longer (115 ms against 4 ms), which told
     that the user exists. Every refusal now verifies a hash of each set of parameters stored."""
-    verified: list[tuple[int, int]] = []
-    verify = PasswordHasher.verify
-
-    def recording_verify(self: PasswordHasher, stored: str, password: str) -> bool:
-        parameters = extract_parameters(stored)
-        verified.append((parameters.time_cost, parameters.memory_cost))
-        return verify(self, stored, password)
-
-    monkeypatch.setattr(PasswordHasher, "verify", recording_verify)
     for name in ("olga", "pete"):
         auth.create_user(name, "admin")  # m=1024, t=1: the most common
     users.create_user(db, "quinn", PASSWORD, "viewer", hasher=users.make_hasher(2, 2048, 1))

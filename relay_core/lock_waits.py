@@ -36,6 +36,10 @@ JOIN unnest(%(pids)s::integer[], %(starts)s::timestamptz[]) AS b(pid, xact_start
 
 #: How often a watch looks who holds up the session it watches.
 WATCH_EVERY_SECONDS = 0.1
+#: How long the end of a watch waits for a look under way. Behind a transaction pooler whose server
+#: connections are all in use (the watched transaction's among them), a look waits for one until
+#: the watched transaction ends, which waits for the watch to end.
+WATCH_END_SECONDS = 1.0
 #: How often a wait looks whether those transactions have ended.
 POLL_SECONDS = 0.25
 
@@ -62,16 +66,21 @@ class BlockerWatch:
 
     def __exit__(self, *exc_info: object) -> None:
         self._stopped.set()
-        self._thread.join()
+        self._thread.join(WATCH_END_SECONDS)  # a look still waiting then ends on its own, and is not kept
 
     def _watch(self) -> None:
         # Connected only once the request has lasted a look's interval: most end sooner.
         if self._stopped.wait(WATCH_EVERY_SECONDS):
             return
+        # Nothing prepared: behind a transaction pooler (declared or not) a prepared look would be
+        # missing on the next server connection.
+        options = {**connection_options(self._dsn), "prepare_threshold": None}
         try:
-            with psycopg.connect(self._dsn, autocommit=True, **connection_options(self._dsn)) as conn:
+            with psycopg.connect(self._dsn, autocommit=True, **options) as conn:
                 while True:
                     seen = conn.execute(_BLOCKERS, {"pid": self._pid}).fetchall()
+                    if self._stopped.is_set():
+                        return  # a look answered after the watch ended: the pid may serve another by now
                     if seen:
                         self.blockers = seen
                     if self._stopped.wait(WATCH_EVERY_SECONDS):
@@ -89,5 +98,7 @@ def wait_until_ended(conn: psycopg.Connection, transactions: list[tuple[int, dat
     if not transactions:
         return
     params = {"pids": [pid for pid, _ in transactions], "starts": [start for _, start in transactions]}
-    while time.monotonic() < until and conn.execute(_STILL_OPEN, params).fetchone()[0]:
+    # Never prepared, as the watch's look: behind a transaction pooler a prepared statement is missing
+    # on the next server connection.
+    while time.monotonic() < until and conn.execute(_STILL_OPEN, params, prepare=False).fetchone()[0]:
         time.sleep(POLL_SECONDS)

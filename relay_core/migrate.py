@@ -267,15 +267,17 @@ def _apply_next(conn: psycopg.Connection, dsn: str, lock_wait: float, patience: 
     """
     waited = 0.0
     while True:
-        began = tried_at = None
-        watch = BlockerWatch(dsn, conn.info.backend_pid)
+        began = tried_at = watch = None
         try:
             with conn.transaction():
                 # No timeout of a role's, a database's or PGOPTIONS' may cut short the wait for another
                 # migrator, nor an index build, nor end the session in the pause between two tries.
                 conn.execute(_NO_TIMEOUTS)
                 conn.execute("SELECT pg_advisory_xact_lock(%s)", (MIGRATION_LOCK_KEY,))
-                (began,) = conn.execute("SELECT clock_timestamp()").fetchone()
+                # The server process of this transaction, as the server knows it: behind a transaction
+                # pooler, the one the connection announced at its start is the pooler's, or another's.
+                began, server_pid = conn.execute("SELECT clock_timestamp(), pg_backend_pid()").fetchone()
+                watch = BlockerWatch(dsn, server_pid)
                 tried_at = time.monotonic()
                 conn.execute("SELECT set_config('lock_timeout', %s, true)", (f"{int(lock_wait * 1000)}ms",))
                 try:
@@ -291,7 +293,8 @@ def _apply_next(conn: psycopg.Connection, dsn: str, lock_wait: float, patience: 
             waited = _wait_for_the_queue(conn, began, waited + time.monotonic() - tried_at, patience)
         # Outside the transaction: one left open through a long wait would hold back every vacuum.
         waited_from = time.monotonic()
-        wait_until_ended(conn, watch.blockers, until=waited_from + max(patience - waited, 0.0))
+        blockers = watch.blockers if watch is not None else []
+        wait_until_ended(conn, blockers, until=waited_from + max(patience - waited, 0.0))
         waited += time.monotonic() - waited_from
 
 

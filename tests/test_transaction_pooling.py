@@ -16,6 +16,8 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +28,7 @@ from psycopg import conninfo
 
 from relay_core import Job, PermanentFailure, Relay, users
 from relay_core.errors import ConfigurationError
+from relay_core.migrate import migrate
 from relay_core.worker.config import WorkerConfig
 from relay_web import create_app
 
@@ -369,3 +372,27 @@ def test_a_claim_its_time_limit_ended_is_not_taken_for_one_whose_answer_was_lost
             wait_for(lambda: ran == [job_id], what="the job to run once the lock is let go")
         relay.close()
     assert not [r for r in caplog.records if "whose answer was lost" in r.getMessage()]
+
+
+def test_a_migration_behind_a_transaction_pooler_waits_for_the_transaction_that_held_it_up(
+    database_url: str, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Behind a pooler (here one RELAY_TRANSACTION_POOLING does not name) the process id a connection
+    announces is the pooler's: the migrator asks the server which process runs its transaction, so its
+    watch finds the transaction that held its try up, and its wait polls with nothing prepared."""
+    from .test_migrate import database_behind, pending_from, tries_of
+
+    monkeypatch.delenv("RELAY_TRANSACTION_POOLING", raising=False)
+    caplog.set_level("WARNING", logger="relay")
+    with database_behind(database_url, 23) as dsn, pgbouncer(dsn, "default_pool_size = 4\n") as pooler:
+        migrated: list[object] = []
+        with psycopg.connect(dsn) as slow_request:
+            slow_request.execute("INSERT INTO relay.jobs (type) VALUES ('in_a_slow_request')")
+            deploy = threading.Thread(target=lambda: migrated.append(migrate(pooler.dsn, lock_wait=0.3)))
+            deploy.start()
+            time.sleep(4)  # some three tries of 0.3 s and their pauses of 1 s, had it not found whom to wait for
+            assert not migrated and deploy.is_alive()
+            slow_request.commit()
+        deploy.join(30)
+        assert migrated == [pending_from(23)]
+    assert tries_of(caplog) == 1

@@ -7,6 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, fields
 
 from .finite import finite_real
+from .names import shown, type_name
 
 #: The longest delay before a job runs again (about a century). PostgreSQL
 #: stores now() + 1e12 s (year 33715), but no Python datetime can hold it, so
@@ -75,11 +76,12 @@ def retry_delay(backoff: Backoff, attempt: int) -> tuple[float, str | None]:
     it raises: a KeyboardInterrupt from it ended the lease watch's thread, and every timeout after.
     """
     try:
+        # What it gives is its code too: telling whether it is a usable number, reading it as one
+        # and showing it all run that code, and raising there stopped every timeout of the worker.
         seconds = backoff.delay(attempt)
-    except BaseException as exc:
-        problem = f"its backoff raised {type(exc).__name__}"  # its text is the backoff's code too: not read
-    else:
         if usable_delay(seconds):
             return float(seconds), None
-        problem = f"its backoff gave a delay of {seconds!r}, not 0 to {MAX_DELAY_SECONDS:.0f} seconds"
+        problem = f"its backoff gave a delay of {shown(seconds)}, not 0 to {MAX_DELAY_SECONDS:.0f} seconds"
+    except BaseException as exc:
+        problem = f"its backoff raised {type_name(exc)}"  # its text is the backoff's code too: not read
     return DEFAULT_BACKOFF.delay(attempt), f"{problem}; the default backoff was used"

@@ -521,6 +521,18 @@ class NaNBackoff(Backoff):
         return float("nan")
 
 
+class UnshowableDelay:
+    """What a handler's own backoff gave as a delay: no number, and its repr raises."""
+
+    def __repr__(self) -> str:
+        raise RuntimeError("no repr")
+
+
+class UnshowableDelayBackoff(Backoff):
+    def delay(self, attempt: int, rand: Any = None) -> float:  # type: ignore[override]
+        return UnshowableDelay()  # type: ignore[return-value]
+
+
 class SnoozeWithoutSeconds(Snooze):
     def __init__(self) -> None:  # never sets seconds
         Exception.__init__(self, "later")
@@ -608,9 +620,16 @@ def test_a_backoff_that_is_no_backoff_is_refused_at_registration(relay: Relay) -
         ({"backoff": RaisingBackoff()}, "its backoff raised IndexError; the default backoff was used"),
         ({"backoff": InterruptingBackoff()}, "its backoff raised KeyboardInterrupt; the default backoff was used"),
         ({"backoff": NaNBackoff()}, "its backoff gave a delay of nan"),
+        ({"backoff": UnshowableDelayBackoff()}, "its backoff gave a delay of a UnshowableDelay that cannot be shown"),
         ({}, "SnoozeWithoutSeconds without a usable delay"),
     ],
-    ids=["backoff-raises", "backoff-interrupts", "backoff-gives-nan", "snooze-without-seconds"],
+    ids=[
+        "backoff-raises",
+        "backoff-interrupts",
+        "backoff-gives-nan",
+        "backoff-gives-unshowable",
+        "snooze-without-seconds",
+    ],
 )
 def test_a_failure_whose_classification_fails_is_still_a_failed_attempt_and_the_slot_lives_on(
     relay: Relay, db: psycopg.Connection, spec: dict, said: str
@@ -635,7 +654,11 @@ def test_a_failure_whose_classification_fails_is_still_a_failed_attempt_and_the_
     assert job.status in ("queued", "claimed", "dead") and job.errors[0]["attempt"] == 1
 
 
-@pytest.mark.parametrize("backoff", [RaisingBackoff(), InterruptingBackoff()], ids=["raises", "interrupts"])
+@pytest.mark.parametrize(
+    "backoff",
+    [RaisingBackoff(), InterruptingBackoff(), UnshowableDelayBackoff()],
+    ids=["raises", "interrupts", "gives-unshowable"],
+)
 def test_a_timed_out_run_keeps_its_lease_when_its_backoff_raises(
     relay: Relay, db: psycopg.Connection, backoff: Backoff
 ) -> None:
@@ -656,8 +679,12 @@ def test_a_timed_out_run_keeps_its_lease_when_its_backoff_raises(
         wait_for(lambda: len(runs) == 2, timeout=30, what="both attempts to end")
     (first, second) = sorted(runs)
     assert second[1] >= first[2], f"attempt 2 began at {second[1]:.2f}, before attempt 1 ended at {first[2]:.2f}"
-    raised = "IndexError" if isinstance(backoff, RaisingBackoff) else "KeyboardInterrupt"
-    assert f"its backoff raised {raised}" in relay.get_job(job_id).errors[0]["message"]
+    said = {
+        RaisingBackoff: "its backoff raised IndexError",
+        InterruptingBackoff: "its backoff raised KeyboardInterrupt",
+        UnshowableDelayBackoff: "its backoff gave a delay of a UnshowableDelay that cannot be shown",
+    }[type(backoff)]
+    assert said in relay.get_job(job_id).errors[0]["message"]
 
 
 def test_a_task_of_an_async_handler_raising_systemexit_leaves_no_run_behind(
@@ -1152,6 +1179,18 @@ class Unprintable(Exception):
         raise KeyboardInterrupt("from __str__")
 
 
+class NameRaises(type):
+    """A metaclass whose classes' ``__name__`` raises: read while the error is recorded."""
+
+    @property
+    def __name__(cls) -> str:  # type: ignore[override]
+        raise KeyboardInterrupt("raised while reading __name__")
+
+
+class Nameless(Exception, metaclass=NameRaises):
+    """An error whose class's name cannot be read through the class."""
+
+
 class UnformattableTraceback(Exception):
     """An error whose traceback cannot be formatted: reading its ``__notes__`` raises, and not an Exception."""
 
@@ -1168,8 +1207,10 @@ class UnformattableTraceback(Exception):
         # __notes__ raising, read while the traceback is formatted: that KeyboardInterrupt
         # ended the slot's thread, its job claimed and heartbeated for the worker's life.
         (UnformattableTraceback("boom"), "UnformattableTraceback: boom", "could not be formatted: doing so raised"),
+        # __name__ raising through the metaclass: the fallback read it again, and the slot's thread died.
+        (Nameless("boom"), "Nameless: boom", "Nameless"),
     ],
-    ids=["text", "traceback"],
+    ids=["text", "traceback", "class-name"],
 )
 def test_an_error_that_cannot_be_read_or_formatted_fails_its_job_and_the_slot_goes_on(
     relay: Relay, db: psycopg.Connection, error: Exception, said: str, traceback_says: str

@@ -38,6 +38,7 @@ from ..handlers import HandlerSpec
 from ..job import Job
 from ..jsonb import UnreadableJson
 from ..logs import event
+from ..names import shown, type_name
 from ..queries import sql
 from ..sessions import handler_settings_end_with_transaction, in_autocommit, reset_session
 from .aio import SlotLoop
@@ -87,7 +88,7 @@ def run(
             if inspect.isawaitable(value) or inspect.isgenerator(value) or inspect.isasyncgen(value):
                 _discard(value)
                 raise PermanentFailure(
-                    f"the handler of {job.type!r} returned a {type(value).__name__} from its await, so its "
+                    f"the handler of {job.type!r} returned a {type_name(value)} from its await, so its "
                     "work never ran: await it in the handler (a missing `await`?) and return the result"
                 )
         elif inspect.isgenerator(value) or inspect.isasyncgen(value):
@@ -125,7 +126,7 @@ def _ended_by(exc: BaseException, job: Job, spec: HandlerSpec | None, worker_id:
             seconds = getattr(exc, "seconds", None)
             if usable_delay(seconds):
                 return Outcome(job, Kind.SNOOZED, took, delay=float(seconds))  # type: ignore[arg-type]
-            exc = RelayError(f"{type(exc).__name__} without a usable delay (seconds={seconds!r})")
+            exc = RelayError(f"{type_name(exc)} without a usable delay (seconds={shown(seconds)})")
         message, entry = describe(exc, job, worker_id)
         if isinstance(exc, JobCancelled) and job.cancel_requested:
             return Outcome(job, Kind.CANCELLED, took, message=message, error=entry)
@@ -141,8 +142,8 @@ def _ended_by(exc: BaseException, job: Job, spec: HandlerSpec | None, worker_id:
             entry["message"] = f"{entry.get('message')} ({problem})"
         return Outcome(job, Kind.RETRY, took, delay=delay, message=message, error=entry)
     except BaseException as failure:  # a KeyboardInterrupt from the handler's code here would end the slot's thread
-        name = type(exc).__name__[:MAX_ERROR_TYPE_CHARS]
-        message = f"{name} (and classifying it raised {type(failure).__name__[:MAX_ERROR_TYPE_CHARS]})"
+        name = type_name(exc)[:MAX_ERROR_TYPE_CHARS]
+        message = f"{name} (and classifying it raised {type_name(failure)[:MAX_ERROR_TYPE_CHARS]})"
         entry = {
             "attempt": job.attempt,
             "worker": worker_id,

@@ -9,6 +9,7 @@ from enum import StrEnum
 from typing import Any
 
 from ..job import Job
+from ..names import type_name
 from ..validation import ESCAPED_NUL, colliding_keys, storable_text
 
 MAX_TRACEBACK_CHARS = 8000
@@ -73,7 +74,7 @@ def result_json(value: Any, limit: int = MAX_RESULT_BYTES) -> str | None:
     try:
         text = json.dumps(value, allow_nan=False, ensure_ascii=False, separators=(",", ":"))
     except TypeError:
-        return json.dumps({"unstored_result": f"not JSON-serializable: {type(value).__name__}"})
+        return json.dumps({"unstored_result": f"not JSON-serializable: {type_name(value)}"})
     except ValueError as exc:
         # NaN or an infinity anywhere in it, or an integer past the digits Python writes: say which,
         # not the type of the whole value (a dict holding a NaN is JSON's but for the NaN).
@@ -96,7 +97,7 @@ def result_json(value: Any, limit: int = MAX_RESULT_BYTES) -> str | None:
 def describe(exc: BaseException, job: Job, worker_id: str) -> tuple[str, dict[str, Any]]:
     """A failed attempt's last_error line and its error-history entry."""
     # A class made at run time may have any name: kept to what a type's name reasonably is.
-    name = type(exc).__name__[:MAX_ERROR_TYPE_CHARS]
+    name = type_name(exc)[:MAX_ERROR_TYPE_CHARS]
     try:
         text = str(exc)
     except BaseException:  # even a KeyboardInterrupt from __str__ must not end the slot
@@ -107,7 +108,7 @@ def describe(exc: BaseException, job: Job, worker_id: str) -> tuple[str, dict[st
     try:
         trace = "".join(tb.format_exception(type(exc), exc, exc.__traceback__))
     except BaseException as failure:  # it reads the error's __notes__, __cause__ and __context__: code of the handler's
-        trace = f"<the traceback could not be formatted: doing so raised {type(failure).__name__}>"
+        trace = f"<the traceback could not be formatted: doing so raised {type_name(failure)}>"
     if len(trace) > MAX_TRACEBACK_CHARS:
         trace = "…" + trace[-(MAX_TRACEBACK_CHARS - 1) :]
     # PostgreSQL text cannot hold NUL, nor can UTF-8 hold lone surrogates (how

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.metadata
+import signal
 import sys
 from datetime import datetime
 
@@ -305,6 +306,9 @@ def prove(workers: int, jobs: int, concurrency: int, timeout: float) -> None:
     """Drain JOBS jobs with WORKERS processes and audit for duplicates and losses."""
     from .prove import run_proof
 
+    # SIGTERM stops it as Ctrl-C does: its workers stopped, its unfinished jobs removed, an embedded
+    # server stopped. Its default ended the process at once, leaving all three behind.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     dsn = _dsn_or_embedded()
     Relay(dsn).migrate()
     with database_errors(only_from_server=True):

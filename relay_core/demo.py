@@ -19,8 +19,6 @@ This module never imports Flask or ``relay_web``: the web app is a subprocess.
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import importlib.util
 import os
 import secrets
@@ -46,7 +44,7 @@ from .embedded import INSTALL_DEMO, default_data_dir, load_pgserver
 from .errors import ConfigurationError, RelayError
 from .queries import sql
 from .settings import database_url, database_url_set
-from .signals import ShutdownSignals
+from .signals import ShutdownSignals, die_with_parent
 
 #: The demo's own user (role admin): named for the demo, so that on a DATABASE_URL
 #: holding an application's users, the password it sets every run is no one else's.
@@ -153,12 +151,6 @@ def _safe_dsn(dsn: str) -> str:
         params.update(dict.fromkeys(secret, "****"))
         return conninfo.make_conninfo(**params)
     return dsn
-
-
-def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
-    """Linux: SIGTERM this child if the demo itself dies without stopping it (best effort)."""
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 @dataclass
@@ -271,7 +263,7 @@ class Demo:
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
                 # No threads run in this process yet, so a pre-exec hook is safe here.
-                preexec_fn=_die_with_parent if sys.platform == "linux" else None,
+                preexec_fn=die_with_parent if sys.platform == "linux" else None,
             )
         child = Child(name, proc, log)
         self.children.append(child)
@@ -301,7 +293,8 @@ class Demo:
         # No gunicornc control socket: its default path in $HOME is shared by every gunicorn of the user.
         self.spawn("web", [*web, "--no-control-socket", "--access-logfile", "-"], env, log_dir)
         for n in range(1, WORKERS + 1):
-            worker = [py, "-m", "relay_core", "worker", "--app", SHOP_APP, "--concurrency", "4"]
+            # Its queue named: a RELAY_QUEUES of the caller's had the workers serve another, and run nothing.
+            worker = [py, "-m", "relay_core", "worker", "--app", SHOP_APP, "--queues", "default", "--concurrency", "4"]
             self.spawn(f"worker-{n}", worker, env, log_dir)
         rate = f"{self.orders_per_minute:g}"
         self.spawn("producer", [py, "-m", "relay_shop.producer", "--per-minute", rate], env, log_dir)

@@ -11,8 +11,10 @@ from __future__ import annotations
 import atexit
 import contextlib
 import os
+import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 
@@ -28,8 +30,34 @@ from .worker.config import WorkerConfig
 PROOF_QUEUE = "relay_proof"
 PROOF_TYPE = "relay.proof"
 
+#: The proof's process id, as its workers' environment gives it (see ``stop_when_orphaned``).
+PROOF_PARENT = "RELAY_PROOF_PARENT"
+#: How often a proof's worker looks whether the proof is still there.
+ORPHAN_CHECK_SECONDS = 1.0
+
 app = Relay()
 _pool: ConnectionPool | None = None
+
+
+def stop_when_orphaned(parent: int) -> None:
+    """In a proof's worker: SIGTERM this process once the proof (``parent``) is gone.
+
+    A proof ended by SIGTERM stops its workers itself; one killed outright
+    (SIGKILL, the OOM killer) cannot, and its workers went on serving the
+    proof's queue on the user's database for as long as they ran. The
+    signal starts the worker's own graceful stop.
+    """
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(ORPHAN_CHECK_SECONDS)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, name="relay-proof-parent", daemon=True).start()
+
+
+if (_parent := os.environ.get(PROOF_PARENT, "")).isdigit():
+    stop_when_orphaned(int(_parent))
 
 
 @app.handler(PROOF_TYPE, max_attempts=5)
@@ -158,6 +186,7 @@ def _drain_and_audit(dsn: str, workers: int, jobs: int, concurrency: int, timeou
         "--concurrency",
         str(concurrency),
     ]
+    env[PROOF_PARENT] = str(os.getpid())  # see stop_when_orphaned
     started = time.monotonic()
     procs = [subprocess.Popen(command, env=env) for _ in range(workers)]
     stopped = f"the proof stopped after {timeout:.0f} s (--timeout)"

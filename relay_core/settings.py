@@ -21,8 +21,14 @@ _QUOTED = re.compile(r'"([^"]*)"')
 
 
 def database_url_set() -> bool:
-    """Whether RELAY_DATABASE_URL or DATABASE_URL names a database (readable or not)."""
-    return bool(os.environ.get("RELAY_DATABASE_URL") or os.environ.get("DATABASE_URL"))
+    """Whether RELAY_DATABASE_URL or DATABASE_URL is set, to anything (a database, or an empty or
+    unreadable value that ``database_url`` refuses).
+
+    Set to nothing (``DATABASE_URL=`` in an env file) counted as unset: ``relay prove`` and
+    ``relay demo`` then ran on an embedded PostgreSQL, and the proof passed on a database the
+    operator never named, where ``relay migrate`` said the setting was empty.
+    """
+    return "RELAY_DATABASE_URL" in os.environ or "DATABASE_URL" in os.environ
 
 
 def check_dsn_type(dsn: object) -> None:

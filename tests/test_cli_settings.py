@@ -48,6 +48,8 @@ def job_count(db: psycopg.Connection) -> int:
         (["user", "list"], {"RELAY_DATABASE_URL": "  "}, "RELAY_DATABASE_URL is blank"),
         # Set to nothing (an env file's `DATABASE_URL=`): it said "no database configured: pass a DSN to Relay(...)".
         (["migrate"], {"RELAY_DATABASE_URL": None, "DATABASE_URL": ""}, "DATABASE_URL is empty"),
+        # The same for `relay prove`, which took it for unset and proved an embedded PostgreSQL instead.
+        (["prove", "--jobs", "10"], {"RELAY_DATABASE_URL": None, "DATABASE_URL": ""}, "DATABASE_URL is empty"),
     ],
 )
 def test_a_bad_setting_ends_the_command_with_one_line_naming_it(

@@ -10,6 +10,7 @@ SIGINT the demo exits 0 and no job is left claimed.
 
 from __future__ import annotations
 
+import io
 import os
 import queue
 import re
@@ -21,6 +22,7 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any
 
 import psycopg
@@ -358,3 +360,18 @@ def test_the_demo_user_is_made_admin_again_when_it_exists(dsn: str, db: psycopg.
     assert [user.role for user in users.list_users(db) if user.username == DEMO_USER] == ["admin"]
     banner = f"[3/6] user: {DEMO_USER}, role admin (exists from an earlier run; new password set)"
     assert out.getvalue().splitlines()[-1] == banner
+
+
+def test_the_demos_workers_serve_the_shops_queue_whatever_relay_queues_says(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A RELAY_QUEUES in the caller's environment reached the demo's workers, which served that queue
+    and ran none of the shop's jobs, while the demo promised every state within a minute."""
+    from relay_core import demo
+
+    started: dict[str, list[str]] = {}
+    monkeypatch.setenv("RELAY_QUEUES", "emails")
+    monkeypatch.setattr(demo.Demo, "spawn", lambda self, name, argv, env, log_dir: started.setdefault(name, argv))
+    demo.Demo(out=io.StringIO()).start_processes("postgresql://postgres@127.0.0.1/unused", tmp_path)
+    workers = [argv for name, argv in started.items() if name.startswith("worker")]
+    assert workers and all(argv[argv.index("--queues") + 1] == "default" for argv in workers), workers

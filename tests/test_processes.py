@@ -15,7 +15,7 @@ from pathlib import Path
 import psycopg
 import pytest
 
-from relay_core import Relay
+from relay_core import Relay, queries
 
 from .helpers import ROOT, TcpProxy, run_relay, start_worker_process, status_counts, stop_process, wait_for
 
@@ -626,6 +626,69 @@ def test_relay_prove_interrupted_leaves_no_proof_job_queued(dsn: str, worker_env
         if proof.poll() is None:
             os.killpg(proof.pid, signal.SIGKILL)
             proof.wait()
+
+
+def proof_workers() -> list[int]:
+    """The process ids of the proof's workers running on this machine."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                cmdline = (entry / "cmdline").read_bytes()
+            except OSError:
+                continue
+            if b"relay_core.prove:app" in cmdline:
+                found.append(int(entry.name))
+    return found
+
+
+@pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGKILL], ids=["sigterm", "sigkill"])
+def test_relay_prove_stopped_alone_leaves_no_worker_and_no_proof_job_behind(
+    dsn: str, worker_env: dict, python: str, stop: signal.Signals
+) -> None:
+    """A SIGTERM sent to the proof alone (kill PID, a supervisor) ended it at once: its cleanup never ran,
+    and its workers went on serving the proof's queue on the user's database. Killed outright, it
+    cannot stop them: they now stop themselves once it is gone (and, SIGKILLed, its jobs are left
+    to them, which the graceful stop hands back)."""
+    command = [python, "-m", "relay_core", "prove", "--workers", "1", "--concurrency", "1", "--jobs", "20000"]
+    proof = subprocess.Popen(command, env=worker_env, cwd=ROOT, start_new_session=True)
+    try:
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            started = "SELECT count(*) FROM relay.jobs WHERE queue = 'relay_proof' AND status = 'succeeded'"
+            wait_for(lambda: conn.execute(started).fetchone()[0] > 0, what="the proof's workers to run jobs")
+            assert proof_workers()
+            proof.send_signal(stop)  # the proof alone, not its process group
+            assert proof.wait(60) == (1 if stop == signal.SIGTERM else -signal.SIGKILL)
+            wait_for(lambda: not proof_workers(), timeout=30, what="the proof's workers to stop")
+            if stop == signal.SIGTERM:
+                left = conn.execute(
+                    "SELECT count(*) FROM relay.jobs WHERE queue = 'relay_proof' AND status IN ('queued', 'claimed')"
+                )
+                assert left.fetchone()[0] == 0
+            claimed = "SELECT count(*) FROM relay.jobs WHERE queue = 'relay_proof' AND status = 'claimed'"
+            assert conn.execute(claimed).fetchone()[0] == 0, "a worker that stopped gracefully holds nothing"
+    finally:
+        if proof.poll() is None:
+            os.killpg(proof.pid, signal.SIGKILL)
+            proof.wait()
+        for pid in proof_workers():
+            os.kill(pid, signal.SIGKILL)
+
+
+def test_the_proof_counts_a_job_marked_succeeded_that_never_ran_as_lost(db: psycopg.Connection) -> None:
+    """A job counted as succeeded by its row alone: a queue that ended jobs without running them passed."""
+    db.execute(queries.sql("proof_setup"))
+    ran, skipped = (
+        db.execute(
+            "INSERT INTO relay.jobs (type, queue) VALUES ('relay.proof', 'relay_proof') RETURNING id"
+        ).fetchone()[0]
+        for _ in range(2)
+    )
+    db.execute("UPDATE relay.jobs SET status = 'succeeded', attempts = 1, finished_at = now()")
+    db.execute(queries.sql("proof_enqueued"), {"ids": [ran, skipped]})
+    db.execute(queries.sql("proof_record_execution"), {"job_id": ran, "worker": "w", "attempt": 1})
+    succeeded, pruned, lost, unfinished = db.execute(queries.sql("proof_outcome")).fetchone()
+    assert (succeeded, pruned, lost, unfinished) == (1, 0, 1, 0)
 
 
 def test_json_logs_stay_json_when_the_database_drops_the_workers_connections(

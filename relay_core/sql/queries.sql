@@ -574,12 +574,15 @@ ORDER BY type LIMIT 5;
 SELECT job_id, count(*) FROM relay_proof.executions GROUP BY job_id HAVING count(*) > 1;
 
 -- name: proof_outcome
--- The audit of every job enqueued: succeeded (its row says so, or retention pruned
--- it after it ran: its execution is recorded), lost (it ended dead or cancelled, or
--- its row is gone without its having run), or unfinished (still queued or claimed).
-SELECT count(*) FILTER (WHERE j.status = 'succeeded' OR (j.id IS NULL AND ran.job_id IS NOT NULL)) AS succeeded,
+-- The audit of every job enqueued: succeeded (it ran, by its execution row, and
+-- its row says so, or retention pruned it after it ran), lost (it ended dead or
+-- cancelled, or succeeded or gone without its having run), or unfinished (still
+-- queued or claimed). A job marked succeeded with no execution counted as a
+-- success: a queue that ended jobs without running them passed the proof.
+SELECT count(*) FILTER (WHERE ran.job_id IS NOT NULL AND (j.status = 'succeeded' OR j.id IS NULL)) AS succeeded,
        count(*) FILTER (WHERE j.id IS NULL AND ran.job_id IS NOT NULL) AS pruned,
-       count(*) FILTER (WHERE j.status IN ('dead', 'cancelled') OR (j.id IS NULL AND ran.job_id IS NULL)) AS lost,
+       count(*) FILTER (WHERE j.status IN ('dead', 'cancelled')
+                           OR (ran.job_id IS NULL AND (j.status = 'succeeded' OR j.id IS NULL))) AS lost,
        count(*) FILTER (WHERE j.status IN ('queued', 'claimed')) AS unfinished
 FROM relay_proof.enqueued AS e
 LEFT JOIN relay.jobs AS j ON j.id = e.job_id

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import json
 import logging
 import signal
 import threading
@@ -1424,6 +1425,16 @@ def test_a_result_json_cannot_hold_says_why_and_an_error_type_name_is_bounded(re
     assert said.startswith("not storable as JSON: Out of range float values are not JSON compliant"), said
     [entry] = relay.get_job(odd).errors
     assert entry["type"] == "E" * 200 and relay.get_job(odd).last_error == "E" * 200 + ": boom"
+
+
+def test_a_result_json_cannot_hold_names_the_value_it_met_not_the_whole_results_type() -> None:
+    """A datetime inside a dict was reported as "not JSON-serializable: dict"."""
+    from relay_core.worker.outcome import result_json
+
+    assert json.loads(result_json({"at": datetime(2030, 1, 1, tzinfo=UTC)}) or "") == {
+        "unstored_result": "not JSON-serializable: datetime"
+    }
+    assert json.loads(result_json({1, 2}) or "") == {"unstored_result": "not JSON-serializable: set"}
 
 
 def test_a_result_with_a_backslash_before_u0000_is_kept_one_with_a_nul_is_not(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import traceback as tb
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -67,14 +68,20 @@ class Outcome:
         return self._error_json
 
 
+#: How json.dumps names a value it cannot encode.
+_UNSERIALIZABLE = re.compile(r"Object of type (\w{1,200}) is not JSON serializable")
+
+
 def result_json(value: Any, limit: int = MAX_RESULT_BYTES) -> str | None:
     """A handler's return value as JSON text; None for None, a marker when it cannot be kept."""
     if value is None:
         return None
     try:
         text = json.dumps(value, allow_nan=False, ensure_ascii=False, separators=(",", ":"))
-    except TypeError:
-        return json.dumps({"unstored_result": f"not JSON-serializable: {type_name(value)}"})
+    except TypeError as exc:
+        # The value the encoder met, not the whole result's type: {"at": datetime(...)} said "dict".
+        met = _UNSERIALIZABLE.fullmatch(str(exc))
+        return json.dumps({"unstored_result": f"not JSON-serializable: {met[1] if met else type_name(value)}"})
     except ValueError as exc:
         # NaN or an infinity anywhere in it, or an integer past the digits Python writes: say which,
         # not the type of the whole value (a dict holding a NaN is JSON's but for the NaN).

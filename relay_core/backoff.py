@@ -67,6 +67,19 @@ def usable_delay(seconds: object) -> bool:
     return finite_real(seconds) and 0 <= seconds <= MAX_DELAY_SECONDS  # type: ignore[operator]
 
 
+def as_delay(value: object) -> float | None:
+    """``value`` as a delay in seconds if it is a usable one (``usable_delay``) as a float too, else None.
+
+    A handler's number may be of its own class: one that passed the check
+    could still read as NaN through its ``__float__``, and the database then
+    refused the failure, which was lost.
+    """
+    if not usable_delay(value):
+        return None
+    seconds = float(value)  # type: ignore[arg-type]
+    return seconds if usable_delay(seconds) else None
+
+
 def retry_delay(backoff: Backoff, attempt: int) -> tuple[float, str | None]:
     """The delay ``backoff`` gives after failed attempt ``attempt``, and None; or, when it raises or gives
     what no run_at can hold (NaN, negative, past a century), the default backoff's delay and why.
@@ -78,10 +91,11 @@ def retry_delay(backoff: Backoff, attempt: int) -> tuple[float, str | None]:
     try:
         # What it gives is its code too: telling whether it is a usable number, reading it as one
         # and showing it all run that code, and raising there stopped every timeout of the worker.
-        seconds = backoff.delay(attempt)
-        if usable_delay(seconds):
-            return float(seconds), None
-        problem = f"its backoff gave a delay of {shown(seconds)}, not 0 to {MAX_DELAY_SECONDS:.0f} seconds"
+        given = backoff.delay(attempt)
+        seconds = as_delay(given)
+        if seconds is not None:
+            return seconds, None
+        problem = f"its backoff gave a delay of {shown(given)}, not 0 to {MAX_DELAY_SECONDS:.0f} seconds"
     except BaseException as exc:
         problem = f"its backoff raised {type_name(exc)}"  # its text is the backoff's code too: not read
     return DEFAULT_BACKOFF.delay(attempt), f"{problem}; the default backoff was used"

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.metadata
 import signal
 import sys
+import threading
+from collections.abc import Iterator
 from datetime import datetime
 
 import click
@@ -21,6 +24,25 @@ from .validation import new_job
 from .worker import require_handlers
 from .worker.config import MAX_CONCURRENCY
 from .worker.shutdown import end_owned_process
+
+
+@contextlib.contextmanager
+def _sigterm_as_ctrl_c() -> Iterator[None]:
+    """SIGTERM raises KeyboardInterrupt for the block, as Ctrl-C does; the previous handler after it.
+
+    For ``relay prove``: its default ended the process at once, leaving its
+    workers serving the proof's queue, its unfinished jobs queued and an
+    embedded server running. Left alone off the main thread, where no
+    handler can be installed (a test calling the command in a thread).
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _dsn_or_embedded() -> str:
@@ -306,13 +328,11 @@ def prove(workers: int, jobs: int, concurrency: int, timeout: float) -> None:
     """Drain JOBS jobs with WORKERS processes and audit for duplicates and losses."""
     from .prove import run_proof
 
-    # SIGTERM stops it as Ctrl-C does: its workers stopped, its unfinished jobs removed, an embedded
-    # server stopped. Its default ended the process at once, leaving all three behind.
-    signal.signal(signal.SIGTERM, signal.default_int_handler)
-    dsn = _dsn_or_embedded()
-    Relay(dsn).migrate()
-    with database_errors(only_from_server=True):
-        result = run_proof(dsn, workers=workers, jobs=jobs, concurrency=concurrency, timeout=timeout)
+    with _sigterm_as_ctrl_c():
+        dsn = _dsn_or_embedded()
+        Relay(dsn).migrate()
+        with database_errors(only_from_server=True):
+            result = run_proof(dsn, workers=workers, jobs=jobs, concurrency=concurrency, timeout=timeout)
     click.echo(result.report())
     if not result.ok:
         sys.exit(1)

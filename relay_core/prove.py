@@ -56,7 +56,8 @@ def stop_when_orphaned(parent: int) -> None:
     threading.Thread(target=watch, name="relay-proof-parent", daemon=True).start()
 
 
-if (_parent := os.environ.get(PROOF_PARENT, "")).isdigit():
+# Taken out of the environment as it is read: a process this one starts is no proof's worker.
+if (_parent := os.environ.pop(PROOF_PARENT, "")).isdigit():
     stop_when_orphaned(int(_parent))
 
 
@@ -80,9 +81,10 @@ def record_execution(job: Job) -> None:
 class ProofResult:
     """What the audit found.
 
-    A job is lost when it ended other than succeeded, or its row is gone
-    without its having run (retention prunes finished jobs: one it pruned after
-    its run counts as succeeded, and ``pruned`` says how many). One still
+    A job is lost when it ended other than succeeded, or it is marked
+    succeeded or its row is gone without its having run (retention prunes
+    finished jobs: one it pruned after its run counts as succeeded, and
+    ``pruned`` says how many). One still
     queued or claimed when the proof stopped (its time ran out, or its workers
     exited) is unfinished, not lost: the proof could not tell, and says why it
     stopped instead.

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from relay_core import Backoff
@@ -31,3 +33,27 @@ def test_attempt_must_be_positive() -> None:
 
 def test_huge_attempt_numbers_stay_finite() -> None:
     assert Backoff(cap=60, jitter=0).delay(10_000) == 60
+
+
+class NaNWhenRead(float):
+    """A number of a handler's own class: finite as stored, NaN through its ``__float__``."""
+
+    def __float__(self) -> float:
+        return float("nan")
+
+
+class GivesNaNWhenRead(Backoff):
+    def delay(self, attempt: int, rand: object = None) -> float:  # type: ignore[override]
+        return NaNWhenRead(5.0)
+
+
+def test_a_delay_that_reads_as_nan_is_refused_and_the_default_backoff_used() -> None:
+    """It passed the check as stored, then was read through its __float__: a NaN run_at made the database
+    refuse the failure, and the failure was lost."""
+    from relay_core.backoff import DEFAULT_BACKOFF, as_delay, retry_delay
+
+    assert as_delay(NaNWhenRead(5.0)) is None
+    assert as_delay(5) == 5.0
+    delay, problem = retry_delay(GivesNaNWhenRead(jitter=0), 1)
+    assert math.isfinite(delay) and 0 <= delay <= DEFAULT_BACKOFF.cap
+    assert problem is not None and "the default backoff was used" in problem

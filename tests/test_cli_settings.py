@@ -61,6 +61,17 @@ def test_a_bad_setting_ends_the_command_with_one_line_naming_it(
     assert job_count(db) == 0
 
 
+def test_relay_prove_run_in_process_puts_the_sigterm_handler_back(dsn: str) -> None:
+    """It made SIGTERM raise KeyboardInterrupt for the whole process and left it so: a caller's own
+    SIGTERM (a test runner's timeout) then became an interrupt, which broad handlers swallow."""
+    import signal
+
+    before = signal.getsignal(signal.SIGTERM)
+    result = run(dsn, ["prove", "--jobs", "10"], {"RELAY_DATABASE_URL": None, "DATABASE_URL": ""})
+    assert result.exit_code == 1 and "DATABASE_URL is empty" in result.output
+    assert signal.getsignal(signal.SIGTERM) is before
+
+
 @pytest.mark.parametrize(
     ("env", "named"),
     [

@@ -628,16 +628,16 @@ def test_relay_prove_interrupted_leaves_no_proof_job_queued(dsn: str, worker_env
             proof.wait()
 
 
-def proof_workers() -> list[int]:
-    """The process ids of the proof's workers running on this machine."""
+def proof_workers(proof: int) -> list[int]:
+    """The process ids of the workers the proof ``proof`` (its process id) started, running now."""
     found = []
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
             try:
-                cmdline = (entry / "cmdline").read_bytes()
+                environ = (entry / "environ").read_bytes().split(b"\0")
             except OSError:
                 continue
-            if b"relay_core.prove:app" in cmdline:
+            if f"RELAY_PROOF_PARENT={proof}".encode() in environ:
                 found.append(int(entry.name))
     return found
 
@@ -656,10 +656,10 @@ def test_relay_prove_stopped_alone_leaves_no_worker_and_no_proof_job_behind(
         with psycopg.connect(dsn, autocommit=True) as conn:
             started = "SELECT count(*) FROM relay.jobs WHERE queue = 'relay_proof' AND status = 'succeeded'"
             wait_for(lambda: conn.execute(started).fetchone()[0] > 0, what="the proof's workers to run jobs")
-            assert proof_workers()
+            assert proof_workers(proof.pid)
             proof.send_signal(stop)  # the proof alone, not its process group
             assert proof.wait(60) == (1 if stop == signal.SIGTERM else -signal.SIGKILL)
-            wait_for(lambda: not proof_workers(), timeout=30, what="the proof's workers to stop")
+            wait_for(lambda: not proof_workers(proof.pid), timeout=30, what="the proof's workers to stop")
             if stop == signal.SIGTERM:
                 left = conn.execute(
                     "SELECT count(*) FROM relay.jobs WHERE queue = 'relay_proof' AND status IN ('queued', 'claimed')"
@@ -671,7 +671,7 @@ def test_relay_prove_stopped_alone_leaves_no_worker_and_no_proof_job_behind(
         if proof.poll() is None:
             os.killpg(proof.pid, signal.SIGKILL)
             proof.wait()
-        for pid in proof_workers():
+        for pid in proof_workers(proof.pid):
             os.kill(pid, signal.SIGKILL)
 
 

@@ -384,13 +384,15 @@ def test_a_migration_behind_a_transaction_pooler_waits_for_the_transaction_that_
 
     monkeypatch.delenv("RELAY_TRANSACTION_POOLING", raising=False)
     caplog.set_level("WARNING", logger="relay")
-    with database_behind(database_url, 23) as dsn, pgbouncer(dsn, "default_pool_size = 4\n") as pooler:
+    # Each transaction on another server connection, as under load: a statement prepared on one is missing there.
+    settings = "default_pool_size = 4\nserver_round_robin = 1\n"
+    with database_behind(database_url, 23) as dsn, pgbouncer(dsn, settings) as pooler:
         migrated: list[object] = []
         with psycopg.connect(dsn) as slow_request:
             slow_request.execute("INSERT INTO relay.jobs (type) VALUES ('in_a_slow_request')")
-            deploy = threading.Thread(target=lambda: migrated.append(migrate(pooler.dsn, lock_wait=0.3)))
+            deploy = threading.Thread(target=lambda: migrated.append(migrate(pooler.dsn, lock_wait=1.0)))
             deploy.start()
-            time.sleep(4)  # some three tries of 0.3 s and their pauses of 1 s, had it not found whom to wait for
+            time.sleep(5)  # some three tries of 1 s and their pauses of 1 s, had it not found whom to wait for
             assert not migrated and deploy.is_alive()
             slow_request.commit()
         deploy.join(30)

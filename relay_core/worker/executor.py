@@ -23,7 +23,7 @@ import psycopg
 from psycopg.pq import TransactionStatus
 from psycopg_pool import ConnectionPool, PoolTimeout
 
-from ..backoff import DEFAULT_BACKOFF, retry_delay, usable_delay
+from ..backoff import DEFAULT_BACKOFF, as_delay, retry_delay
 from ..connect_options import without_user_timeout
 from ..errors import (
     HandlerNotFound,
@@ -124,8 +124,9 @@ def _ended_by(exc: BaseException, job: Job, spec: HandlerSpec | None, worker_id:
     try:
         if isinstance(exc, Snooze):
             seconds = getattr(exc, "seconds", None)
-            if usable_delay(seconds):
-                return Outcome(job, Kind.SNOOZED, took, delay=float(seconds))  # type: ignore[arg-type]
+            delay = as_delay(seconds)
+            if delay is not None:
+                return Outcome(job, Kind.SNOOZED, took, delay=delay)
             exc = RelayError(f"{type_name(exc)} without a usable delay (seconds={shown(seconds)})")
         message, entry = describe(exc, job, worker_id)
         if isinstance(exc, JobCancelled) and job.cancel_requested:

@@ -773,6 +773,23 @@ def test_a_schedule_published_as_the_worker_has_it_does_not_read_the_worker_regi
     assert loops == {"* * * * * *": 0, "*/5 * * * * *": 1}
 
 
+def test_a_schedule_whose_last_tick_is_ahead_of_the_clock_says_why_it_enqueues_nothing(
+    relay: Relay, db: psycopg.Connection, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A tick taken while the database's clock ran a day ahead, then stepped back: every tick is held off
+    until the clock passes that one, and the schedule stopped without a line saying why."""
+    relay.handler("every_minute_ahead", cron="* * * * *")(lambda job: None)
+    specs = list(relay.handlers.values())
+    publish(db, specs)
+    db.execute("UPDATE relay.schedules SET last_tick = date_trunc('minute', now()) + interval '1 day'")
+    with caplog.at_level("WARNING", logger="relay"):
+        assert enqueue_due(db, specs) == []
+        assert enqueue_due(db, specs) == []
+    ahead = [r for r in caplog.records if "later than the database's clock" in r.getMessage()]
+    assert [r.type for r in ahead] == ["every_minute_ahead"], "said once, naming the schedule"
+    assert db.execute("SELECT count(*) FROM relay.jobs").fetchone() == (0,)
+
+
 def test_a_schedule_another_transaction_holds_is_skipped_then_moves_on_from_its_latest_tick(
     dsn: str, db: psycopg.Connection
 ) -> None:

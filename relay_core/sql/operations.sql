@@ -208,10 +208,11 @@ RETURNING type, cron, timezone, queue, last_tick, next_tick;
 -- published differently (NULL otherwise): it holds every worker of the last
 -- days, each killed one's schedules matched as JSON, and read on every
 -- check of every schedule, 8,000 rows took a second, an every-second
--- schedule's whole slot. No row: the schedule is not in relay.schedules
--- (deleted by hand).
+-- schedule's whole slot. Returns the last tick as the snapshot read it too,
+-- for a worker that did not advance it to tell one later than now. No row:
+-- the schedule is not in relay.schedules (deleted by hand).
 WITH published AS (
-    SELECT s.type, s.cron, s.timezone, s.queue,
+    SELECT s.type, s.cron, s.timezone, s.queue, s.last_tick,
            (s.cron, s.timezone, s.queue) = (%(cron)s, %(timezone)s, %(queue)s) AS current,
            CASE WHEN (s.cron, s.timezone, s.queue) <> (%(cron)s, %(timezone)s, %(queue)s) THEN EXISTS (
                SELECT FROM relay.workers w
@@ -236,7 +237,8 @@ WITH published AS (
     RETURNING held.last_tick AS previous_tick
 )
 SELECT EXISTS (SELECT FROM advanced) AS won, (SELECT previous_tick FROM advanced) AS previous_tick,
-       published.current, published.publisher_checks, published.cron, published.timezone, published.queue
+       published.current, published.publisher_checks, published.last_tick AS seen_last_tick,
+       published.cron, published.timezone, published.queue
 FROM published;
 
 -- name: schedule_take_over_lock

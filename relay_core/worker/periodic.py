@@ -110,6 +110,33 @@ def _both_schedules(spec: HandlerSpec, published: list[str]) -> dict[str, str]:
     }
 
 
+#: The schedules this process found with a last tick later than the database's clock, each warned about once.
+_AHEAD_WARNED: set[tuple[str, datetime]] = set()
+
+
+def _report_ahead(spec: HandlerSpec, last_tick: datetime, now: datetime) -> None:
+    """Warn, once per process and tick, that a schedule's last tick is later than the next tick due now.
+
+    A tick is taken only past the last one, so a last tick in the future
+    (written while the database's clock ran ahead, then stepped back) holds
+    every tick off until the clock passes it: the schedule stopped, and no
+    line said why. Not moved back here: every worker would, each with its
+    own idea of the clock.
+    """
+    key = (spec.type, last_tick)
+    if key in _AHEAD_WARNED:
+        return
+    _AHEAD_WARNED.add(key)
+    event(
+        logging.WARNING,
+        "a periodic schedule's last tick is later than the database's clock (did the clock step back?); "
+        "no tick is enqueued until then: to resume now, set relay.schedules.last_tick to the past",
+        type=spec.type,
+        last_tick=last_tick.isoformat(),
+        now=now.isoformat(),
+    )
+
+
 #: How many passed ticks a warning counts exactly (an every-second schedule after a long outage passes thousands).
 PASSED_TICKS_COUNTED = 1000
 
@@ -262,7 +289,7 @@ def _advance(
             schedule=f"{spec.cron} ({spec.timezone}, queue {spec.queue})",
         )
         return nothing
-    won, previous, current, publisher_checks, *published = row
+    won, previous, current, publisher_checks, seen_last_tick, *published = row
     if not current:
         if publisher_checks:
             _report_outdated(spec, published)
@@ -278,6 +305,8 @@ def _advance(
         )
         return nothing
     if not won:
+        if seen_last_tick is not None and seen_last_tick > following:
+            _report_ahead(spec, seen_last_tick, now)
         return nothing
     if (
         is_missed(tick, now)

@@ -19,6 +19,8 @@ This module never imports Flask or ``relay_web``: the web app is a subprocess.
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import importlib.util
 import os
 import secrets
@@ -44,7 +46,7 @@ from .embedded import INSTALL_DEMO, default_data_dir, load_pgserver
 from .errors import ConfigurationError, RelayError
 from .queries import sql
 from .settings import database_url, database_url_set
-from .signals import ShutdownSignals, die_with_parent
+from .signals import ShutdownSignals
 
 #: The demo's own user (role admin): named for the demo, so that on a DATABASE_URL
 #: holding an application's users, the password it sets every run is no one else's.
@@ -151,6 +153,12 @@ def _safe_dsn(dsn: str) -> str:
         params.update(dict.fromkeys(secret, "****"))
         return conninfo.make_conninfo(**params)
     return dsn
+
+
+def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
+    """Linux: SIGTERM this child if the demo itself dies without stopping it (best effort)."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 @dataclass
@@ -263,7 +271,7 @@ class Demo:
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
                 # No threads run in this process yet, so a pre-exec hook is safe here.
-                preexec_fn=die_with_parent if sys.platform == "linux" else None,
+                preexec_fn=_die_with_parent if sys.platform == "linux" else None,
             )
         child = Child(name, proc, log)
         self.children.append(child)

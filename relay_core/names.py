@@ -16,18 +16,15 @@ _CLASS_NAME = type.__dict__["__name__"]
 
 
 def type_name(value: object) -> str:
-    """The name of ``value``'s class as the class itself holds it, at most MAX_TYPE_NAME_CHARS."""
-    try:
-        name = _CLASS_NAME.__get__(type(value))
-    except BaseException:  # not reached by any class Python can make; kept to what the docstring promises
-        return "<unnamed>"
-    return name[:MAX_TYPE_NAME_CHARS] if isinstance(name, str) else "<unnamed>"
+    """The name of ``value``'s class as the class itself holds it (type's own descriptor, which no
+    metaclass overrides), at most MAX_TYPE_NAME_CHARS."""
+    return _CLASS_NAME.__get__(type(value))[:MAX_TYPE_NAME_CHARS]
 
 
 def shown(value: object) -> str:
-    """``repr(value)`` where it can be made, else its class's name: a repr is the value's own code."""
+    """``repr(value)`` where it can be made, else its class's name: a repr is the value's own code
+    (``repr`` itself refuses one that returns no string)."""
     try:
-        text = repr(value)
+        return repr(value)
     except BaseException:
         return f"a {type_name(value)} that cannot be shown"
-    return text if isinstance(text, str) else f"a {type_name(value)}"

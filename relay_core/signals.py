@@ -15,7 +15,6 @@ context, where waiting a moment for a lock the main thread holds is harmless.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 import signal
 import threading
@@ -62,13 +61,3 @@ class ShutdownSignals:
         for signum, previous in self._previous.items():
             signal.signal(signum, previous)
         os.close(self._write_fd)
-
-
-def die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
-    """Linux: SIGTERM this child if the process that started it dies without stopping it (best effort).
-
-    For ``subprocess.Popen(preexec_fn=...)``, before any thread of the parent starts: a pre-exec
-    hook is not safe in a process that runs threads.
-    """
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG

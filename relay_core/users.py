@@ -259,7 +259,8 @@ def authenticate(
         return None
     stored = found["password_hash"]
     if not _verify_each(hasher, [stored], password):
-        _verify_each(hasher, [decoy for decoy in decoys if _cost(decoy) != _cost(stored)], password)
+        own = _cost(stored)
+        _verify_each(hasher, [decoy for decoy in decoys if _cost(decoy) != own], password)
         return None
     new_hash = hasher.hash(password) if hasher.check_needs_rehash(stored) else None
     _rows(conn, "user_logged_in", {"id": found["id"], "verified_hash": stored, "new_hash": new_hash})

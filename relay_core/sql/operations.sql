@@ -99,10 +99,7 @@ ON CONFLICT (type) DO NOTHING;
 UPDATE relay.type_limits
 SET max_running = %(max_running)s, rate_limit = %(rate_limit)s, rate_period_seconds = %(rate_period_seconds)s,
     updated_at = now(), published_by = %(published_by)s
-WHERE type = %(type)s AND published_by IS NOT DISTINCT FROM %(seen_by)s
-  AND (max_running, rate_limit, rate_period_seconds, published_by)
-      IS DISTINCT FROM (%(max_running)s::integer, %(rate_limit)s::integer, %(rate_period_seconds)s::float8,
-                        %(published_by)s::text);
+WHERE type = %(type)s AND published_by IS NOT DISTINCT FROM %(seen_by)s;
 
 -- name: type_limit_delete
 -- A worker's handler for a type declares no limits any more.

@@ -43,7 +43,7 @@ from ..queries import sql
 from ..sessions import handler_settings_end_with_transaction, in_autocommit, reset_session
 from .aio import SlotLoop
 from .ledger import NOT_BEGUN
-from .outcome import MAX_ERROR_TYPE_CHARS, Kind, Outcome, describe, result_json
+from .outcome import Kind, Outcome, describe, result_json
 
 
 def run(
@@ -143,8 +143,8 @@ def _ended_by(exc: BaseException, job: Job, spec: HandlerSpec | None, worker_id:
             entry["message"] = f"{entry.get('message')} ({problem})"
         return Outcome(job, Kind.RETRY, took, delay=delay, message=message, error=entry)
     except BaseException as failure:  # a KeyboardInterrupt from the handler's code here would end the slot's thread
-        name = type_name(exc)[:MAX_ERROR_TYPE_CHARS]
-        message = f"{name} (and classifying it raised {type_name(failure)[:MAX_ERROR_TYPE_CHARS]})"
+        name = type_name(exc)
+        message = f"{name} (and classifying it raised {type_name(failure)})"
         entry = {
             "attempt": job.attempt,
             "worker": worker_id,

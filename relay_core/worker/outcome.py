@@ -15,7 +15,6 @@ from ..validation import ESCAPED_NUL, colliding_keys, storable_text
 
 MAX_TRACEBACK_CHARS = 8000
 MAX_MESSAGE_CHARS = 2000
-MAX_ERROR_TYPE_CHARS = 200
 MAX_RESULT_BYTES = 64 * 1024
 
 
@@ -104,7 +103,7 @@ def result_json(value: Any, limit: int = MAX_RESULT_BYTES) -> str | None:
 def describe(exc: BaseException, job: Job, worker_id: str) -> tuple[str, dict[str, Any]]:
     """A failed attempt's last_error line and its error-history entry."""
     # A class made at run time may have any name: kept to what a type's name reasonably is.
-    name = type_name(exc)[:MAX_ERROR_TYPE_CHARS]
+    name = type_name(exc)
     try:
         text = str(exc)
     except BaseException:  # even a KeyboardInterrupt from __str__ must not end the slot

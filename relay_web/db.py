@@ -29,7 +29,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import psycopg
-from flask import Flask, current_app, g, has_request_context
+from flask import Flask, current_app, g, has_request_context, request
 from psycopg.abc import RV, PQGen
 from psycopg_pool import ConnectionPool, PoolTimeout
 
@@ -234,6 +234,13 @@ def counters_read() -> Iterator[psycopg.Connection]:
     relay.jobs and then empties the counters. The reads gain nothing from one
     transaction anyway: at READ COMMITTED each statement has its own snapshot.
     """
-    with connection() as conn, in_autocommit(conn):
-        monitor.fold_counters(conn, rows=FOLD_ROWS_PER_READ)
+    database = get_database()
+    with database.connection() as conn, in_autocommit(conn):
+        try:
+            monitor.fold_counters(conn, rows=FOLD_ROWS_PER_READ)
+        except psycopg.errors.ReadOnlySqlTransaction as refused:
+            # The fold is a write, the reads are exact without it: during a failover the page
+            # still answers. The refusal is logged, and the sessions replaced, as after any write.
+            database.unavailable(request.path if has_request_context() else "a counters read", refused)
+            database.pool().replace_for_read_only()
         yield conn

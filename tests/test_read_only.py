@@ -300,3 +300,24 @@ def test_the_web_apps_log_warns_of_refused_writes_without_an_outage(caplog: pyte
     assert not database.outage.under_way()
     messages = [r.getMessage() for r in caplog.records]
     assert messages == ["database refuses writes (read-only: a failover or a standby?); answering 503"]
+
+
+def test_the_counters_pages_read_on_while_writes_are_refused(
+    switch: ReadOnlySwitch, make_app: Callable[[], Any]
+) -> None:
+    """Their fold of the counter deltas is a write: it made every scrape and overview a 503 in a failover."""
+    users.create_user(switch.writer, "admin", PASSWORD, "admin", hasher=users.make_hasher(1, 1024, 1))
+    switch.writer.execute("INSERT INTO relay.jobs (type, payload, queue) VALUES ('charge', '{}', 'billing')")
+    client = make_app().test_client()
+    login = client.post("/api/auth/login", json={"username": "admin", "password": PASSWORD})
+    headers = {"Authorization": f"Bearer {login.get_json()['access_token']}"}
+    switch.refuse_writes()
+    deltas = switch.writer.execute("SELECT count(*) FROM relay.job_counts").fetchone()[0]
+    for path in ("/metrics", "/api/admin/queues", "/api/admin/stats"):
+        answer = client.get(path, headers=headers)
+        assert answer.status_code == 200, (path, answer.get_data(as_text=True)[:300])
+    assert 'relay_jobs{queue="billing",state="queued"} 1.0' in client.get("/metrics").get_data(as_text=True)
+    queues = client.get("/api/admin/queues", headers=headers).get_json()
+    assert queues, queues
+    assert switch.writer.execute("SELECT count(*) FROM relay.job_counts").fetchone()[0] == deltas
+    switch.take_writes()

@@ -1945,3 +1945,19 @@ def test_admin_calls_refuse_bad_input_at_once_even_with_no_database() -> None:
             assert time.monotonic() - began < 1.0, "it waited for a connection first"
     finally:
         nowhere.close()
+
+
+def test_the_queues_live_workers_are_counted_in_one_read_of_the_worker_registry(db: psycopg.Connection) -> None:
+    """Each queue scanned the whole registry (a week of workers) for its own count: with 2,000 queues and
+    1,500 workers a scrape of /metrics took over a second, and it grows toward the statement timeout."""
+    db.execute(
+        "INSERT INTO relay.workers (id, host, pid, queues, concurrency)"
+        " SELECT 'w' || i, 'h', i, ARRAY['q' || (i % 3), 'q' || (i % 3), 'shared'], 1 FROM generate_series(1, 30) AS i"
+    )
+    queues = [f"q{i}" for i in range(40)] + ["shared"]
+    explain = "EXPLAIN (ANALYZE, FORMAT JSON) " + sql("queue_service")
+    ((plan,),) = db.execute(explain, {"queues": queues, "stale_seconds": 60}).fetchall()
+    assert sum(node["Actual Loops"] for node in _scans_of(plan[0]["Plan"], "workers")) == 1
+    rows = db.execute(sql("queue_service"), {"queues": queues, "stale_seconds": 60}).fetchall()
+    served = {row[0]: row[2] for row in rows}
+    assert served == {**{f"q{i}": 0 for i in range(40)}, "q0": 10, "q1": 10, "q2": 10, "shared": 30}

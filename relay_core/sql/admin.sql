@@ -205,12 +205,22 @@ ORDER BY queue, state;
 -- to the next, take each priority's earliest run_at, keep the earliest that
 -- is due. Cost grows with the number of distinct priorities, not with the
 -- backlog (a queue with nothing queued costs one probe).
--- The workers: alive by relay.worker_state, as on the workers page. A queue
--- that holds queued jobs and has none is one nothing will drain: a queue name
--- mistyped at enqueue, or a cron handler's queue no worker was started for.
+-- The workers: alive by relay.worker_state, as on the workers page, counted
+-- for all the queues in one read of the registry (which keeps a week of
+-- workers; a read per queue made a scrape's cost queues x workers). A worker
+-- that names a queue twice serves it once. A queue that holds queued jobs and
+-- has none is one nothing will drain: a queue name mistyped at enqueue, or a
+-- cron handler's queue no worker was started for.
 -- The lapsed leases: claimed jobs whose lease ran out, whose worker stopped
 -- heartbeating (killed, hung, cut off) and which no live worker's sweeper has
 -- put back yet; read from jobs_lease_idx, so only lapsed leases are visited.
+WITH serving AS (
+    SELECT served.queue, count(DISTINCT w.id)::int AS live_workers
+    FROM relay.workers AS w
+    CROSS JOIN LATERAL unnest(w.queues) AS served(queue)
+    WHERE relay.worker_state(w.stopped_at, w.last_seen_at, w.heartbeat_seconds, %(stale_seconds)s::float8) = 'alive'
+    GROUP BY served.queue
+)
 SELECT q.queue, (
     WITH RECURSIVE priorities AS (
         (SELECT priority FROM relay.jobs
@@ -229,14 +239,12 @@ SELECT q.queue, (
     ) AS earliest
     WHERE earliest.run_at <= now()
 ) AS oldest_run_at,
-(SELECT count(*) FROM relay.workers AS w
- WHERE q.queue = ANY (w.queues)
-   AND relay.worker_state(w.stopped_at, w.last_seen_at, w.heartbeat_seconds, %(stale_seconds)s::float8) = 'alive'
-)::int AS live_workers,
+coalesce(s.live_workers, 0) AS live_workers,
 (SELECT count(*) FROM relay.jobs AS j
  WHERE j.status = 'claimed' AND j.claimed_until < now() AND j.queue = q.queue)::int AS lapsed_leases,
 now() AS now
-FROM unnest(%(queues)s::text[]) AS q(queue);
+FROM unnest(%(queues)s::text[]) AS q(queue)
+LEFT JOIN serving AS s ON s.queue = q.queue;
 
 -- name: job_outcomes_per_minute
 -- Succeeded, failed and dead attempts in each of the last %(minutes)s minutes

@@ -122,11 +122,16 @@ class Database:
         read_any_number(conn, as_text=True)
         read_any_timestamp(conn)
         conn.autocommit = True
-        # Behind a transaction pooler a session's statement_timeout would stay on the
-        # server connection for whoever uses it next (workers, the application);
-        # the answer timeout above still bounds every wait there.
+        # JIT off, as on every Relay session (README, Performance): a listing or a scrape of
+        # many queues costs enough on paper to be compiled, and spent most of its time so.
+        # Behind a transaction pooler a session's settings would stay on the server
+        # connection for whoever uses it next (workers, the application): the database's
+        # defaults cover JIT there (README), the answer timeout above every wait.
         if not self.relay.transaction_pooling:
-            conn.execute("SELECT set_config('statement_timeout', %s, false)", (str(self._statement_timeout_ms),))
+            conn.execute(
+                "SELECT set_config('statement_timeout', %s, false), set_config('jit', 'off', false)",
+                (str(self._statement_timeout_ms),),
+            )
         # Times come back in UTC whatever the server's zone: see relay_core.sessions.configure_session.
         conn.execute("SELECT set_config('TimeZone', 'UTC', false)")
         # READ COMMITTED whatever the database's default, as every Relay connection: under a

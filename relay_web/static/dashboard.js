@@ -83,6 +83,23 @@
     }
   });
 
+  // An action's answer takes the focus once, as it comes (autofocus, which htmx honours in the content it
+  // swaps in, before that content's htmx:load). The answer is then kept through the card's refreshes
+  // (hx-preserve), and with it its autofocus: every refresh focused it again, and the page jumped back
+  // to it every 2 s, so the errors and payload below it could not be read on a phone.
+  document.addEventListener("htmx:load", function (event) {
+    var loaded = event.detail ? event.detail.elt : null;
+    if (!(loaded instanceof Element)) {
+      return;
+    }
+    if (loaded.hasAttribute("autofocus")) {
+      loaded.removeAttribute("autofocus");
+    }
+    loaded.querySelectorAll("[autofocus]").forEach(function (focused) {
+      focused.removeAttribute("autofocus");
+    });
+  });
+
   document.addEventListener("htmx:sendError", unanswered);
   document.addEventListener("htmx:timeout", unanswered);
   document.addEventListener("htmx:afterRequest", function (event) {

@@ -658,3 +658,26 @@ def test_an_open_traceback_stays_open_when_the_history_refreshes(
     assert opened.count() == 1
     # The one opened is the first attempt's, now second in the list; the new one is folded.
     assert phone.locator(".attempt").nth(1).locator("details[open]").count() == 1
+
+
+def test_an_actions_answer_takes_the_focus_once_not_at_every_refresh(
+    phone: Any, live_server: LiveServer, shop: Shop
+) -> None:
+    """The answer is kept through the card's refreshes, and with it its autofocus, which htmx honoured in
+    each: every 2 s the page jumped back to it, and the errors and payload below could not be read."""
+    make_user(shop.relay.dsn, "ops", "admin")
+    job_id = shop.relay.enqueue("send_email", {"to": "h@example.com", "body": "y" * 3000})
+    _dead(shop, job_id)
+    shop.relay.pause_queue("default")  # requeued, it stays queued: the card goes on refreshing
+    _log_in(phone, live_server)
+    phone.goto(live_server.at(f"/jobs/{job_id}"))
+    phone.get_by_role("button", name="Requeue").click()
+    phone.locator(".status-card .flash", has_text="Requeued").wait_for()
+    assert phone.evaluate("document.activeElement.id") == "job-notice"  # the answer's own swap
+    phone.evaluate("window.scrollTo(0, document.scrollingElement.scrollHeight); document.activeElement.blur()")
+    below = phone.evaluate("window.scrollY")
+    assert below > 0
+    for _ in range(2):
+        assert phone.evaluate(FOCUS_AFTER_NEXT_SWAP) == "body"
+        assert phone.evaluate("window.scrollY") == below
+    assert phone.locator("#job-notice").inner_text().startswith("Requeued")  # still said, in its place

@@ -103,6 +103,8 @@ def requeue_dead() -> Response:
     if not job_type:
         raise RelayError("say which type of dead jobs to requeue")
     finished_by = _page_time(request.form.get("finished_by"))
+    # Checked before anything reads with it (a NUL in the type was the database's refusal, a 500).
+    where = monitor.JobFilter(status="dead", type=job_type, finished_by=finished_by)
     stopped: BulkActionStopped | None = None
     try:
         # Read first, on its own: once the requeue has committed, a failed read must not answer an error
@@ -110,7 +112,6 @@ def requeue_dead() -> Response:
         with connection() as conn:
             paused = admin.paused_queues_holding_dead(conn, job_type)
         with connection() as conn:
-            where = monitor.JobFilter(status="dead", type=job_type, finished_by=finished_by)
             changed = monitor.requeue_matching(conn, where)
     except BulkActionStopped as exc:
         log.warning("requeue of dead %s jobs stopped after %d: %s", job_type, exc.changed, exc.__cause__)

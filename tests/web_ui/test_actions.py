@@ -384,3 +384,12 @@ def test_a_plain_form_job_action_says_what_it_did_or_why_it_did_nothing(admin: D
     assert "Nothing done: the job is queued now." in page
     assert "Nothing done" not in _text(admin.get(f"/jobs/{job_id}"))
     assert jobs.status(job_id) == "queued"
+
+
+def test_requeue_all_of_a_type_holding_a_nul_is_refused_and_changes_nothing(admin: DashboardClient, jobs: Jobs) -> None:
+    """The read of the paused queues ran before the type was checked: the database's refusal was a 500."""
+    image = jobs.dead(jobs.add("resize_image"))
+    response = admin.post("/dead/requeue", {"type": "resize\x00image"})
+    assert response.status_code == 400, _text(response)[:300]
+    assert "NUL" in _text(response)
+    assert jobs.status(image) == "dead"

@@ -808,3 +808,13 @@ def test_a_type_holding_a_direction_control_goes_back_to_the_server_as_it_is(
     assert jobs.status(job_id) == "queued"
     listing = _text(admin.get("/jobs", query_string={"type": job_type}))
     assert f'<input name="type" value="{job_type}"' in listing
+
+
+def test_a_job_that_succeeded_after_failing_lists_without_its_old_error(viewer: DashboardClient, jobs: Jobs) -> None:
+    """Its row showed the last failure in red beside "succeeded", where its own page shows no error."""
+    retried = jobs.succeeded(jobs.dead(jobs.add("retry_ok"), message="TimeoutError: smtp timed out"))
+    failing = jobs.dead(jobs.add("retry_ok"), message="TimeoutError: smtp down")
+    html = _text(viewer.get("/jobs?type=retry_ok"))
+    assert _rows(html) == [failing, retried]
+    assert "smtp timed out" not in html
+    assert '<span class="row-error">TimeoutError: smtp down</span>' in html

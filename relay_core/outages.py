@@ -2,7 +2,7 @@
 
 During an outage every thread of a worker fails at its own pace: the
 producer's claims, the completer's writes, a heartbeat each second, the
-maintenance duties, the listener's reconnects. A warning for each buried, in
+maintenance duties. A warning for each buried, in
 some 130 lines per worker for a 40 s outage, the two facts an operator needs:
 when the database stopped answering, and when it answered again. So the first
 failure is logged, then a reminder every REPEAT_SECONDS while it lasts, and

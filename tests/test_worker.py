@@ -44,6 +44,7 @@ from relay_core.worker.claim import PREFETCH_PAYLOAD_BYTES, hand_back_unheld, pr
 from relay_core.worker.completer import Completer
 from relay_core.worker.config import MAX_CONCURRENCY, WorkerConfig
 from relay_core.worker.ledger import NOT_BEGUN, Ledger, Slot
+from relay_core.worker.listener import NOT_LISTENING
 from relay_core.worker.maintenance import Maintenance, heartbeat_once, sweep_once
 from relay_core.worker.outcome import Kind, Outcome
 from relay_core.worker.retention import Retention
@@ -3287,3 +3288,35 @@ def test_a_shutdown_hand_back_that_meets_a_broken_connection_tries_another(
     rows = db.execute("SELECT status, attempts FROM relay.jobs ORDER BY id").fetchall()
     assert rows == [("queued", 0), ("queued", 0)]
     assert not ledger.closing, "their leases are let go of"
+
+
+def test_a_listener_refused_alone_says_so_in_its_own_words_not_as_an_outage(
+    relay: Relay, db: psycopg.Connection, caplog: pytest.LogCaptureFixture
+) -> None:
+    """New connections refused while the worker's open ones work (a connection limit the pools filled after
+    a restart): each of the listener's tries began an outage that the next claim ended, about once a second,
+    and nothing said that new jobs now waited for a poll."""
+    ran = threading.Event()
+    relay.handler("found")(lambda job: ran.set())
+    caplog.set_level("INFO", logger="relay")
+    database = db.execute("SELECT current_database()").fetchone()[0]
+    listening = (
+        "SELECT pid FROM pg_stat_activity"
+        " WHERE datname = current_database() AND query = 'LISTEN relay_jobs' AND state = 'idle'"
+    )
+    server = psycopg.connect(conninfo.make_conninfo(relay.dsn, dbname="postgres"), autocommit=True)
+    with server, running_worker(relay, poll_interval=0.3) as worker:
+        wait_for(lambda: worker.listener.connected.is_set(), 10, what="a listening session")
+        time.sleep(0.5)  # the pools have their connections
+        server.execute(f'ALTER DATABASE "{database}" ALLOW_CONNECTIONS false')
+        try:
+            db.execute("SELECT pg_terminate_backend(pid) FROM (" + listening + ") AS l")
+            wait_for(lambda: worker.listener.reconnects >= 3, 15, what="the listener's tries")
+            relay.enqueue("found", conn=db)  # on a connection already open
+            assert ran.wait(5), "polling found it"
+        finally:
+            server.execute(f'ALTER DATABASE "{database}" ALLOW_CONNECTIONS true')
+        wait_for(lambda: worker.listener.connected.is_set(), 15, what="listening again")
+    said = [r.getMessage() for r in caplog.records if r.name == "relay"]
+    assert not [m for m in said if "unreachable" in m or "reachable again" in m], said
+    assert [m for m in said if "listen" in m] == [NOT_LISTENING.begins, NOT_LISTENING.ends], said

@@ -3,6 +3,12 @@
 NOTIFY is only a hint: polling still finds every job. After any connection
 error the listener reconnects with backoff, LISTENs again and wakes the
 producer once, since notifications sent while it was away are gone.
+
+What it fails to do it says in a log of its own (``NOT_LISTENING``), not in
+the worker's account of the database's outages: its connections can be
+refused while the worker's others work (a role's or a database's connection
+limit filled by the pools after a restart, a pooler's), and each of its tries
+began an outage that the next claim ended, a line each about once a second.
 """
 
 from __future__ import annotations
@@ -14,7 +20,7 @@ from collections.abc import Callable
 import psycopg
 
 from ..connect_options import connection_options
-from ..outages import OutageLog
+from ..outages import OutageLog, Wording
 from .outage import next_retry_delay
 
 CHANNEL = "relay_jobs"
@@ -22,6 +28,12 @@ CHANNEL = "relay_jobs"
 NOTIFY_WAIT_SECONDS = 0.2
 #: A session that listened at least this long and then ended is replaced at once, without a word.
 REPLACE_AT_ONCE_AFTER_SECONDS = 1.0
+#: What the listener says while it cannot listen: new jobs still start, found by the producer's polls.
+NOT_LISTENING = Wording(
+    "cannot listen for new jobs; they start at the next poll (poll_interval) meanwhile; retrying",
+    "still cannot listen for new jobs; they start at the next poll meanwhile; retrying",
+    "listening for new jobs again",
+)
 
 
 class Listener:
@@ -32,13 +44,12 @@ class Listener:
         dsn: str,
         queues: tuple[str, ...],
         wake: Callable[[], None],
-        outage: OutageLog | None = None,
         *,
         application_name: str = "relay",
     ) -> None:
         self._dsn = dsn
         self._application_name = application_name
-        self._outage = outage or OutageLog()
+        self._outage = OutageLog(wording=NOT_LISTENING)
         self._queues = frozenset(queues)
         self._wake = wake
         self._stop = threading.Event()
@@ -75,7 +86,7 @@ class Listener:
                     conn.execute(f"LISTEN {CHANNEL}")
                     listened = time.monotonic()
                     self.connected.set()
-                    self._outage.succeeded(wrote=False)
+                    self._outage.succeeded()
                     self._wake()  # anything enqueued while we were not listening
                     delay = 0.1
                     while not self._stop.is_set():

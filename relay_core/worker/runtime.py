@@ -205,7 +205,7 @@ class Worker:
             pooled_calls=self.pooled_calls,
         )
         self.listener = (
-            Listener(dsn, self.config.queues, self._wake.set, self.outage, application_name=application_name)
+            Listener(dsn, self.config.queues, self._wake.set, application_name=application_name)
             if self.config.listen
             else None
         )

@@ -49,6 +49,8 @@ IDLE_CHECK_LIMIT_SECONDS = 5.0
 #: at all answers the check in milliseconds, and a shutdown's last writes, each given little
 #: time once a stalled database used up theirs, must not each wait longer on it.
 IDLE_CHECK_FLOOR_SECONDS = SHORTEST_CUT_SECONDS
+#: After a connection failed its check, how long a checkout waits before it takes the next.
+CHECK_RETRY_SECONDS = 0.01
 #: The longest wait between the pool's attempts to reconnect to a database that went away.
 RECONNECT_MAX_DELAY_SECONDS = 2.0
 
@@ -209,6 +211,29 @@ class ReconnectingPool(ConnectionPool):
     def _add_connection(self, attempt: AttemptWithBackoff | None, growing: bool = False) -> None:
         # The pool's own hook for (re)connecting; its first try starts a capped attempt.
         super()._add_connection(attempt or CappedAttempt(timeout=self.reconnect_timeout), growing)
+
+    def _getconn_with_check_loop(self, deadline: float) -> psycopg.Connection:
+        # The pool's own loop for a checkout whose connections are checked. It sleeps 1 s (then
+        # 2, 4 ...) after the second connection that fails its check; after a restart or a
+        # server's idle_session_timeout every idle connection is dead, so a checkout waited a
+        # second for a live one, and a claim (given 1 s) failed on a database that was back,
+        # logged as an outage. Here a failed check is followed by the next idle connection, or
+        # a new one the pool makes meanwhile, after CHECK_RETRY_SECONDS (which bounds the loop
+        # where new connections fail their check too), until the checkout's deadline.
+        while True:
+            conn = self._getconn_unchecked(deadline - time.monotonic())
+            try:
+                self._check_connection(conn)
+            except Exception:
+                self._putconn(conn, from_getconn=True)  # closed, and a new one made in its place
+            except BaseException:
+                self._putconn(conn, from_getconn=True)
+                raise
+            else:
+                return conn
+            if time.monotonic() + CHECK_RETRY_SECONDS >= deadline:
+                raise PoolTimeout()
+            time.sleep(CHECK_RETRY_SECONDS)
 
     def _get_ready_connection(self, timeout: float | None) -> psycopg.Connection | None:
         # The pool's own hook for taking an idle connection, called under its lock.

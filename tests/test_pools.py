@@ -501,3 +501,25 @@ def test_a_completion_stuck_on_a_stalled_connection_at_stop_is_named_in_the_log(
     finally:
         proxy.close()
         pool.close(timeout=1)
+
+
+def test_a_checkout_that_finds_its_idle_connections_ended_takes_a_new_one_within_its_timeout(
+    dsn: str, db: psycopg.Connection
+) -> None:
+    """After a restart, or a server's idle_session_timeout, every idle connection is dead: psycopg_pool
+    sleeps 1 s after the second one whose check fails, so a claim (1 s to get a connection) failed with
+    PoolTimeout on a database that was back, and the worker logged an outage."""
+    pool = make_pool(dsn, name="ended", min_size=3, max_size=3, autocommit=True)
+    pool.open(wait=True)
+    try:
+        held = [pool.getconn() for _ in range(3)]
+        pids = [conn.info.backend_pid for conn in held]
+        for conn in held:
+            pool.putconn(conn)
+        db.execute("SELECT pg_terminate_backend(pid, 5000) FROM unnest(%s::int[]) AS pid", (pids,))
+        time.sleep(IDLE_CHECK_SECONDS + 0.1)  # idle long enough to be checked
+        with pool.connection(timeout=1.0) as conn:
+            assert conn.execute("SELECT 1").fetchone() == (1,)
+            assert conn.info.backend_pid not in pids
+    finally:
+        pool.close()

@@ -311,6 +311,16 @@ def test_transaction_pooling_turns_listening_off_unless_asked_for(monkeypatch: p
     assert WorkerConfig.from_env().listen is True
 
 
+def test_a_worker_configured_in_code_behind_a_transaction_pooler_polls(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Only the environment's reading knew: ``Worker(dsn, handlers)`` listened through the pooler, heard
+    nothing, and left its LISTEN on a server connection other clients use next."""
+    monkeypatch.setenv("RELAY_TRANSACTION_POOLING", "true")
+    assert WorkerConfig().listen is False
+    assert WorkerConfig(listen=True).listen is True
+    monkeypatch.setenv("RELAY_TRANSACTION_POOLING", "false")
+    assert WorkerConfig().listen is True
+
+
 def test_a_malformed_transaction_pooling_setting_fails_when_relay_is_built(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("RELAY_TRANSACTION_POOLING", "transaction")
     with pytest.raises(ConfigurationError, match="RELAY_TRANSACTION_POOLING must be true or false"):

@@ -72,7 +72,9 @@ class WorkerConfig:
     #: worker run in a process of the application's has no such limit unless given one, since a
     #: stop it did not ask for would leave the process running without a worker.
     owns_process: bool = False
-    listen: bool = True
+    #: Default: unless behind a transaction pooler (``RELAY_TRANSACTION_POOLING``), which delivers no
+    #: notifications and would keep the LISTEN on a server connection other clients use next.
+    listen: bool = None  # type: ignore[assignment]
     #: Empty: one is made for this process (host:pid:random), which no other process shares.
     worker_id: str = ""
     #: How long finished jobs are kept; None turns pruning off in this worker.
@@ -98,6 +100,8 @@ class WorkerConfig:
                 check_queue(queue)
             except InvalidJobError as exc:
                 raise ConfigurationError(f"queues must be queue names: {exc.message}") from None
+        if self.listen is None:
+            self.listen = not transaction_pooling()
         for name in ("listen", "self_vacuum", "owns_process"):
             # "false" is a true value: a string here would turn on what it means to turn off.
             if not isinstance(getattr(self, name), bool):

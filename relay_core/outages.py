@@ -84,11 +84,13 @@ UNREACHABLE = Wording(
 
 
 class RepeatedWarning:
-    """A warning said at most once per REPEAT_SECONDS, with how many times it happened since it was last said."""
+    """A warning (or an error, by ``level``) said at most once per REPEAT_SECONDS, with how many times it
+    happened since it was last said."""
 
-    def __init__(self, message: str, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, message: str, clock: Callable[[], float] = time.monotonic, level: int = logging.WARNING) -> None:
         self._message = message
         self._clock = clock
+        self._level = level
         self._lock = threading.Lock()
         self._said_at = float("-inf")
         self._unsaid = 0
@@ -101,7 +103,7 @@ class RepeatedWarning:
                 self._unsaid += 1
                 return
             times, self._said_at, self._unsaid = self._unsaid + 1, now, 0
-        event(logging.WARNING, self._message, times=times, **fields)
+        event(self._level, self._message, times=times, **fields)
 
 
 class OutageLog:

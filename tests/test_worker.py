@@ -3320,3 +3320,22 @@ def test_a_listener_refused_alone_says_so_in_its_own_words_not_as_an_outage(
     said = [r.getMessage() for r in caplog.records if r.name == "relay"]
     assert not [m for m in said if "unreachable" in m or "reachable again" in m], said
     assert [m for m in said if "listen" in m] == [NOT_LISTENING.begins, NOT_LISTENING.ends], said
+
+
+def test_a_claim_refused_for_good_is_said_once_not_at_every_try(
+    relay: Relay, db: psycopg.Connection, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A permission revoked or a table renamed: each claim (about one a second) logged an ERROR of its own."""
+    caplog.set_level("INFO", logger="relay")
+    relay.handler("anything")(lambda job: None)
+    with running_worker(relay, poll_interval=0.05):
+        first = relay.enqueue("anything")
+        wait_for(lambda: job_status(db, first) == "succeeded", 10, what="claims that work")
+        db.execute("ALTER TABLE relay.jobs RENAME TO jobs_away")
+        try:
+            time.sleep(4)  # some four tries at the retry's pace
+        finally:
+            db.execute("ALTER TABLE relay.jobs_away RENAME TO jobs")
+    refused = [r for r in caplog.records if r.getMessage().startswith("claim refused")]
+    assert len(refused) == 1, [r.getMessage() for r in caplog.records]
+    assert refused[0].levelname == "ERROR" and "jobs" in refused[0].error

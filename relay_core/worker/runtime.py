@@ -28,7 +28,7 @@ from ..errors import ConfigurationError
 from ..handlers import HandlerSpec
 from ..job import Job
 from ..logs import event
-from ..outages import RETRYABLE, OutageLog, answer_may_be_lost
+from ..outages import RETRYABLE, OutageLog, RepeatedWarning, answer_may_be_lost
 from ..pools import all_in_use, make_pool
 from ..queries import sql
 from ..sessions import in_autocommit
@@ -133,6 +133,10 @@ class Worker:
         #: When a claim failed on a broken connection (monotonic), None once its jobs were looked for:
         #: it may have committed, its jobs claimed under this worker's id unseen (see ``_return_unheld``).
         self._unanswered_claim_at: float | None = None
+        #: A claim the database refused (a permission revoked, a table not made yet): said as an
+        #: error at most once per REPEAT_SECONDS, with how often since; each try (about once a
+        #: second) logged one, 3,600 an hour.
+        self._claim_refused = RepeatedWarning("claim refused by the database; retrying", level=logging.ERROR)
         #: Handlers still running when shutdown ended (their jobs handed back or timed out):
         #: they stop only when the process exits, which must come within the hand-back grace.
         self.handlers_left_running = 0
@@ -585,7 +589,7 @@ class Worker:
                 # Refused, not cut off (a permission revoked, a table a migration has not made yet):
                 # the statement claimed nothing. Say so and try again, rather than
                 # stop the worker with every job it holds.
-                event(logging.ERROR, "claim failed", error=str(exc))
+                self._claim_refused.happened(error=str(exc))
                 self.stopping.wait(delay)
                 delay = next_retry_delay(delay)
                 continue

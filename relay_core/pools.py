@@ -296,6 +296,8 @@ class RelayPool(ReconnectingPool):
         #: statements do not last there (see ``worker.one_message``).
         self.transaction_pooling = transaction_pooling
         super().__init__(*args, **kwargs)
+        #: Whether every connection is handed out in autocommit (``make_pool``'s choice).
+        self.autocommit: bool = self.kwargs.get("autocommit", False)
 
     @contextmanager
     def connection(self, timeout: float | None = None) -> Iterator[psycopg.Connection]:
@@ -340,6 +342,10 @@ class RelayPool(ReconnectingPool):
             raise PoolTimeout(f"{exc}: all {self.max_size} of the pool's connections were in use") from exc
         finally:
             self._checkout.ends = None
+        if conn.autocommit is not self.autocommit:
+            # Given back so by a borrower of the (public) pool: an enqueue would have run in a
+            # transaction nobody commits, rolled back as the connection came back, its id returned.
+            conn.autocommit = self.autocommit
         return conn
 
     def check_limit(self) -> float:

@@ -523,3 +523,17 @@ def test_a_checkout_that_finds_its_idle_connections_ended_takes_a_new_one_within
             assert conn.info.backend_pid not in pids
     finally:
         pool.close()
+
+
+def test_an_enqueue_after_a_borrower_turned_autocommit_off_is_committed(dsn: str, db: psycopg.Connection) -> None:
+    """The pool is public: a connection given back with autocommit off ran the next enqueue in a transaction
+    the pool rolled back as it came back, and the enqueue had returned the lost job's id."""
+    relay = Relay(dsn, pool_size=1)
+    try:
+        with relay.pool.connection() as lent:
+            lent.autocommit = False
+        job_id = relay.enqueue("kept")
+        ids = relay.enqueue_many([{"type": "kept"}])
+    finally:
+        relay.close()
+    assert db.execute("SELECT array_agg(id ORDER BY id) FROM relay.jobs").fetchone()[0] == [job_id, *ids]

@@ -44,6 +44,18 @@ T = TypeVar("T")
 
 #: How long an enqueue without ``conn`` waits for a pooled connection by default (RELAY_DB_WAIT_SECONDS).
 DEFAULT_DB_WAIT_SECONDS = 5.0
+#: How long a statement on Relay's own pool (an enqueue without ``conn``, an admin action) waits for a
+#: lock: an idempotency key held by a transaction not yet committed, a table a migration holds. Without
+#: a bound, a key held by the caller's own open transaction on another connection hung the call for good
+#: (a deadlock the server cannot see), and an ``enqueue_async`` cancelled meanwhile kept its thread and
+#: connection waiting, until every enqueue failed for want of one. Longer than a migration's try (5 s).
+LOCK_WAIT_SECONDS = 30.0
+#: Added to the error of an enqueue that waited that long: what it waited for, and that it enqueued nothing.
+LOCK_WAIT_NOTE = (
+    f"Nothing was enqueued: a lock was held for over {LOCK_WAIT_SECONDS:g} s (an idempotency key of a "
+    "transaction not yet committed, perhaps your own on another connection; a migration's or a TRUNCATE's "
+    "table lock). Pass conn= to enqueue in that transaction, or retry once it has ended."
+)
 
 #: Every Relay of this process, so that a forked child can give each a pool lock nobody holds.
 RELAYS: weakref.WeakSet[Relay] = weakref.WeakSet()
@@ -166,6 +178,7 @@ class Relay:
                     max_size=self._pool_size,
                     timeout=self.db_wait,
                     autocommit=True,
+                    lock_wait_seconds=LOCK_WAIT_SECONDS,
                 )
                 pool.open()
                 # Stored once open: a thread reads it above without the lock, and an unopened
@@ -309,6 +322,9 @@ class Relay:
         except psycopg.errors.ReadOnlySqlTransaction:
             pool.replace_for_read_only()  # a failover left it on a server that refuses writes
             raise
+        except psycopg.errors.LockNotAvailable as exc:
+            exc.add_note(LOCK_WAIT_NOTE)
+            raise
         finally:
             pool.putconn(own)
         return self._run_on_fresh_connection(inserts.enqueue_one(job, unresolved, self.notify))
@@ -359,6 +375,9 @@ class Relay:
         except psycopg.errors.FeatureNotSupported as exc:
             if not outdated_plan(exc):
                 raise
+        except psycopg.errors.LockNotAvailable as exc:
+            exc.add_note(LOCK_WAIT_NOTE)
+            raise
         return self._run_on_fresh_connection(inserts.enqueue_many(validated, unresolved, self.notify))
 
     def _validated_many(self, jobs: Iterable[Mapping[str, Any]]) -> tuple[list[NewJob], list[bool]]:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
 import logging
 import os
 import threading
@@ -401,13 +402,16 @@ def make_pool(
     timeout: float = 30.0,
     autocommit: bool = False,
     application_name: str = "relay",
+    lock_wait_seconds: float | None = None,
 ) -> RelayPool:
     """An unopened pool whose connections are checked when idle for over a second.
 
     ``autocommit`` pools suit one-statement work (an enqueue is its own
     transaction): no BEGIN/COMMIT round trips and no switching per checkout;
     multi-statement work on them opens ``conn.transaction()`` explicitly.
-    ``application_name``: see ``connection_options``.
+    ``application_name``: see ``connection_options``. ``lock_wait_seconds``: the
+    sessions' ``lock_timeout``, unless behind a transaction pooler, where a session
+    setting would outlive its client.
     """
     pool: RelayPool | None = None
     pooling = transaction_pooling()
@@ -426,7 +430,11 @@ def make_pool(
         open=False,
         timeout=timeout,
         connection_class=RelayConnection,
-        configure=configure_session,
+        configure=(
+            configure_session
+            if lock_wait_seconds is None
+            else functools.partial(configure_session, lock_timeout_ms=round(lock_wait_seconds * 1000))
+        ),
         check=check_if_idle,
         kwargs={"autocommit": autocommit, **connection_options(dsn, pooling, application_name=application_name)},
         transaction_pooling=pooling,

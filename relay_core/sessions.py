@@ -18,8 +18,8 @@ from .queries import sql
 from .settings import transaction_pooling
 
 
-def configure_session(conn: psycopg.Connection) -> None:
-    """Session settings for Relay's own connections.
+def configure_session(conn: psycopg.Connection, lock_timeout_ms: int | None = None) -> None:
+    """Session settings for Relay's own connections; with ``lock_timeout_ms``, a bound on every lock wait.
 
     JIT off: the claim's plan can look expensive to the planner (a small
     settings table never analyzed is assumed to hold hundreds of rows), and
@@ -54,7 +54,10 @@ def configure_session(conn: psycopg.Connection) -> None:
     """
     if transaction_pooling():
         conn.isolation_level = psycopg.IsolationLevel.READ_COMMITTED
-    conn.execute(own_session_settings(conn))  # type: ignore[arg-type]
+    settings = own_session_settings(conn)
+    if lock_timeout_ms is not None and not transaction_pooling():
+        settings += f"; SET lock_timeout = {int(lock_timeout_ms)}"
+    conn.execute(settings)  # type: ignore[arg-type]
     conn.commit()
 
 

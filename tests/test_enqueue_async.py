@@ -19,7 +19,7 @@ import pytest
 import sqlalchemy
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker, create_async_engine
 
-from relay_core import InvalidJobError, Job, Relay
+from relay_core import InvalidJobError, Job, Relay, client
 from relay_core.connections import ASYNC_KINDS
 
 from .helpers import job_status, publish_handlers, running_worker, wait_for
@@ -325,3 +325,34 @@ def test_enqueue_async_in_a_pipeline_returns_the_ids(relay: Relay, dsn: str, db:
     assert again == keyed
     stored = db.execute("SELECT id, payload->>'n' FROM relay.jobs ORDER BY id").fetchall()
     assert stored == [(many[0], "0"), (many[1], "1"), (many[2], "2"), (one, "3"), (keyed, "4")]
+
+
+def test_an_enqueue_held_up_by_a_key_no_one_commits_ends_and_frees_its_connection(
+    dsn: str, db: psycopg.Connection, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The key held by the caller's own open transaction on another connection: the enqueue waited for
+    good (a deadlock the server cannot see), and each cancelled ``enqueue_async`` kept a pooled
+    connection waiting, until every enqueue failed with PoolTimeout."""
+    monkeypatch.setattr(client, "LOCK_WAIT_SECONDS", 0.5)
+    relay = Relay(dsn, pool_size=2, db_wait=5)
+    try:
+        with psycopg.connect(dsn) as holder:
+            held = relay.enqueue("charge", {}, idempotency_key="held", conn=holder)  # not committed
+            with pytest.raises(psycopg.errors.LockNotAvailable) as waited:
+                relay.enqueue("charge", {}, idempotency_key="held")
+            assert any("Nothing was enqueued" in note for note in waited.value.__notes__)
+
+            async def cancelled() -> None:
+                for _ in range(2):
+                    with pytest.raises(TimeoutError):
+                        await asyncio.wait_for(relay.enqueue_async("charge", idempotency_key="held"), 0.1)
+
+            asyncio.run(cancelled())
+            wait_for(lambda: relay.pool.checked_out == 0, 5, what="the cancelled enqueues' connections back")
+            other = relay.enqueue("charge", {}, idempotency_key="other")
+            holder.commit()
+        assert relay.enqueue("charge", {}, idempotency_key="held") == held
+    finally:
+        relay.close()
+    assert db.execute("SELECT count(*) FROM relay.jobs").fetchone()[0] == 2
+    assert other != held

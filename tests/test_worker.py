@@ -10,7 +10,7 @@ import re
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
@@ -3339,3 +3339,63 @@ def test_a_claim_refused_for_good_is_said_once_not_at_every_try(
     refused = [r for r in caplog.records if r.getMessage().startswith("claim refused")]
     assert len(refused) == 1, [r.getMessage() for r in caplog.records]
     assert refused[0].levelname == "ERROR" and "jobs" in refused[0].error
+
+
+def _claimed_for(db: psycopg.Connection, relay: Relay, lease_seconds: float) -> tuple[int, int]:
+    relay.enqueue("slow")
+    assert len(db.execute(sql("job_claim"), claim_params(lease_seconds=lease_seconds)).fetchall()) == 1
+    return db.execute("SELECT id, lease_token FROM relay.jobs").fetchone()
+
+
+def _during_a_table_lock(dsn: str, seconds: float, *calls: tuple[float, Callable[[], None]]) -> None:
+    """Hold relay.jobs' SHARE lock (writes wait) for ``seconds``, starting each call at its offset."""
+    threads = []
+    with psycopg.connect(dsn) as locker:
+        locker.execute("LOCK TABLE relay.jobs IN SHARE MODE")
+        began = time.monotonic()
+        for offset, call in calls:
+            time.sleep(max(0.0, began + offset - time.monotonic()))
+            threads.append(threading.Thread(target=call))
+            threads[-1].start()
+        time.sleep(max(0.0, began + seconds - time.monotonic()))
+        locker.commit()
+    for thread in threads:
+        thread.join(10)
+
+
+def test_a_sweep_held_up_by_a_table_lock_takes_no_lease_that_ran_out_meanwhile(
+    relay: Relay, dsn: str, db: psycopg.Connection
+) -> None:
+    """An index build, a VACUUM FULL, an ALTER TABLE: renewals and sweeps all wait on the lock, and a sweep
+    issued after a lease ran out took the job as the lock went, from a worker alive all along that could
+    not renew it: the job ran twice at once. Such a sweep now leaves the leases to the next one."""
+    job_id, _ = _claimed_for(db, relay, lease_seconds=2)
+    swept: list[dict[str, int]] = []
+
+    def sweep() -> None:
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            swept.append(sweep_once(conn))
+
+    _during_a_table_lock(dsn, 5.0, (2.5, sweep))  # it waits 2.5 s, longer than SWEEP_STALL_SECONDS
+    assert swept == [{"queued": 0, "dead": 0, "cancelled": 0}]
+    assert job_status(db, job_id) == "claimed"
+    assert sweep_once(db)["queued"] == 1, "a sweep that did not wait takes a lease no one renewed"
+
+
+def test_a_renewal_held_up_by_a_table_lock_counts_its_lease_from_when_it_is_written(
+    relay: Relay, dsn: str, db: psycopg.Connection
+) -> None:
+    """It counted the lease from when it was sent: a renewal that waited longer than the lease wrote one
+    already run out, and the next sweep took the job from its live worker."""
+    job_id, token = _claimed_for(db, relay, lease_seconds=2)
+    renewed: list[dict[int, int]] = []
+
+    def heartbeat() -> None:
+        with psycopg.connect(dsn) as conn:
+            renewed.append(heartbeat_once(conn, {job_id: token}, 2.0)[0])
+
+    _during_a_table_lock(dsn, 3.0, (0.2, heartbeat))
+    assert renewed == [{job_id: token}]
+    lease = db.execute("SELECT claimed_until > now() FROM relay.jobs WHERE id = %s", (job_id,)).fetchone()[0]
+    assert lease, "renewed from when it was written"
+    assert sweep_once(db)["queued"] == 0

@@ -349,10 +349,11 @@ RETURNING j.id, j.status::text AS status;
 -- as a heartbeat would: the report holds the row until it commits, and the
 -- heartbeat skips a held row, so reports sent back to back left no heartbeat
 -- a chance and the lease ran out under a live worker. Whether an admin asked
--- the job to stop comes back too, for the same reason.
+-- the job to stop comes back too, for the same reason. The lease runs from
+-- when the row is written, as a heartbeat's does (job_heartbeat_many).
 UPDATE relay.jobs
 SET progress = %(progress)s::jsonb,
-    claimed_until = greatest(claimed_until, now() + make_interval(secs => %(lease_seconds)s))
+    claimed_until = greatest(claimed_until, clock_timestamp() + make_interval(secs => %(lease_seconds)s))
 WHERE id = %(id)s AND lease_token = %(token)s AND status::text = 'claimed'
 RETURNING id, cancel_requested_at IS NOT NULL AS cancel_requested;
 

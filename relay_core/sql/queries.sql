@@ -228,6 +228,10 @@ SELECT * FROM claimed ORDER BY priority, run_at, id;
 -- out, and the sweeper took those jobs from a live worker. The skipped row
 -- comes back as still the worker's, not renewed, and is tried again at the
 -- next heartbeat (the sweeper skips it too while it is held).
+-- The lease runs from when the row is written (clock_timestamp), not from when
+-- the statement came (now()): one that waited on a table lock (an index build,
+-- a VACUUM FULL, an ALTER TABLE) longer than the lease wrote a lease already
+-- run out, and the next sweep took the job from its live worker.
 WITH held AS (
     SELECT * FROM unnest(%(ids)s::bigint[], %(tokens)s::integer[]) AS held(id, token)
 ), free_to_renew AS (
@@ -236,7 +240,7 @@ WITH held AS (
     FOR UPDATE OF j SKIP LOCKED
 ), renewed AS (
     UPDATE relay.jobs AS j
-    SET claimed_until = now() + make_interval(secs => %(lease_seconds)s)
+    SET claimed_until = clock_timestamp() + make_interval(secs => %(lease_seconds)s)
     FROM free_to_renew WHERE j.id = free_to_renew.id
     RETURNING j.id, j.cancel_requested_at IS NOT NULL AS cancel_requested
 )
@@ -371,6 +375,17 @@ RETURNING j.id;
 -- which it renews or ends itself: after an outage longer than the lease, its
 -- own sweep ran before its heartbeat and completer got through, and returned
 -- jobs whose successes it was about to write, which then ran again.
+-- A sweep that waited over %(stall_seconds)s seconds before it could read (a
+-- table lock: an index build, a VACUUM FULL, an ALTER TABLE) returns nothing:
+-- no lease could be renewed meanwhile either, and the leases that ran out
+-- during the wait are those of live workers too, whose renewals, held up by
+-- the same lock, are written as it goes (job_heartbeat_many). The next sweep
+-- takes those that are still not renewed. Every sweep held up by a lock long
+-- enough to outlast a lease has waited for most of it, since each sweeper has
+-- one sweep in flight at a time. The wait is told by now(), when the sweep's
+-- transaction began: it is one statement, and its transaction begins as the
+-- first message of it arrives, before the lock is taken (statement_timestamp()
+-- is reset by the later messages of a statement, after the wait).
 -- transition: claimed -> queued, dead, cancelled
 UPDATE relay.jobs AS j
 SET status = CASE WHEN j.cancel_requested_at IS NOT NULL THEN 'cancelled'
@@ -395,6 +410,7 @@ WHERE j.id IN (
     SELECT e.id FROM relay.jobs AS e
     WHERE e.status = 'claimed' AND e.claimed_until < now()
       AND pg_postmaster_start_time() NOT BETWEEN now() - make_interval(secs => %(restart_grace)s) AND now()
+      AND clock_timestamp() - now() < make_interval(secs => %(stall_seconds)s)
       AND NOT EXISTS (SELECT FROM unnest(%(held_ids)s::bigint[], %(held_tokens)s::integer[]) AS own(id, token)
                       WHERE own.id = e.id AND own.token = e.lease_token)
     ORDER BY e.claimed_until

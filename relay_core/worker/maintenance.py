@@ -33,6 +33,9 @@ from .outage import PooledCallLog
 from .retention import hit_cap
 
 SWEEP_BATCH = 1000
+#: A sweep that waited longer than this before it could read (a table lock) returns no lease: see
+#: job_rescue_expired. Far below any lease a lock must outlast to let one run out under a live worker.
+SWEEP_STALL_SECONDS = 2.0
 #: Seconds between folds of the admin counters' change rows.
 FOLD_INTERVAL = 30.0
 #: Seconds to the next retention pass while expired jobs are still piled up.
@@ -77,6 +80,7 @@ def sweep_once(
     params = {
         "limit": limit,
         "restart_grace": restart_grace,
+        "stall_seconds": SWEEP_STALL_SECONDS,
         "held_ids": list(own),
         "held_tokens": list(own.values()),
     }

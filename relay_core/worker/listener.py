@@ -28,6 +28,8 @@ CHANNEL = "relay_jobs"
 NOTIFY_WAIT_SECONDS = 0.2
 #: A session that listened at least this long and then ended is replaced at once, without a word.
 REPLACE_AT_ONCE_AFTER_SECONDS = 1.0
+#: How long the listener's tries fail before it says so (``NOT_LISTENING``).
+SAY_NOT_LISTENING_AFTER_SECONDS = 5.0
 #: What the listener says while it cannot listen: new jobs still start, found by the producer's polls.
 NOT_LISTENING = Wording(
     "cannot listen for new jobs; they start at the next poll (poll_interval) meanwhile; retrying",
@@ -77,6 +79,7 @@ class Listener:
         in a review's run on a healthy server.
         """
         delay = 0.1
+        failing_since: float | None = None  # since when no try has listened
         while not self._stop.is_set():
             began = time.monotonic()  # a session broken by an outage that has since ended is its tail
             listened: float | None = None  # since when this session listened
@@ -85,6 +88,7 @@ class Listener:
                 with psycopg.connect(self._dsn, autocommit=True, **options) as conn:
                     conn.execute(f"LISTEN {CHANNEL}")
                     listened = time.monotonic()
+                    failing_since = None
                     self.connected.set()
                     self._outage.succeeded()
                     self._wake()  # anything enqueued while we were not listening
@@ -99,7 +103,11 @@ class Listener:
                 # At once only after a session that lasted: one ended as soon as it began is no idle timeout.
                 if listened is not None and time.monotonic() - listened >= REPLACE_AT_ONCE_AFTER_SECONDS:
                     continue
-                self._outage.failed("listen", exc, began=began)
+                failing_since = began if failing_since is None else failing_since
+                # A try or two that fail as sessions are ended around it (a restart, a failover)
+                # say nothing: the worker's own account says what the database did.
+                if time.monotonic() - failing_since >= SAY_NOT_LISTENING_AFTER_SECONDS:
+                    self._outage.failed("listen", exc, began=failing_since)
                 self._stop.wait(delay)
                 delay = next_retry_delay(delay)
         self.connected.clear()

@@ -61,6 +61,7 @@ def database_url(explicit: str | None = None) -> str:
             else ("RELAY_DATABASE_URL" if os.environ.get("RELAY_DATABASE_URL") else "DATABASE_URL")
         )
         raise ConfigurationError(f"{source} is blank: set it to a database URL (or unset it)")
+    _refuse_wrapping(dsn)
     dsn = _libpq_scheme(dsn)
     try:
         parsed = conninfo.conninfo_to_dict(dsn)
@@ -69,8 +70,19 @@ def database_url(explicit: str | None = None) -> str:
         # quoted password and all, on every attempt, and the worker would run on.
         hint = "" if "://" in dsn else f" (expected {EXAMPLE_URL} or key=value settings)"
         raise ConfigurationError(
-            f"the database URL (DATABASE_URL or RELAY_DATABASE_URL) cannot be read: {_redact(exc)}{hint}"
+            f"the database URL (DATABASE_URL or RELAY_DATABASE_URL) cannot be read: {_redact(exc, dsn)}{hint}"
         ) from None
+    if not all(_is_port(port) for port in str(parsed.get("port") or "").split(",")):
+        # Each connection failed to resolve its host ("Servname not supported"), an outage retried
+        # for good. A '/' in a URL's password ends its host there: the rest reads as a port.
+        if "/" in _userinfo(dsn):
+            raise ConfigurationError(
+                "the database URL (DATABASE_URL or RELAY_DATABASE_URL) has a '/' in its user or password: "
+                "write it as %2F"
+            )
+        raise ConfigurationError(
+            "the database URL (DATABASE_URL or RELAY_DATABASE_URL) has a port that is not a number"
+        )
     if dsn.startswith("postgresql://") and any("@" in host[1:] for host in str(parsed.get("host", "")).split(",")):
         # libpq ends the password at its first "@": the rest of it became the host name, which
         # every failed connection then logged. (A host starting with "@" is an abstract socket.)
@@ -78,6 +90,49 @@ def database_url(explicit: str | None = None) -> str:
             "the database URL (DATABASE_URL or RELAY_DATABASE_URL) has an '@' in its user or password: write it as %40"
         )
     return dsn
+
+
+def _refuse_wrapping(dsn: str) -> None:
+    """Refuse a DSN with the quotes or the line break of where it was written still around it.
+
+    Quoted (an env file or a dashboard field that kept the quotes), libpq read
+    it as one key=value token and quoted it back, and its quotation marks
+    paired with the message's own: the password was shown. A line break (a
+    file read whole) became part of the database's name; spaces at either end
+    of a URL too.
+    """
+    edges = dsn[:1] + dsn[-1:]
+    if len(dsn) >= 2 and dsn[0] == dsn[-1] and dsn[0] in "\"'":
+        raise ConfigurationError(
+            "the database URL (DATABASE_URL or RELAY_DATABASE_URL) is wrapped in quotes: remove them"
+        )
+    if any(c in "\r\n" for c in edges) or ("://" in dsn and edges != edges.strip()):
+        raise ConfigurationError(
+            "the database URL (DATABASE_URL or RELAY_DATABASE_URL) has spaces or a line break at its start or end: "
+            "remove them"
+        )
+
+
+def _is_port(text: str) -> bool:
+    """Whether ``text`` is a port number, or nothing (the default). One out of range libpq refuses itself,
+    before any network (``connect_options.unusable_setting``); one that is no number it tried as a
+    service name, in a host name's lookup that failed as a network's would."""
+    return text == "" or (text.isascii() and text.isdigit())
+
+
+def _userinfo(dsn: str) -> str:
+    """What a URL carries before its last '@' (its user and password, as written), or nothing."""
+    rest = dsn.split("://", 1)[1] if "://" in dsn else ""
+    return rest.rsplit("@", 1)[0] if "@" in rest else ""
+
+
+def _password_in(dsn: str) -> str:
+    """The password ``dsn`` carries as written, found without libpq, which could not read ``dsn``."""
+    if "://" in dsn:
+        userinfo = _userinfo(dsn)
+        return userinfo.split(":", 1)[1] if ":" in userinfo else ""
+    found = re.search(r"password\s*=\s*('(?:[^'\\]|\\.)*'|\S+)", dsn)
+    return found.group(1) if found else ""
 
 
 def _libpq_scheme(dsn: str) -> str:
@@ -101,10 +156,15 @@ def _libpq_scheme(dsn: str) -> str:
     )
 
 
-def _redact(exc: Exception) -> str:
-    """libpq's parse error with every quoted token elided but option names ("port") and "="."""
+def _redact(exc: Exception, dsn: str) -> str:
+    """libpq's parse error with ``dsn``'s password elided (whole, and each part of it between quotes
+    or spaces, which libpq may quote alone), then every quoted token but option names ("port") and "="."""
     keep = {option.keyword.decode() for option in pq.Conninfo.get_defaults()} | {"="}
     text = str(exc).strip()
+    password = _password_in(dsn)
+    for secret in sorted({password, *re.split(r"[\"'\s]+", password)}, key=len, reverse=True):
+        if len(secret) >= 3:
+            text = text.replace(secret, "...")
     text = _QUOTED.sub(lambda m: m.group(0) if m.group(1) in keep else '"..."', text)
     if "percent-encoded" in text:
         text += "; write a % in the user or password as %25"

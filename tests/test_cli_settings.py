@@ -519,3 +519,28 @@ def test_under_json_logs_a_command_ends_with_a_json_error_record(dsn: str) -> No
     assert records[-1]["level"] == "error" and records[-1]["message"] == "job 999999 does not exist"
     typo = run(dsn, ["--log-format", "json", "enqueue", "t", "{bad"])
     assert typo.exit_code == 2 and "Usage:" in typo.stderr  # typed at a terminal: click's own words
+
+
+@pytest.mark.parametrize(
+    ("url", "said"),
+    [
+        ('"postgresql://relay:Sup3rS3cret@db.internal:5432/app"', "is wrapped in quotes: remove them"),
+        ("'postgresql://relay:Sup3rS3cret@db.internal:5432/app'", "is wrapped in quotes: remove them"),
+        ('postgresql://relay:Se"Sup3rS3cret pass@db.internal/app', "cannot be read"),
+        ("host=db.internal password=Sup3rS3cret port=5432x", "has a port that is not a number"),
+        ("postgresql://relay:Sup3rS3cret@db.internal:5x432/app", "has a port that is not a number"),
+        ("postgresql://relay:Sup3r/S3cret@db.internal/app", "has a '/' in its user or password: write it as %2F"),
+        ("postgresql://relay:Sup3rS3cret@db.internal/app\n", "has spaces or a line break at its start or end"),
+    ],
+)
+def test_a_database_url_that_cannot_be_read_is_refused_without_showing_its_password(
+    db: psycopg.Connection, url: str, said: str
+) -> None:
+    """Quoted (an env file's or a dashboard's quotes kept), libpq's message paired the wrong quotation
+    marks and showed the password; a port that is no number, or a '/' in the password (read as a port),
+    was an outage retried for good, its message naming the user as the host."""
+    result = run(url, ["enqueue", "t", "{}"])
+    assert result.exit_code == 2, result.output
+    assert result.output.startswith(f"Error: the database URL (DATABASE_URL or RELAY_DATABASE_URL) {said}")
+    assert "S3cret" not in result.output
+    assert job_count(db) == 0

@@ -102,6 +102,8 @@ def test_lease_writes_commit_with_their_statement(
 
             wait_for(renewed_and_swept, 15, what="a renewal, a progress report and a sweep")
             release.set()
+            # Its success written by the completer, not by the stop, whose writes are one transaction.
+            wait_for(lambda: job_status(db, running) == "succeeded", 10, what="the job's success written")
     finally:
         release.set()
         checker.close()

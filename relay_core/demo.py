@@ -42,7 +42,7 @@ from psycopg import conninfo
 from . import monitor, users
 from .client import Relay
 from .connect_options import connection_options
-from .embedded import INSTALL_DEMO, default_data_dir, load_pgserver
+from .embedded import INSTALL_DEMO, default_data_dir, get_server, load_pgserver
 from .errors import ConfigurationError, RelayError
 from .queries import sql
 from .settings import database_url, database_url_set
@@ -220,7 +220,10 @@ class Demo:
                 raise DemoError(f"the embedded database in {data_dir} is in use by another process; stop it first")
             reused = False
         self.step(1, f"database: embedded PostgreSQL in {data_dir} ({'reused' if reused else 'new'}), starting...")
-        return pgserver.get_server(str(data_dir), cleanup_mode="stop").get_uri()
+        try:
+            return get_server(pgserver, data_dir, "stop").get_uri()
+        except ConfigurationError as exc:
+            raise DemoError(str(exc)) from None
 
     def prepare(self, dsn: str) -> str:
         """Migrate, create the shop's tables, set the demo user's password; return the password."""

@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import logging
 import os
+import re
+import subprocess
 import warnings
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 from .errors import ConfigurationError
 
@@ -33,11 +36,59 @@ def start(data_dir: Path | None = None, *, cleanup: str = "stop") -> str:
     pgserver = load_pgserver()
     data_dir = data_dir or default_data_dir()
     data_dir.mkdir(parents=True, exist_ok=True)
-    with warnings.catch_warnings():
-        # pgserver asks platformdirs for a runtime dir; its fallback warning is noise here.
-        warnings.simplefilter("ignore")
-        server = pgserver.get_server(str(data_dir), cleanup_mode=cleanup)
-    return server.get_uri()
+    return get_server(pgserver, data_dir, cleanup).get_uri()
+
+
+def get_server(pgserver: ModuleType, data_dir: Path, cleanup: str | None) -> Any:
+    """pgserver's server on ``data_dir``, started if need be; a ConfigurationError saying where to
+    look when it cannot start.
+
+    pgserver raised what its initdb or pg_ctl run ended with: some 80 lines of
+    traceback ending in a ``CalledProcessError``, for a data directory another
+    PostgreSQL's major version made (the demo's bundled server is 16 or 18 by
+    the Python it runs on), a first start interrupted, a stale lock file.
+    """
+    try:
+        with warnings.catch_warnings():
+            # pgserver asks platformdirs for a runtime dir; its fallback warning is noise here.
+            warnings.simplefilter("ignore")
+            return pgserver.get_server(str(data_dir), cleanup_mode=cleanup)
+    except (subprocess.CalledProcessError, subprocess.TimeoutExpired, OSError) as exc:
+        raise ConfigurationError(_not_started(pgserver, data_dir, exc)) from None
+
+
+def _not_started(pgserver: ModuleType, data_dir: Path, exc: BaseException) -> str:
+    """Why the embedded PostgreSQL on ``data_dir`` did not start, and where its log is."""
+    ran = exc.cmd[0] if isinstance(exc, subprocess.CalledProcessError | subprocess.TimeoutExpired) else None
+    what = f"{Path(ran).name} failed" if isinstance(ran, str) else type(exc).__name__
+    said = f"the embedded PostgreSQL in {data_dir} did not start ({what}); its log: {data_dir / 'log'}"
+    made_by = _major_version(data_dir / "PG_VERSION")
+    bundled = _bundled_major_version(pgserver)
+    if made_by and bundled and made_by != bundled:
+        said += (
+            f". Its data was made by PostgreSQL {made_by}, and this one is {bundled}: "
+            "delete the directory to start over (relay demo --fresh does, for the demo's)"
+        )
+    return said
+
+
+def _major_version(path: Path) -> str | None:
+    """The major version a data directory's PG_VERSION file names, if it has one."""
+    try:
+        return path.read_text().strip() or None
+    except OSError:
+        return None
+
+
+def _bundled_major_version(pgserver: ModuleType) -> str | None:
+    """The major version of pgserver's bundled PostgreSQL (``postgres --version``), if it answers."""
+    binary = Path(pgserver.__file__).parent / "pginstall" / "bin" / "postgres"
+    try:
+        said = subprocess.run([str(binary), "--version"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    found = re.search(r"(\d+)(?:\.\d+)?", said)
+    return found.group(1) if found else None
 
 
 def load_pgserver() -> ModuleType:

@@ -17,6 +17,7 @@ import re
 import signal
 import socket
 import subprocess
+import sys
 import threading
 import urllib.error
 import urllib.parse
@@ -375,3 +376,21 @@ def test_the_demos_workers_serve_the_shops_queue_whatever_relay_queues_says(
     demo.Demo(out=io.StringIO()).start_processes("postgresql://postgres@127.0.0.1/unused", tmp_path)
     workers = [argv for name, argv in started.items() if name.startswith("worker")]
     assert workers and all(argv[argv.index("--queues") + 1] == "default" for argv in workers), workers
+
+
+def test_a_demo_on_a_data_directory_it_cannot_start_says_why_in_one_line(tmp_path: Path) -> None:
+    """Its data made by another PostgreSQL major version (the bundled server follows the Python), a first
+    start interrupted: pgserver's CalledProcessError came out as some 80 lines of traceback."""
+    data = tmp_path / "relay" / "demo-pgdata"
+    data.mkdir(parents=True)
+    (data / "PG_VERSION").write_text("9\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "RELAY_DATABASE_URL")}
+    env["XDG_DATA_HOME"] = str(tmp_path)
+    done = subprocess.run(
+        [sys.executable, "-m", "relay_core", "demo"], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 1, done.stderr
+    assert "Traceback" not in done.stderr
+    said = done.stderr.strip().splitlines()[-1]
+    assert said.startswith(f"Error: the embedded PostgreSQL in {data} did not start (pg_ctl failed); its log:"), said
+    assert "Its data was made by PostgreSQL 9" in said and "relay demo --fresh" in said

@@ -46,7 +46,7 @@ from .embedded import INSTALL_DEMO, default_data_dir, get_server, load_pgserver
 from .errors import ConfigurationError, RelayError
 from .queries import sql
 from .settings import database_url, database_url_set
-from .signals import ShutdownSignals
+from .signals import SHUTDOWN_SIGNALS, ShutdownSignals
 
 #: The demo's own user (role admin): named for the demo, so that on a DATABASE_URL
 #: holding an application's users, the password it sets every run is no one else's.
@@ -339,7 +339,7 @@ class Demo:
     # -- run and stop --------------------------------------------------------
 
     def on_signal(self, signum: int) -> None:
-        """First Ctrl-C/SIGTERM: stop gracefully. Second: workers hand back at once."""
+        """First Ctrl-C/SIGTERM/SIGHUP: stop gracefully. Second: workers hand back at once."""
         self.signals += 1
         self.stopping.set()
         if self.signals > 1:
@@ -348,8 +348,12 @@ class Demo:
                     child.proc.send_signal(signal.SIGTERM)
 
     def run(self) -> int:
-        """Start everything, print where it is, wait for Ctrl-C, stop everything; the exit code."""
-        signals = ShutdownSignals(self.on_signal)
+        """Start everything, print where it is, wait for Ctrl-C, stop everything; the exit code.
+
+        A closed terminal (SIGHUP) stops it as Ctrl-C does: it ended the demo at
+        once, its embedded PostgreSQL left running and held for good.
+        """
+        signals = ShutdownSignals(self.on_signal, (*SHUTDOWN_SIGNALS, signal.SIGHUP))
         try:
             return self._run()
         finally:

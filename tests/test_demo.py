@@ -394,3 +394,22 @@ def test_a_demo_on_a_data_directory_it_cannot_start_says_why_in_one_line(tmp_pat
     said = done.stderr.strip().splitlines()[-1]
     assert said.startswith(f"Error: the embedded PostgreSQL in {data} did not start (pg_ctl failed); its log:"), said
     assert "Its data was made by PostgreSQL 9" in said and "relay demo --fresh" in said
+
+
+def test_a_demo_whose_terminal_closed_stops_as_on_ctrl_c(dsn: str, db: psycopg.Connection, python: str) -> None:
+    """Closing the terminal sends SIGHUP, which ended the demo at once: no cleanup ran, its embedded
+    PostgreSQL went on running, and the next Ctrl-C left it running too (a stale holder in its list)."""
+    port = free_port()
+    proc, out = start_demo(python, dsn, "--port", str(port))
+    try:
+        wait_for(lambda: out.field("password"), timeout=60, what="the demo's banner")
+        proc.send_signal(signal.SIGHUP)
+        code = proc.wait(45)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    out.closed.wait(10)
+    assert code == 0, out.text
+    assert "stopped: 0 job(s) left claimed" in out.text, out.text
+    assert db.execute("SELECT count(*), count(stopped_at) FROM relay.workers").fetchone() == (2, 2)

@@ -72,10 +72,10 @@ def database_url(explicit: str | None = None) -> str:
         raise ConfigurationError(
             f"the database URL (DATABASE_URL or RELAY_DATABASE_URL) cannot be read: {_redact(exc, dsn)}{hint}"
         ) from None
-    if not all(_is_port(port) for port in str(parsed.get("port") or "").split(",")):
+    if not all(_is_port(port.strip()) for port in str(parsed.get("port") or "").split(",")):
         # Each connection failed to resolve its host ("Servname not supported"), an outage retried
         # for good. A '/' in a URL's password ends its host there: the rest reads as a port.
-        if "/" in _userinfo(dsn):
+        if _slash_in_userinfo(dsn):
             raise ConfigurationError(
                 "the database URL (DATABASE_URL or RELAY_DATABASE_URL) has a '/' in its user or password: "
                 "write it as %2F"
@@ -97,16 +97,19 @@ def _refuse_wrapping(dsn: str) -> None:
 
     Quoted (an env file or a dashboard field that kept the quotes), libpq read
     it as one key=value token and quoted it back, and its quotation marks
-    paired with the message's own: the password was shown. A line break (a
-    file read whole) became part of the database's name; spaces at either end
-    of a URL too.
+    paired with the message's own: the password was shown. A URL's line break
+    (a file read whole) or a space at either end became part of the database's
+    name. Key=value settings are libpq's to read: it takes whitespace between
+    them, and a quote around them is a token it refuses in its own words.
     """
+    if "://" not in dsn:
+        return  # key=value settings: libpq reads spaces and line breaks between them, and refuses stray quotes
     edges = dsn[:1] + dsn[-1:]
     if len(dsn) >= 2 and dsn[0] == dsn[-1] and dsn[0] in "\"'":
         raise ConfigurationError(
             "the database URL (DATABASE_URL or RELAY_DATABASE_URL) is wrapped in quotes: remove them"
         )
-    if any(c in "\r\n" for c in edges) or ("://" in dsn and edges != edges.strip()):
+    if edges != edges.strip():
         raise ConfigurationError(
             "the database URL (DATABASE_URL or RELAY_DATABASE_URL) has spaces or a line break at its start or end: "
             "remove them"
@@ -118,6 +121,14 @@ def _is_port(text: str) -> bool:
     before any network (``connect_options.unusable_setting``); one that is no number it tried as a
     service name, in a host name's lookup that failed as a network's would."""
     return text == "" or (text.isascii() and text.isdigit())
+
+
+def _slash_in_userinfo(dsn: str) -> bool:
+    """Whether a URL's user or password holds a '/', which ended its authority early: no '@' before
+    the first '/', one after it."""
+    rest = dsn.split("://", 1)[1] if "://" in dsn else ""
+    authority, slash, path = rest.partition("/")
+    return bool(slash) and "@" not in authority and "@" in path
 
 
 def _userinfo(dsn: str) -> str:

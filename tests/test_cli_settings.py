@@ -530,6 +530,7 @@ def test_under_json_logs_a_command_ends_with_a_json_error_record(dsn: str) -> No
         ("host=db.internal password=Sup3rS3cret port=5432x", "has a port that is not a number"),
         ("postgresql://relay:Sup3rS3cret@db.internal:5x432/app", "has a port that is not a number"),
         ("postgresql://relay:Sup3r/S3cret@db.internal/app", "has a '/' in its user or password: write it as %2F"),
+        ("postgresql://relay:Sup3rS3cret@db.internal:5x/app?application_name=a/b@c", "has a port that is not a number"),
         ("postgresql://relay:Sup3rS3cret@db.internal/app\n", "has spaces or a line break at its start or end"),
     ],
 )
@@ -544,3 +545,12 @@ def test_a_database_url_that_cannot_be_read_is_refused_without_showing_its_passw
     assert result.output.startswith(f"Error: the database URL (DATABASE_URL or RELAY_DATABASE_URL) {said}")
     assert "S3cret" not in result.output
     assert job_count(db) == 0
+
+
+def test_key_value_settings_with_spaces_and_line_breaks_libpq_reads_are_taken(dsn: str, db: psycopg.Connection) -> None:
+    """libpq reads whitespace between settings, and around a quoted port: refusing them refused working DSNs."""
+    parts = conninfo.conninfo_to_dict(dsn)
+    spaced = " ".join(f"{key}={value}" for key, value in parts.items() if key != "port")
+    result = run(f"{spaced} port=' {parts.get('port', 5432)}'\n", ["enqueue", "t", "{}"])
+    assert result.exit_code == 0, result.output
+    assert job_count(db) == 1

@@ -189,8 +189,26 @@ class Demo:
     # -- output --------------------------------------------------------------
 
     def say(self, line: str = "") -> None:
-        """Print one line now (the output may be a pipe)."""
-        print(line, file=self.out, flush=True)
+        """Print one line now (the output may be a pipe), or nothing once it is gone.
+
+        A terminal that closed (the SIGHUP that stops the demo) fails every
+        write with EIO: the first line of the stop raised, and the demo ended
+        with a traceback before its workers were told to stop.
+        """
+        self._write(line + "\n")
+
+    def _write(self, text: str) -> None:
+        try:
+            self.out.write(text)
+            self.out.flush()
+        except OSError:
+            self._lose_output()
+
+    def _lose_output(self) -> None:
+        """Write nothing more: the terminal or pipe is gone (and so is what was waiting to be flushed to it)."""
+        gone, self.out = self.out, open(os.devnull, "w", encoding="utf-8")  # noqa: SIM115 (the process's to close)
+        if gone is sys.stdout:
+            sys.stdout = self.out  # its unflushed line would fail again as the interpreter exits
 
     def step(self, n: int, text: str) -> None:
         """A progress line while starting."""
@@ -420,7 +438,7 @@ class Demo:
                         conn.close()
                     line = "database unreachable; waiting for it"
                 if self.out.isatty():
-                    print(f"\r{time.strftime('%H:%M:%S')}  {line}   ", end="", file=self.out, flush=True)
+                    self._write(f"\r{time.strftime('%H:%M:%S')}  {line}   ")
                 else:
                     self.say(f"{time.strftime('%H:%M:%S')}  {line}")
         finally:

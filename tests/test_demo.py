@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import io
 import os
+import pty
 import queue
 import re
+import select
 import signal
 import socket
 import subprocess
@@ -413,3 +415,36 @@ def test_a_demo_whose_terminal_closed_stops_as_on_ctrl_c(dsn: str, db: psycopg.C
     assert code == 0, out.text
     assert "stopped: 0 job(s) left claimed" in out.text, out.text
     assert db.execute("SELECT count(*), count(stopped_at) FROM relay.workers").fetchone() == (2, 2)
+
+
+def test_a_demo_whose_terminal_is_gone_still_stops_its_workers(dsn: str, db: psycopg.Connection, python: str) -> None:
+    """Once the terminal has closed, every write to it fails (EIO): the stop's first line raised, and the demo
+    ended with a traceback before its workers were told to stop."""
+    port = free_port()
+    controller, terminal = pty.openpty()
+    proc = subprocess.Popen(
+        [python, "-m", "relay_core", "demo", "--port", str(port)],
+        env=demo_env(dsn),
+        cwd=ROOT,
+        stdin=subprocess.DEVNULL,
+        stdout=terminal,
+        stderr=terminal,
+        start_new_session=True,
+    )
+    os.close(terminal)
+    shown = b""
+    try:
+        while b"password" not in shown:
+            ready, _, _ = select.select([controller], [], [], 60)
+            assert ready, shown.decode(errors="replace")
+            shown += os.read(controller, 4096)
+        os.close(controller)  # the terminal window closes
+        proc.send_signal(signal.SIGHUP)
+        code = proc.wait(45)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    assert code == 0
+    assert db.execute("SELECT count(*), count(stopped_at) FROM relay.workers").fetchone() == (2, 2)
+    assert db.execute("SELECT count(*) FROM relay.jobs WHERE status = 'claimed'").fetchone()[0] == 0

@@ -81,6 +81,9 @@ UNAVAILABLE = Wording(
 )
 #: What the web app says of a write the database refused for being read-only (a failover, a standby).
 REFUSING_WRITES = "database refuses writes (read-only: a failover or a standby?); answering 503"
+#: What the web app says of a page that read the counters without folding their changes first: the fold
+#: is a write, and the page answers all the same, its counts exact (they sum what is left unfolded).
+FOLD_REFUSED = "database refuses writes (read-only: a failover or a standby?); counters read without folding"
 #: What the web app says of a request that found every connection of its pool checked out by
 #: others (more requests at once than RELAY_WEB_POOL_SIZE): no outage, and the wait for a
 #: connection stays whole. Said at most once per REPEAT_SECONDS, with how often since: under
@@ -104,6 +107,7 @@ class Database:
         self.outage = OutageLog(wording=UNAVAILABLE)
         self.exhaustion = RepeatedWarning(POOL_EXHAUSTED)
         self.refusing_writes = RepeatedWarning(REFUSING_WRITES)
+        self.fold_refused = RepeatedWarning(FOLD_REFUSED)
         self._size = size
         self._wait = wait_seconds
         self._statement_timeout_ms = statement_timeout_ms
@@ -244,8 +248,9 @@ def counters_read() -> Iterator[psycopg.Connection]:
         try:
             monitor.fold_counters(conn, rows=FOLD_ROWS_PER_READ)
         except psycopg.errors.ReadOnlySqlTransaction as refused:
-            # The fold is a write, the reads are exact without it: during a failover the page
-            # still answers. The refusal is logged, and the sessions replaced, as after any write.
-            database.unavailable(request.path if has_request_context() else "a counters read", refused)
-            database.pool().replace_for_read_only()
+            # The fold is a write, the reads are exact without it: during a failover the page still
+            # answers. The sessions are left as they are (a refused write replaces them): a database
+            # that stays read-only would have had every session replaced at each refresh.
+            during = request.path if has_request_context() else "a counters read"
+            database.fold_refused.happened(during=during, error=str(refused))
         yield conn

@@ -27,7 +27,7 @@ from relay_core import Relay, users
 from relay_core.migrate import migrate
 from relay_core.outages import OutageLog
 from relay_web import create_app
-from relay_web.db import Database
+from relay_web.db import FOLD_REFUSED, Database
 
 from .helpers import running_worker, wait_for
 from .web.conftest import FAST_HASH, PASSWORD, SECRET
@@ -303,7 +303,7 @@ def test_the_web_apps_log_warns_of_refused_writes_without_an_outage(caplog: pyte
 
 
 def test_the_counters_pages_read_on_while_writes_are_refused(
-    switch: ReadOnlySwitch, make_app: Callable[[], Any]
+    switch: ReadOnlySwitch, make_app: Callable[[], Any], caplog: pytest.LogCaptureFixture
 ) -> None:
     """Their fold of the counter deltas is a write: it made every scrape and overview a 503 in a failover."""
     users.create_user(switch.writer, "admin", PASSWORD, "admin", hasher=users.make_hasher(1, 1024, 1))
@@ -320,4 +320,6 @@ def test_the_counters_pages_read_on_while_writes_are_refused(
     queues = client.get("/api/admin/queues", headers=headers).get_json()
     assert queues, queues
     assert switch.writer.execute("SELECT count(*) FROM relay.job_counts").fetchone()[0] == deltas
+    said = [r.getMessage() for r in caplog.records if r.name == "relay"]
+    assert said == [FOLD_REFUSED], said  # once, and no "answering 503" while answering 200
     switch.take_writes()

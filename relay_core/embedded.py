@@ -48,20 +48,48 @@ def get_server(pgserver: ModuleType, data_dir: Path, cleanup: str | None) -> Any
     PostgreSQL's major version made (the demo's bundled server is 16 or 18 by
     the Python it runs on), a first start interrupted, a stale lock file.
     """
+    said = _ErrorsSaid()
+    pgserver_log = logging.getLogger("pgserver")
+    pgserver_log.addHandler(said)
+    propagated, pgserver_log.propagate = pgserver_log.propagate, False  # its dump of each failure, kept for the reason
     try:
         with warnings.catch_warnings():
             # pgserver asks platformdirs for a runtime dir; its fallback warning is noise here.
             warnings.simplefilter("ignore")
             return pgserver.get_server(str(data_dir), cleanup_mode=cleanup)
     except (subprocess.CalledProcessError, subprocess.TimeoutExpired, OSError) as exc:
-        raise ConfigurationError(_not_started(pgserver, data_dir, exc)) from None
+        raise ConfigurationError(_not_started(pgserver, data_dir, exc, said.reason())) from None
+    finally:
+        pgserver_log.removeHandler(said)
+        pgserver_log.propagate = propagated
 
 
-def _not_started(pgserver: ModuleType, data_dir: Path, exc: BaseException) -> str:
+class _ErrorsSaid(logging.Handler):
+    """pgserver's error records (each initdb or pg_ctl failure, its output and the server's log with it)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.ERROR)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.extend(record.getMessage().splitlines())
+
+    def reason(self) -> str | None:
+        """The last line that says what went wrong (initdb's "error:", the server's "FATAL:"), if any."""
+        for line in reversed(self.lines):
+            if re.search(r"\b(error|fatal|could not|no such)\b", line, re.IGNORECASE) and "Failed postgres" not in line:
+                return line.strip()[:300]
+        return None
+
+
+def _not_started(pgserver: ModuleType, data_dir: Path, exc: BaseException, reason: str | None) -> str:
     """Why the embedded PostgreSQL on ``data_dir`` did not start, and where its log is."""
     ran = exc.cmd[0] if isinstance(exc, subprocess.CalledProcessError | subprocess.TimeoutExpired) else None
     what = f"{Path(ran).name} failed" if isinstance(ran, str) else type(exc).__name__
-    said = f"the embedded PostgreSQL in {data_dir} did not start ({what}); its log: {data_dir / 'log'}"
+    said = f"the embedded PostgreSQL in {data_dir} did not start ({what}"
+    said += f": {reason})" if reason else ")"
+    if (data_dir / "log").exists():
+        said += f"; its log: {data_dir / 'log'}"
     made_by = _major_version(data_dir / "PG_VERSION")
     bundled = _bundled_major_version(pgserver)
     if made_by and bundled and made_by != bundled:

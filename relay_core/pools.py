@@ -50,7 +50,8 @@ IDLE_CHECK_LIMIT_SECONDS = 5.0
 #: at all answers the check in milliseconds, and a shutdown's last writes, each given little
 #: time once a stalled database used up theirs, must not each wait longer on it.
 IDLE_CHECK_FLOOR_SECONDS = SHORTEST_CUT_SECONDS
-#: After a connection failed its check, how long a checkout waits before it takes the next.
+#: After a connection failed its check, how long a checkout waits before it takes the next (doubled
+#: after each further failure, up to a second).
 CHECK_RETRY_SECONDS = 0.01
 #: The longest wait between the pool's attempts to reconnect to a database that went away.
 RECONNECT_MAX_DELAY_SECONDS = 2.0
@@ -219,8 +220,10 @@ class ReconnectingPool(ConnectionPool):
         # server's idle_session_timeout every idle connection is dead, so a checkout waited a
         # second for a live one, and a claim (given 1 s) failed on a database that was back,
         # logged as an outage. Here a failed check is followed by the next idle connection, or
-        # a new one the pool makes meanwhile, after CHECK_RETRY_SECONDS (which bounds the loop
-        # where new connections fail their check too), until the checkout's deadline.
+        # a new one the pool makes meanwhile, after CHECK_RETRY_SECONDS, doubled at each failure
+        # up to a second (new connections that fail their check too are made no faster than
+        # that), until the checkout's deadline.
+        pause = CHECK_RETRY_SECONDS
         while True:
             conn = self._getconn_unchecked(deadline - time.monotonic())
             try:
@@ -232,9 +235,10 @@ class ReconnectingPool(ConnectionPool):
                 raise
             else:
                 return conn
-            if time.monotonic() + CHECK_RETRY_SECONDS >= deadline:
+            if time.monotonic() + pause >= deadline:
                 raise PoolTimeout()
-            time.sleep(CHECK_RETRY_SECONDS)
+            time.sleep(pause)
+            pause = min(pause * 2, 1.0)
 
     def _get_ready_connection(self, timeout: float | None) -> psycopg.Connection | None:
         # The pool's own hook for taking an idle connection, called under its lock.
@@ -346,7 +350,11 @@ class RelayPool(ReconnectingPool):
         if conn.autocommit is not self.autocommit:
             # Given back so by a borrower of the (public) pool: an enqueue would have run in a
             # transaction nobody commits, rolled back as the connection came back, its id returned.
-            conn.autocommit = self.autocommit
+            try:
+                conn.autocommit = self.autocommit
+            except BaseException:
+                self.putconn(conn)  # not lent: the pool takes it back (and drops it if broken)
+                raise
         return conn
 
     def check_limit(self) -> float:

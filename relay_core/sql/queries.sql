@@ -380,9 +380,11 @@ RETURNING j.id;
 -- no lease could be renewed meanwhile either, and the leases that ran out
 -- during the wait are those of live workers too, whose renewals, held up by
 -- the same lock, are written as it goes (job_heartbeat_many). The next sweep
--- takes those that are still not renewed. Every sweep held up by a lock long
--- enough to outlast a lease has waited for most of it, since each sweeper has
--- one sweep in flight at a time. The wait is told by now(), when the sweep's
+-- takes those that are still not renewed. A sweep sent late in such a lock
+-- (its sweeper was busy with another duty, or its worker started meanwhile)
+-- waits less and is not held back: it races the renewals the lock's end lets
+-- through, and a row either takes first is skipped by the other (SKIP LOCKED).
+-- The wait is told by now(), when the sweep's
 -- transaction began: it is one statement, and its transaction begins as the
 -- first message of it arrives, before the lock is taken (statement_timestamp()
 -- is reset by the later messages of a statement, after the wait).

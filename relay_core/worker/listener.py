@@ -35,6 +35,8 @@ NOT_LISTENING = Wording(
     "cannot listen for new jobs; they start at the next poll (poll_interval) meanwhile; retrying",
     "still cannot listen for new jobs; they start at the next poll meanwhile; retrying",
     "listening for new jobs again",
+    # A standby refuses LISTEN as it refuses writes (SQLSTATE 25006).
+    read_only="cannot listen for new jobs on a read-only database (a standby?); they start at the next poll; retrying",
 )
 
 

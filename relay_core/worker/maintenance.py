@@ -74,6 +74,9 @@ def sweep_once(
     live workers renew the leases an outage let run out (workers pass their
     lease, at most RESTART_GRACE_MAX_SECONDS). The leases in ``held``
     (id -> token) are the sweeping worker's own, left to it to renew or end.
+    ``conn`` is in autocommit, or idle: a sweep in a transaction begun over
+    SWEEP_STALL_SECONDS before returns nothing, as one held up that long by a
+    table lock does (see job_rescue_expired).
     """
     counts = {"queued": 0, "dead": 0, "cancelled": 0}
     own = dict(held or {})

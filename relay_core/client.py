@@ -7,7 +7,8 @@ import functools
 import os
 import threading
 import weakref
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from datetime import datetime
 from typing import Any, TypeVar
 
@@ -50,12 +51,24 @@ DEFAULT_DB_WAIT_SECONDS = 5.0
 #: (a deadlock the server cannot see), and an ``enqueue_async`` cancelled meanwhile kept its thread and
 #: connection waiting, until every enqueue failed for want of one. Longer than a migration's try (5 s).
 LOCK_WAIT_SECONDS = 30.0
-#: Added to the error of an enqueue that waited that long: what it waited for, and that it enqueued nothing.
+#: Added to the error (LockNotAvailable, an OperationalError) of an enqueue that waited that long: what it
+#: waited for, and that it enqueued nothing.
 LOCK_WAIT_NOTE = (
     f"Nothing was enqueued: a lock was held for over {LOCK_WAIT_SECONDS:g} s (an idempotency key of a "
     "transaction not yet committed, perhaps your own on another connection; a migration's or a TRUNCATE's "
     "table lock). Pass conn= to enqueue in that transaction, or retry once it has ended."
 )
+
+
+@contextmanager
+def lock_wait_explained() -> Iterator[None]:
+    """An enqueue's LockNotAvailable carries ``LOCK_WAIT_NOTE``."""
+    try:
+        yield
+    except psycopg.errors.LockNotAvailable as exc:
+        exc.add_note(LOCK_WAIT_NOTE)
+        raise
+
 
 #: Every Relay of this process, so that a forked child can give each a pool lock nobody holds.
 RELAYS: weakref.WeakSet[Relay] = weakref.WeakSet()
@@ -315,15 +328,13 @@ class Relay:
         # its own transaction and there is nothing to commit before returning it.
         own = pool.getconn()
         try:
-            return run(own, steps)
+            with lock_wait_explained():
+                return run(own, steps)
         except psycopg.errors.FeatureNotSupported as exc:
             if not pool.replace_if_outdated(exc):
                 raise
         except psycopg.errors.ReadOnlySqlTransaction:
             pool.replace_for_read_only()  # a failover left it on a server that refuses writes
-            raise
-        except psycopg.errors.LockNotAvailable as exc:
-            exc.add_note(LOCK_WAIT_NOTE)
             raise
         finally:
             pool.putconn(own)
@@ -339,7 +350,7 @@ class Relay:
         more, on a connection that prepares its statements anew (see
         ``RelayPool.replace_if_outdated``).
         """
-        with self.pool.connection() as fresh, fresh.transaction():
+        with lock_wait_explained(), self.pool.connection() as fresh, fresh.transaction():
             return run(fresh, steps)
 
     def _takes_published(self, job: NewJob, max_attempts: int | None) -> bool:
@@ -370,14 +381,11 @@ class Relay:
         try:
             # One transaction: a bulk enqueue may follow its insert with lookups of keys already
             # held, and should one of them fail the insert must not stay behind the retry below.
-            with self.pool.connection() as own, own.transaction():
+            with lock_wait_explained(), self.pool.connection() as own, own.transaction():
                 return run(own, steps)
         except psycopg.errors.FeatureNotSupported as exc:
             if not outdated_plan(exc):
                 raise
-        except psycopg.errors.LockNotAvailable as exc:
-            exc.add_note(LOCK_WAIT_NOTE)
-            raise
         return self._run_on_fresh_connection(inserts.enqueue_many(validated, unresolved, self.notify))
 
     def _validated_many(self, jobs: Iterable[Mapping[str, Any]]) -> tuple[list[NewJob], list[bool]]:

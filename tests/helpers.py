@@ -130,6 +130,10 @@ def claim_params(**given: object) -> dict[str, object]:
     }
 
 
+#: The parameters of the job_rescue_expired statement run by hand: up to 10 expired leases, no grace, none held.
+RESCUE_PARAMS = {"limit": 10, "restart_grace": 0, "stall_seconds": 2, "held_ids": [], "held_tokens": []}
+
+
 def job_status(conn: psycopg.Connection, job_id: int) -> str:
     """The status of one job."""
     row = conn.execute("SELECT status::text FROM relay.jobs WHERE id = %s", (job_id,)).fetchone()

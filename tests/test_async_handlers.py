@@ -20,7 +20,7 @@ import pytest
 from relay_core import Backoff, InvalidJobError, Job, PermanentFailure, Relay, Snooze
 from relay_core.queries import sql
 
-from .helpers import job_status, running_worker, wait_for
+from .helpers import RESCUE_PARAMS, job_status, running_worker, wait_for
 
 FAST = Backoff(base=0.05, factor=2, cap=1, jitter=0)
 RECORD = "INSERT INTO relay_test.executions (job_id, pid, attempt, lease_token, phase) VALUES (%s, %s, %s, %s, %s)"
@@ -295,9 +295,7 @@ def test_an_async_run_whose_lease_was_taken_over_is_stopped(relay: Relay, dsn: s
         wait_for(lambda: phases(db, job_id) == [(1, "start")])
         with db.transaction():  # the lease runs out, and a sweeper returns the job
             db.execute("UPDATE relay.jobs SET claimed_until = now() - interval '1 second' WHERE id = %s", (job_id,))
-            rescued = db.execute(
-                sql("job_rescue_expired"), {"limit": 10, "restart_grace": 0, "held_ids": [], "held_tokens": []}
-            ).fetchall()
+            rescued = db.execute(sql("job_rescue_expired"), RESCUE_PARAMS).fetchall()
             assert [row[:2] for row in rescued] == [(job_id, "queued")]
         wait_for(lambda: job_status(db, job_id) == "succeeded", timeout=20)
         wait_for(lambda: (1, "stopped") in phases(db, job_id), what="the stale run to stop")

@@ -74,6 +74,7 @@ PARAMS: dict[str, Any] = {
     "held_ids": [],
     "held_tokens": [],
     "restart_grace": 0,
+    "stall_seconds": 2,
 }
 
 

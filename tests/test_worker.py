@@ -52,6 +52,7 @@ from relay_core.worker.shutdown import HAND_BACK_GRACE_SECONDS, hand_back
 
 from .helpers import (
     AT_COMMIT_SETTINGS,
+    RESCUE_PARAMS,
     TcpProxy,
     claim_params,
     free_port,
@@ -1797,9 +1798,7 @@ def test_a_run_whose_job_this_worker_claims_again_is_told_its_lease_is_lost(
         assert first_started.wait(10)
         with db.transaction():  # the lease runs out, and a sweeper returns the job
             db.execute("UPDATE relay.jobs SET claimed_until = now() - interval '1 second' WHERE id = %s", (job_id,))
-            rescued = db.execute(
-                sql("job_rescue_expired"), {"limit": 10, "restart_grace": 0, "held_ids": [], "held_tokens": []}
-            ).fetchall()
+            rescued = db.execute(sql("job_rescue_expired"), RESCUE_PARAMS).fetchall()
             assert [row[:2] for row in rescued] == [(job_id, "queued")]
         wait_for(lambda: job_status(db, job_id) == "succeeded", timeout=20, what="the second run")
         assert worker.in_flight() == 0

@@ -398,6 +398,17 @@ def test_a_demo_on_a_data_directory_it_cannot_start_says_why_in_one_line(tmp_pat
     assert "Its data was made by PostgreSQL 9" in said and "relay demo --fresh" in said
 
 
+def _hung_up(proc: subprocess.Popen) -> int:
+    """SIGHUP to the demo alone, as a closing terminal sends; its exit code (killed if it runs on 45 s)."""
+    try:
+        proc.send_signal(signal.SIGHUP)
+        return proc.wait(45)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+
+
 def test_a_demo_whose_terminal_closed_stops_as_on_ctrl_c(dsn: str, db: psycopg.Connection, python: str) -> None:
     """Closing the terminal sends SIGHUP, which ended the demo at once: no cleanup ran, its embedded
     PostgreSQL went on running, and the next Ctrl-C left it running too (a stale holder in its list)."""
@@ -405,12 +416,8 @@ def test_a_demo_whose_terminal_closed_stops_as_on_ctrl_c(dsn: str, db: psycopg.C
     proc, out = start_demo(python, dsn, "--port", str(port))
     try:
         wait_for(lambda: out.field("password"), timeout=60, what="the demo's banner")
-        proc.send_signal(signal.SIGHUP)
-        code = proc.wait(45)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(10)
+        code = _hung_up(proc)
     out.closed.wait(10)
     assert code == 0, out.text
     assert "stopped: 0 job(s) left claimed" in out.text, out.text
@@ -438,13 +445,9 @@ def test_a_demo_whose_terminal_is_gone_still_stops_its_workers(dsn: str, db: psy
             ready, _, _ = select.select([controller], [], [], 60)
             assert ready, shown.decode(errors="replace")
             shown += os.read(controller, 4096)
-        os.close(controller)  # the terminal window closes
-        proc.send_signal(signal.SIGHUP)
-        code = proc.wait(45)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(10)
+        os.close(controller)  # the terminal window closes
+        code = _hung_up(proc)
     assert code == 0
     assert db.execute("SELECT count(*), count(stopped_at) FROM relay.workers").fetchone() == (2, 2)
     assert db.execute("SELECT count(*) FROM relay.jobs WHERE status = 'claimed'").fetchone()[0] == 0

@@ -123,17 +123,21 @@ def _is_port(text: str) -> bool:
     return text == "" or (text.isascii() and text.isdigit())
 
 
+def _after_scheme(dsn: str) -> str:
+    """What a URL carries after its "://" (nothing for key=value settings)."""
+    return dsn.split("://", 1)[1] if "://" in dsn else ""
+
+
 def _slash_in_userinfo(dsn: str) -> bool:
     """Whether a URL's user or password holds a '/', which ended its authority early: no '@' before
     the first '/', one after it."""
-    rest = dsn.split("://", 1)[1] if "://" in dsn else ""
-    authority, slash, path = rest.partition("/")
+    authority, slash, path = _after_scheme(dsn).partition("/")
     return bool(slash) and "@" not in authority and "@" in path
 
 
 def _userinfo(dsn: str) -> str:
     """What a URL carries before its last '@' (its user and password, as written), or nothing."""
-    rest = dsn.split("://", 1)[1] if "://" in dsn else ""
+    rest = _after_scheme(dsn)
     return rest.rsplit("@", 1)[0] if "@" in rest else ""
 
 

@@ -179,8 +179,8 @@ class WorkerConfig:
             "shutdown_timeout": lambda: env_float(named["shutdown_timeout"], default["shutdown_timeout"]),
             # None: as many as the worker has slots when it owns its process, else no limit.
             "max_stuck_handlers": lambda: env_int(named["max_stuck_handlers"], None),
-            # A transaction pooler delivers no notifications: poll unless told otherwise.
-            "listen": lambda: env_bool("RELAY_LISTEN", not transaction_pooling()),
+            # None: the field's own default (polling behind a transaction pooler).
+            "listen": lambda: env_bool("RELAY_LISTEN", default["listen"]),
             "retention": lambda: Retention.from_env() if env_bool("RELAY_PRUNE", True) else None,
             "self_vacuum": lambda: env_bool("RELAY_SELF_VACUUM", True),
         }

@@ -398,6 +398,13 @@ def test_a_demo_on_a_data_directory_it_cannot_start_says_why_in_one_line(tmp_pat
     assert "Its data was made by PostgreSQL 9" in said and "relay demo --fresh" in said
 
 
+def _both_workers_registered(db: psycopg.Connection) -> None:
+    """Wait until the demo's two workers have registered (the banner comes as they start, not after)."""
+    wait_for(
+        lambda: db.execute("SELECT count(*) FROM relay.workers").fetchone()[0] == 2, 30, what="both workers started"
+    )
+
+
 def _hung_up(proc: subprocess.Popen) -> int:
     """SIGHUP to the demo alone, as a closing terminal sends; its exit code (killed if it runs on 45 s)."""
     try:
@@ -416,6 +423,7 @@ def test_a_demo_whose_terminal_closed_stops_as_on_ctrl_c(dsn: str, db: psycopg.C
     proc, out = start_demo(python, dsn, "--port", str(port))
     try:
         wait_for(lambda: out.field("password"), timeout=60, what="the demo's banner")
+        _both_workers_registered(db)
     finally:
         code = _hung_up(proc)
     out.closed.wait(10)
@@ -445,6 +453,7 @@ def test_a_demo_whose_terminal_is_gone_still_stops_its_workers(dsn: str, db: psy
             ready, _, _ = select.select([controller], [], [], 60)
             assert ready, shown.decode(errors="replace")
             shown += os.read(controller, 4096)
+        _both_workers_registered(db)
     finally:
         os.close(controller)  # the terminal window closes
         code = _hung_up(proc)

@@ -16,6 +16,7 @@ from psycopg import conninfo
 
 from relay_core import ConfigurationError, MigrationError, Relay
 from relay_core import migrate as migrator
+from relay_core.queries import sql
 
 from .helpers import claim_params, publish_handlers, wait_for
 
@@ -220,7 +221,7 @@ def test_an_existing_database_gets_the_table_workers_publish_max_attempts_to(dat
 
 
 #: The newest migrations that lock relay.jobs (its index builds, its CHECKs dropped): the lock tests start from them.
-JOBS_TABLE_MIGRATIONS = (13, 14, 22)
+JOBS_TABLE_MIGRATIONS = (13, 14, 22, 27)
 
 
 def pending_from(first: int) -> list[str]:
@@ -403,8 +404,10 @@ def test_a_migration_waits_only_for_the_transactions_that_held_it_up(
     database_url: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     """After a try that waited too long, the next one waits for the sessions that held it up, not for
-    every open transaction on Relay's tables: not for one that only reads (a pg_dump reads for hours,
-    and a new index does not wait for it), nor for one writing another of Relay's tables."""
+    every open transaction on Relay's tables: not for one that only reads while the migration's lock
+    allows reads (a pg_dump reads for hours, and a new index does not wait for it), nor for one
+    writing another of Relay's tables. Migration 0027 adds a column, which needs the table to
+    itself: it waits for the reader, and only for it."""
     caplog.set_level("WARNING", logger="relay")
     with database_behind(database_url, 23) as dsn:
         migrated: list[object] = []
@@ -412,6 +415,7 @@ def test_a_migration_waits_only_for_the_transactions_that_held_it_up(
             psycopg.connect(dsn) as dump,
             psycopg.connect(dsn) as elsewhere,
             psycopg.connect(dsn) as slow_request,
+            psycopg.connect(dsn, autocommit=True) as watch,
         ):
             dump.isolation_level = psycopg.IsolationLevel.REPEATABLE_READ
             dump.execute("SELECT count(*) FROM relay.jobs").fetchone()
@@ -420,10 +424,13 @@ def test_a_migration_waits_only_for_the_transactions_that_held_it_up(
             deploy = deploying(dsn, migrated, lock_wait=0.3)
             wait_for(lambda: tries_of(caplog), what="a try to wait for the slow request")
             slow_request.commit()
+            newest = "SELECT max(version) FROM relay.schema_migrations"
+            wait_for(lambda: watch.execute(newest).fetchone() == (26,), what="0023-0026 applied beside the reader")
+            assert deploy.is_alive() and not migrated, "0027 applied while the reader held the table"
+            dump.commit()
             deploy.join(15)
-            assert migrated == [pending_from(23)], "applied while the reader and the other writer are open"
-            for still_open in (dump, elsewhere):
-                assert still_open.info.transaction_status == psycopg.pq.TransactionStatus.INTRANS
+            assert migrated == [pending_from(23)], "applied while the other writer is open"
+            assert elsewhere.info.transaction_status == psycopg.pq.TransactionStatus.INTRANS
 
 
 @contextmanager
@@ -538,12 +545,22 @@ def test_a_rate_window_past_31_days_written_by_hand_no_longer_stops_every_claim(
         drop_database(dsn)
 
 
+#: The one-job enqueue of the releases before migration 0027, which counted nothing itself.
+JOB_INSERT_BEFORE_0027 = """
+INSERT INTO relay.jobs (status, type, payload, queue, priority, run_at, max_attempts)
+VALUES ('queued', %(type)s, %(payload)s::jsonb, %(queue)s, %(priority)s,
+        coalesce(%(run_at)s::timestamptz, now()),
+        CASE WHEN %(published)s
+             THEN relay.published_max_attempts(%(type)s, %(max_attempts)s)
+             ELSE %(max_attempts)s END)
+RETURNING id, CASE WHEN %(notify)s AND run_at <= now() THEN pg_notify('relay_jobs', queue) END AS notified
+"""
+
+
 def test_statements_prepared_before_the_checks_moved_into_the_triggers_keep_working(database_url: str) -> None:
     """Migration 0022 drops relay.jobs' CHECKs and checks their rules in the counting triggers. The
     running release's prepared enqueue and claim go on working on the same connection through it,
     and a row written by hand that breaks a rule is refused before and after, by the same name."""
-    from relay_core.queries import sql
-
     dsn = fresh_database(database_url)
     try:
         migrate_to(dsn, 21)
@@ -560,7 +577,7 @@ def test_statements_prepared_before_the_checks_moved_into_the_triggers_keep_work
         bad_queue = "INSERT INTO relay.jobs (type, queue) VALUES ('t', 'Bad Queue')"
         with psycopg.connect(dsn, autocommit=True, prepare_threshold=0) as conn:
             for _ in range(2):
-                conn.execute(sql("job_insert"), enqueue)
+                conn.execute(JOB_INSERT_BEFORE_0027, enqueue)
                 assert len(conn.execute(sql("job_claim"), claim_params()).fetchall()) == 1
                 with pytest.raises(psycopg.errors.CheckViolation, match="jobs_queue_format") as refused:
                     conn.execute(bad_queue)
@@ -573,6 +590,47 @@ def test_statements_prepared_before_the_checks_moved_into_the_triggers_keep_work
             assert checks == (0,)
             counts = conn.execute("SELECT state::text, sum(n) FROM relay.job_counts GROUP BY 1 HAVING sum(n) <> 0")
             assert counts.fetchall() == [("claimed", 2)]
+    finally:
+        drop_database(dsn)
+
+
+def test_the_release_before_0027_goes_on_enqueueing_and_its_jobs_are_counted_once(database_url: str) -> None:
+    """0027 moves the count of Relay's inserts into the statements themselves. The release still
+    running, whose prepared enqueue names no counted_by_insert, goes on working through it on the
+    same connection; its jobs are counted (by the row trigger) once, as are the new release's
+    (by their own statement), and a bad row by hand is still refused by name."""
+    dsn = fresh_database(database_url)
+    try:
+        migrate_to(dsn, 26)
+        enqueue = {
+            "type": "t",
+            "payload": "{}",
+            "queue": "q",
+            "priority": 0,
+            "run_at": None,
+            "max_attempts": 3,
+            "published": False,
+            "notify": False,
+        }
+        with psycopg.connect(dsn, autocommit=True, prepare_threshold=0) as old_release:
+            for _ in range(2):
+                old_release.execute(JOB_INSERT_BEFORE_0027, enqueue)
+                if not old_release.execute("SELECT 1 FROM relay.schema_migrations WHERE version = 27").fetchone():
+                    assert migrator.migrate(dsn) == ["0027_inserts_count_themselves"]
+            with pytest.raises(psycopg.errors.CheckViolation, match="jobs_queue_format") as refused:
+                old_release.execute("INSERT INTO relay.jobs (type, queue) VALUES ('t', 'Bad Queue')")
+            assert refused.value.diag.constraint_name == "jobs_queue_format"
+        relay = Relay(dsn)
+        try:
+            relay.enqueue("t", queue="q")
+            relay.enqueue("t", queue="q", idempotency_key="k")
+            relay.enqueue_many([{"type": "t", "queue": "q"}, {"type": "t", "queue": "r", "idempotency_key": "k2"}])
+        finally:
+            relay.close()
+        with psycopg.connect(dsn) as conn:
+            counted = conn.execute("SELECT queue, sum(n)::int FROM relay.job_counts GROUP BY 1 ORDER BY 1").fetchall()
+            held = conn.execute("SELECT queue, count(*)::int FROM relay.jobs GROUP BY 1 ORDER BY 1").fetchall()
+        assert counted == held == [("q", 5), ("r", 1)]
     finally:
         drop_database(dsn)
 

@@ -20,6 +20,10 @@
 -- Insert one job without an idempotency key. Nothing can conflict, so this is a
 -- plain INSERT: ON CONFLICT would make it a speculative insertion, which costs
 -- an extra WAL record and index probe on every enqueue.
+-- Every insert here counts its jobs itself (migration 0027): it marks them
+-- counted_by_insert, so the insert trigger leaves them alone, and its
+-- "counted" part adds them to relay.job_counts, refusing a job that breaks the
+-- table's rules as the trigger would (status 'queued' and no lease, as written).
 -- The NOTIFY is sent in the caller's transaction, so it fires only on commit;
 -- %(notify)s is false for producers configured not to wake workers (RELAY_NOTIFY).
 -- With %(published)s, the job takes the max_attempts workers published for its
@@ -27,28 +31,44 @@
 -- read here rather than by a statement of its own, it costs no round trip; the
 -- function reads relay.job_types only when called (migration 0012).
 -- transition: (new) -> queued
-INSERT INTO relay.jobs (status, type, payload, queue, priority, run_at, max_attempts)
-VALUES ('queued', %(type)s, %(payload)s::jsonb, %(queue)s, %(priority)s,
-        coalesce(%(run_at)s::timestamptz, now()),
-        CASE WHEN %(published)s
-             THEN relay.published_max_attempts(%(type)s, %(max_attempts)s)
-             ELSE %(max_attempts)s END)
-RETURNING id, CASE WHEN %(notify)s AND run_at <= now() THEN pg_notify('relay_jobs', queue) END AS notified;
-
--- name: job_insert_keyed
--- Insert one job with an idempotency key; on a conflict insert nothing and return no row.
--- %(published)s as in job_insert.
--- transition: (new) -> queued
 WITH inserted AS (
-    INSERT INTO relay.jobs (status, type, payload, queue, priority, run_at, max_attempts, idempotency_key)
+    INSERT INTO relay.jobs (status, type, payload, queue, priority, run_at, max_attempts, counted_by_insert)
     VALUES ('queued', %(type)s, %(payload)s::jsonb, %(queue)s, %(priority)s,
             coalesce(%(run_at)s::timestamptz, now()),
             CASE WHEN %(published)s
                  THEN relay.published_max_attempts(%(type)s, %(max_attempts)s)
                  ELSE %(max_attempts)s END,
-            %(idempotency_key)s)
+            true)
+    RETURNING id, type, queue, max_attempts, run_at
+), counted AS (
+    INSERT INTO relay.job_counts (queue, state, n)
+    SELECT queue, 'queued'::relay.job_status, CASE WHEN broken IS NULL THEN 1 ELSE relay.job_refuse(id, broken) END
+    FROM (SELECT id, queue, relay.job_rule_broken(type, queue, max_attempts, 'queued', NULL, NULL) AS broken
+          FROM inserted) AS checked
+)
+SELECT id, CASE WHEN %(notify)s AND run_at <= now() THEN pg_notify('relay_jobs', queue) END AS notified
+FROM inserted;
+
+-- name: job_insert_keyed
+-- Insert one job with an idempotency key; on a conflict insert nothing and return no row.
+-- %(published)s and the count as in job_insert.
+-- transition: (new) -> queued
+WITH inserted AS (
+    INSERT INTO relay.jobs (status, type, payload, queue, priority, run_at, max_attempts, idempotency_key,
+                            counted_by_insert)
+    VALUES ('queued', %(type)s, %(payload)s::jsonb, %(queue)s, %(priority)s,
+            coalesce(%(run_at)s::timestamptz, now()),
+            CASE WHEN %(published)s
+                 THEN relay.published_max_attempts(%(type)s, %(max_attempts)s)
+                 ELSE %(max_attempts)s END,
+            %(idempotency_key)s, true)
     ON CONFLICT (idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING
-    RETURNING id, queue, run_at <= now() AS due
+    RETURNING id, type, queue, max_attempts, run_at <= now() AS due
+), counted AS (
+    INSERT INTO relay.job_counts (queue, state, n)
+    SELECT queue, 'queued'::relay.job_status, CASE WHEN broken IS NULL THEN 1 ELSE relay.job_refuse(id, broken) END
+    FROM (SELECT id, queue, relay.job_rule_broken(type, queue, max_attempts, 'queued', NULL, NULL) AS broken
+          FROM inserted) AS checked
 )
 SELECT id, CASE WHEN due AND %(notify)s THEN pg_notify('relay_jobs', queue) END AS notified FROM inserted;
 
@@ -69,11 +89,19 @@ WITH input AS (
                          %(max_attempts)s::integer[], %(idempotency_keys)s::text[])
         WITH ORDINALITY AS t(type, payload, queue, priority, run_at, max_attempts, idempotency_key, ord)
 ), inserted AS (
-    INSERT INTO relay.jobs (status, type, payload, queue, priority, run_at, max_attempts, idempotency_key)
-    SELECT 'queued', type, payload::jsonb, queue, priority, coalesce(run_at, now()), max_attempts, idempotency_key
+    INSERT INTO relay.jobs (status, type, payload, queue, priority, run_at, max_attempts, idempotency_key,
+                            counted_by_insert)
+    SELECT 'queued', type, payload::jsonb, queue, priority, coalesce(run_at, now()), max_attempts, idempotency_key,
+           true
     FROM input ORDER BY idempotency_key IS NOT NULL, idempotency_key, ord
     ON CONFLICT (idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING
-    RETURNING id, queue, run_at <= now() AS due, idempotency_key
+    RETURNING id, type, queue, max_attempts, run_at <= now() AS due, idempotency_key
+), counted AS (
+    INSERT INTO relay.job_counts (queue, state, n)
+    SELECT queue, 'queued'::relay.job_status, sum(CASE WHEN broken IS NULL THEN 1 ELSE relay.job_refuse(id, broken) END)
+    FROM (SELECT id, queue, relay.job_rule_broken(type, queue, max_attempts, 'queued', NULL, NULL) AS broken
+          FROM inserted) AS checked
+    GROUP BY queue
 ), notified AS (
     SELECT count(pg_notify('relay_jobs', queue)) AS n
     FROM (SELECT DISTINCT queue FROM inserted WHERE due AND %(notify)s) AS due_queues
@@ -88,15 +116,22 @@ FROM inserted;
 -- queue, priority, run_at and max_attempts and none has an idempotency key.
 -- Only the payloads travel, as one JSON array (one document for the server's
 -- JSON parser instead of an array literal whose every element the client must
--- escape); the rest are single parameters.
+-- escape); the rest are single parameters. The jobs share the values the
+-- table's rules read, so they are checked once, and counted as one delta.
 -- transition: (new) -> queued
 WITH inserted AS (
-    INSERT INTO relay.jobs (status, type, payload, queue, priority, run_at, max_attempts)
+    INSERT INTO relay.jobs (status, type, payload, queue, priority, run_at, max_attempts, counted_by_insert)
     SELECT 'queued', %(type)s, p.payload, %(queue)s, %(priority)s,
-           coalesce(%(run_at)s::timestamptz, now()), %(max_attempts)s
+           coalesce(%(run_at)s::timestamptz, now()), %(max_attempts)s, true
     FROM jsonb_array_elements(%(payloads)s::jsonb) WITH ORDINALITY AS p(payload, ord)
     ORDER BY p.ord
     RETURNING id, run_at <= now() AS due
+), counted AS (
+    INSERT INTO relay.job_counts (queue, state, n)
+    SELECT %(queue)s, 'queued'::relay.job_status, CASE WHEN broken IS NULL THEN count(*) ELSE relay.job_refuse(min(id), broken) END
+    FROM inserted,
+         relay.job_rule_broken(%(type)s, %(queue)s, %(max_attempts)s, 'queued', NULL, NULL) AS broken
+    GROUP BY broken
 )
 SELECT coalesce(array_agg(id ORDER BY id), '{}') AS ids,
        CASE WHEN bool_or(due) AND %(notify)s THEN pg_notify('relay_jobs', %(queue)s) END AS notified

@@ -8,18 +8,21 @@ migrates Relay into it, and times one-job transactions, each committed
 before the next as in W2, in interleaved rounds (each in a shuffled order):
 
 - ``ceiling``: the ceiling contestant's insert into its own five-column table;
-- ``jobs, no trigger``: Relay's insert statement (``job_insert``) into a copy
-  of ``relay.jobs`` with the same columns, defaults and indexes but no
-  triggers;
-- ``jobs, counting trigger``: the same copy with the statement trigger that
-  checks the table's rules and appends the admin counters' delta
-  (``relay.jobs_counted_insert``);
-- ``relay.jobs, NOTIFY``: the statement on ``relay.jobs`` itself, with the
+- ``jobs, no count``: the one-job insert of the releases before migration
+  0027 (a plain INSERT) into a copy of ``relay.jobs`` with the same columns,
+  defaults and indexes but no triggers;
+- ``jobs, statement trigger``: that insert into a copy with the statement
+  trigger that counted every insert until 0027
+  (``relay.jobs_counted_insert``: the table's rules and the admin counters'
+  delta, through a transition table);
+- ``jobs, counted by the insert``: Relay's insert statement (``job_insert``),
+  which checks and counts its job itself, into the copy without triggers;
+- ``relay.jobs, NOTIFY``: that statement on ``relay.jobs`` itself, with the
   NOTIFY that wakes an idle worker;
 - ``Relay.enqueue``: the public call (validation, the pool's checkout and
-  return, then that statement).
+  return, then that statement, by a name prepared on the session).
 
-The first four run on one held connection, prepared. For each it prints the
+The first five run on one held connection, prepared by psycopg. For each it prints the
 median wall time per transaction, the server process's CPU time per
 transaction (from /proc, so PostgreSQL must run on this machine; Relay's
 pool may spread the last one over two server processes, and all of them are
@@ -68,6 +71,17 @@ CREATE TRIGGER jobs_counted_insert AFTER INSERT ON public.jobs_counted
 
 CEILING_INSERT = "INSERT INTO bench_jobs (payload) VALUES (%s) RETURNING id"
 
+#: The one-job insert of the releases before migration 0027, which left the count to the trigger.
+INSERT_BEFORE_0027 = """
+INSERT INTO relay.jobs (status, type, payload, queue, priority, run_at, max_attempts)
+VALUES ('queued', %(type)s, %(payload)s::jsonb, %(queue)s, %(priority)s,
+        coalesce(%(run_at)s::timestamptz, now()),
+        CASE WHEN %(published)s
+             THEN relay.published_max_attempts(%(type)s, %(max_attempts)s)
+             ELSE %(max_attempts)s END)
+RETURNING id, CASE WHEN %(notify)s AND run_at <= now() THEN pg_notify('relay_jobs', queue) END AS notified
+"""
+
 
 def server_cpu_seconds(pids: list[int]) -> float:
     """CPU time the server processes ``pids`` have used, from /proc (nanoseconds there)."""
@@ -109,7 +123,7 @@ def measure(
     relay: Relay, conn: psycopg.Connection, jobs: int, rounds: int
 ) -> dict[str, list[tuple[float, float, float]]]:
     """Each variant's (wall s, server CPU s, WAL bytes) per round, for ``jobs`` transactions."""
-    insert = sql("job_insert")
+    insert, before_0027 = sql("job_insert"), INSERT_BEFORE_0027
 
     def params(seq: int, notify: bool) -> dict:
         return {
@@ -128,8 +142,9 @@ def measure(
 
     variants: dict[str, Callable[[int], object]] = {
         "ceiling": lambda seq: conn.execute(CEILING_INSERT, (Jsonb({"seq": seq}),), prepare=True).fetchone(),
-        "jobs, no trigger": statement(insert.replace("relay.jobs", "public.jobs_plain"), notify=False),
-        "jobs, counting trigger": statement(insert.replace("relay.jobs", "public.jobs_counted"), notify=False),
+        "jobs, no count": statement(before_0027.replace("relay.jobs", "public.jobs_plain"), notify=False),
+        "jobs, statement trigger": statement(before_0027.replace("relay.jobs", "public.jobs_counted"), notify=False),
+        "jobs, counted by the insert": statement(insert.replace("relay.jobs ", "public.jobs_plain "), notify=False),
         "relay.jobs, NOTIFY": statement(insert, notify=True),
         "Relay.enqueue": lambda seq: relay.enqueue("noop", {"seq": seq}),
     }

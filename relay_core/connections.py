@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 import psycopg
 from psycopg.rows import dict_row, tuple_row
 
+from . import prepared
 from .inserts import Statement, Steps
 from .migrate import SchemaNeeded
 from .pools import RelayConnection
@@ -128,13 +129,19 @@ def fetch_all(conn: Any, sql: str, params: dict[str, Any]) -> list[dict[str, Any
     raise TypeError(f"conn must be {SYNC_KINDS} (or, with enqueue_async, {ASYNC_KINDS}), not {type(conn).__name__}")
 
 
-def fetch_first_value(conn: Any, sql: str, params: dict[str, Any]) -> Any:
+def fetch_first_value(conn: Any, sql: str, params: dict[str, Any], name: str | None = None) -> Any:
     """The first column of the first row ``sql`` returns, or None when it returns no row.
 
     The one-job enqueue's path: on psycopg it skips building a dict per row,
-    and on a connection of Relay's pools it skips building a cursor.
+    and on a connection of Relay's pools it skips building a cursor, or,
+    given the statement's ``name``, runs it by its prepared name below the
+    cursor (``prepared.first_value``).
     """
     if isinstance(conn, RelayConnection):
+        if name is not None and prepared.usable(conn):
+            ran, value = prepared.first_value(conn, name, params)
+            if ran:
+                return value
         cur = conn.kept_cursor()
         cur.execute(sql, params, prepare=True)
         row = cur.fetchone()
@@ -159,8 +166,11 @@ def run(conn: Any, steps: Steps[T]) -> T:
         try:
             statement = next(steps)
             while True:
-                fetch = fetch_first_value if statement.first_value else fetch_all
-                statement = steps.send(fetch(conn, statement.sql, statement.params))
+                if statement.first_value:
+                    answer = fetch_first_value(conn, statement.sql, statement.params, statement.name)
+                else:
+                    answer = fetch_all(conn, statement.sql, statement.params)
+                statement = steps.send(answer)
         except StopIteration as done:
             return done.value
 

@@ -34,12 +34,17 @@ T = TypeVar("T")
 
 @dataclass(frozen=True, slots=True)
 class Statement:
-    """One statement an enqueue needs run; its answer is the rows as dicts, or
-    only the first column of the first row (None without a row) with ``first_value``."""
+    """One statement an enqueue needs run, by its name in ``queries``; its answer is the rows as
+    dicts, or only the first column of the first row (None without a row) with ``first_value``."""
 
-    sql: str
+    name: str
     params: dict[str, Any]
     first_value: bool = False
+
+    @property
+    def sql(self) -> str:
+        """The statement's text."""
+        return sql(self.name)
 
 
 #: Yields the statements to run, receives each one's answer, returns the enqueue's result.
@@ -72,7 +77,7 @@ def with_published(jobs: list[NewJob], unresolved: list[bool]) -> Steps[list[New
     types = sorted({job.type for job, open_ in zip(jobs, unresolved, strict=True) if open_})
     if not types:
         return jobs
-    rows = yield Statement(sql("job_type_max_attempts_many"), {"types": types})
+    rows = yield Statement("job_type_max_attempts_many", {"types": types})
     published = {row["type"]: row["max_attempts"] for row in rows}
     return [
         replace(job, max_attempts=published[job.type]) if open_ and job.type in published else job
@@ -90,13 +95,13 @@ def insert_one(job: NewJob, notify: bool, published: bool = False) -> Steps[int]
     params["notify"] = notify
     params["published"] = published
     if job.idempotency_key is None:
-        return (yield Statement(sql("job_insert"), params, first_value=True))
+        return (yield Statement("job_insert", params, first_value=True))
     for _ in range(KEY_RACE_ATTEMPTS):
-        job_id = yield Statement(sql("job_insert_keyed"), params, first_value=True)
+        job_id = yield Statement("job_insert_keyed", params, first_value=True)
         if job_id is not None:
             return job_id
         lookup = {"idempotency_key": job.idempotency_key}
-        existing = yield Statement(sql("job_id_by_idempotency_key"), lookup, first_value=True)
+        existing = yield Statement("job_id_by_idempotency_key", lookup, first_value=True)
         if existing is not None:
             return existing
         # The holder was deleted (pruned) between the two statements: the key is free again.
@@ -125,7 +130,7 @@ def insert_many(jobs: list[NewJob], notify: bool) -> Steps[list[int]]:
             "payloads": "[" + ",".join(j.payload_json for j in jobs) + "]",
             "notify": notify,
         }
-        return list((yield Statement(sql("job_insert_many_alike"), alike))[0]["ids"])
+        return list((yield Statement("job_insert_many_alike", alike))[0]["ids"])
     params = {
         "types": [j.type for j in jobs],
         "payloads": [j.payload_json for j in jobs],
@@ -136,7 +141,7 @@ def insert_many(jobs: list[NewJob], notify: bool) -> Steps[list[int]]:
         "idempotency_keys": [j.idempotency_key for j in jobs],
         "notify": notify,
     }
-    row = (yield Statement(sql("job_insert_many"), params))[0]
+    row = (yield Statement("job_insert_many", params))[0]
     # Jobs without a key were inserted first, in input order: their ids ascend with
     # their positions. A job with a key gets its key's job: the one inserted now
     # (a key repeated within one call resolves to that same job) or its holder.
@@ -149,7 +154,7 @@ def insert_many(jobs: list[NewJob], notify: bool) -> Steps[list[int]]:
             by_key[key] = job_id
     conflicted = sorted({j.idempotency_key for j in jobs if j.idempotency_key and j.idempotency_key not in by_key})
     if conflicted:
-        holders = yield Statement(sql("job_ids_by_idempotency_keys"), {"idempotency_keys": conflicted})
+        holders = yield Statement("job_ids_by_idempotency_keys", {"idempotency_keys": conflicted})
         for found in holders:
             by_key[found["idempotency_key"]] = found["id"]
     for key in conflicted:

@@ -82,7 +82,14 @@ def test_the_enqueue_breakdown_runs_and_reports_every_part(database_url: str, py
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     rows = {line.split(" | ")[0].lstrip("| "): line for line in result.stdout.splitlines() if line.startswith("| ")}
-    parts = ["ceiling", "jobs, no trigger", "jobs, counting trigger", "relay.jobs, NOTIFY", "Relay.enqueue"]
+    parts = [
+        "ceiling",
+        "jobs, no count",
+        "jobs, statement trigger",
+        "jobs, counted by the insert",
+        "relay.jobs, NOTIFY",
+        "Relay.enqueue",
+    ]
     assert [name for name in rows if name in parts] == parts
     assert rows["ceiling"].split(" | ")[2] == "1.00x"
     for name in parts:

@@ -879,11 +879,11 @@ def lookups(monkeypatch: pytest.MonkeyPatch) -> list[str]:
             note(text, params)
         return real_all(conn, text, params)
 
-    def counting_first(conn, text, params):  # type: ignore[no-untyped-def]
+    def counting_first(conn, text, params, name=None):  # type: ignore[no-untyped-def]
         note(text, params)
         inside_first.append(True)
         try:
-            return real_first(conn, text, params)
+            return real_first(conn, text, params, name)
         finally:
             inside_first.pop()
 
@@ -1139,3 +1139,46 @@ def test_calls_on_a_database_never_migrated_say_to_migrate(unmigrated_dsn: str) 
             engine.dispose()
     finally:
         relay.close()
+
+
+def prepared_here(conn: psycopg.Connection) -> list[str]:
+    """The statements prepared on ``conn``'s session under Relay's own names."""
+    rows = conn.execute("SELECT name FROM pg_prepared_statements WHERE name LIKE 'relay%%' ORDER BY 1")
+    return [name for (name,) in rows]
+
+
+def test_an_enqueue_runs_its_insert_by_a_prepared_name_and_prepares_it_again_after_a_deallocate(
+    relay: Relay, db: psycopg.Connection
+) -> None:
+    """The one-job enqueue on Relay's own pool runs its insert by a name prepared on the session
+    (below psycopg's cursor). psycopg sends DEALLOCATE ALL when it empties its own cache, and takes
+    Relay's names with it: the next enqueue, told the name is gone, prepares it again and inserts
+    its job once."""
+    first = relay.enqueue("t", {"n": 1})
+    keyed = relay.enqueue("t", {"n": 2}, idempotency_key="k")
+    assert relay.enqueue("t", {"n": 3}, idempotency_key="k") == keyed
+    with relay.pool.connection() as conn:  # the connection returned last: the enqueues'
+        assert prepared_here(conn) == ["relay_job_id_by_idempotency_key", "relay_job_insert", "relay_job_insert_keyed"]
+        conn.execute("DEALLOCATE ALL")
+        assert prepared_here(conn) == []
+    second = relay.enqueue("t", {"n": 4})
+    with relay.pool.connection() as conn:
+        assert prepared_here(conn) == ["relay_job_insert"]
+    rows = db.execute("SELECT id, payload->>'n' FROM relay.jobs ORDER BY id").fetchall()
+    assert rows == [(first, "1"), (keyed, "2"), (second, "4")]
+    assert db.execute("SELECT sum(n)::int FROM relay.job_counts").fetchone() == (3,)
+
+
+def test_an_enqueue_the_prepared_path_cannot_send_goes_through_the_cursor(relay: Relay, db: psycopg.Connection) -> None:
+    """A run_at (a datetime, which only the cursor sends) or a connection in a pipeline takes the
+    cursor: the job is the same, and nothing of Relay's is prepared by name."""
+    at = datetime(2031, 1, 2, 3, 4, 5, tzinfo=UTC)
+    scheduled = relay.enqueue("t", run_at=at)
+    with relay.pool.connection() as conn:
+        assert prepared_here(conn) == []
+        with conn.pipeline():
+            piped = relay.enqueue("t", {"n": 1}, conn=conn)
+        assert prepared_here(conn) == []
+    rows = db.execute("SELECT id, run_at FROM relay.jobs ORDER BY id").fetchall()
+    assert [row[0] for row in rows] == [scheduled, piped]
+    assert rows[0][1] == at

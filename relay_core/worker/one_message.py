@@ -25,40 +25,14 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import re
-import weakref
 from typing import Any
 
 import psycopg
 from psycopg.rows import RowFactory, tuple_row
 
+from ..prepared import PLACEHOLDER, forget_prepared, positional, prepared_name, prepared_on
 from ..queries import sql
 from ..sessions import in_autocommit
-
-#: The statements each connection's session has prepared, by name.
-_PREPARED_ON: weakref.WeakKeyDictionary[psycopg.Connection, set[str]] = weakref.WeakKeyDictionary()
-
-
-#: psycopg's named placeholder, ``%(name)s``.
-_PLACEHOLDER = re.compile(r"%\((\w+)\)s")
-
-
-@functools.cache
-def positional(name: str) -> tuple[str, tuple[str, ...]]:
-    """The statement ``name`` with its placeholders numbered ``$1``, ``$2``, ... and their names in that order."""
-    names: list[str] = []
-
-    def number(match: re.Match[str]) -> str:
-        if match.group(1) not in names:
-            names.append(match.group(1))
-        return f"${names.index(match.group(1)) + 1}"
-
-    return _PLACEHOLDER.sub(number, sql(name)), tuple(names)
-
-
-def prepared_name(name: str) -> str:
-    """The session's name for the statement called ``name`` (apart from psycopg's own ``_pg3_*``)."""
-    return f"relay_{name}"
 
 
 @functools.cache
@@ -71,7 +45,7 @@ def _in_message(name: str, prepared: bool, prefix: str) -> str:
     per statement: the claim's text is some 5 kB.
     """
     if not prepared:
-        return _PLACEHOLDER.sub(lambda match: f"%({prefix}{match.group(1)})s", sql(name))
+        return PLACEHOLDER.sub(lambda match: f"%({prefix}{match.group(1)})s", sql(name))
     _text, names = positional(name)
     args = ", ".join(f"%({prefix}{arg})s" for arg in names)
     return f"EXECUTE {prepared_name(name)}({args})" if names else f"EXECUTE {prepared_name(name)}"
@@ -100,7 +74,7 @@ def run_as_one_message(
         except psycopg.errors.InvalidSqlStatementName:
             if not prepared:
                 raise
-            _PREPARED_ON.pop(conn, None)
+            forget_prepared(conn)
             return _send(conn, statements, prepared, row_factory)
 
 
@@ -112,7 +86,7 @@ def _send(
 ) -> list[list[Any]]:
     """One try of ``run_as_one_message`` on ``conn``, in autocommit."""
     if prepared:
-        held = _PREPARED_ON.setdefault(conn, set())
+        held = prepared_on(conn).names
         for name, _params in statements:
             if name not in held:
                 with contextlib.suppress(psycopg.errors.DuplicatePreparedStatement):

@@ -138,7 +138,7 @@ def fetch_first_value(conn: Any, sql: str, params: dict[str, Any], name: str | N
     cursor (``prepared.first_value``).
     """
     if isinstance(conn, RelayConnection):
-        if name is not None and prepared.usable(conn):
+        if name is not None:
             ran, value = prepared.first_value(conn, name, params)
             if ran:
                 return value

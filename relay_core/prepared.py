@@ -19,6 +19,8 @@ leaves it to the cursor, having run nothing:
 * an autocommit connection, not in a pipeline, with no transaction open: a
   psycopg connection outside autocommit would send its BEGIN first, which
   this path would skip;
+* psycopg's own kind of cursor: a connection whose holder chose another (a
+  tracing subclass) has Relay's statements go through it;
 * a connection that prepares statements: behind a transaction pooler a
   named statement is missing on the next server connection;
 * UTF-8 as the client encoding, and parameters that are str, int, bool or
@@ -30,8 +32,8 @@ from the statement alone, as Relay's inserts do: no type travels with a
 parameter sent as text.
 
 psycopg sends DEALLOCATE ALL whenever it empties its own cache of prepared
-statements (after a statement that failed, a rollback), and Relay's go with
-its: a statement run by a name the session no longer has ran nothing, so it
+statements (after a ROLLBACK, a DROP or an ALTER it ran, say), and Relay's go
+with its: a statement run by a name the session no longer has ran nothing, so it
 is prepared again and run once more.
 """
 
@@ -41,6 +43,7 @@ import functools
 import re
 import threading
 import weakref
+from collections.abc import Callable, Generator
 from typing import Any
 
 import psycopg
@@ -102,12 +105,14 @@ def forget_prepared(conn: psycopg.Connection) -> None:
     prepared_on(conn).names.clear()
 
 
-def usable(conn: psycopg.Connection) -> bool:
-    """Whether ``first_value`` may run a statement on ``conn`` (see the module's docstring)."""
+def _usable(conn: psycopg.Connection) -> bool:
+    """Whether ``first_value`` may run a statement on ``conn`` (see the module's docstring); asked
+    holding the connection's lock, so no other thread opens a transaction or a pipeline meanwhile."""
     pgconn = conn.pgconn
     return (
         conn.autocommit
         and conn.prepare_threshold is not None
+        and conn.cursor_factory is psycopg.Cursor
         and pgconn.transaction_status == pq.TransactionStatus.IDLE
         and pgconn.pipeline_status == pq.PipelineStatus.OFF
         and conn.info.encoding == "utf-8"
@@ -133,7 +138,7 @@ def _as_text(names: tuple[str, ...], params: dict[str, Any]) -> list[bytes | Non
 
 
 def first_value(conn: psycopg.Connection, name: str, params: dict[str, Any]) -> tuple[bool, Any]:
-    """Run the statement ``name`` by its prepared name on ``conn``, which ``usable`` allowed.
+    """Run the statement ``name`` by its prepared name on ``conn``, where that is safe.
 
     (True, the first column of its first row, or None without a row), or
     (False, None) where the statement is left to the cursor; nothing has run then.
@@ -144,6 +149,8 @@ def first_value(conn: psycopg.Connection, name: str, params: dict[str, Any]) -> 
         return False, None
     here = prepared_on(conn)
     with conn.lock:
+        if not _usable(conn):
+            return False, None
         for _ in range(2):
             if name not in here.names:
                 _prepare(conn, name, text)
@@ -168,8 +175,7 @@ def first_value(conn: psycopg.Connection, name: str, params: dict[str, Any]) -> 
 def _prepare(conn: psycopg.Connection, name: str, text: str) -> None:
     """Prepare ``name`` on ``conn``'s session."""
     pgconn = conn.pgconn
-    pgconn.send_prepare(prepared_name(name).encode(), text.encode())
-    (result,) = conn.wait(generators.execute(pgconn))
+    (result,) = conn.wait(_exchange(pgconn, pgconn.send_prepare, prepared_name(name).encode(), text.encode()))
     if result.status != pq.ExecStatus.COMMAND_OK:
         error = error_from_result(result, encoding=conn.info.encoding)
         if not isinstance(error, psycopg.errors.DuplicatePreparedStatement):  # else prepared by a worker's message
@@ -179,8 +185,7 @@ def _prepare(conn: psycopg.Connection, name: str, text: str) -> None:
 def _run(conn: psycopg.Connection, statement: bytes, values: list[bytes | None]) -> PGresult | None:
     """Run the prepared ``statement``: its last result, or None if the session no longer has it."""
     pgconn = conn.pgconn
-    pgconn.send_query_prepared(statement, values)
-    results = conn.wait(generators.execute(pgconn))
+    results = conn.wait(_exchange(pgconn, pgconn.send_query_prepared, statement, values))
     for result in results:
         if result.status != pq.ExecStatus.TUPLES_OK:
             error = error_from_result(result, encoding=conn.info.encoding)
@@ -188,3 +193,11 @@ def _run(conn: psycopg.Connection, statement: bytes, values: list[bytes | None])
                 return None
             raise error
     return results[-1]
+
+
+def _exchange(pgconn: Any, send: Callable[..., None], *args: Any) -> Generator[Any, Any, list[PGresult]]:
+    """Send with ``send(*args)``, then read the results: one generator for ``Connection.wait``, as
+    psycopg's cursor does it, so an interrupt once the query is sent still finds ``wait`` there to
+    cancel it on the server and read what is left; sent outside, the connection stayed busy."""
+    send(*args)
+    return (yield from generators.execute(pgconn))

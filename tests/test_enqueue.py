@@ -108,12 +108,17 @@ class Tracing(psycopg.Cursor):
         return super().execute(query, params, **kwargs)
 
 
-def test_relays_own_connections_run_the_enqueue_on_their_holders_kind_of_cursor(relay: Relay) -> None:
+@pytest.mark.parametrize("autocommit", [False, True])
+def test_relays_own_connections_run_the_enqueue_on_their_holders_kind_of_cursor(relay: Relay, autocommit: bool) -> None:
+    """In a transaction or in autocommit (where the insert could run by a prepared name below the
+    cursor), a tracing cursor the holder chose sees the enqueue's statement."""
     Tracing.seen.clear()
     with relay.connect() as conn:
+        conn.autocommit = autocommit
         conn.cursor_factory = Tracing
         relay.enqueue("send_email", {"n": 1}, conn=conn)
-        conn.commit()
+        if not autocommit:
+            conn.commit()
     assert any("INSERT INTO relay.jobs" in statement for statement in Tracing.seen)
 
 
@@ -225,7 +230,7 @@ class CountingCursor(psycopg.Cursor):
     executed: ClassVar[list[str]] = []
 
     def execute(self, query, params=None, **kwargs):  # type: ignore[no-untyped-def, override]
-        CountingCursor.executed.append(str(query)[:40])
+        CountingCursor.executed.append(str(query))
         return super().execute(query, params, **kwargs)
 
 
@@ -620,6 +625,24 @@ def test_the_table_refuses_a_bad_value_written_by_hand_in_an_insert_or_an_update
     assert row == [("x", "default", 20)]
 
 
+def test_jobs_copied_whole_are_counted_and_checked_as_any_insert_by_hand(relay: Relay, db: psycopg.Connection) -> None:
+    """A row Relay inserted carries the transaction that counted it. Copied back whole (an
+    archive's INSERT ... SELECT *, a COPY round trip), it comes from another transaction, so the
+    trigger counts it and checks its rules as it does any row inserted by hand."""
+    relay.enqueue_many([{"type": "t", "queue": "emails"}, {"type": "t", "queue": "emails"}])
+    db.execute("CREATE TEMP TABLE kept AS SELECT * FROM relay.jobs")
+    db.execute("DELETE FROM relay.jobs")
+    assert counted(db) == {}
+    db.execute("INSERT INTO relay.jobs OVERRIDING SYSTEM VALUE SELECT * FROM kept")
+    assert counted(db) == {("emails", "queued"): 2}
+    db.execute("DELETE FROM relay.jobs")
+    db.execute("UPDATE kept SET max_attempts = 0")
+    with pytest.raises(psycopg.errors.CheckViolation, match="jobs_max_attempts_check"):
+        db.execute("INSERT INTO relay.jobs OVERRIDING SYSTEM VALUE SELECT * FROM kept")
+    assert counted(db) == {}
+    assert db.execute("SELECT count(*) FROM relay.jobs").fetchone() == (0,)
+
+
 def counted(conn: psycopg.Connection) -> dict[tuple[str, str], int]:
     """What the admin counters say each (queue, state) holds."""
     rows = conn.execute(
@@ -904,7 +927,7 @@ def test_a_relay_without_the_handler_takes_the_max_attempts_workers_published(
             joined = bare.enqueue("send_email", conn=conn)
         # The insert reads what was published: one statement, no lookup round trip of its own.
         assert len(CountingCursor.executed) == 1, CountingCursor.executed
-        assert "INSERT INTO relay" in CountingCursor.executed[0], CountingCursor.executed
+        assert "INSERT INTO relay.jobs" in CountingCursor.executed[0], CountingCursor.executed
         with Session(sa_engine(dsn)) as session, session.begin():
             via_sqlalchemy = bare.enqueue("send_email", conn=session)
         keyed = bare.enqueue("send_email", idempotency_key="k1")

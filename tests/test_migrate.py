@@ -596,7 +596,7 @@ def test_statements_prepared_before_the_checks_moved_into_the_triggers_keep_work
 
 def test_the_release_before_0027_goes_on_enqueueing_and_its_jobs_are_counted_once(database_url: str) -> None:
     """0027 moves the count of Relay's inserts into the statements themselves. The release still
-    running, whose prepared enqueue names no counted_by_insert, goes on working through it on the
+    running, whose prepared enqueue names no counted_by_transaction, goes on working through it on the
     same connection; its jobs are counted (by the row trigger) once, as are the new release's
     (by their own statement), and a bad row by hand is still refused by name."""
     dsn = fresh_database(database_url)

@@ -11,18 +11,19 @@
 -- transaction with the statement trigger, 433 us with the count in the
 -- statement, where a bare insert into the ceiling's table took 395 us.
 --
--- counted_by_insert: true on a row whose inserting statement counted and
--- checked it itself (every INSERT of relay_core/sql/queries.sql sets it, and
--- adds its rows' deltas through relay.job_rule_broken and relay.job_refuse,
--- as the trigger does). An INSERT that leaves it false, as every INSERT that
--- does not name it does, is counted and checked row by row by the trigger
--- below: a bulk load by hand pays a trigger call and a delta row per job, so
--- enqueue_many is the way to add many. Setting it true without counting the
--- rows leaves the counters short by them. Nothing reads it after the insert.
+-- counted_by_transaction: the transaction whose INSERT counted and checked
+-- the row itself. Every INSERT of relay_core/sql/queries.sql sets it to its
+-- own (pg_current_xact_id()) and adds its rows' deltas, through
+-- relay.job_rule_broken and relay.job_refuse, as the trigger does. A row
+-- inserted any other way is counted and checked row by row by the trigger
+-- below: one that does not name the column (NULL), and one copied whole from
+-- elsewhere (INSERT ... SELECT *, COPY, a data-only restore), which carries
+-- another transaction's. A bulk load by hand pays a trigger call, a delta row
+-- and a queued trigger event per job, so enqueue_many is the way to add many.
 --
--- The column's default is a constant, so adding it rewrites nothing; the ALTER
--- takes the table's exclusive lock for that moment.
-ALTER TABLE relay.jobs ADD COLUMN counted_by_insert boolean NOT NULL DEFAULT false;
+-- The column has no default, so adding it rewrites nothing; the ALTER takes
+-- the table's exclusive lock for that moment.
+ALTER TABLE relay.jobs ADD COLUMN counted_by_transaction xid8;
 
 -- The rules and the count of one row inserted without counting itself: the
 -- same refusal (SQLSTATE 23514, naming the broken rule) and the same delta as
@@ -44,4 +45,5 @@ $$;
 -- release still running that might name it; no trigger calls it any more.
 DROP TRIGGER jobs_counted_insert ON relay.jobs;
 CREATE TRIGGER jobs_counted_insert AFTER INSERT ON relay.jobs
-    FOR EACH ROW WHEN (NOT NEW.counted_by_insert) EXECUTE FUNCTION relay.jobs_counted_insert_row();
+    FOR EACH ROW WHEN (NEW.counted_by_transaction IS DISTINCT FROM pg_current_xact_id())
+    EXECUTE FUNCTION relay.jobs_counted_insert_row();

@@ -20,8 +20,9 @@
 -- Insert one job without an idempotency key. Nothing can conflict, so this is a
 -- plain INSERT: ON CONFLICT would make it a speculative insertion, which costs
 -- an extra WAL record and index probe on every enqueue.
--- Every insert here counts its jobs itself (migration 0027): it marks them
--- counted_by_insert, so the insert trigger leaves them alone, and its
+-- Every insert here counts its jobs itself (migration 0027): it writes its
+-- transaction into counted_by_transaction, so the insert trigger leaves them
+-- alone, and its
 -- "counted" part adds them to relay.job_counts, refusing a job that breaks the
 -- table's rules as the trigger would (status 'queued' and no lease, as written).
 -- The NOTIFY is sent in the caller's transaction, so it fires only on commit;
@@ -32,13 +33,13 @@
 -- function reads relay.job_types only when called (migration 0012).
 -- transition: (new) -> queued
 WITH inserted AS (
-    INSERT INTO relay.jobs (status, type, payload, queue, priority, run_at, max_attempts, counted_by_insert)
+    INSERT INTO relay.jobs (status, type, payload, queue, priority, run_at, max_attempts, counted_by_transaction)
     VALUES ('queued', %(type)s, %(payload)s::jsonb, %(queue)s, %(priority)s,
             coalesce(%(run_at)s::timestamptz, now()),
             CASE WHEN %(published)s
                  THEN relay.published_max_attempts(%(type)s, %(max_attempts)s)
                  ELSE %(max_attempts)s END,
-            true)
+            pg_current_xact_id())
     RETURNING id, type, queue, max_attempts, run_at
 ), counted AS (
     INSERT INTO relay.job_counts (queue, state, n)
@@ -55,13 +56,13 @@ FROM inserted;
 -- transition: (new) -> queued
 WITH inserted AS (
     INSERT INTO relay.jobs (status, type, payload, queue, priority, run_at, max_attempts, idempotency_key,
-                            counted_by_insert)
+                            counted_by_transaction)
     VALUES ('queued', %(type)s, %(payload)s::jsonb, %(queue)s, %(priority)s,
             coalesce(%(run_at)s::timestamptz, now()),
             CASE WHEN %(published)s
                  THEN relay.published_max_attempts(%(type)s, %(max_attempts)s)
                  ELSE %(max_attempts)s END,
-            %(idempotency_key)s, true)
+            %(idempotency_key)s, pg_current_xact_id())
     ON CONFLICT (idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING
     RETURNING id, type, queue, max_attempts, run_at <= now() AS due
 ), counted AS (
@@ -90,9 +91,9 @@ WITH input AS (
         WITH ORDINALITY AS t(type, payload, queue, priority, run_at, max_attempts, idempotency_key, ord)
 ), inserted AS (
     INSERT INTO relay.jobs (status, type, payload, queue, priority, run_at, max_attempts, idempotency_key,
-                            counted_by_insert)
+                            counted_by_transaction)
     SELECT 'queued', type, payload::jsonb, queue, priority, coalesce(run_at, now()), max_attempts, idempotency_key,
-           true
+           pg_current_xact_id()
     FROM input ORDER BY idempotency_key IS NOT NULL, idempotency_key, ord
     ON CONFLICT (idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING
     RETURNING id, type, queue, max_attempts, run_at <= now() AS due, idempotency_key
@@ -120,9 +121,9 @@ FROM inserted;
 -- table's rules read, so they are checked once, and counted as one delta.
 -- transition: (new) -> queued
 WITH inserted AS (
-    INSERT INTO relay.jobs (status, type, payload, queue, priority, run_at, max_attempts, counted_by_insert)
+    INSERT INTO relay.jobs (status, type, payload, queue, priority, run_at, max_attempts, counted_by_transaction)
     SELECT 'queued', %(type)s, p.payload, %(queue)s, %(priority)s,
-           coalesce(%(run_at)s::timestamptz, now()), %(max_attempts)s, true
+           coalesce(%(run_at)s::timestamptz, now()), %(max_attempts)s, pg_current_xact_id()
     FROM jsonb_array_elements(%(payloads)s::jsonb) WITH ORDINALITY AS p(payload, ord)
     ORDER BY p.ord
     RETURNING id, run_at <= now() AS due

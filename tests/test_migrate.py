@@ -557,6 +557,20 @@ RETURNING id, CASE WHEN %(notify)s AND run_at <= now() THEN pg_notify('relay_job
 """
 
 
+def old_release_enqueue(queue: str) -> dict[str, object]:
+    """The parameters of JOB_INSERT_BEFORE_0027 for one job of type t into ``queue``."""
+    return {
+        "type": "t",
+        "payload": "{}",
+        "queue": queue,
+        "priority": 0,
+        "run_at": None,
+        "max_attempts": 3,
+        "published": False,
+        "notify": False,
+    }
+
+
 def test_statements_prepared_before_the_checks_moved_into_the_triggers_keep_working(database_url: str) -> None:
     """Migration 0022 drops relay.jobs' CHECKs and checks their rules in the counting triggers. The
     running release's prepared enqueue and claim go on working on the same connection through it,
@@ -564,16 +578,7 @@ def test_statements_prepared_before_the_checks_moved_into_the_triggers_keep_work
     dsn = fresh_database(database_url)
     try:
         migrate_to(dsn, 21)
-        enqueue = {
-            "type": "t",
-            "payload": "{}",
-            "queue": "default",
-            "priority": 0,
-            "run_at": None,
-            "max_attempts": 3,
-            "published": False,
-            "notify": False,
-        }
+        enqueue = old_release_enqueue("default")
         bad_queue = "INSERT INTO relay.jobs (type, queue) VALUES ('t', 'Bad Queue')"
         with psycopg.connect(dsn, autocommit=True, prepare_threshold=0) as conn:
             for _ in range(2):
@@ -602,16 +607,7 @@ def test_the_release_before_0027_goes_on_enqueueing_and_its_jobs_are_counted_onc
     dsn = fresh_database(database_url)
     try:
         migrate_to(dsn, 26)
-        enqueue = {
-            "type": "t",
-            "payload": "{}",
-            "queue": "q",
-            "priority": 0,
-            "run_at": None,
-            "max_attempts": 3,
-            "published": False,
-            "notify": False,
-        }
+        enqueue = old_release_enqueue("q")
         with psycopg.connect(dsn, autocommit=True, prepare_threshold=0) as old_release:
             for _ in range(2):
                 old_release.execute(JOB_INSERT_BEFORE_0027, enqueue)

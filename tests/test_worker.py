@@ -348,6 +348,31 @@ def test_handler_past_its_timeout_is_a_failed_attempt(relay: Relay, db: psycopg.
     assert [e["type"] for e in job.errors] == ["JobTimeout"]
 
 
+def test_a_transactional_handler_that_commits_past_its_timeout_is_counted_as_a_success(
+    relay: Relay, dsn: str, db: psycopg.Connection
+) -> None:
+    """A transactional handler that returned in time, but whose success write waited past the
+    timeout (here on a row lock), commits its success through its transaction, fenced by the lease it
+    still holds. The worker's count of successes (the stop line's) left it out."""
+    started, go = threading.Event(), threading.Event()
+
+    @relay.handler("slow_tx", timeout=0.5, max_attempts=1)
+    def slow_tx(job: Job, conn: psycopg.Connection) -> None:
+        started.set()
+        go.wait(30)
+
+    job_id = relay.enqueue("slow_tx")
+    with running_worker(relay, concurrency=1, lease_seconds=3, heartbeat_interval=0.3) as worker:
+        wait_for(started.is_set, timeout=15, what="the handler to start")
+        with psycopg.connect(dsn) as holder:
+            holder.execute("SELECT 1 FROM relay.jobs WHERE id = %s FOR UPDATE", (job_id,))
+            go.set()  # the handler returns at once; its success write waits for this lock
+            wait_for(lambda: job_id in worker.ledger.overdue, timeout=15, what="the timeout to pass")
+        wait_for(lambda: job_status(db, job_id) == "succeeded", timeout=15, what="the commit")
+        wait_for(lambda: worker.counters.succeeded == 1, timeout=5, what="the success counted")
+    assert (worker.counters.retried, worker.counters.dead, worker.counters.lost) == (0, 0, 0)
+
+
 def test_async_handlers_cancelled_at_their_timeouts_are_not_stuck_nor_leave_slots_behind(
     relay: Relay, db: psycopg.Connection, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -189,11 +189,13 @@ class Ledger:
         (unless it never started: then there was no run to time out):
         it was told to stop (``lease_lost``), and a cooperative handler that
         stops early returns as if it had finished. A transactional handler
-        that committed its success anyway has already recorded it.
+        that committed its success anyway has already recorded it; it is
+        counted as a success all the same.
         """
         del self.overdue[job.id]
         if outcome.kind is Kind.COMMITTED:
             event(logging.INFO, "job past its timeout committed its success", job_id=job.id, type=job.type)
+            self._completer.put(outcome)  # writes nothing: counted and logged as a success
             return
         # Not begun (NOT_BEGUN): the deadline ran while its transaction waited for a connection that
         # never came, so the handler never ran and the job goes back with its attempt.

@@ -65,6 +65,13 @@ COOKIE_SAMESITE = ("Lax", "Strict")
 MIN_REQUEST_BYTES = 1024 * 1024
 
 
+#: How far the clock of the web process that stamped a token may be from this one's. Behind a
+#: balancer a token signed by a process whose clock ran ahead was refused as not yet valid by one
+#: that was behind (its issued-at in the future): 401 on the API, the login page on the dashboard.
+#: It stretches a token's expiry by as much, far less than any lifetime Relay allows.
+TOKEN_CLOCK_LEEWAY_SECONDS = 5
+
+
 def max_request_bytes(max_payload_bytes: int) -> int:
     """The largest request body read: room for a job whose payload is at RELAY_MAX_PAYLOAD_BYTES.
 
@@ -227,6 +234,7 @@ def load(given: Mapping[str, Any] | None = None) -> dict[str, Any]:
         JWT_REFRESH_TOKEN_EXPIRES=timedelta(seconds=settings["RELAY_REFRESH_TOKEN_SECONDS"]),
         JWT_ENCODE_ISSUER="relay",
         JWT_DECODE_ISSUER="relay",
+        JWT_DECODE_LEEWAY=TOKEN_CLOCK_LEEWAY_SECONDS,
         JWT_COOKIE_SECURE=production,
         # Lax: see dashboard/session.py. Strict may be given instead (JWT_* overrides win).
         JWT_COOKIE_SAMESITE="Lax",

@@ -410,6 +410,20 @@ def test_state_changing_posts_need_the_csrf_token(admin: DashboardClient, jobs: 
     assert jobs.status(job_id) == "dead"
 
 
+def test_a_csrf_token_that_is_not_ascii_is_refused_as_any_wrong_one(admin: DashboardClient, jobs: Jobs) -> None:
+    """flask-jwt-extended's comparison raised TypeError for a non-ASCII token: a 500 and a
+    traceback in the log, where a wrong token gets the 403 that says to reload the page."""
+    job_id = jobs.dead(jobs.add())
+    by_form = admin.client.post(f"/jobs/{job_id}/requeue", data={"csrf_token": "\u00e9"})
+    by_header = admin.client.post(
+        f"/jobs/{job_id}/requeue", headers={"HX-Request": "true", "X-CSRF-TOKEN": "\u00c3\u00a9"}
+    )
+    for refused in (by_form, by_header):
+        assert refused.status_code == 403
+        assert "security token" in refused.get_data(as_text=True)
+    assert jobs.status(job_id) == "dead"
+
+
 def test_a_form_field_csrf_token_works_without_htmx(admin: DashboardClient, jobs: Jobs) -> None:
     job_id = jobs.dead(jobs.add())
     response = admin.post(f"/jobs/{job_id}/requeue", htmx=False)

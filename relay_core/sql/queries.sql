@@ -22,9 +22,9 @@
 -- an extra WAL record and index probe on every enqueue.
 -- Every insert here counts its jobs itself (migration 0027): it writes its
 -- transaction into counted_by_transaction, so the insert trigger leaves them
--- alone, and its
--- "counted" part adds them to relay.job_counts, refusing a job that breaks the
--- table's rules as the trigger would (status 'queued' and no lease, as written).
+-- alone, and its "counted" part adds them to relay.job_counts, refusing a job
+-- that breaks the table's rules as the trigger would (status 'queued' and no
+-- lease, as written).
 -- The NOTIFY is sent in the caller's transaction, so it fires only on commit;
 -- %(notify)s is false for producers configured not to wake workers (RELAY_NOTIFY).
 -- With %(published)s, the job takes the max_attempts workers published for its

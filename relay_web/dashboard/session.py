@@ -138,29 +138,35 @@ def same_origin() -> bool:
 
 
 def _csrf_tokens_sent() -> list[str]:
-    """The CSRF tokens the request carries, in the header and the form field flask-jwt-extended reads."""
+    """The CSRF tokens a request flask-jwt-extended checks carries, in the header and the form field it reads."""
     config = current_app.config
+    if request.method not in config["JWT_CSRF_METHODS"]:
+        return []
     sent = [request.headers.get(config["JWT_ACCESS_CSRF_HEADER_NAME"])]
-    if config["JWT_CSRF_CHECK_FORM"] and request.method == "POST":
+    if config["JWT_CSRF_CHECK_FORM"]:
         sent.append(request.form.get(config["JWT_ACCESS_CSRF_FIELD_NAME"]))
     return [token for token in sent if token is not None]
+
+
+def _lacks_token() -> Problem:
+    """The 403 for a request without this page's CSRF token, or with another one."""
+    return Problem(
+        403, "Forbidden", "The request lacked this page's security token; reload the page and try again.", slug="csrf"
+    )
 
 
 def _load() -> Session | None:
     """The request's session, None when there is none; raises a 403 problem for a CSRF failure."""
     if request.method == "POST" and not same_origin():
         raise Problem(403, "Forbidden", "This request did not come from a page of this dashboard.", slug="csrf")
-    lacks_token = Problem(
-        403, "Forbidden", "The request lacked this page's security token; reload the page and try again.", slug="csrf"
-    )
     if not all(token.isascii() for token in _csrf_tokens_sent()):
         # flask-jwt-extended compares the token with hmac.compare_digest, which raises TypeError for
         # non-ASCII text: the page's token is ASCII, so such a value is simply not it.
-        raise lacks_token
+        raise _lacks_token()
     try:
         verify_jwt_in_request(locations=["cookies"])
     except CSRFError:
-        raise lacks_token from None
+        raise _lacks_token() from None
     except (JWTExtendedException, jwt.PyJWTError):
         return None
     claims = get_jwt()

@@ -27,6 +27,7 @@ FOUND_BY_ID = {
     "job_claim": "j",  # its UPDATE of the chosen ids (the candidates come from jobs_runnable_idx)
     "job_heartbeat_many": "j",
     "job_succeed_many": "j",
+    "job_succeed_in_transaction": "j",
     "job_succeeded_with_tokens": "j",
     "job_fail_many": "j",
     "job_snooze_many": "j",
@@ -47,6 +48,7 @@ PARAMS: dict[str, Any] = {
     "ids": IDS,
     "tokens": [1] * len(IDS),
     "results": ["null"] * len(IDS),
+    "result": "null",
     "next_statuses": ["queued"] * len(IDS),
     "delays": [0.0] * len(IDS),
     "runs_on": [0.0] * len(IDS),

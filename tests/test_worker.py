@@ -41,7 +41,7 @@ from relay_core.queries import sql
 from relay_core.worker import executor, lease_watch, runtime, startup
 from relay_core.worker.aio import SlotLoop
 from relay_core.worker.claim import PREFETCH_PAYLOAD_BYTES, hand_back_unheld, prefetch_per_slot
-from relay_core.worker.completer import Completer
+from relay_core.worker.completer import ROW_LOCKED, Completer
 from relay_core.worker.config import MAX_CONCURRENCY, WorkerConfig
 from relay_core.worker.ledger import NOT_BEGUN, Ledger, Slot
 from relay_core.worker.listener import NOT_LISTENING
@@ -1420,6 +1420,130 @@ def test_a_heartbeat_renews_what_it_can_and_skips_a_row_another_transaction_hold
     assert leases == {held_elsewhere: False, free: True}
 
 
+#: What each outcome kind writes for a job still held by its worker.
+WRITTEN_STATUS = {
+    Kind.SUCCEEDED: "succeeded",
+    Kind.RETRY: "queued",
+    Kind.DEAD: "dead",
+    Kind.SNOOZED: "queued",
+    Kind.CANCELLED: "cancelled",
+}
+
+
+def an_outcome(job: Job, kind: Kind) -> Outcome:
+    """An outcome of ``kind`` for ``job``, with what a failure carries."""
+    return Outcome(job, kind, 0.0, delay=60.0, message="boom", error={"type": "RuntimeError"})
+
+
+@pytest.mark.parametrize("kind", list(WRITTEN_STATUS), ids=[kind.value for kind in WRITTEN_STATUS])
+def test_a_completion_skips_a_row_another_session_holds_and_writes_the_rest(
+    relay: Relay, dsn: str, db: psycopg.Connection, kind: Kind
+) -> None:
+    """An operator's SELECT ... FOR UPDATE left open on one job held up the whole batch, and every
+    write after it: the completion waited for the lock. Each kind of outcome now skips that row, says
+    so (ROW_LOCKED), and writes the others; a success of another job rides along in the batch, so the
+    outcomes of other kinds go as one message of two statements."""
+    relay.enqueue_many([{"type": "c"}] * 3)
+    with psycopg.connect(dsn, autocommit=True, row_factory=dict_row) as claimer:
+        held, free, other = [Job.from_row(row) for row in claimer.execute(sql("job_claim"), claim_params(limit=3))]
+    batch = [an_outcome(held, kind), an_outcome(free, kind), an_outcome(other, Kind.SUCCEEDED)]
+    pool = make_pool(dsn, name="completion", min_size=1, max_size=1)
+    pool.open(wait=True)
+    try:
+        completer = Completer(pool, lambda batch, done: None)
+        with psycopg.connect(dsn) as operator:
+            operator.execute("SELECT 1 FROM relay.jobs WHERE id = %s FOR UPDATE", (held.id,))
+            answers: list[dict[int, str]] = []
+            writer = threading.Thread(target=lambda: answers.append(completer.write(batch)), daemon=True)
+            writer.start()
+            writer.join(10)
+            assert not writer.is_alive(), "the completion waited for the row lock"
+            assert answers == [{held.id: ROW_LOCKED, free.id: WRITTEN_STATUS[kind], other.id: "succeeded"}]
+            assert job_status(db, held.id) == "claimed"
+            operator.rollback()
+        assert completer.write(batch[:1]) == {held.id: WRITTEN_STATUS[kind]}
+    finally:
+        pool.close()
+    statuses = dict(db.execute("SELECT id, status::text FROM relay.jobs").fetchall())
+    assert statuses == {held.id: WRITTEN_STATUS[kind], free.id: WRITTEN_STATUS[kind], other.id: "succeeded"}
+
+
+def test_a_worker_writes_other_outcomes_while_one_row_is_locked_and_that_one_once_it_is_released(
+    relay: Relay, dsn: str, db: psycopg.Connection, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The worker's completer resent the same batch, held by one locked row, and wrote nothing else
+    until the lock was released. It now writes the others, says once which rows are locked, and
+    writes the held outcome after the release: counted once, as a success, never as lost."""
+    caplog.set_level("WARNING", logger="relay")
+    go = threading.Event()
+
+    @relay.handler("held")
+    def held_job(job: Job) -> str:
+        go.wait(30)
+        return "done"
+
+    relay.handler("quick")(lambda job: None)
+    held_id = relay.enqueue("held")
+    with running_worker(relay, concurrency=2, poll_interval=0.05) as worker:
+        wait_for(lambda: job_status(db, held_id) == "claimed", what="the held job to start")
+        with psycopg.connect(dsn) as operator:
+            operator.execute("SELECT 1 FROM relay.jobs WHERE id = %s FOR UPDATE", (held_id,))
+            go.set()
+            wait_for(lambda: held_id in worker.ledger.awaiting_write, timeout=10, what="the held outcome queued")
+            quick = [relay.enqueue("quick") for _ in range(5)]
+            wait_for(
+                lambda: all(job_status(db, j) == "succeeded" for j in quick),
+                timeout=10,
+                what="the other jobs to be written while the row is locked",
+            )
+            assert job_status(db, held_id) == "claimed"
+            operator.rollback()
+        wait_for(lambda: job_status(db, held_id) == "succeeded", timeout=10, what="the held outcome written")
+        wait_for(lambda: worker.counters.succeeded == 6, timeout=5, what="every success counted")
+    assert relay.get_job(held_id).result == "done"
+    assert worker.counters.lost == 0
+    said = said_locked(caplog)
+    assert len(said) == 1 and said[0].job_ids == [held_id]
+
+
+def said_locked(caplog: pytest.LogCaptureFixture) -> list[logging.LogRecord]:
+    """The completer's warnings that it found job rows locked by another session."""
+    return [r for r in caplog.records if r.getMessage().startswith("job rows locked by another session;")]
+
+
+def test_a_worker_stopping_while_a_row_is_locked_gives_that_outcome_up_in_time_and_says_so(
+    relay: Relay, dsn: str, db: psycopg.Connection, caplog: pytest.LogCaptureFixture
+) -> None:
+    """At shutdown the outcome of a locked row is tried until the completer's give-up, then named
+    as left to the sweeper; the worker stops within its shutdown time, with the row still held."""
+    caplog.set_level("WARNING", logger="relay")
+    go = threading.Event()
+    relay.handler("held")(lambda job: go.wait(30))
+    held_id = relay.enqueue("held")
+    worker = Worker(relay.dsn, relay.handlers, WorkerConfig(poll_interval=0.05, shutdown_timeout=1.0))
+    thread = threading.Thread(target=worker.run, kwargs={"install_signals": False}, daemon=True)
+    thread.start()
+    with psycopg.connect(dsn) as operator:
+        try:
+            wait_for(lambda: job_status(db, held_id) == "claimed", what="the held job to start")
+            operator.execute("SELECT 1 FROM relay.jobs WHERE id = %s FOR UPDATE", (held_id,))
+            go.set()
+            wait_for(lambda: said_locked(caplog), timeout=10, what="the held outcome to be skipped")
+            stopped_at = time.monotonic()
+            worker.stop()
+            thread.join(20)
+            assert not thread.is_alive()
+            took = time.monotonic() - stopped_at
+        finally:
+            go.set()
+            worker.stop()
+        assert job_status(db, held_id) == "claimed", "left to the sweeper"
+        operator.rollback()
+    gave_up = [r for r in caplog.records if "job rows locked by another session; the sweeper" in r.getMessage()]
+    assert len(gave_up) == 1 and gave_up[0].job_ids == [held_id]
+    assert took < 10, took
+
+
 def test_a_handlers_timeout_is_acted_on_while_the_heartbeat_hangs(
     relay: Relay, db: psycopg.Connection, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -1584,6 +1708,34 @@ def test_a_handler_hung_past_its_timeout_at_shutdown_spends_its_attempt(
         # Its retry waits out the grace in which the stuck thread may still run.
         assert row == ("queued", 1, 1, True)
     assert relay.get_job(job_id).last_error.startswith("JobTimeout")
+
+
+def test_a_hung_handlers_timeout_at_shutdown_on_a_locked_row_is_left_to_the_sweeper_uncounted(
+    relay: Relay, dsn: str, db: psycopg.Connection, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The shutdown's write of a hung handler's timeout skips a row another session holds locked, as
+    the completer does: the job is named as left to the sweeper, and not counted as a retry that
+    was never written."""
+    caplog.set_level("WARNING", logger="relay")
+    release = threading.Event()
+
+    @relay.handler("hangs", timeout=0.3, max_attempts=3)
+    def hangs(job: Job) -> None:
+        release.wait(30)
+
+    job_id = relay.enqueue("hangs")
+    try:
+        with psycopg.connect(dsn) as operator:
+            with running_worker(relay, concurrency=1) as worker:
+                wait_for(lambda: job_id in worker.ledger.overdue, timeout=15, what="the timeout to pass")
+                operator.execute("SELECT 1 FROM relay.jobs WHERE id = %s FOR UPDATE", (job_id,))
+            assert job_status(db, job_id) == "claimed"
+            operator.rollback()
+    finally:
+        release.set()
+    assert (worker.counters.retried, worker.counters.dead, worker.counters.lost) == (0, 0, 0)
+    said = [r for r in caplog.records if r.getMessage().startswith("timeouts not written: job rows locked")]
+    assert len(said) == 1 and said[0].job_ids == [job_id]
 
 
 @pytest.mark.parametrize("ends", ["dead", "cancelled"])

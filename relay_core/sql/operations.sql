@@ -336,13 +336,27 @@ RETURNING id;
 -- A handler stopped after cancellation was requested: the job ends cancelled, fenced.
 -- A job cancelled while it waited in its worker for a slot (%(unstarted)s) never
 -- ran: it gets back the attempt its claim counted, as a hand-back gives it back.
+-- A row another session holds comes back 'locked', unwritten (see job_succeed_many).
 -- transition: claimed -> cancelled
-UPDATE relay.jobs AS j
-SET status = 'cancelled', finished_at = now(), claimed_until = NULL,
-    attempts = CASE WHEN c.unstarted THEN greatest(j.attempts - 1, 0) ELSE j.attempts END
-FROM unnest(%(ids)s::bigint[], %(tokens)s::integer[], %(unstarted)s::boolean[]) AS c(id, token, unstarted)
-WHERE j.id = c.id AND j.lease_token = c.token AND j.status::text = 'claimed'
-RETURNING j.id, j.status::text AS status;
+WITH c AS (
+    SELECT * FROM unnest(%(ids)s::bigint[], %(tokens)s::integer[], %(unstarted)s::boolean[]) AS c(id, token, unstarted)
+), mine AS (
+    SELECT j.id FROM relay.jobs AS j JOIN c ON j.id = c.id AND j.lease_token = c.token
+    WHERE j.status::text = 'claimed'
+    FOR UPDATE OF j SKIP LOCKED
+), written AS (
+    UPDATE relay.jobs AS j
+    SET status = 'cancelled', finished_at = now(), claimed_until = NULL,
+        attempts = CASE WHEN c.unstarted THEN greatest(j.attempts - 1, 0) ELSE j.attempts END
+    FROM mine JOIN c ON c.id = mine.id
+    WHERE j.id = mine.id AND j.lease_token = c.token AND j.status::text = 'claimed'
+    RETURNING j.id, j.status::text AS status
+)
+SELECT id, status FROM written
+UNION ALL
+SELECT c.id, 'locked' FROM c
+WHERE c.id NOT IN (SELECT id FROM mine)
+  AND EXISTS (SELECT FROM relay.jobs AS j WHERE j.id = c.id AND j.lease_token = c.token AND j.status::text = 'claimed');
 
 -- name: job_set_progress
 -- A running handler reports progress, fenced by its lease, and renews the lease

@@ -4,6 +4,9 @@ Outcomes queue up while a write is in flight, so under load each statement
 records many jobs (group commit); when idle, an outcome is written at once.
 A write that fails on a broken connection keeps its batch and retries after a
 backoff: the statements are fenced, so a retry can never record a job twice.
+A job whose row another session holds locked is skipped, not waited for: its
+outcome is held back and written again every LOCKED_RETRY_SECONDS, while the
+rest of the worker's outcomes go on being written.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import psycopg
 from psycopg_pool import PoolTimeout
 
 from ..logs import event
-from ..outages import RETRYABLE, OutageLog, answer_may_be_lost
+from ..outages import RETRYABLE, OutageLog, RepeatedWarning, answer_may_be_lost
 from ..pools import RelayPool, outdated_plan
 from ..queries import sql
 from ..sessions import in_autocommit
@@ -41,6 +44,11 @@ STOP_GIVE_UP_SECONDS = 8.0
 CONNECTION_WAIT_SECONDS = 1.0
 #: Of stop()'s time, what is kept for the answer of a write sent just before its give-up.
 ANSWER_GRACE_SECONDS = 0.5
+#: What a completion statement returns in place of a status for a job it skipped, its row being
+#: locked by another session (an operator's SELECT ... FOR UPDATE, a long transaction): unwritten.
+ROW_LOCKED = "locked"
+#: How long the outcome of such a job waits before it is written again.
+LOCKED_RETRY_SECONDS = 0.5
 
 
 class Completer:
@@ -62,6 +70,12 @@ class Completer:
         self._give_up_at: float | None = None
         self._stopping = threading.Event()
         self._writing: list[Outcome] = []  # the batch being written now, for stop() to name
+        # Outcomes whose rows another session held locked, and when they are written again (monotonic).
+        self._held: list[Outcome] = []
+        self._held_until = 0.0
+        self._held_warning = RepeatedWarning(
+            "job rows locked by another session; their outcomes are written once the lock is released"
+        )
 
     def start(self) -> None:
         """Start writing."""
@@ -88,7 +102,7 @@ class Completer:
             # A write sent on a connection that stopped answering: no statement of Relay's has a
             # time limit there, so it may never come back. Its jobs, and those queued behind it,
             # stay claimed unless it lands; say which, as a write given up says.
-            unwritten = list(self._writing)
+            unwritten = list(self._writing) + list(self._held)
             behind: list[Outcome | None] = []
             while True:
                 try:
@@ -108,23 +122,47 @@ class Completer:
     def _loop(self) -> None:
         stopping = False
         while True:
-            batch, asked_to_stop = self._take_batch(wait=not stopping)
+            batch, asked_to_stop = self._take_batch(self._wait_seconds(stopping))
             stopping = stopping or asked_to_stop
             if batch:
                 self._write_until_done(batch)
-            elif stopping:
+            elif stopping and not self._held:
                 break  # everything queued before and after stop()'s marker is written
+            elif stopping and (self._time_left() or 0.0) <= 0:
+                event(
+                    logging.ERROR,
+                    "completion not written before the worker stopped: job rows locked by another session; "
+                    "the sweeper will return these jobs",
+                    job_ids=sorted(o.job.id for o in self._held),
+                )
+                break
         self._stopped.set()
 
-    def _take_batch(self, wait: bool) -> tuple[list[Outcome], bool]:
-        """The next batch: the first outcome (waited for when ``wait``), then whatever else is queued,
-        up to MAX_BATCH outcomes or MAX_BATCH_BYTES of text; and whether stop()'s marker was taken."""
+    def _wait_seconds(self, stopping: bool) -> float | None:
+        """How long the next batch waits for a first outcome (None: until one comes).
+
+        Not past the time held-back outcomes are due, nor, once stopping, at all
+        (or, with outcomes still held back, past the give-up deadline).
+        """
+        if not self._held:
+            return 0.0 if stopping else None
+        wait = max(self._held_until - time.monotonic(), 0.0)
+        left = self._time_left()
+        return wait if left is None else max(min(wait, left), 0.0)
+
+    def _take_batch(self, wait: float | None) -> tuple[list[Outcome], bool]:
+        """The next batch: held-back outcomes now due, the first outcome queued (waited for ``wait``
+        seconds, None: until one comes), then whatever else is queued, up to MAX_BATCH outcomes or
+        MAX_BATCH_BYTES of text; and whether stop()'s marker was taken."""
         batch: list[Outcome] = []
-        size = 0
+        if self._held and time.monotonic() >= self._held_until:
+            batch, self._held = self._held, []
+        size = sum(o.text_bytes() for o in batch)
         stopping = False
         while len(batch) < MAX_BATCH and size < MAX_BATCH_BYTES:
             try:
-                item = self._inbox.get() if wait and not batch and not stopping else self._inbox.get_nowait()
+                first = not batch and not stopping and wait != 0
+                item = self._inbox.get(timeout=wait) if first else self._inbox.get_nowait()
             except queue.Empty:
                 break
             if item is None:
@@ -197,8 +235,19 @@ class Completer:
             self._outage.succeeded()
             if answer_lost:
                 written = self._with_own_successes(batch, written)
-            self._tell(batch, written)
+            self._tell(self._hold_locked(batch, written), written)
             return
+
+    def _hold_locked(self, batch: list[Outcome], written: dict[int, str]) -> list[Outcome]:
+        """Hold back the outcomes whose rows were locked, to be written again; the rest of ``batch``."""
+        locked = [o for o in batch if written.get(o.job.id) == ROW_LOCKED]
+        if not locked:
+            return batch
+        if not self._held:
+            self._held_until = time.monotonic() + LOCKED_RETRY_SECONDS
+        self._held += locked
+        self._held_warning.happened(job_ids=sorted(o.job.id for o in locked))
+        return [o for o in batch if written.get(o.job.id) != ROW_LOCKED]
 
     def _with_own_successes(self, batch: list[Outcome], written: dict[int, str]) -> dict[int, str]:
         """``written`` with the successes an earlier try wrote before its answer was lost.
@@ -235,7 +284,8 @@ class Completer:
 
         Returns the status written for each job that was still this worker's:
         not always the outcome's own (a failure of a job an admin asked to
-        cancel ends it cancelled). ``timeout`` bounds the wait for a pooled
+        cancel ends it cancelled), and ROW_LOCKED, unwritten, for one whose row
+        another session holds locked. ``timeout`` bounds the wait for a pooled
         connection (the pool's own timeout if None); ``bounded``, the whole
         write: a database that stops answering has its connection cut then.
         """

@@ -328,7 +328,7 @@ def _run_in_transaction(
                 conn.execute(handler_settings_end_with_transaction(lease_seconds))  # type: ignore[arg-type]
                 try:
                     done = conn.execute(
-                        sql("job_succeed_many"), {"ids": [job.id], "tokens": [job.lease_token], "results": [result]}
+                        sql("job_succeed_in_transaction"), {"id": job.id, "token": job.lease_token, "result": result}
                     ).fetchall()
                 except psycopg.errors.SerializationFailure as exc:
                     raise SuccessNotRecorded(STRICTER_ISOLATION.format(job_id=job.id)) from exc

@@ -18,7 +18,7 @@ from relay_core import IllegalTransition, JobNotFound, RelayError, monitor
 from relay_core.outages import RETRYABLE
 
 from ..db import get_database
-from ..errors import http_problem, timed_out_detail, transition_detail
+from ..errors import FILTERED_ENDPOINTS, http_problem, timed_out_detail, transition_detail
 from ..health import missing_schema_problem
 from ..problems import Problem
 from .blueprint import bp, page_headers
@@ -124,8 +124,19 @@ def _no_such_page(exc: NotFound | MethodNotAllowed) -> Response:
 
 @bp.errorhandler(psycopg.errors.QueryCanceled)
 def _too_slow(exc: psycopg.errors.QueryCanceled) -> Response:
+    """A statement the statement timeout ended: a page or fragment tries again as in an outage, but a
+    filtered listing, which would be as slow the next time, asks for narrower filters instead.
+
+    Polled status cards are replaced by the answer: without a retry of its own, the card of
+    a job an engineer just requeued stopped updating at the first lock that outlasted the timeout.
+    """
     log.warning("dashboard query cancelled by statement_timeout: %s", exc)
-    return error_page(503, "Query took too long", timed_out_detail("state, queue, type"), {"Retry-After": "1"})
+    detail = timed_out_detail("state, queue, type")
+    if request.endpoint in FILTERED_ENDPOINTS:
+        return error_page(503, "Query took too long", detail, {"Retry-After": "1"})
+    if request.method == "GET":
+        detail = f"{detail.removesuffix(' Try again shortly.')} This page tries again every {RETRY_SECONDS} seconds."
+    return error_page(503, "Query took too long", detail, {"Retry-After": str(RETRY_SECONDS)}, retry=True)
 
 
 #: What a dashboard request meets when the database cannot be reached (PoolTimeout: no connection came in

@@ -389,6 +389,33 @@ def test_a_database_outage_page_retries_as_it_says(make_app, admin: DashboardCli
     assert jobs.status(job_id) == "queued"
 
 
+def test_a_page_the_statement_timeout_ended_retries_unless_it_is_a_filtered_listing(
+    make_app, admin: DashboardClient, jobs: Jobs, dsn: str
+) -> None:
+    """A polled status card whose query outlasted the statement timeout (a lock held on relay.jobs) was
+    replaced by an answer that polled nothing: the card of a requeued job stopped updating for good."""
+    job_id = jobs.add()
+    slow = make_app(RELAY_STATEMENT_TIMEOUT_MS=300)
+    client = DashboardClient(slow.test_client(), admin.dsn)
+    client.client.set_cookie("access_token_cookie", admin.client.get_cookie("access_token_cookie").value)
+    client.csrf = admin.csrf
+    with psycopg.connect(dsn) as holder:
+        holder.execute("LOCK relay.jobs IN ACCESS EXCLUSIVE MODE")
+        card = client.get(f"/jobs/{job_id}?part=status&seen=queued", htmx=True)
+        full = client.get(f"/jobs/{job_id}")
+        listing = client.get("/jobs?state=queued")
+    assert (card.status_code, full.status_code, listing.status_code) == (503, 503, 503)
+    html = _text(card)
+    assert "Query took too long" in html and "tries again every" in html
+    assert f'hx-get="/jobs/{job_id}?part=status&amp;seen=queued"' in html
+    assert re.search(r'hx-trigger="every \d+s"', html) and 'hx-swap="outerHTML"' in html
+    assert re.search(r'<meta http-equiv="refresh" content="\d+">', _text(full))
+    # A filtered listing would be as slow the next time: it asks for narrower filters, and waits for them.
+    assert "narrow the filters" in _text(listing)
+    assert "refresh" not in _text(listing) and "hx-get" not in _text(listing).split("<main", 1)[-1]
+    assert client.get(f"/jobs/{job_id}?part=status&seen=queued", htmx=True).status_code == 200
+
+
 def test_job_ids_in_urls_are_read_only_as_relay_writes_them(viewer: DashboardClient, relay: Relay) -> None:
     assert relay.enqueue_many([{"type": "t"} for _ in range(22)])[-1] == 22
     assert viewer.get("/jobs/22").status_code == 200

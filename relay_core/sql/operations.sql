@@ -343,7 +343,7 @@ WITH c AS (
 ), mine AS (
     SELECT j.id FROM relay.jobs AS j JOIN c ON j.id = c.id AND j.lease_token = c.token
     WHERE j.status::text = 'claimed'
-    FOR UPDATE OF j SKIP LOCKED
+    FOR NO KEY UPDATE OF j SKIP LOCKED
 ), written AS (
     UPDATE relay.jobs AS j
     SET status = 'cancelled', finished_at = now(), claimed_until = NULL,

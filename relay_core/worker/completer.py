@@ -5,8 +5,11 @@ records many jobs (group commit); when idle, an outcome is written at once.
 A write that fails on a broken connection keeps its batch and retries after a
 backoff: the statements are fenced, so a retry can never record a job twice.
 A job whose row another session holds locked is skipped, not waited for: its
-outcome is held back and written again every LOCKED_RETRY_SECONDS, while the
-rest of the worker's outcomes go on being written.
+outcome is held back and written again soon after (LOCKED_RETRY_FIRST_SECONDS,
+doubling up to LOCKED_RETRY_MAX_SECONDS), while the rest of the worker's
+outcomes go on being written. The worker's own heartbeat holds the rows it
+renews for a moment, so a row found locked once is nothing to report; one
+locked for over LOCKED_WARN_SECONDS is.
 """
 
 from __future__ import annotations
@@ -47,8 +50,15 @@ ANSWER_GRACE_SECONDS = 0.5
 #: What a completion statement returns in place of a status for a job it skipped, its row being
 #: locked by another session (an operator's SELECT ... FOR UPDATE, a long transaction): unwritten.
 ROW_LOCKED = "locked"
-#: How long the outcome of such a job waits before it is written again.
-LOCKED_RETRY_SECONDS = 0.5
+#: How long the outcome of such a job first waits before it is written again, doubling while
+#: the row stays locked ...
+LOCKED_RETRY_FIRST_SECONDS = 0.01
+#: ... up to this. Short: the lease of a job whose row is locked is not renewed (heartbeats
+#: skip such rows too), and once a lock held past the lease is released, the first sweeper
+#: to come takes the job; the write must come before it.
+LOCKED_RETRY_MAX_SECONDS = 0.25
+#: How long an outcome waits on a locked row before the worker says so.
+LOCKED_WARN_SECONDS = 1.0
 
 
 class Completer:
@@ -70,9 +80,11 @@ class Completer:
         self._give_up_at: float | None = None
         self._stopping = threading.Event()
         self._writing: list[Outcome] = []  # the batch being written now, for stop() to name
-        # Outcomes whose rows another session held locked, and when they are written again (monotonic).
+        # Outcomes whose rows another session held locked, when they are written again (monotonic),
+        # and the wait before that.
         self._held: list[Outcome] = []
         self._held_until = 0.0
+        self._held_wait = LOCKED_RETRY_FIRST_SECONDS
         self._held_warning = RepeatedWarning(
             "job rows locked by another session; their outcomes are written once the lock is released"
         )
@@ -155,9 +167,14 @@ class Completer:
         seconds, None: until one comes), then whatever else is queued, up to MAX_BATCH outcomes or
         MAX_BATCH_BYTES of text; and whether stop()'s marker was taken."""
         batch: list[Outcome] = []
+        size = 0
         if self._held and time.monotonic() >= self._held_until:
-            batch, self._held = self._held, []
-        size = sum(o.text_bytes() for o in batch)
+            taken = 0
+            while taken < len(self._held) and len(batch) < MAX_BATCH and size < MAX_BATCH_BYTES:
+                batch.append(self._held[taken])
+                size += self._held[taken].text_bytes()
+                taken += 1
+            del self._held[:taken]  # what the limits left stays held, due at once
         stopping = False
         while len(batch) < MAX_BATCH and size < MAX_BATCH_BYTES:
             try:
@@ -243,11 +260,43 @@ class Completer:
         locked = [o for o in batch if written.get(o.job.id) == ROW_LOCKED]
         if not locked:
             return batch
+        now = time.monotonic()
+        again = any(o.locked_since is not None for o in locked)
+        for outcome in locked:
+            if outcome.locked_since is None:
+                outcome.locked_since = now
         if not self._held:
-            self._held_until = time.monotonic() + LOCKED_RETRY_SECONDS
+            longer = min(self._held_wait * 2, LOCKED_RETRY_MAX_SECONDS)
+            self._held_wait = longer if again else LOCKED_RETRY_FIRST_SECONDS
+            self._held_until = now + self._held_wait
         self._held += locked
-        self._held_warning.happened(job_ids=sorted(o.job.id for o in locked))
+        long_held = [o.job.id for o in locked if now - (o.locked_since or now) >= LOCKED_WARN_SECONDS]
+        if long_held:
+            self._held_warning.happened(job_ids=sorted(long_held))
         return [o for o in batch if written.get(o.job.id) != ROW_LOCKED]
+
+    def write_through_locks(self, batch: list[Outcome], timeout: float) -> dict[int, str]:
+        """``write`` within ``timeout`` s, the whole write bounded, writing again the outcomes whose
+        rows were locked while time is left; those still locked at the end stay ROW_LOCKED.
+
+        For a write that must end by a deadline (a shutdown's), with no later
+        flush to carry its held outcomes to: a row held only for a moment (the
+        worker's own heartbeat renewing it) is written all the same.
+        """
+        end = time.monotonic() + timeout
+        written = self.write(batch, timeout=timeout, bounded=True)
+        wait = LOCKED_RETRY_FIRST_SECONDS
+        while True:
+            locked = [o for o in batch if written.get(o.job.id) == ROW_LOCKED]
+            if not locked or end - time.monotonic() <= wait:
+                return written
+            time.sleep(wait)
+            wait = min(wait * 2, LOCKED_RETRY_MAX_SECONDS)
+            try:
+                written.update(self.write(locked, timeout=end - time.monotonic(), bounded=True))
+            except (psycopg.Error, PoolTimeout) as exc:
+                event(logging.WARNING, "could not write again the outcomes of locked job rows", error=str(exc))
+                return written
 
     def _with_own_successes(self, batch: list[Outcome], written: dict[int, str]) -> dict[int, str]:
         """``written`` with the successes an earlier try wrote before its answer was lost.

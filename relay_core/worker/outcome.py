@@ -47,6 +47,8 @@ class Outcome:
     #: so a requeue does not start it beside that thread, and the claim counts it against
     #: its type's ``concurrency`` until then.
     runs_on: float = 0.0
+    #: When the completer first found the job's row locked by another session (monotonic), if it has.
+    locked_since: float | None = field(default=None, compare=False)
     #: ``error`` as JSON, made once: the completer measures it for its batch, then sends it.
     _error_json: str | None = field(default=None, init=False, repr=False, compare=False)
 

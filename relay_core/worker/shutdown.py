@@ -182,7 +182,7 @@ def record_overdue(
         outcome.runs_on = still_running_delay(writes_left)
         outcome.delay = max(outcome.delay, outcome.runs_on)
     try:
-        written = completer.write(decided, timeout=timeout, bounded=True)
+        written = completer.write_through_locks(decided, timeout)
     except (psycopg.Error, PoolTimeout) as exc:
         event(
             logging.ERROR,

@@ -38,6 +38,7 @@ from relay_core.logs import POOL_CONNECT_WARNING, RepeatsFilter
 from relay_core.outages import OutageLog
 from relay_core.pools import all_in_use, make_pool
 from relay_core.queries import sql
+from relay_core.worker import completer as completer_module
 from relay_core.worker import executor, lease_watch, runtime, startup
 from relay_core.worker.aio import SlotLoop
 from relay_core.worker.claim import PREFETCH_PAYLOAD_BYTES, hand_back_unheld, prefetch_per_slot
@@ -1586,6 +1587,109 @@ def test_outcomes_held_back_on_locked_rows_go_again_within_the_batch_limits() ->
         assert batch and sum(o.text_bytes() for o in batch[:-1]) < MAX_BATCH_BYTES and len(batch) <= MAX_BATCH
         sizes.append(len(batch))
     assert sum(sizes) == 1500 and len(sizes) > 1, sizes
+
+
+def claimed_jobs(relay: Relay, dsn: str, count: int) -> list[Job]:
+    """``count`` jobs enqueued and claimed by hand, as a worker would hold them."""
+    relay.enqueue_many([{"type": "c"}] * count)
+    with psycopg.connect(dsn, autocommit=True, row_factory=dict_row) as claimer:
+        return [Job.from_row(row) for row in claimer.execute(sql("job_claim"), claim_params(limit=count))]
+
+
+def test_held_outcomes_split_by_the_batch_limits_wait_their_turn_and_leave_room_for_others(
+    relay: Relay, dsn: str, db: psycopg.Connection, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Held outcomes more than one batch holds went round with no wait while their rows stayed locked,
+    one full batch after another (thousands of statements a second), and an outcome queued meanwhile
+    for a row nobody held waited for the lock to end."""
+    monkeypatch.setattr(completer_module, "MAX_BATCH", 2)
+    *locked, free = claimed_jobs(relay, dsn, 4)
+    writes: list[int] = []
+    pool = make_pool(dsn, name="completion", min_size=1, max_size=2)
+    pool.open(wait=True)
+    completer = Completer(pool, lambda batch, done: None)
+    uncounted = completer.write
+
+    def write(batch: list[Outcome], *args: Any, **kwargs: Any) -> dict[int, str]:
+        writes.append(len(batch))
+        return uncounted(batch, *args, **kwargs)
+
+    monkeypatch.setattr(completer, "write", write)
+    try:
+        with psycopg.connect(dsn) as operator:
+            operator.execute("SELECT 1 FROM relay.jobs WHERE id = ANY(%s) FOR UPDATE", ([j.id for j in locked],))
+            completer.start()
+            held = [Outcome(job, Kind.SUCCEEDED, 0.0) for job in locked]
+            for outcome in held:
+                completer.put(outcome)
+            wait_for(lambda: all(o.locked_since for o in held), timeout=5, what="the locked outcomes held")
+            completer.put(Outcome(free, Kind.SUCCEEDED, 0.0))
+            wait_for(lambda: job_status(db, free.id) == "succeeded", timeout=5, what="the free job written")
+            writes.clear()
+            time.sleep(1.0)
+            assert len(writes) <= 20, f"{len(writes)} writes in 1 s while the rows stayed locked"
+            operator.rollback()
+        wait_for(lambda: all(job_status(db, j.id) == "succeeded" for j in locked), timeout=5, what="the rest")
+    finally:
+        completer.stop(2.0)
+        pool.close()
+
+
+def test_a_stopping_completer_tries_its_held_outcomes_once_more_at_its_give_up(
+    relay: Relay, dsn: str, db: psycopg.Connection, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The wait for the retry of a held outcome was capped at the give-up, but the outcome was taken
+    only once its retry was due: a lock released before the give-up, after the last retry, left the
+    job to the sweeper, to run again."""
+    monkeypatch.setattr(completer_module, "LOCKED_RETRY_FIRST_SECONDS", 5.0)  # no retry before the give-up
+    (job,) = claimed_jobs(relay, dsn, 1)
+    told: dict[int, str] = {}
+    pool = make_pool(dsn, name="completion", min_size=1, max_size=2)
+    pool.open(wait=True)
+    try:
+        completer = Completer(pool, lambda batch, done: told.update(done))
+        with psycopg.connect(dsn) as operator:
+            operator.execute("SELECT 1 FROM relay.jobs WHERE id = %s FOR UPDATE", (job.id,))
+            completer.start()
+            completer.put(Outcome(job, Kind.SUCCEEDED, 0.0))
+            wait_for(lambda: completer._held, timeout=5, what="the outcome held")
+            release = threading.Timer(0.2, operator.rollback)
+            release.start()
+            completer.stop(1.0)  # gives up after 0.5 s
+            release.join()
+    finally:
+        pool.close()
+    assert told.get(job.id) == "succeeded"
+    assert job_status(db, job.id) == "succeeded"
+
+
+def test_a_write_through_locks_whose_locker_took_the_job_reports_it_taken_not_locked(
+    relay: Relay, dsn: str, db: psycopg.Connection
+) -> None:
+    """A row found locked by a session that then took the job (a sweeper returning it) stayed
+    ROW_LOCKED: the shutdown tried it until its time ran out, then said the row was locked, and the
+    run was never counted as lost."""
+    (job,) = claimed_jobs(relay, dsn, 1)
+    pool = make_pool(dsn, name="completion", min_size=1, max_size=2)
+    pool.open(wait=True)
+    try:
+        completer = Completer(pool, lambda batch, done: None)
+        with psycopg.connect(dsn) as sweeper:
+            sweeper.execute("SELECT 1 FROM relay.jobs WHERE id = %s FOR UPDATE", (job.id,))
+            sweeper.execute(
+                "UPDATE relay.jobs SET status = 'queued', claimed_by = NULL, claimed_until = NULL WHERE id = %s",
+                (job.id,),
+            )
+            took = threading.Timer(0.1, sweeper.commit)
+            took.start()
+            started = time.monotonic()
+            written = completer.write_through_locks([Outcome(job, Kind.SUCCEEDED, 0.0)], 3.0)
+            took.join()
+    finally:
+        pool.close()
+    assert written == {}, "taken over: neither written nor locked"
+    assert time.monotonic() - started < 2.0, "not tried until the time ran out"
+    assert job_status(db, job.id) == "queued"
 
 
 def said_locked(caplog: pytest.LogCaptureFixture) -> list[logging.LogRecord]:

@@ -85,6 +85,7 @@ class Completer:
         self._held: list[Outcome] = []
         self._held_until = 0.0
         self._held_wait = LOCKED_RETRY_FIRST_SECONDS
+        self._tried_at_give_up = False  # once stopping: the held-back outcomes' last try, at the give-up
         self._held_warning = RepeatedWarning(
             "job rows locked by another session; their outcomes are written once the lock is released"
         )
@@ -140,7 +141,7 @@ class Completer:
                 self._write_until_done(batch)
             elif stopping and not self._held:
                 break  # everything queued before and after stop()'s marker is written
-            elif stopping and (self._time_left() or 0.0) <= 0:
+            elif stopping and self._tried_at_give_up and (self._time_left() or 0.0) <= 0:
                 event(
                     logging.ERROR,
                     "completion not written before the worker stopped: job rows locked by another session; "
@@ -158,9 +159,17 @@ class Completer:
         """
         if not self._held:
             return 0.0 if stopping else None
-        wait = max(self._held_until - time.monotonic(), 0.0)
+        wait = max(self._held_due_at() - time.monotonic(), 0.0)
         left = self._time_left()
         return wait if left is None else max(min(wait, left), 0.0)
+
+    def _held_due_at(self) -> float:
+        """When the held-back outcomes go again (monotonic): at their retry, or, once stopping, at the
+        give-up if that comes first, for a last try before they are given up."""
+        give_up_at = self._give_up_at
+        if give_up_at is None or self._tried_at_give_up:
+            return self._held_until
+        return min(self._held_until, give_up_at)
 
     def _take_batch(self, wait: float | None) -> tuple[list[Outcome], bool]:
         """The next batch: held-back outcomes now due, the first outcome queued (waited for ``wait``
@@ -168,13 +177,16 @@ class Completer:
         MAX_BATCH_BYTES of text; and whether stop()'s marker was taken."""
         batch: list[Outcome] = []
         size = 0
-        if self._held and time.monotonic() >= self._held_until:
+        now = time.monotonic()
+        if self._held and now >= self._held_due_at():
+            give_up_at = self._give_up_at
+            self._tried_at_give_up = give_up_at is not None and now >= give_up_at
             taken = 0
             while taken < len(self._held) and len(batch) < MAX_BATCH and size < MAX_BATCH_BYTES:
                 batch.append(self._held[taken])
                 size += self._held[taken].text_bytes()
                 taken += 1
-            del self._held[:taken]  # what the limits left stays held, due at once
+            del self._held[:taken]  # what the limits left stays held, due at once (unless these are held again)
         stopping = False
         while len(batch) < MAX_BATCH and size < MAX_BATCH_BYTES:
             try:
@@ -265,7 +277,10 @@ class Completer:
         for outcome in locked:
             if outcome.locked_since is None:
                 outcome.locked_since = now
-        if not self._held:
+        if not self._held or self._held_until <= now:
+            # A new wait, also when the limits left some held outcomes due: were these held again
+            # behind them with no wait, the held ones would go round at once, one full batch after
+            # another, and the outcomes queued meanwhile would wait for the lock to end.
             longer = min(self._held_wait * 2, LOCKED_RETRY_MAX_SECONDS)
             self._held_wait = longer if again else LOCKED_RETRY_FIRST_SECONDS
             self._held_until = now + self._held_wait
@@ -293,10 +308,16 @@ class Completer:
             time.sleep(wait)
             wait = min(wait * 2, LOCKED_RETRY_MAX_SECONDS)
             try:
-                written.update(self.write(locked, timeout=end - time.monotonic(), bounded=True))
-            except (psycopg.Error, PoolTimeout) as exc:
+                again = self.write(locked, timeout=end - time.monotonic(), bounded=True)
+            except RETRYABLE as exc:  # fenced: tried again while time is left
                 event(logging.WARNING, "could not write again the outcomes of locked job rows", error=str(exc))
+                continue
+            except psycopg.Error as exc:  # refused: what the first write wrote stands
+                event(logging.ERROR, "the outcomes of locked job rows were refused", error=str(exc))
                 return written
+            for outcome in locked:  # not in the answer: no longer this worker's (its locker took it)
+                written.pop(outcome.job.id, None)
+            written.update(again)
 
     def _with_own_successes(self, batch: list[Outcome], written: dict[int, str]) -> dict[int, str]:
         """``written`` with the successes an earlier try wrote before its answer was lost.

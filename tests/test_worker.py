@@ -1635,32 +1635,67 @@ def test_held_outcomes_split_by_the_batch_limits_wait_their_turn_and_leave_room_
         pool.close()
 
 
+@pytest.mark.parametrize("jobs", [1, 3], ids=["one-batch", "three-batches"])
 def test_a_stopping_completer_tries_its_held_outcomes_once_more_at_its_give_up(
-    relay: Relay, dsn: str, db: psycopg.Connection, monkeypatch: pytest.MonkeyPatch
+    relay: Relay, dsn: str, db: psycopg.Connection, monkeypatch: pytest.MonkeyPatch, jobs: int
 ) -> None:
     """The wait for the retry of a held outcome was capped at the give-up, but the outcome was taken
     only once its retry was due: a lock released before the give-up, after the last retry, left the
-    job to the sweeper, to run again."""
+    job to the sweeper, to run again. Then only the first batch of them got that last try."""
     monkeypatch.setattr(completer_module, "LOCKED_RETRY_FIRST_SECONDS", 5.0)  # no retry before the give-up
-    (job,) = claimed_jobs(relay, dsn, 1)
+    monkeypatch.setattr(completer_module, "MAX_BATCH", 1)
+    held = claimed_jobs(relay, dsn, jobs)
     told: dict[int, str] = {}
     pool = make_pool(dsn, name="completion", min_size=1, max_size=2)
     pool.open(wait=True)
     try:
         completer = Completer(pool, lambda batch, done: told.update(done))
         with psycopg.connect(dsn) as operator:
-            operator.execute("SELECT 1 FROM relay.jobs WHERE id = %s FOR UPDATE", (job.id,))
+            operator.execute("SELECT 1 FROM relay.jobs WHERE id = ANY(%s) FOR UPDATE", ([j.id for j in held],))
             completer.start()
-            completer.put(Outcome(job, Kind.SUCCEEDED, 0.0))
-            wait_for(lambda: completer._held, timeout=5, what="the outcome held")
+            outcomes = [Outcome(job, Kind.SUCCEEDED, 0.0) for job in held]
+            for outcome in outcomes:
+                completer.put(outcome)
+            wait_for(lambda: all(o.locked_since for o in outcomes), timeout=5, what="the outcomes held")
             release = threading.Timer(0.2, operator.rollback)
             release.start()
             completer.stop(1.0)  # gives up after 0.5 s
             release.join()
     finally:
         pool.close()
-    assert told.get(job.id) == "succeeded"
-    assert job_status(db, job.id) == "succeeded"
+    assert told == {job.id: "succeeded" for job in held}
+    assert {job_status(db, job.id) for job in held} == {"succeeded"}
+
+
+def test_a_stopping_completer_refused_at_once_still_waits_between_its_tries(
+    relay: Relay, dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """stop() wakes a write's backoff so it hears of the give-up, and left it woken: a server that
+    refused every write at once (read-only, during a failover) got them back to back, over a
+    thousand a second, until the give-up."""
+    (job,) = claimed_jobs(relay, dsn, 1)
+    read_only = conninfo.make_conninfo(dsn, options="-c default_transaction_read_only=on")
+    pool = make_pool(read_only, name="completion", min_size=1, max_size=1)
+    pool.open(wait=True)
+    completer = Completer(pool, lambda batch, done: None)
+    writes: list[float] = []
+    unwatched = completer.write
+
+    def write(batch: list[Outcome], *args: Any, **kwargs: Any) -> dict[int, str]:
+        writes.append(time.monotonic())
+        return unwatched(batch, *args, **kwargs)
+
+    monkeypatch.setattr(completer, "write", write)
+    try:
+        completer.start()
+        completer.put(Outcome(job, Kind.SUCCEEDED, 0.0))
+        wait_for(lambda: writes, timeout=5, what="the first write")
+        stopped_at = time.monotonic()
+        completer.stop(2.0)
+    finally:
+        pool.close()
+    after_stop = [at for at in writes if at > stopped_at]
+    assert 1 <= len(after_stop) <= 20, f"{len(after_stop)} writes in the 1.5 s before the give-up"
 
 
 def test_a_write_through_locks_whose_locker_took_the_job_reports_it_taken_not_locked(

@@ -85,7 +85,8 @@ class Completer:
         self._held: list[Outcome] = []
         self._held_until = 0.0
         self._held_wait = LOCKED_RETRY_FIRST_SECONDS
-        self._tried_at_give_up = False  # once stopping: the held-back outcomes' last try, at the give-up
+        # Once past the give-up: how many of the outcomes then held back are still to have their last try.
+        self._last_tries: int | None = None
         self._held_warning = RepeatedWarning(
             "job rows locked by another session; their outcomes are written once the lock is released"
         )
@@ -141,7 +142,7 @@ class Completer:
                 self._write_until_done(batch)
             elif stopping and not self._held:
                 break  # everything queued before and after stop()'s marker is written
-            elif stopping and self._tried_at_give_up and (self._time_left() or 0.0) <= 0:
+            elif stopping and self._last_tries == 0 and (self._time_left() or 0.0) <= 0:
                 event(
                     logging.ERROR,
                     "completion not written before the worker stopped: job rows locked by another session; "
@@ -167,7 +168,7 @@ class Completer:
         """When the held-back outcomes go again (monotonic): at their retry, or, once stopping, at the
         give-up if that comes first, for a last try before they are given up."""
         give_up_at = self._give_up_at
-        if give_up_at is None or self._tried_at_give_up:
+        if give_up_at is None or self._last_tries == 0:
             return self._held_until
         return min(self._held_until, give_up_at)
 
@@ -179,13 +180,17 @@ class Completer:
         size = 0
         now = time.monotonic()
         if self._held and now >= self._held_due_at():
-            give_up_at = self._give_up_at
-            self._tried_at_give_up = give_up_at is not None and now >= give_up_at
             taken = 0
             while taken < len(self._held) and len(batch) < MAX_BATCH and size < MAX_BATCH_BYTES:
                 batch.append(self._held[taken])
                 size += self._held[taken].text_bytes()
                 taken += 1
+            give_up_at = self._give_up_at
+            if give_up_at is not None and now >= give_up_at:
+                # The last tries: of every outcome held at the give-up, batch by batch (those held
+                # again go to the back, behind the ones still to be tried).
+                left = len(self._held) if self._last_tries is None else self._last_tries
+                self._last_tries = max(left - taken, 0)
             del self._held[:taken]  # what the limits left stays held, due at once (unless these are held again)
         stopping = False
         while len(batch) < MAX_BATCH and size < MAX_BATCH_BYTES:
@@ -235,7 +240,11 @@ class Completer:
                     )
                     return
                 self._outage.failed("completion write", exc, began=began)
-                self._stopping.wait(delay if left is None else min(delay, left))
+                pause = delay if left is None else min(delay, left)
+                if self._stopping.is_set():
+                    time.sleep(pause)  # stop() woke the wait already: a refusal that comes at once must not spin
+                else:
+                    self._stopping.wait(pause)  # woken by stop(), which sets the give-up
                 delay = next_retry_delay(delay)
                 continue
             except Exception as exc:

@@ -1955,7 +1955,7 @@ def test_a_hung_handlers_timeout_at_shutdown_on_a_locked_row_is_left_to_the_swee
     finally:
         release.set()
     assert (worker.counters.retried, worker.counters.dead, worker.counters.lost) == (0, 0, 0)
-    said = [r for r in caplog.records if r.getMessage().startswith("timeouts not written: job rows locked")]
+    said = [r for r in caplog.records if r.getMessage().startswith("timeouts not written: job rows locked by another")]
     assert len(said) == 1 and said[0].job_ids == [job_id]
 
 

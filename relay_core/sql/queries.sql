@@ -525,7 +525,8 @@ RETURNING j.id, j.status::text AS status, j.type, j.attempts, j.claimed_by;
 -- Admin: lock one job before acting on it, and read the state the action is
 -- chosen from. A worker's write to the row (a retry, a completion, a sweep)
 -- that is in flight commits first and is read here, or waits until the action
--- is done; without the lock, a cancel whose job went claimed -> queued between
+-- is done (a completion skips the locked row and is written again once it is
+-- free, see job_succeed_many); without the lock, a cancel whose job went claimed -> queued between
 -- two statements matched neither and was refused though the job was cancellable.
 -- The lease token tells whether the job was claimed since a page showed it.
 SELECT status::text AS status, cancel_requested_at IS NOT NULL AS cancel_requested, lease_token

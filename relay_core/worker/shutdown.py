@@ -197,8 +197,8 @@ def record_overdue(
     if locked:
         event(
             logging.ERROR,
-            "timeouts not written: job rows locked by another session; "
-            "the sweeper will return these jobs when their leases expire",
+            "timeouts not written: job rows locked by another session (or by a handler's own "
+            "transaction, still open); the sweeper will return these jobs when their leases expire",
             job_ids=[o.job.id for o in locked],
         )
     on_written([o for o in decided if written.get(o.job.id) != ROW_LOCKED], written)

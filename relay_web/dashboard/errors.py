@@ -29,6 +29,11 @@ log = logging.getLogger("relay.web")
 
 #: Seconds between the retries of a page or fragment that could not reach the database.
 RETRY_SECONDS = 5
+#: Sent by a polling fragment whose answer replaces it (hx-swap="outerHTML": a job's status card, and
+#: the error in its place): the error must poll on by itself. A part polled by a wrapper that stays
+#: (the overview, queues, workers) is polled again by that wrapper: polling in the error too made two
+#: requests where one was due, each holding a thread and a connection through a statement timeout.
+REPLACES_POLLER_HEADER = "Relay-Poll-Replaced"
 
 
 def error_page(
@@ -37,10 +42,11 @@ def error_page(
     """An error page with ``status``; an htmx request gets its partial.
 
     With ``retry``, a GET tries again by itself: a page reloads, and a fragment
-    (which replaced, say, a polling status card) polls its own URL until it is
-    answered. A POST is never repeated.
+    that replaced its poller (a job's status card: REPLACES_POLLER_HEADER)
+    polls its own URL until it is answered. A POST is never repeated.
     """
-    retry_url = request.full_path.rstrip("?") if retry and request.method == "GET" else None
+    polls_again = not is_htmx() or request.headers.get(REPLACES_POLLER_HEADER) == "true"
+    retry_url = request.full_path.rstrip("?") if retry and request.method == "GET" and polls_again else None
     response = page(
         "error",
         # A refused CSRF token: the page that sent it is stale, and reloading it gives a good one.

@@ -358,6 +358,10 @@ def test_a_button_only_address_opened_in_a_browser_is_a_page_saying_so(viewer: D
     assert (api.status_code, api.mimetype) == (405, "application/problem+json")
 
 
+#: What a job's polling status card sends (htmx, and the header saying its answer replaces it).
+CARD_POLL = {"HX-Request": "true", "Relay-Poll-Replaced": "true"}
+
+
 def test_a_database_outage_page_retries_as_it_says(make_app, admin: DashboardClient, jobs: Jobs) -> None:
     # The same session on a web process whose database has gone away.
     job_id = jobs.add()
@@ -367,13 +371,17 @@ def test_a_database_outage_page_retries_as_it_says(make_app, admin: DashboardCli
     client.csrf = admin.csrf
 
     # The status card of a requeued job, polling: the answer replaces the card, so it must poll on.
-    card = client.get(f"/jobs/{job_id}?part=status&seen=queued", htmx=True)
+    card = client.client.get(f"/jobs/{job_id}?part=status&seen=queued", headers=CARD_POLL)
     assert card.status_code == 503
     html = _text(card)
     assert "Database unreachable" in html
     assert "Log in" not in html  # the session is fine; the database is what is missing
     assert f'hx-get="/jobs/{job_id}?part=status&amp;seen=queued"' in html
     assert re.search(r'hx-trigger="every \d+s"', html) and 'hx-swap="outerHTML"' in html
+    assert "Relay-Poll-Replaced" in html, "its own retries say so too, or the second one would stop polling"
+    # The overview's part is polled by a wrapper that stays: its error adds no second poll.
+    overview = client.get("/", htmx=True)
+    assert overview.status_code == 503 and "hx-get" not in _text(overview)
 
     # A page opened during the outage reloads itself.
     full = client.get(f"/jobs/{job_id}")
@@ -401,9 +409,10 @@ def test_a_page_the_statement_timeout_ended_retries_unless_it_is_a_filtered_list
     client.csrf = admin.csrf
     with psycopg.connect(dsn) as holder:
         holder.execute("LOCK relay.jobs IN ACCESS EXCLUSIVE MODE")
-        card = client.get(f"/jobs/{job_id}?part=status&seen=queued", htmx=True)
+        card = client.client.get(f"/jobs/{job_id}?part=status&seen=queued", headers=CARD_POLL)
         full = client.get(f"/jobs/{job_id}")
         listing = client.get("/jobs?state=queued")
+        overview = client.get("/", htmx=True)
     assert (card.status_code, full.status_code, listing.status_code) == (503, 503, 503)
     html = _text(card)
     assert "Query took too long" in html and "tries again every" in html
@@ -413,6 +422,9 @@ def test_a_page_the_statement_timeout_ended_retries_unless_it_is_a_filtered_list
     # A filtered listing would be as slow the next time: it asks for narrower filters, and waits for them.
     assert "narrow the filters" in _text(listing)
     assert "refresh" not in _text(listing) and "hx-get" not in _text(listing).split("<main", 1)[-1]
+    # A part polled by a wrapper that stays is polled again by it: a poll of its own would make two
+    # requests where one is due, each holding a thread and a connection through the timeout.
+    assert overview.status_code == 503 and "hx-get" not in _text(overview)
     assert client.get(f"/jobs/{job_id}?part=status&seen=queued", htmx=True).status_code == 200
 
 

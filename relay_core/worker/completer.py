@@ -278,9 +278,9 @@ class Completer:
 
     def _hold_locked(self, batch: list[Outcome], written: dict[int, str]) -> list[Outcome]:
         """Hold back the outcomes whose rows were locked, to be written again; the rest of ``batch``."""
-        locked = [o for o in batch if written.get(o.job.id) == ROW_LOCKED]
+        done, locked = split_locked(batch, written)
         if not locked:
-            return batch
+            return done
         now = time.monotonic()
         again = any(o.locked_since is not None for o in locked)
         for outcome in locked:
@@ -297,7 +297,7 @@ class Completer:
         long_held = [o.job.id for o in locked if now - (o.locked_since or now) >= LOCKED_WARN_SECONDS]
         if long_held:
             self._held_warning.happened(job_ids=sorted(long_held))
-        return [o for o in batch if written.get(o.job.id) != ROW_LOCKED]
+        return done
 
     def write_through_locks(self, batch: list[Outcome], timeout: float) -> dict[int, str]:
         """``write`` within ``timeout`` s, the whole write bounded, writing again the outcomes whose
@@ -311,7 +311,7 @@ class Completer:
         written = self.write(batch, timeout=timeout, bounded=True)
         wait = LOCKED_RETRY_FIRST_SECONDS
         while True:
-            locked = [o for o in batch if written.get(o.job.id) == ROW_LOCKED]
+            _done, locked = split_locked(batch, written)
             if not locked or end - time.monotonic() <= wait:
                 return written
             time.sleep(wait)
@@ -385,6 +385,18 @@ class Completer:
             for rows in run_as_one_message(conn, statements, prepared=not self._pool.transaction_pooling):
                 written.update(rows)
         return written
+
+
+def split_locked(batch: list[Outcome], written: dict[int, str]) -> tuple[list[Outcome], list[Outcome]]:
+    """``batch`` as the outcomes ``write`` wrote (or found no longer the worker's) and those it left
+    unwritten on rows another session held locked (ROW_LOCKED)."""
+    if ROW_LOCKED not in written.values():
+        return batch, []
+    done: list[Outcome] = []
+    locked: list[Outcome] = []
+    for outcome in batch:
+        (locked if written.get(outcome.job.id) == ROW_LOCKED else done).append(outcome)
+    return done, locked
 
 
 def _fenced(outcomes: list[Outcome], **columns: list[object]) -> dict[str, list[object]]:

@@ -26,7 +26,7 @@ from ..outages import RETRYABLE
 from ..pools import RelayPool
 from ..queries import sql
 from ..stalls import SHORTEST_CUT_SECONDS, cut_at, seconds_until
-from .completer import ROW_LOCKED, Completer
+from .completer import Completer, split_locked
 from .ledger import Ledger, Running
 from .outcome import Outcome
 
@@ -193,7 +193,7 @@ def record_overdue(
         return
     finally:
         ledger.release([o.job for o in decided])
-    locked = [o for o in decided if written.get(o.job.id) == ROW_LOCKED]
+    done, locked = split_locked(decided, written)
     if locked:
         event(
             logging.ERROR,
@@ -201,7 +201,7 @@ def record_overdue(
             "transaction, still open); the sweeper will return these jobs when their leases expire",
             job_ids=[o.job.id for o in locked],
         )
-    on_written([o for o in decided if written.get(o.job.id) != ROW_LOCKED], written)
+    on_written(done, written)
 
 
 #: ``relay worker``'s exit status when it stopped itself because too many handlers were stuck

@@ -120,7 +120,9 @@ def test_a_column_retyped_under_prepared_statements_costs_no_claim_and_no_enqueu
     """
     dsn = unmigrated_dsn
     migrate(dsn)
-    app = Relay(dsn)
+    # One client connection: the pool grows to a second one when its first enqueue finds the first
+    # still connecting, and an enqueue on a connection that never prepared the insert is not refused.
+    app = Relay(dsn, pool_size=1)
     ran: list[int] = []
     app.handler("note")(lambda job: ran.append(job.id))
     caplog.set_level(logging.WARNING, logger="relay")

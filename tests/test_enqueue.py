@@ -1171,22 +1171,32 @@ def prepared_here(conn: psycopg.Connection) -> list[str]:
 
 
 def test_an_enqueue_runs_its_insert_by_a_prepared_name_and_prepares_it_again_after_a_deallocate(
-    relay: Relay, db: psycopg.Connection
+    dsn: str, db: psycopg.Connection
 ) -> None:
     """The one-job enqueue on Relay's own pool runs its insert by a name prepared on the session
     (below psycopg's cursor). psycopg sends DEALLOCATE ALL when it empties its own cache, and takes
     Relay's names with it: the next enqueue, told the name is gone, prepares it again and inserts
     its job once."""
-    first = relay.enqueue("t", {"n": 1})
-    keyed = relay.enqueue("t", {"n": 2}, idempotency_key="k")
-    assert relay.enqueue("t", {"n": 3}, idempotency_key="k") == keyed
-    with relay.pool.connection() as conn:  # the connection returned last: the enqueues'
-        assert prepared_here(conn) == ["relay_job_id_by_idempotency_key", "relay_job_insert", "relay_job_insert_keyed"]
-        conn.execute("DEALLOCATE ALL")
-        assert prepared_here(conn) == []
-    second = relay.enqueue("t", {"n": 4})
-    with relay.pool.connection() as conn:
-        assert prepared_here(conn) == ["relay_job_insert"]
+    # One connection: a pool that grew to two at its first checkout (the first still connecting)
+    # could send the enqueues on either, their statements prepared on both.
+    relay = Relay(dsn, pool_size=1)
+    try:
+        first = relay.enqueue("t", {"n": 1})
+        keyed = relay.enqueue("t", {"n": 2}, idempotency_key="k")
+        assert relay.enqueue("t", {"n": 3}, idempotency_key="k") == keyed
+        with relay.pool.connection() as conn:
+            assert prepared_here(conn) == [
+                "relay_job_id_by_idempotency_key",
+                "relay_job_insert",
+                "relay_job_insert_keyed",
+            ]
+            conn.execute("DEALLOCATE ALL")
+            assert prepared_here(conn) == []
+        second = relay.enqueue("t", {"n": 4})
+        with relay.pool.connection() as conn:
+            assert prepared_here(conn) == ["relay_job_insert"]
+    finally:
+        relay.close()
     rows = db.execute("SELECT id, payload->>'n' FROM relay.jobs ORDER BY id").fetchall()
     assert rows == [(first, "1"), (keyed, "2"), (second, "4")]
     assert db.execute("SELECT sum(n)::int FROM relay.job_counts").fetchone() == (3,)

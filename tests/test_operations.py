@@ -8,6 +8,7 @@ import itertools
 import json
 import logging
 import signal
+import statistics
 import threading
 import time
 import uuid
@@ -383,7 +384,10 @@ def test_an_every_second_schedule_gets_each_tick_just_after_it_falls_due(relay: 
     ticks = [tick for tick, _created in rows]
     assert all(b - a == timedelta(seconds=1) for a, b in itertools.pairwise(ticks)), ticks  # none passed over
     lags = [(created - tick).total_seconds() for tick, created in rows]
-    assert all(0 <= lag < 0.4 for lag in lags), lags
+    # Checks that kept the start's phase would lag about 0.5 s each tick; one check held up by a
+    # loaded machine lags one tick only.
+    assert statistics.median(lags) < 0.4, lags
+    assert all(0 <= lag < 1.5 for lag in lags), lags
 
 
 @pytest.mark.parametrize("catch_up", [False, True])

@@ -167,6 +167,7 @@ def test_a_worker_started_while_writes_are_refused_waits_then_works(
     switch.refuse_writes()
     with running_worker(relay, poll_interval=0.2) as worker:
         switch.writer.execute("SELECT pg_sleep(1.0)")
+        wait_for(lambda: said(caplog), timeout=10, what="the refused start said")  # a thread started late
         assert not worker.stopped_for_stuck_handlers
         registered = switch.writer.execute("SELECT count(*) FROM relay.workers").fetchone()
         assert registered == (0,)

@@ -1659,7 +1659,7 @@ def test_a_stopping_completer_tries_its_held_outcomes_once_more_at_its_give_up(
             wait_for(lambda: all(o.locked_since for o in outcomes), timeout=5, what="the outcomes held")
             release = threading.Timer(0.2, operator.rollback)
             release.start()
-            completer.stop(1.0)  # gives up after 0.5 s
+            completer.stop(2.0)  # gives up after 1.5 s, well after the release even on a loaded machine
             release.join()
     finally:
         pool.close()
@@ -1830,7 +1830,9 @@ def test_scheduled_job_starts_on_time_while_workers_are_busy(relay: Relay, db: p
 
     def feed() -> None:
         while not stop.is_set():
-            relay.enqueue_many([{"type": "busy"} for _ in range(4)])
+            # About half of what two slots of 0.05 s jobs take: busy, without a backlog that would
+            # (by run_at, as the claim orders) rightly run ahead of the scheduled job.
+            relay.enqueue_many([{"type": "busy"} for _ in range(2)])
             time.sleep(0.1)
 
     with running_worker(relay, concurrency=2, poll_interval=0.2):

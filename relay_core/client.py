@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import atexit
+import contextlib
 import functools
 import os
 import threading
@@ -23,6 +25,7 @@ from .connections import run, run_async
 from .errors import ConfigurationError, InvalidJobError, RelayError
 from .handlers import DEFAULT_MAX_ATTEMPTS, HandlerSpec, make_spec
 from .pools import RelayConnection, RelayPool, make_pool, outdated_plan
+from .queries import sql
 from .settings import check_dsn_type, database_url, env_bool, env_float, env_int, transaction_pooling
 from .validation import (
     BATCH_JOB_OVERHEAD_CHARS,
@@ -38,6 +41,7 @@ from .validation import (
     check_seconds,
     new_job,
 )
+from .wakeups import Wakeups
 from .worker import Worker, WorkerConfig, require_handlers
 from .worker.shutdown import end_owned_process
 
@@ -83,9 +87,21 @@ def _unlock_pools_after_fork() -> None:
     """
     for relay in list(RELAYS):
         relay._pool_lock = threading.Lock()
+        relay._wakeups.start_fresh()  # the wake-ups the parent owes are the parent's to send
 
 
 os.register_at_fork(after_in_child=_unlock_pools_after_fork)
+
+
+@atexit.register
+def _send_owed_wakeups() -> None:
+    """At exit, the wake-ups each Relay still owes, sent while its pool is open.
+
+    ``pools.close_open_pools`` was registered first, so it runs after this.
+    """
+    for relay in list(RELAYS):
+        with contextlib.suppress(Exception):  # exiting anyway; workers poll
+            relay._wakeups.close()
 
 
 def batch_items(jobs: Any) -> list[Any]:
@@ -161,6 +177,8 @@ class Relay:
         self._pool: RelayPool | None = None
         self._pool_size = pool_size
         self._pool_lock = threading.Lock()
+        #: Which of this Relay's own one-job enqueues notify in their statement (see ``wakeups``).
+        self._wakeups = Wakeups(self._wake_queues)
         RELAYS.add(self)
 
     # -- configuration -----------------------------------------------------
@@ -200,7 +218,8 @@ class Relay:
             return self._pool
 
     def close(self) -> None:
-        """Close the connection pool (a new one opens if Relay is used again)."""
+        """Send the wake-ups still owed, then close the connection pool (a new one opens if Relay is used again)."""
+        self._wakeups.close()
         with self._pool_lock:
             if self._pool is not None and not self._pool.inherited:
                 self._pool.close()
@@ -320,25 +339,39 @@ class Relay:
             job_type, {} if payload is None else payload, queue, priority, run_at, max_attempts, idempotency_key
         )
         unresolved = self._takes_published(job, max_attempts)
-        steps = inserts.enqueue_one(job, unresolved, self.notify)
         if conn is not None:
-            return run(conn, steps)
+            return run(conn, inserts.enqueue_one(job, unresolved, self.notify))
+        # A job due at once notifies in the insert unless its queue was notified within the
+        # window; then its wake-up is owed once it is committed (see ``wakeups``).
+        notify = self.notify and (job.run_at is not None or self._wakeups.notify_now(job.queue))
+        owed = self.notify and not notify
         pool = self.pool
         # The pool's connections are autocommit (see ``pool``), so the insert is
         # its own transaction and there is nothing to commit before returning it.
         own = pool.getconn()
+        outdated = False
         try:
             with lock_wait_explained():
-                return run(own, steps)
+                job_id = run(own, inserts.enqueue_one(job, unresolved, notify))
         except psycopg.errors.FeatureNotSupported as exc:
             if not pool.replace_if_outdated(exc):
                 raise
+            outdated = True
         except psycopg.errors.ReadOnlySqlTransaction:
             pool.replace_for_read_only()  # a failover left it on a server that refuses writes
             raise
         finally:
             pool.putconn(own)
-        return self._run_on_fresh_connection(inserts.enqueue_one(job, unresolved, self.notify))
+        if outdated:
+            job_id = self._run_on_fresh_connection(inserts.enqueue_one(job, unresolved, notify))
+        if owed:
+            self._wakeups.owed(job.queue)
+        return job_id
+
+    def _wake_queues(self, queues: list[str]) -> None:
+        """Send the NOTIFY owed to each of ``queues`` (see ``wakeups``)."""
+        with self.pool.connection() as conn:
+            conn.execute(sql("wake_queues"), {"queues": queues})
 
     def _run_on_fresh_connection(self, steps: inserts.Steps[T]) -> T:
         """Run ``steps`` again after the schema outdated a statement prepared on this Relay's pool.

@@ -73,6 +73,12 @@ WITH inserted AS (
 )
 SELECT id, CASE WHEN due AND %(notify)s THEN pg_notify('relay_jobs', queue) END AS notified FROM inserted;
 
+-- name: wake_queues
+-- The NOTIFY owed to each of %(queues)s by enqueues that left their wake-up to
+-- the window's end (relay_core/wakeups.py). It writes nothing, so its commit
+-- flushes nothing and holds PostgreSQL's NOTIFY lock only for a moment.
+SELECT count(pg_notify('relay_jobs', queue)) AS n FROM unnest(%(queues)s::text[]) AS queue;
+
 -- name: job_id_by_idempotency_key
 -- The job that already holds an idempotency key.
 SELECT id FROM relay.jobs WHERE idempotency_key = %(idempotency_key)s;

@@ -341,32 +341,34 @@ class Relay:
         unresolved = self._takes_published(job, max_attempts)
         if conn is not None:
             return run(conn, inserts.enqueue_one(job, unresolved, self.notify))
-        # A job due at once notifies in the insert unless its queue was notified within the
-        # window; then its wake-up is owed once it is committed (see ``wakeups``).
-        notify = self.notify and (job.run_at is not None or self._wakeups.notify_now(job.queue))
-        owed = self.notify and not notify
+        if not self.notify or job.run_at is not None:
+            return self._enqueue_on_pool(job, unresolved, self.notify)  # a run_at: the insert tells if it is due
+        # A job due at once, sent while others are in flight, leaves its NOTIFY to the end of its
+        # queue's window if the queue was notified within it (see ``wakeups``).
+        notify = self._wakeups.notify_now(job.queue)
+        try:
+            return self._enqueue_on_pool(job, unresolved, notify)
+        finally:
+            self._wakeups.sent(job.queue, owed=not notify)
+
+    def _enqueue_on_pool(self, job: NewJob, unresolved: bool, notify: bool) -> int:
+        """Insert ``job`` on a connection of this Relay's pool: committed once this returns; its id."""
         pool = self.pool
         # The pool's connections are autocommit (see ``pool``), so the insert is
         # its own transaction and there is nothing to commit before returning it.
         own = pool.getconn()
-        outdated = False
         try:
             with lock_wait_explained():
-                job_id = run(own, inserts.enqueue_one(job, unresolved, notify))
+                return run(own, inserts.enqueue_one(job, unresolved, notify))
         except psycopg.errors.FeatureNotSupported as exc:
             if not pool.replace_if_outdated(exc):
                 raise
-            outdated = True
         except psycopg.errors.ReadOnlySqlTransaction:
             pool.replace_for_read_only()  # a failover left it on a server that refuses writes
             raise
         finally:
             pool.putconn(own)
-        if outdated:
-            job_id = self._run_on_fresh_connection(inserts.enqueue_one(job, unresolved, notify))
-        if owed:
-            self._wakeups.owed(job.queue)
-        return job_id
+        return self._run_on_fresh_connection(inserts.enqueue_one(job, unresolved, notify))
 
     def _wake_queues(self, queues: list[str]) -> None:
         """Send the NOTIFY owed to each of ``queues`` (see ``wakeups``)."""

@@ -60,30 +60,51 @@ class Wakeups:
         self._notified_at: dict[str, float] = {}
         #: The queues owed a wake-up, in the order they came (a dict as an ordered set).
         self._owed: dict[str, None] = {}
+        #: This Relay's enqueues between ``notify_now`` and ``sent``.
+        self._in_flight = 0
         self._thread: threading.Thread | None = None
         self._closing = False
 
     def notify_now(self, queue: str) -> bool:
-        """Whether an enqueue of ``queue`` notifies in its own statement; if not, call ``owed`` once it commits."""
+        """Whether an enqueue of ``queue``, about to be sent, notifies in its own statement.
+
+        Call ``sent`` once it is done, whatever the outcome. Only an enqueue
+        sent while another of this Relay's is in flight may leave its NOTIFY
+        to the thread: a producer that enqueues one job after another commits
+        one at a time anyway, and would only pay for the thread's statements.
+        """
         now = time.monotonic()
         with self._lock:
+            self._in_flight += 1
             last = self._notified_at.get(queue)
-            if last is not None and now - last < self._window:
+            if self._in_flight > 1 and last is not None and now - last < self._window:
                 return False
             if len(self._notified_at) >= REMEMBERED_QUEUES:
                 self._notified_at = {q: at for q, at in self._notified_at.items() if now - at < self._window}
             self._notified_at[queue] = now
             return True
 
-    def owed(self, queue: str) -> None:
-        """A job of ``queue`` that did not notify is committed: its queue is notified by the window's end."""
+    def sent(self, queue: str, owed: bool) -> None:
+        """An enqueue that asked ``notify_now`` is done; if ``owed``, its queue's NOTIFY is sent by the window's end.
+
+        Also after an enqueue that failed: whether it committed may be
+        unknown (an answer lost with the connection), and a NOTIFY too many
+        only wakes workers to find nothing.
+        """
         with self._lock:
+            self._in_flight -= 1
+            if not owed or queue in self._owed:
+                return  # nothing owed, or the thread sends it by the window's end already
+            first = not self._owed
             self._owed[queue] = None
             if self._thread is None or not self._thread.is_alive():
                 self._closing = False
                 self._thread = threading.Thread(target=self._run, name="relay-wakeups", daemon=True)
                 self._thread.start()
-            self._changed.notify()
+            elif first:
+                # Only then is the thread waiting without a time to wake at. A queue added to the
+                # owed ones is due no sooner than they are (its NOTIFY was within the window).
+                self._changed.notify()
 
     def close(self) -> None:
         """Send the wake-ups still owed (waiting up to CLOSE_WAIT_SECONDS), then end the thread."""

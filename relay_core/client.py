@@ -371,7 +371,13 @@ class Relay:
         return self._run_on_fresh_connection(inserts.enqueue_one(job, unresolved, notify))
 
     def _wake_queues(self, queues: list[str]) -> None:
-        """Send the NOTIFY owed to each of ``queues`` (see ``wakeups``)."""
+        """Send the NOTIFY owed to each of ``queues`` (see ``wakeups``); nothing once this Relay is closed.
+
+        A closed Relay's pool is not opened again for it (an enqueue that failed
+        as the Relay closed still owes one).
+        """
+        if self._pool is None:
+            return
         with self.pool.connection() as conn:
             conn.execute(sql("wake_queues"), {"queues": queues})
 

@@ -24,9 +24,11 @@ is. NOTIFY stays a hint either way: workers also poll.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Callable
 
 from .outages import RepeatedWarning
@@ -36,6 +38,9 @@ from .outages import RepeatedWarning
 WAKEUP_WINDOW_SECONDS = 0.002
 #: How long ``close`` waits for the wake-ups still owed to be sent.
 CLOSE_WAIT_SECONDS = 1.0
+#: How long the thread waits with nothing owed before it ends (a new one starts when needed),
+#: so that a Relay dropped without ``close`` is not kept alive by it.
+IDLE_SECONDS = 1.0
 #: Past this many queues remembered, those not notified within the window are forgotten.
 REMEMBERED_QUEUES = 1024
 
@@ -44,22 +49,25 @@ class Wakeups:
     """Which queues notify in their enqueue's statement, and a thread for the wake-ups owed by the rest."""
 
     def __init__(self, send: Callable[[list[str]], None], window: float | None = None) -> None:
-        #: Sends one NOTIFY for each of the queues given (on Relay's pool).
-        self._send = send
-        self._window = WAKEUP_WINDOW_SECONDS if window is None else window
-        self._failed = RepeatedWarning(
-            "could not wake workers for jobs just enqueued; they start at the workers' next poll"
+        #: Sends one NOTIFY for each of the queues given (on Relay's pool). Held weakly when it is a
+        #: method: the thread must not keep a Relay its program has dropped.
+        self._send: Callable[[], Callable[[list[str]], None] | None] = (
+            weakref.WeakMethod(send) if inspect.ismethod(send) else lambda: send
         )
+        self._window = WAKEUP_WINDOW_SECONDS if window is None else window
         self.start_fresh()
 
     def start_fresh(self) -> None:
         """No wake-ups owed and no thread: in a new Relay, and in a forked child (whose owed ones are the parent's)."""
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
+        self._failed = RepeatedWarning(
+            "could not wake workers for jobs just enqueued; they start at the workers' next poll"
+        )
         #: When each queue was last notified, or an enqueue decided to notify it (monotonic).
         self._notified_at: dict[str, float] = {}
-        #: The queues owed a wake-up, in the order they came (a dict as an ordered set).
-        self._owed: dict[str, None] = {}
+        #: The queues owed a wake-up, each with when it is due (monotonic), in the order they came.
+        self._owed: dict[str, float] = {}
         #: This Relay's enqueues between ``notify_now`` and ``sent``.
         self._in_flight = 0
         self._thread: threading.Thread | None = None
@@ -89,22 +97,29 @@ class Wakeups:
 
         Also after an enqueue that failed: whether it committed may be
         unknown (an answer lost with the connection), and a NOTIFY too many
-        only wakes workers to find nothing.
+        only wakes workers to find nothing. Never raises: the job is
+        committed by now, and its caller must get its id.
         """
         with self._lock:
             self._in_flight -= 1
-            if not owed or queue in self._owed:
-                return  # nothing owed, or the thread sends it by the window's end already
-            first = not self._owed
-            self._owed[queue] = None
-            if self._thread is None or not self._thread.is_alive():
-                self._closing = False
-                self._thread = threading.Thread(target=self._run, name="relay-wakeups", daemon=True)
-                self._thread.start()
-            elif first:
-                # Only then is the thread waiting without a time to wake at. A queue added to the
-                # owed ones is due no sooner than they are (its NOTIFY was within the window).
+            if not owed:
+                return
+            if queue not in self._owed:
+                # Due a window after the queue's last NOTIFY, fixed now: an enqueue deciding to
+                # notify later (one whose key was held, say, which notifies nothing) moves nothing.
+                self._owed[queue] = self._notified_at.get(queue, float("-inf")) + self._window
                 self._changed.notify()
+            if self._thread is not None and self._thread.is_alive():
+                return
+            self._closing = False
+            thread = threading.Thread(target=self._run, name="relay-wakeups", daemon=True)
+            try:
+                thread.start()
+            except RuntimeError as exc:  # no thread to be had (a limit, or the interpreter exiting)
+                self._owed.clear()
+                self._failed.happened(error=str(exc))
+                return
+            self._thread = thread
 
     def close(self) -> None:
         """Send the wake-ups still owed (waiting up to CLOSE_WAIT_SECONDS), then end the thread."""
@@ -120,23 +135,26 @@ class Wakeups:
             with self._lock:
                 while True:
                     if self._owed:
-                        due = min(self._notified_at.get(q, float("-inf")) for q in self._owed) + self._window
-                        wait = due - time.monotonic()
+                        wait = min(self._owed.values()) - time.monotonic()
                         if wait <= 0 or self._closing:
                             break
                         self._changed.wait(wait)
-                    elif self._closing:
-                        self._thread = None
+                    elif self._closing or (not self._changed.wait(IDLE_SECONDS) and not self._owed):
+                        # Closing, or idle for IDLE_SECONDS: the next owed wake-up starts a thread anew.
+                        if self._thread is threading.current_thread():
+                            self._thread = None
                         return
-                    else:
-                        self._changed.wait()
                 queues = list(self._owed)
                 self._owed.clear()
                 now = time.monotonic()
                 for queue in queues:
                     self._notified_at[queue] = now
+            send = self._send()
+            if send is None:
+                return  # its Relay is gone
             try:
-                self._send(queues)
+                send(queues)
             except Exception as exc:  # the wake-up is a hint: workers poll, so the jobs still run
                 self._failed.happened(queues=queues, error=str(exc))
                 logging.getLogger("relay").debug("wake-up not sent", exc_info=True)
+            del send

@@ -100,6 +100,32 @@ def test_the_enqueue_breakdown_runs_and_reports_every_part(database_url: str, py
         assert conn.execute("SELECT count(*) FROM pg_database WHERE datname = %s", (scratch,)).fetchone()[0] == 0
 
 
+def test_the_concurrent_enqueue_bench_runs_and_reports_every_shape(database_url: str, python: str) -> None:
+    scratch = f"relay_bench_producers_{uuid.uuid4().hex[:10]}"
+    result = subprocess.run(
+        [
+            python,
+            "bench/concurrent_enqueue.py",
+            *("--threads", "2", "--jobs", "10", "--rounds", "1"),
+            "--database",
+            scratch,
+        ],
+        cwd=ROOT,
+        env={**os.environ, "DATABASE_URL": database_url},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    rows = [line.rstrip(" |").split(" | ") for line in result.stdout.splitlines() if line[:3] in ("| 1", "| 2")]
+    assert [(row[0].lstrip("| "), row[1]) for row in rows] == [("1", "yes"), ("1", "no"), ("2", "yes"), ("2", "no")]
+    for row in rows:
+        assert float(row[2].split()[0].replace(",", "")) > 0 and float(row[3].rstrip("x")) > 0, row
+    assert [row[3] for row in rows if row[1] == "no"] == ["1.00x", "1.00x"]
+    with psycopg.connect(database_url) as conn:
+        assert conn.execute("SELECT count(*) FROM pg_database WHERE datname = %s", (scratch,)).fetchone()[0] == 0
+
+
 def _harness(module: str):  # type: ignore[no-untyped-def]
     """A module of bench/harness (the bench is scripts, not a package Relay installs)."""
     sys.path.insert(0, str(ROOT / "bench"))

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import subprocess
 import threading
 import time
+import weakref
 from datetime import UTC, datetime, timedelta
 
 import psycopg
@@ -115,10 +117,11 @@ def test_idle_workers_run_every_job_of_concurrent_bursts_without_polling(relay: 
 
 
 def test_enqueues_in_the_callers_transactions_each_notify_at_their_commit(
-    relay: Relay, dsn: str, listening: Listening, monkeypatch: pytest.MonkeyPatch
+    dsn: str, listening: Listening, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Relay cannot see when a caller commits, so it cannot owe that job a wake-up: each notifies in it."""
-    monkeypatch.setattr(wakeups, "WAKEUP_WINDOW_SECONDS", 10.0)
+    monkeypatch.setattr(wakeups, "WAKEUP_WINDOW_SECONDS", 30.0)
+    relay = Relay(dsn)
     relay._wakeups.notify_now("default")  # as if another enqueue were in flight, its queue just notified
     try:
         with psycopg.connect(dsn) as conn:
@@ -128,22 +131,24 @@ def test_enqueues_in_the_callers_transactions_each_notify_at_their_commit(
         wait_for(lambda: len(listening.heard) == 5, timeout=5, what="one NOTIFY per transaction")
     finally:
         relay._wakeups.sent("default", owed=False)
+        relay.close()
 
 
-def test_a_job_scheduled_later_takes_no_window(
-    relay: Relay, listening: Listening, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_a_job_scheduled_later_takes_no_window(dsn: str, listening: Listening, monkeypatch: pytest.MonkeyPatch) -> None:
     """A job with a run_at leaves the NOTIFY to the insert (sent only if it is due), and does not
     hold back the wake-up of the next job due at once."""
-    monkeypatch.setattr(wakeups, "WAKEUP_WINDOW_SECONDS", 10.0)
-    relay.enqueue("t", run_at=datetime.now(UTC) + timedelta(hours=1))
-    assert listening.heard == []
+    monkeypatch.setattr(wakeups, "WAKEUP_WINDOW_SECONDS", 30.0)
+    relay = Relay(dsn)
     relay._wakeups.notify_now("other")  # another enqueue in flight
     try:
+        relay.enqueue("t", run_at=datetime.now(UTC) + timedelta(hours=1))
+        time.sleep(0.3)  # past the listener's next read
+        assert listening.heard == []
         relay.enqueue("t")
         wait_for(lambda: len(listening.heard) == 1, timeout=5, what="the due job's NOTIFY, sent at once")
     finally:
         relay._wakeups.sent("other", owed=False)
+        relay.close()
 
 
 def test_a_process_exiting_sends_the_wake_ups_still_owed(dsn: str, listening: Listening, python: str) -> None:
@@ -182,8 +187,8 @@ def test_an_owed_wake_up_waits_out_the_window_and_no_longer() -> None:
     sent: list[tuple[list[str], float]] = []
     owed = Wakeups(lambda queues: sent.append((queues, time.monotonic())), window=0.3)
     try:
-        assert owed.notify_now("a") is True
         notified = time.monotonic()
+        assert owed.notify_now("a") is True
         assert owed.notify_now("a") is False
         assert owed.notify_now("b") is True  # each queue has its own window
         assert owed.notify_now("b") is False
@@ -195,9 +200,13 @@ def test_an_owed_wake_up_waits_out_the_window_and_no_longer() -> None:
         ((queues, at),) = sent
         assert queues == ["a", "b"]
         assert 0.3 <= at - notified < 2.0
-        time.sleep(0.35)
-        assert owed.notify_now("a") is True  # alone in flight: notifies at once
+        assert owed.notify_now("c") is True  # another in flight from here on
+        assert owed.notify_now("a") is False  # the owed NOTIFY starts its window anew
         owed.sent("a", owed=False)
+        time.sleep(0.35)
+        assert owed.notify_now("a") is True  # that window has passed
+        owed.sent("a", owed=False)
+        owed.sent("c", owed=False)
     finally:
         owed.close()
 
@@ -213,7 +222,7 @@ def test_a_wake_up_that_cannot_be_sent_is_said_and_the_next_still_goes(caplog: p
             raise psycopg.OperationalError("the database is down")
         sent.append(queues)
 
-    owed = Wakeups(send, window=0.05)
+    owed = Wakeups(send, window=0.5)
     try:
         for _ in range(2):
             assert owed.notify_now("q") is True
@@ -225,3 +234,75 @@ def test_a_wake_up_that_cannot_be_sent_is_said_and_the_next_still_goes(caplog: p
     finally:
         owed.close()
     assert any("could not wake workers" in r.getMessage() for r in caplog.records)
+
+
+def test_an_enqueue_deciding_to_notify_does_not_put_off_what_is_owed() -> None:
+    """The owed wake-up's time was read again from the queue's last NOTIFY decision: enqueues that
+    decided to notify but sent none (a key already held inserts nothing) put it off time after time."""
+    sent: list[float] = []
+    owed = Wakeups(lambda queues: sent.append(time.monotonic()), window=0.3)
+    try:
+        began = time.monotonic()
+        assert owed.notify_now("a") is True
+        assert owed.notify_now("a") is False
+        owed.sent("a", owed=True)  # due 0.3 s after the first
+        owed.sent("a", owed=False)
+        while time.monotonic() - began < 1.0 and not sent:
+            owed.notify_now("a")  # alone in flight each time, within the window or not: decides to notify
+            owed.sent("a", owed=False)
+            time.sleep(0.01)
+        wait_for(lambda: sent, timeout=5, what="the owed wake-up")
+        assert sent[0] - began < 0.3 + 0.25, sent[0] - began
+    finally:
+        owed.close()
+
+
+def test_a_dropped_relay_is_not_kept_by_its_wake_up_thread(dsn: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The thread held its Relay (and its pool and connection) for the life of the process."""
+    monkeypatch.setattr(wakeups, "IDLE_SECONDS", 0.2)
+    relay = Relay(dsn)
+    relay._wakeups.notify_now("default")
+    relay.enqueue("t")  # owed: starts the thread
+    relay._wakeups.sent("default", owed=False)
+    thread = relay._wakeups._thread
+    assert thread is not None
+    gone = weakref.ref(relay)
+    pool = relay._pool
+    del relay
+    gc.collect()
+    thread.join(5)
+    assert not thread.is_alive(), "the idle thread ended"
+    gc.collect()
+    assert gone() is None, "the Relay was collected"
+    assert pool is not None
+    pool.close()
+
+
+def test_an_enqueue_whose_wake_up_finds_no_thread_still_returns_its_id(
+    dsn: str, listening: Listening, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A thread that could not start (a limit, the interpreter exiting) raised out of the enqueue,
+    its job committed; and its queue stayed owed with no thread, so no later wake-up went either."""
+    caplog.set_level(logging.WARNING, logger="relay")
+    relay = Relay(dsn)
+    unstarted = threading.Thread.start
+
+    def refuse(self: threading.Thread) -> None:
+        if self.name == "relay-wakeups":
+            raise RuntimeError("can't start new thread")
+        unstarted(self)
+
+    try:
+        relay._wakeups.notify_now("default")
+        monkeypatch.setattr(threading.Thread, "start", refuse)
+        job_id = relay.enqueue("t")
+        assert isinstance(job_id, int)
+        assert any("could not wake workers" in r.getMessage() for r in caplog.records)
+        monkeypatch.undo()
+        time.sleep(0.3)
+        listening.heard.clear()
+        relay.enqueue("t")  # owed again (another in flight): a thread starts and sends it
+        wait_for(lambda: listening.heard, timeout=5, what="the next wake-up sent")
+    finally:
+        relay._wakeups.sent("default", owed=False)
+        relay.close()

@@ -376,9 +376,12 @@ class Relay:
         A closed Relay's pool is not opened again for it (an enqueue that failed
         as the Relay closed still owes one).
         """
-        if self._pool is None:
+        pool = self._pool  # read once: close() may set it to None meanwhile
+        if pool is None:
             return
-        with self.pool.connection() as conn:
+        if pool.inherited:
+            pool = self.pool  # a forked child's own
+        with pool.connection() as conn:
             conn.execute(sql("wake_queues"), {"queues": queues})
 
     def _run_on_fresh_connection(self, steps: inserts.Steps[T]) -> T:

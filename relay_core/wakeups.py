@@ -24,6 +24,7 @@ is. NOTIFY stays a hint either way: workers also poll.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 import threading
@@ -68,6 +69,9 @@ class Wakeups:
         self._notified_at: dict[str, float] = {}
         #: The queues owed a wake-up, each with when it is due (monotonic), in the order they came.
         self._owed: dict[str, float] = {}
+        #: The send held strongly while a wake-up is owed: a Relay dropped within its last window
+        #: still sends what it owes (held weakly otherwise, see ``__init__``).
+        self._sender: Callable[[list[str]], None] | None = None
         #: This Relay's enqueues between ``notify_now`` and ``sent``.
         self._in_flight = 0
         self._thread: threading.Thread | None = None
@@ -108,6 +112,7 @@ class Wakeups:
                 # Due a window after the queue's last NOTIFY, fixed now: an enqueue deciding to
                 # notify later (one whose key was held, say, which notifies nothing) moves nothing.
                 self._owed[queue] = self._notified_at.get(queue, float("-inf")) + self._window
+                self._sender = self._send()
                 self._changed.notify()
             if self._thread is not None and self._thread.is_alive():
                 return
@@ -117,9 +122,13 @@ class Wakeups:
                 thread.start()
             except RuntimeError as exc:  # no thread to be had (a limit, or the interpreter exiting)
                 self._owed.clear()
-                self._failed.happened(error=str(exc))
+                self._sender = None
+                unstarted = exc
+            else:
+                self._thread = thread
                 return
-            self._thread = thread
+        with contextlib.suppress(Exception):  # said outside the lock, and never instead of the job's id
+            self._failed.happened(error=str(unstarted))
 
     def close(self) -> None:
         """Send the wake-ups still owed (waiting up to CLOSE_WAIT_SECONDS), then end the thread."""
@@ -131,6 +140,15 @@ class Wakeups:
             thread.join(CLOSE_WAIT_SECONDS)
 
     def _run(self) -> None:
+        try:
+            self._send_when_due()
+        finally:
+            with self._lock:
+                if self._thread is threading.current_thread():
+                    self._thread = None  # the next owed wake-up starts a thread anew
+
+    def _send_when_due(self) -> None:
+        """Send what is owed as it falls due, until closed or idle for IDLE_SECONDS."""
         while True:
             with self._lock:
                 while True:
@@ -140,21 +158,19 @@ class Wakeups:
                             break
                         self._changed.wait(wait)
                     elif self._closing or (not self._changed.wait(IDLE_SECONDS) and not self._owed):
-                        # Closing, or idle for IDLE_SECONDS: the next owed wake-up starts a thread anew.
-                        if self._thread is threading.current_thread():
-                            self._thread = None
                         return
                 queues = list(self._owed)
                 self._owed.clear()
+                send, self._sender = self._sender, None
                 now = time.monotonic()
                 for queue in queues:
                     self._notified_at[queue] = now
-            send = self._send()
             if send is None:
-                return  # its Relay is gone
+                continue
             try:
                 send(queues)
             except Exception as exc:  # the wake-up is a hint: workers poll, so the jobs still run
-                self._failed.happened(queues=queues, error=str(exc))
-                logging.getLogger("relay").debug("wake-up not sent", exc_info=True)
-            del send
+                with contextlib.suppress(Exception):
+                    self._failed.happened(queues=queues, error=str(exc))
+                    logging.getLogger("relay").debug("wake-up not sent", exc_info=True)
+            del send  # not held while waiting: the Relay may be dropped meanwhile

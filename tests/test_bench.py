@@ -70,10 +70,14 @@ def test_the_harness_lets_a_contestant_script_wait_for_its_work_nearly_as_long_a
     assert waits == [{"timeout": 840.0}, {"timeout": 30.0}]
 
 
-def test_the_enqueue_breakdown_runs_and_reports_every_part(database_url: str, python: str) -> None:
-    scratch = f"relay_bench_enqueue_{uuid.uuid4().hex[:10]}"
+def run_probe(python: str, database_url: str, script: str, *args: str) -> str:
+    """Run the bench script ``script`` with ``args`` on a scratch database of its own; its output.
+
+    Asserts it exited 0 and dropped its database.
+    """
+    scratch = f"relay_bench_{Path(script).stem}_{uuid.uuid4().hex[:10]}"
     result = subprocess.run(
-        [python, "bench/enqueue_breakdown.py", "--jobs", "20", "--rounds", "1", "--database", scratch],
+        [python, script, *args, "--database", scratch],
         cwd=ROOT,
         env={**os.environ, "DATABASE_URL": database_url},
         capture_output=True,
@@ -81,7 +85,14 @@ def test_the_enqueue_breakdown_runs_and_reports_every_part(database_url: str, py
         timeout=120,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    rows = {line.split(" | ")[0].lstrip("| "): line for line in result.stdout.splitlines() if line.startswith("| ")}
+    with psycopg.connect(database_url) as conn:
+        assert conn.execute("SELECT count(*) FROM pg_database WHERE datname = %s", (scratch,)).fetchone()[0] == 0
+    return result.stdout
+
+
+def test_the_enqueue_breakdown_runs_and_reports_every_part(database_url: str, python: str) -> None:
+    output = run_probe(python, database_url, "bench/enqueue_breakdown.py", "--jobs", "20", "--rounds", "1")
+    rows = {line.split(" | ")[0].lstrip("| "): line for line in output.splitlines() if line.startswith("| ")}
     parts = [
         "ceiling",
         "jobs, no count",
@@ -96,34 +107,17 @@ def test_the_enqueue_breakdown_runs_and_reports_every_part(database_url: str, py
         wall, ratio, cpu, wal = rows[name].rstrip(" |").split(" | ")[1:]
         assert float(wall.split()[0]) > 0 and float(ratio.rstrip("x")) > 0, rows[name]
         assert float(cpu) >= 0 and int(wal) > 0, rows[name]
-    with psycopg.connect(database_url) as conn:
-        assert conn.execute("SELECT count(*) FROM pg_database WHERE datname = %s", (scratch,)).fetchone()[0] == 0
 
 
 def test_the_concurrent_enqueue_bench_runs_and_reports_every_shape(database_url: str, python: str) -> None:
-    scratch = f"relay_bench_producers_{uuid.uuid4().hex[:10]}"
-    result = subprocess.run(
-        [
-            python,
-            "bench/concurrent_enqueue.py",
-            *("--threads", "2", "--jobs", "10", "--rounds", "1"),
-            "--database",
-            scratch,
-        ],
-        cwd=ROOT,
-        env={**os.environ, "DATABASE_URL": database_url},
-        capture_output=True,
-        text=True,
-        timeout=120,
+    output = run_probe(
+        python, database_url, "bench/concurrent_enqueue.py", "--threads", "2", "--jobs", "10", "--rounds", "1"
     )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    rows = [line.rstrip(" |").split(" | ") for line in result.stdout.splitlines() if line[:3] in ("| 1", "| 2")]
+    rows = [line.rstrip(" |").split(" | ") for line in output.splitlines() if line[:3] in ("| 1", "| 2")]
     assert [(row[0].lstrip("| "), row[1]) for row in rows] == [("1", "yes"), ("1", "no"), ("2", "yes"), ("2", "no")]
     for row in rows:
         assert float(row[2].split()[0].replace(",", "")) > 0 and float(row[3].rstrip("x")) > 0, row
     assert [row[3] for row in rows if row[1] == "no"] == ["1.00x", "1.00x"]
-    with psycopg.connect(database_url) as conn:
-        assert conn.execute("SELECT count(*) FROM pg_database WHERE datname = %s", (scratch,)).fetchone()[0] == 0
 
 
 def _harness(module: str):  # type: ignore[no-untyped-def]

@@ -7,15 +7,18 @@ threads each committing one-row inserts on the 2-core development machine
 (a listener present, medians of five rounds) made 5,770 inserts/s, and 3,179/s
 when each insert also sent a NOTIFY.
 
-An enqueue on Relay's own pool whose job is due at once therefore notifies
-in its own statement only when no enqueue of this Relay notified its queue
-in the last WAKEUP_WINDOW_SECONDS. Otherwise, once its job is committed, it
-leaves the queue's wake-up to a thread that sends one NOTIFY for every
-queue so left at the window's end, in a statement that writes nothing (its
-commit flushes nothing, so it holds that lock only for a moment). Every
-committed job is followed by a NOTIFY of its queue within the window: none
-is lost to the coalescing, and a burst costs one or two NOTIFYs per window
-instead of one per job.
+An enqueue on Relay's own pool whose job is due at once, sent while another
+enqueue of the same Relay is in flight, therefore notifies in its own
+statement only when no enqueue of this Relay notified its queue in the last
+WAKEUP_WINDOW_SECONDS. Otherwise, once its job is committed, it leaves the
+queue's wake-up to a thread that sends one NOTIFY for every queue so left
+once the window after the queue's last NOTIFY ends, in a statement that
+writes nothing (its commit flushes nothing, so it holds that lock only for
+a moment). Every committed job is followed by a NOTIFY of its queue about a
+window later at most: none is lost to the coalescing, and threads enqueueing
+together send one or two NOTIFYs per window instead of one per job. A
+producer alone notifies in each enqueue: its commits come one at a time
+anyway, and the thread's statements would cost it what they saved.
 
 An enqueue in the caller's transaction (``conn=``) notifies in it, as
 before: only its commit may wake workers, and Relay does not see when that

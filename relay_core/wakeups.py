@@ -148,7 +148,7 @@ class Wakeups:
         finally:
             with self._lock:
                 if self._thread is threading.current_thread():
-                    self._thread = None  # the next owed wake-up starts a thread anew
+                    self._thread = None  # ended by an exception: the next owed wake-up starts a thread anew
 
     def _send_when_due(self) -> None:
         """Send what is owed as it falls due, until closed or idle for IDLE_SECONDS."""
@@ -161,6 +161,9 @@ class Wakeups:
                             break
                         self._changed.wait(wait)
                     elif self._closing or (not self._changed.wait(IDLE_SECONDS) and not self._owed):
+                        # Cleared in the same hold of the lock as the decision: a ``sent`` after it
+                        # starts a new thread rather than count on this one, about to end.
+                        self._thread = None
                         return
                 queues = list(self._owed)
                 self._owed.clear()

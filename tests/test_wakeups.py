@@ -327,3 +327,37 @@ def test_a_relay_dropped_within_its_window_still_sends_what_it_owes(
     enqueue_and_drop()
     gc.collect()
     wait_for(lambda: listening.heard, timeout=5, what="the owed NOTIFY of a dropped Relay")
+
+
+def test_a_wake_up_owed_as_the_idle_thread_ends_starts_a_new_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The thread cleared itself only after it let go of the lock it decided to end under: a wake-up
+    owed in between found it still alive, counted on it, and was never sent."""
+    monkeypatch.setattr(wakeups, "IDLE_SECONDS", 0.5)  # the first send is seen, and cleared, before it ends
+    sent: list[list[str]] = []
+    ending = threading.Event()
+    resume = threading.Event()
+
+    class SlowToEnd(Wakeups):
+        def _send_when_due(self) -> None:
+            super()._send_when_due()
+            if not sent:
+                ending.set()
+                resume.wait(5)  # the first thread, between its decision to end and its end
+
+    owed = SlowToEnd(sent.append, window=0.05)
+    try:
+        owed.notify_now("a")
+        owed.notify_now("a")
+        owed.sent("a", owed=False)
+        owed.sent("a", owed=True)  # starts the thread, which sends it
+        wait_for(lambda: sent == [["a"]], timeout=5, what="the first wake-up")
+        sent.clear()
+        wait_for(ending.is_set, timeout=5, what="the thread ending, idle")
+        owed.notify_now("b")
+        owed.notify_now("b")
+        owed.sent("b", owed=False)
+        owed.sent("b", owed=True)
+        wait_for(lambda: sent == [["b"]], timeout=5, what="the wake-up owed as the thread ended")
+    finally:
+        resume.set()
+        owed.close()
